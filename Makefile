@@ -1,0 +1,33 @@
+# Two entry points, as in the README: `make demo` and `make test`.
+# Each creates .venv on first use and installs torch first, so a machine with
+# the CPU wheel of torch 2.13.0 never pulls CUDA packages. GPU users:
+#   make demo TORCH="torch --index-url https://download.pytorch.org/whl/cu124"
+VENV ?= .venv
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo test lint setup
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q $(TORCH)
+	$(BIN)/python -m pip install -q -e ".[server,dev]"
+	touch $@
+
+demo: setup
+	$(BIN)/dipaco demo
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+	$(BIN)/pytest
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy

@@ -1,0 +1,1 @@
+"""The volunteer worker agent (``dipaco-worker``). It never imports Django."""
