@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[server,dev]"
 	touch $@
 
+# Until `dipaco demo` lands, the main job is the control plane on the embedded default.
 demo: setup
-	$(BIN)/dipaco demo
+	$(BIN)/dipaco server
 
 test: setup
 	$(BIN)/ruff check .
