@@ -1,0 +1,570 @@
+"""The run configuration: one pydantic object, validated once, stored whole with every run.
+
+A bad config is refused with the field, the value and the rule it breaks; sizes that
+cannot fit in memory are refused here, before any tensor is allocated. Defaults are
+the papers' (DiLoCo arXiv 2311.08105, DiPaCo arXiv 2403.10616; see DESIGN §1).
+
+This file is over the house limit of ~500 lines because the whole schema lives in one place,
+so a reader sees every setting of a run together.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Literal, NamedTuple
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
+
+__all__ = [
+    "MAX_PATHS",
+    "CommConfig",
+    "ConfigProblem",
+    "DataConfig",
+    "GiB",
+    "InnerConfig",
+    "LayoutConfig",
+    "Level",
+    "LimitsConfig",
+    "MemoryEstimate",
+    "ModelConfig",
+    "OuterConfig",
+    "PathPart",
+    "RouterConfig",
+    "RunConfig",
+    "config_problems",
+    "count_block_params",
+    "count_part_params",
+    "count_path_params",
+    "estimate_path_memory",
+    "refuse",
+]
+
+GiB = 1024**3
+
+
+def refuse(field: str, value: Any, rule: str) -> PydanticCustomError:
+    """The one error shape for a broken rule: `field = value: rule`, with all three in ctx."""
+    return PydanticCustomError(
+        "config_rule", "{field} = {value}: {rule}", {"field": field, "value": value, "rule": rule}
+    )
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelConfig(_Section):
+    """A Llama-family causal LM (transformers' LlamaForCausalLM). Defaults: the papers' 150M."""
+
+    hidden_size: int = Field(default=896, gt=0, description="Width of the residual stream.")
+    num_layers: int = Field(default=12, gt=0, description="Number of transformer blocks.")
+    num_heads: int = Field(default=16, gt=0, description="Attention (query) heads.")
+    num_kv_heads: int = Field(default=16, gt=0, description="Key/value heads (GQA).")
+    # SwiGLU: 8/3 x hidden, rounded up to a multiple of 64 (the Llama convention).
+    intermediate_size: int = Field(default=2432, gt=0, description="SwiGLU hidden width.")
+    vocab_size: int = Field(default=32000, gt=1, description="Tokenizer vocabulary size.")
+    seq_len: int = Field(default=1024, gt=1, description="Training sequence length in tokens.")
+    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency.")
+    rms_norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
+    tie_embeddings: bool = Field(default=False, description="LM head = input embedding.")
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        if self.hidden_size % heads:
+            rule = f"must divide model.hidden_size = {self.hidden_size}"
+            raise refuse("model.num_heads", heads, rule)
+        if heads % kv_heads:
+            raise refuse("model.num_kv_heads", kv_heads, f"must divide model.num_heads = {heads}")
+        if self.head_dim % 2:
+            raise refuse("model.num_heads", heads, f"head size {self.head_dim} must be even (RoPE)")
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    def to_hf_config(self) -> Any:
+        """The equivalent `transformers.LlamaConfig` (returned as Any: transformers' stubs vary)."""
+        from transformers import LlamaConfig
+
+        kwargs: dict[str, Any] = {
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "intermediate_size": self.intermediate_size,
+            "vocab_size": self.vocab_size,
+            "max_position_embeddings": self.seq_len,
+            "rope_theta": self.rope_theta,
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_embeddings,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "use_cache": False,
+        }
+        return LlamaConfig(**kwargs)
+
+
+PathPart = Literal["embeddings", "final_norm", "lm_head"]
+MAX_PATHS = 65536  # a sanity bound: the server queues R units per path per round
+
+
+class Level(_Section):
+    """Blocks [start, end) of the model, with `modules` alternative modules (1 = shared)."""
+
+    blocks: tuple[int, int] = Field(description="Half-open range of block indices [start, end).")
+    modules: int = Field(default=1, ge=1, description="K: alternative modules at this level.")
+
+    @property
+    def num_blocks(self) -> int:
+        return self.blocks[1] - self.blocks[0]
+
+
+class LayoutConfig(_Section):
+    """How the blocks split into levels and which non-block parts are owned by each path.
+
+    Paths are numbered in mixed radix over the levels' module counts, level 0 most
+    significant: with K = (2, 3), path 4 picks module 1 of level 0 and module 1 of level 1.
+    """
+
+    levels: tuple[Level, ...] = Field(description="Levels, in block order.")
+    path_specific: tuple[PathPart, ...] = Field(
+        default=(),
+        description="Non-block parts each path owns; the others are shared by all paths.",
+    )
+
+    @model_validator(mode="after")
+    def _check_tiling(self) -> LayoutConfig:
+        spans = [level.blocks for level in self.levels]
+        if not spans:
+            raise refuse("layout.levels", spans, "need at least one level")
+        for i, (start, end) in enumerate(spans):
+            if not 0 <= start < end:
+                raise refuse(f"layout.levels[{i}].blocks", (start, end), "need 0 <= start < end")
+        if spans[0][0] != 0:
+            raise refuse(
+                "layout.levels",
+                spans,
+                f"first level starts at block {spans[0][0]}; levels must tile 0..num_layers",
+            )
+        for a, b in itertools.pairwise(spans):
+            if a[1] < b[0]:
+                gap = f"block {a[1]}" if b[0] - a[1] == 1 else f"blocks {a[1]}..{b[0] - 1}"
+                rule = f"blocks {a} and {b} leave {gap} uncovered"
+                raise refuse("layout.levels", spans, f"{rule}; levels must tile 0..num_layers")
+            if a[1] > b[0]:
+                rule = f"blocks {a} and {b} overlap"
+                raise refuse("layout.levels", spans, f"{rule}; levels must tile 0..num_layers")
+        if len(set(self.path_specific)) != len(self.path_specific):
+            raise refuse("layout.path_specific", list(self.path_specific), "lists a part twice")
+        if self.num_paths > MAX_PATHS:
+            raise refuse(
+                "layout.levels",
+                [level.modules for level in self.levels],
+                f"{self.num_paths} paths (product of modules) exceed {MAX_PATHS}",
+            )
+        return self
+
+    @classmethod
+    def grid(
+        cls,
+        num_layers: int,
+        levels: int = 2,
+        modules: int | tuple[int, ...] = 2,
+        path_specific: tuple[PathPart, ...] = (),
+    ) -> LayoutConfig:
+        """`levels` near-equal levels of consecutive blocks, `modules` per level (DiPaCo 16x16)."""
+        if not 1 <= levels <= num_layers:
+            raise ValueError(f"levels = {levels}: need 1 <= levels <= num_layers = {num_layers}")
+        counts = (modules,) * levels if isinstance(modules, int) else tuple(modules)
+        if len(counts) != levels:
+            raise ValueError(f"modules = {modules}: need one count per level ({levels})")
+        sizes = [num_layers // levels + (i < num_layers % levels) for i in range(levels)]
+        starts = [sum(sizes[:i]) for i in range(levels)]
+        spans = [
+            Level(blocks=(s, s + n), modules=k)
+            for s, n, k in zip(starts, sizes, counts, strict=True)
+        ]
+        return cls(levels=tuple(spans), path_specific=path_specific)
+
+    @classmethod
+    def diloco(cls, num_layers: int) -> LayoutConfig:
+        """Plain DiLoCo: one level, one module; replicas come from RunConfig.replicas_per_path."""
+        return cls.grid(num_layers, levels=1, modules=1)
+
+    @property
+    def modules_per_level(self) -> tuple[int, ...]:
+        return tuple(level.modules for level in self.levels)
+
+    @property
+    def num_paths(self) -> int:
+        total = 1
+        for k in self.modules_per_level:
+            total *= k
+        return total
+
+    def path_modules(self, p: int) -> tuple[int, ...]:
+        """Module choice per level of path p (mixed radix, level 0 most significant)."""
+        if not 0 <= p < self.num_paths:
+            raise ValueError(f"path {p} is out of range: this layout has {self.num_paths} paths")
+        choices = []
+        for k in reversed(self.modules_per_level):
+            p, digit = divmod(p, k)
+            choices.append(digit)
+        return tuple(reversed(choices))
+
+    def path_index(self, choices: tuple[int, ...] | list[int]) -> int:
+        """Inverse of path_modules."""
+        counts = self.modules_per_level
+        if len(choices) != len(counts) or any(
+            not 0 <= c < k for c, k in zip(choices, counts, strict=False)
+        ):
+            raise ValueError(f"module choices {tuple(choices)} do not fit modules {counts}")
+        p = 0
+        for c, k in zip(choices, counts, strict=True):
+            p = p * k + c
+        return p
+
+
+class InnerConfig(_Section):
+    """The inner optimiser each worker runs on its path (DiLoCo: AdamW, warm-up, cosine)."""
+
+    lr: float = Field(default=4e-4, gt=0, description="Peak AdamW learning rate.")
+    betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW beta1, beta2.")
+    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(default=0.1, ge=0, description="AdamW decoupled weight decay.")
+    warmup_steps: int = Field(default=1000, ge=0, description="Linear warm-up steps from 0 to lr.")
+    min_lr_ratio: float = Field(
+        default=0.1,
+        ge=0,
+        le=1,
+        description="Cosine decays lr to lr x min_lr_ratio at the last step.",
+    )
+    grad_clip: float = Field(
+        default=1.0, gt=0, description="Clip the global gradient norm to this."
+    )
+    micro_batch_size: int = Field(
+        default=8, gt=0, description="Sequences per forward/backward pass."
+    )
+    grad_accum_steps: int = Field(
+        default=64, gt=0, description="Micro-batches per optimiser step (batch = micro x accum)."
+    )
+    steps: int = Field(default=500, gt=0, description="H: inner steps per outer round.")
+
+    @model_validator(mode="after")
+    def _check_betas(self) -> InnerConfig:
+        for i, beta in enumerate(self.betas):
+            if not 0.0 <= beta < 1.0:
+                raise refuse(f"inner.betas[{i}]", beta, "must be in [0, 1)")
+        return self
+
+    @property
+    def batch_size(self) -> int:
+        return self.micro_batch_size * self.grad_accum_steps
+
+
+class OuterConfig(_Section):
+    """The outer optimiser the server runs per module (DiLoCo: Nesterov SGD on mean Δ)."""
+
+    lr: float = Field(default=0.7, gt=0, description="Outer learning rate η.")
+    momentum: float = Field(default=0.9, ge=0, lt=1, description="Outer momentum μ.")
+    nesterov: bool = Field(default=True, description="Nesterov momentum, as torch.optim.SGD.")
+    token_weighting: bool = Field(default=True, description="Weight each Δ by the tokens it saw.")
+    sqrt_paths_rescale: bool = Field(
+        default=True, description="Multiply a module's mean Δ by √(paths through it) (DiPaCo)."
+    )
+    robust: Literal["mean", "clipped-mean", "trimmed-mean"] = Field(
+        default="mean", description="Aggregation rule for the Δs of one module."
+    )
+    clip_factor: float = Field(
+        default=2.0, gt=0, description="clipped-mean: clip each Δ's norm to this x the median norm."
+    )
+    trim_fraction: float = Field(
+        default=0.1,
+        ge=0,
+        lt=0.5,
+        description="trimmed-mean: drop this fraction at each end per value.",
+    )
+    reject_norm_factor: float = Field(
+        default=10.0,
+        gt=1,
+        description="Drop a Δ whose norm exceeds this x the round's median norm.",
+    )
+
+
+class CommConfig(_Section):
+    """How pseudo-gradients and published module updates travel (dipaco.codecs)."""
+
+    codec: Literal["fp32", "bf16", "fp16", "int8", "int4"] = Field(
+        default="fp16",
+        description="Pseudo-gradient encoding; fp16 is lossless in practice (OpenDiLoCo).",
+    )
+    block_size: int = Field(default=64, ge=2, description="Values per absmax scale for int8/int4.")
+
+    @model_validator(mode="after")
+    def _check_block(self) -> CommConfig:
+        if self.block_size % 2:
+            raise refuse("comm.block_size", self.block_size, "must be even (int4 packs pairs)")
+        return self
+
+
+class DataConfig(_Section):
+    """Where the run's text comes from; the vocabulary size is model.vocab_size."""
+
+    corpus: str = Field(
+        default="stdlib",
+        min_length=1,
+        description='"stdlib", a directory of text, or a .jsonl path.',
+    )
+    text_field: str = Field(
+        default="text", min_length=1, description="Field holding text in .jsonl."
+    )
+    val_fraction: float = Field(
+        default=0.01,
+        ge=0,
+        lt=0.5,
+        description="Share of each path's shard held out for evaluation.",
+    )
+
+
+class RouterConfig(_Section):
+    """Offline routing of documents to paths (DiPaCo: features of the first 32 tokens)."""
+
+    featurizer: Literal["tfidf", "base-lm"] = Field(
+        default="tfidf",
+        description="Hashed n-gram TF-IDF, or the base LM's mean last hidden state.",
+    )
+    method: Literal["kmeans", "product-kmeans"] = Field(
+        default="kmeans", description="One k-means over all paths, or one factor per level."
+    )
+    prefix_tokens: int = Field(
+        default=32, gt=0, description="Tokens of each document the router reads."
+    )
+    max_imbalance: float = Field(
+        default=1.5, ge=1.0, description="Largest shard at most this x the mean shard size."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of the clustering.")
+
+
+class LimitsConfig(_Section):
+    """Refuse configs that cannot fit, before anything is allocated."""
+
+    max_path_memory_bytes: int = Field(
+        default=80 * GiB,
+        gt=0,
+        description="Largest training memory estimate accepted for one path.",
+    )
+    max_module_storage_bytes: int = Field(
+        default=1024 * GiB, gt=0, description="Largest fp32 weights + momentum over all modules."
+    )
+
+
+class MemoryEstimate(NamedTuple):
+    params: int
+    state_bytes: int  # weights, grads, AdamW moments, θ_old: 20 bytes per parameter
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+def count_block_params(model: ModelConfig) -> int:
+    """Parameters of one transformer block."""
+    h, kv_width = model.hidden_size, model.num_kv_heads * model.head_dim
+    attention = 2 * h * h + 2 * h * kv_width  # q, o: (h, h); k, v: (kv_width, h)
+    mlp = 3 * h * model.intermediate_size  # gate, up, down
+    return attention + mlp + 2 * h  # + two RMSNorm weights
+
+
+def count_part_params(model: ModelConfig) -> dict[PathPart, int]:
+    """Parameters of the non-block parts; a tied LM head has none of its own."""
+    table = model.vocab_size * model.hidden_size
+    return {
+        "embeddings": table,
+        "final_norm": model.hidden_size,
+        "lm_head": 0 if model.tie_embeddings else table,
+    }
+
+
+def count_path_params(model: ModelConfig) -> int:
+    """Parameters of one path (a full LlamaForCausalLM), computed without building it."""
+    return model.num_layers * count_block_params(model) + sum(count_part_params(model).values())
+
+
+def estimate_path_memory(model: ModelConfig, inner: InnerConfig) -> MemoryEstimate:
+    """A deliberately rough upper bound of one path's training memory.
+
+    State: fp32 weights, grads, two AdamW moments and the θ_old copy for Δ (20 B/param).
+    Activations (fp32, no recomputation, fused attention): about 10·h + 4·ffn values
+    per token per block, plus logits, their fp32 copy and gradient (3·vocab per token).
+    """
+    params = count_path_params(model)
+    tokens = inner.micro_batch_size * model.seq_len
+    per_token_block = 10 * model.hidden_size + 4 * model.intermediate_size
+    values = tokens * (model.num_layers * per_token_block + 3 * model.vocab_size)
+    return MemoryEstimate(params, 20 * params, 4 * values)
+
+
+class ConfigProblem(NamedTuple):
+    field: str
+    value: Any
+    rule: str
+
+
+def config_problems(error: ValidationError) -> list[ConfigProblem]:
+    """Each refusal as (field, value, rule), for API error bodies and CLI messages."""
+    problems = []
+    for item in error.errors():
+        ctx = item.get("ctx") or {}
+        if item["type"] == "config_rule":
+            problems.append(ConfigProblem(ctx["field"], ctx["value"], ctx["rule"]))
+        else:
+            field = ".".join(str(part) for part in item["loc"])
+            problems.append(ConfigProblem(field, item.get("input"), item["msg"]))
+    return problems
+
+
+class RunConfig(_Section):
+    """Everything that defines a training run; JSON round-trips exactly."""
+
+    name: str = Field(
+        default="run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Label."
+    )
+    seed: int = Field(default=0, ge=0, description="Seed of module initialisation and data order.")
+    rounds: int = Field(default=100, gt=0, description="T: outer rounds.")
+    replicas_per_path: int = Field(default=1, gt=0, description="R: work units per path per round.")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig())
+    layout: LayoutConfig = Field(
+        default_factory=lambda: LayoutConfig.grid(12, 2, 2),
+        description="Levels and path-specific parts; default 2 levels x 2 modules.",
+    )
+    inner: InnerConfig = Field(default_factory=lambda: InnerConfig())
+    outer: OuterConfig = Field(default_factory=lambda: OuterConfig())
+    comm: CommConfig = Field(default_factory=lambda: CommConfig())
+    data: DataConfig = Field(default_factory=lambda: DataConfig())
+    router: RouterConfig = Field(default_factory=lambda: RouterConfig())
+    limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_layout(cls, data: Any) -> Any:
+        """Without a layout, two levels of two modules over the model's blocks (4 paths)."""
+        if isinstance(data, dict) and "layout" not in data:
+            model = data.get("model", {})
+            raw = model.model_dump() if isinstance(model, BaseModel) else model
+            layers = raw.get("num_layers", 12) if isinstance(raw, dict) else 12
+            if isinstance(layers, int) and layers >= 1:
+                data = {**data, "layout": LayoutConfig.grid(layers, min(2, layers), 2)}
+        return data
+
+    @model_validator(mode="after")
+    def _check_layout_fits_model(self) -> RunConfig:
+        end = self.layout.levels[-1].blocks[1]
+        if end != self.model.num_layers:
+            raise refuse(
+                "layout.levels",
+                [lv.blocks for lv in self.layout.levels],
+                f"last level ends at block {end} but model.num_layers = "
+                f"{self.model.num_layers}; levels must tile 0..num_layers",
+            )
+        parts = set(self.layout.path_specific)
+        if self.model.tie_embeddings and len(parts & {"embeddings", "lm_head"}) == 1:
+            raise refuse(
+                "layout.path_specific",
+                list(self.layout.path_specific),
+                "with model.tie_embeddings, embeddings and lm_head are one tensor: "
+                "list both or neither",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_memory(self) -> RunConfig:
+        estimate = estimate_path_memory(self.model, self.inner)
+        limit = self.limits.max_path_memory_bytes
+        if estimate.total_bytes > limit:
+            raise refuse(
+                "limits.max_path_memory_bytes",
+                limit,
+                f"one path needs about {estimate.total_bytes / GiB:.1f} GiB to train "
+                f"({estimate.params:,} params: {estimate.state_bytes / GiB:.1f} GiB of "
+                f"weights, grads and AdamW; {estimate.activation_bytes / GiB:.1f} GiB of "
+                "activations); shrink model.hidden_size, model.num_layers or "
+                "model.vocab_size, or inner.micro_batch_size or model.seq_len "
+                "(raise inner.grad_accum_steps to keep the batch)",
+            )
+        storage = 8 * sum(self.module_param_counts().values())  # fp32 weights + momentum
+        if storage > self.limits.max_module_storage_bytes:
+            raise refuse(
+                "limits.max_module_storage_bytes",
+                self.limits.max_module_storage_bytes,
+                f"all modules need {storage / GiB:.1f} GiB (fp32 weights + momentum); "
+                "lower layout.levels[*].modules, drop layout.path_specific parts "
+                "or shrink the model",
+            )
+        return self
+
+    def module_param_counts(self) -> dict[str, int]:
+        """Parameters per module id (see dipaco.modular), computed without allocation."""
+        per_block = count_block_params(self.model)
+        part_sizes = count_part_params(self.model)
+        counts: dict[str, int] = {}
+        for level_index, level in enumerate(self.layout.levels):
+            for k in range(level.modules):
+                counts[f"{level_index}.{k}"] = level.num_blocks * per_block
+        specific = set(self.layout.path_specific)
+        shared = sum(n for part, n in part_sizes.items() if part not in specific)
+        if shared:
+            counts["shared"] = shared
+        own = sum(n for part, n in part_sizes.items() if part in specific)
+        if own:
+            for p in range(self.layout.num_paths):
+                counts[f"path.{p}"] = own
+        return counts
+
+    @classmethod
+    def tiny(cls, **sections: Any) -> RunConfig:
+        """A ~2.8M-parameter, 2x2-path run that trains on a CPU in seconds; for tests and demos.
+
+        Keyword arguments change it before validation: a model replaces a whole section, a
+        dict changes only the fields it names (`RunConfig.tiny(inner={"steps": 5})`).
+        """
+        base: dict[str, Any] = {
+            "name": "tiny",
+            "rounds": 3,
+            "model": ModelConfig(
+                hidden_size=128,
+                num_layers=4,
+                num_heads=4,
+                num_kv_heads=2,
+                intermediate_size=352,
+                vocab_size=8192,
+                seq_len=128,
+            ),
+            "layout": LayoutConfig.grid(4, levels=2, modules=2),
+            "inner": InnerConfig(
+                lr=3e-3, warmup_steps=5, micro_batch_size=4, grad_accum_steps=1, steps=20
+            ),
+        }
+        plain = {k: v.model_dump() if isinstance(v, BaseModel) else v for k, v in base.items()}
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(plain.get(key), dict):
+                plain[key] = {**plain[key], **value}  # a dict changes fields of the section
+            else:
+                plain[key] = value.model_dump() if isinstance(value, BaseModel) else value
+        return cls.model_validate(plain)
+
+    def num_params(self) -> int:
+        return count_path_params(self.model)
+
+    @property
+    def num_paths(self) -> int:
+        return self.layout.num_paths
+
+    def path_modules(self, p: int) -> tuple[int, ...]:
+        return self.layout.path_modules(p)
+
+    def path_index(self, choices: tuple[int, ...] | list[int]) -> int:
+        return self.layout.path_index(choices)

@@ -1,0 +1,369 @@
+"""The inner loop: H AdamW steps on one path, returning the pseudo-gradient Δ = θ_old − θ_new.
+
+Linear warm-up then cosine decay, global-norm clipping, gradient accumulation to a fixed
+batch of micro_batch_size x grad_accum_steps sequences, bf16 autocast on CUDA only.
+Checkpoints (weights, θ_old, AdamW state, step, data position, RNG) are one safetensors
+file with a JSON header, written atomically; resuming one on the CPU continues bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, cast
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from dipaco.config import InnerConfig, RunConfig
+from dipaco.model import build_model
+from dipaco.modular import assemble_path_state, split_path_state
+
+__all__ = [
+    "CheckpointMismatch",
+    "InMemoryTokenSource",
+    "InnerResult",
+    "StepMetrics",
+    "TokenSource",
+    "lr_at",
+    "run_inner_loop",
+    "train_path",
+]
+
+CHECKPOINT_FORMAT = "dipaco-inner-checkpoint/1"
+
+
+class TokenSource(Protocol):
+    """Training windows addressed by position, so a checkpoint can name where data resumes."""
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        """Windows position .. position+batch_size-1 as (batch_size, seq_len + 1) int64."""
+        ...
+
+
+class InMemoryTokenSource:
+    """Non-overlapping windows of one token tensor, wrapping around at the end."""
+
+    def __init__(self, tokens: Tensor) -> None:
+        if tokens.dim() != 1 or tokens.dtype != torch.int64:
+            raise ValueError(f"tokens must be 1-D int64, got {tuple(tokens.shape)} {tokens.dtype}")
+        self.tokens = tokens
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        windows = (self.tokens.numel() - 1) // seq_len
+        if windows < 1:
+            raise ValueError(f"{self.tokens.numel()} tokens hold no window of {seq_len + 1}")
+        starts = ((position + torch.arange(batch_size)) % windows) * seq_len  # (B,)
+        offsets = torch.arange(seq_len + 1)  # (T+1,)
+        return self.tokens[starts[:, None] + offsets[None, :]]  # (B, T+1)
+
+
+@dataclass
+class StepMetrics:
+    step: int  # steps done in this loop, 1-based
+    loss: float  # mean cross-entropy over the step's micro-batches
+    lr: float
+    grad_norm: float  # before clipping
+    tokens: int  # tokens trained on so far in this loop
+    seconds: float  # training time so far, across resumes
+
+
+@dataclass
+class InnerResult:
+    delta: dict[str, Tensor]  # θ_old − θ_new per state-dict name, fp32 on the CPU; {} if stopped
+    losses: list[float]
+    lrs: list[float]
+    grad_norms: list[float]
+    tokens: int
+    seconds: float
+    position: int  # data position after the last micro-batch
+    completed: bool  # False when should_stop ended the loop early (the checkpoint is saved)
+    module_deltas: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # by train_path
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+class CheckpointMismatch(ValueError):
+    """A checkpoint exists but belongs to other work; it is never silently reused."""
+
+
+def lr_at(cfg: InnerConfig, step: int, total_steps: int) -> float:
+    """Learning rate of 0-based `step` of a `total_steps` schedule: linear warm-up, cosine."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(1, total_steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+def _make_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
+    # Decay matrices only, not norms (the nanoGPT/Llama convention).
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def _cpu_params(model: nn.Module) -> dict[str, Tensor]:
+    return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
+
+
+@dataclass
+class _Progress:
+    step: int = 0
+    position: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+
+
+def _save_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    theta_old: Mapping[str, Tensor],
+    progress: _Progress,
+    identity: dict[str, Any],
+) -> None:
+    tensors = {f"weights/{n}": t for n, t in _cpu_params(model).items()}
+    tensors.update({f"theta_old/{n}": t for n, t in theta_old.items()})
+    for index, state in optimizer.state_dict()["state"].items():
+        for key, value in state.items():
+            tensors[f"adam/{index}/{key}"] = value.detach().to("cpu", copy=True).contiguous()
+    tensors["rng/cpu"] = torch.get_rng_state()
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"rng/cuda/{i}"] = state
+    meta = {"format": CHECKPOINT_FORMAT, "identity": identity, "progress": vars(progress)}
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    save_file(tensors, str(tmp), metadata={"dipaco": json.dumps(meta)})
+    with open(tmp, "rb") as handle:  # the bytes reach the disk before the name does
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+
+
+def _load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    theta_old: Mapping[str, Tensor],
+    identity: dict[str, Any],
+) -> _Progress:
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads((handle.metadata() or {}).get("dipaco", "{}"))
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointMismatch(f"{path} is not an inner-loop checkpoint; delete it")
+        if meta["identity"] != identity:
+            raise CheckpointMismatch(
+                f"{path} was written with other settings ({meta['identity']} vs {identity}); "
+                "delete it or pass resume=False"
+            )
+        for name, old in theta_old.items():
+            if not torch.equal(handle.get_tensor(f"theta_old/{name}"), old):
+                raise CheckpointMismatch(
+                    f"{path} started from other weights ({name} differs); "
+                    "delete it or pass resume=False"
+                )
+        weights = {n: handle.get_tensor(f"weights/{n}") for n, _ in model.named_parameters()}
+        state: dict[int, dict[str, Tensor]] = {}
+        for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if key.startswith("adam/"):
+                _, index, name = key.split("/")
+                state.setdefault(int(index), {})[name] = handle.get_tensor(key)
+        rng = {key: handle.get_tensor(key) for key in handle.keys() if key.startswith("rng/")}  # noqa: SIM118
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    optimizer_state = optimizer.state_dict()
+    optimizer_state["state"] = state
+    optimizer.load_state_dict(optimizer_state)
+    torch.set_rng_state(rng["rng/cpu"])
+    if torch.cuda.is_available():
+        cuda = [rng.get(f"rng/cuda/{i}") for i in range(torch.cuda.device_count())]
+        if all(t is not None for t in cuda):  # absent when written on a machine without CUDA
+            torch.cuda.set_rng_state_all([t for t in cuda if t is not None])
+    return _Progress(**meta["progress"])
+
+
+def _delta(model: nn.Module, theta_old: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """θ_old − θ_new for every state-dict name; a tied tensor appears under both names."""
+    new = _cpu_params(model)
+    by_param = {n: theta_old[n] - new[n] for n in new}
+    names = {p.data_ptr(): n for n, p in model.named_parameters()}
+    return {key: by_param[names[t.data_ptr()]] for key, t in model.state_dict().items()}
+
+
+def run_inner_loop(
+    model: nn.Module,
+    source: TokenSource,
+    cfg: InnerConfig,
+    *,
+    seq_len: int,
+    device: torch.device | str = "cpu",
+    start_position: int = 0,
+    first_step: int = 0,
+    total_steps: int | None = None,
+    checkpoint_path: str | Path | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = True,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> InnerResult:
+    """Train `model` (a causal LM whose weights are θ_old) for cfg.steps AdamW steps.
+
+    The schedule runs over global steps first_step .. first_step + cfg.steps - 1 of a
+    `total_steps`-long schedule (default: this loop alone); DiLoCo's run-long schedule is
+    first_step = t·H, total_steps = T·H. With checkpoint_path, a checkpoint is written
+    every `checkpoint_every` steps, when should_stop() turns true, and at the end; a run
+    that finds one resumes from it (resume=True) or raises CheckpointMismatch if it
+    belongs to other work.
+    """
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise ValueError(f"checkpoint_every = {checkpoint_every}: must be >= 1 or None")
+    device = torch.device(device)
+    model.to(device).train()
+    theta_old = _cpu_params(model)
+    optimizer = _make_optimizer(model, cfg)
+    total = cfg.steps if total_steps is None else total_steps
+    identity = {
+        "inner": cfg.model_dump(mode="json"),
+        "seq_len": seq_len,
+        "start_position": start_position,
+        "first_step": first_step,
+        "total_steps": total,
+    }
+    path = Path(checkpoint_path) if checkpoint_path is not None else None
+    progress = _Progress(position=start_position)
+    if path is not None and resume and path.exists():
+        progress = _load_checkpoint(path, model, optimizer, theta_old, identity)
+
+    def save() -> None:
+        if path is not None:
+            _save_checkpoint(path, model, optimizer, theta_old, progress, identity)
+
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+    vocab = int(cast(Any, model).get_input_embeddings().weight.shape[0])
+    batch, accum = cfg.micro_batch_size, cfg.grad_accum_steps
+    while progress.step < cfg.steps:
+        if should_stop is not None and should_stop():
+            save()
+            return _result(progress, {}, completed=False)
+        started = time.perf_counter()
+        lr = lr_at(cfg, first_step + progress.step, total)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=device)
+        for _ in range(accum):
+            window = source.batch(progress.position, batch, seq_len)
+            _check_window(window, batch, seq_len, vocab)
+            window = window.to(device)
+            progress.position += batch
+            inputs, targets = window[:, :-1], window[:, 1:]  # (B, T), (B, T)
+            with autocast:
+                logits = model(input_ids=inputs).logits  # (B, T, V)
+            loss = F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+        optimizer.step()
+        progress.step += 1
+        progress.tokens += accum * batch * seq_len
+        progress.losses.append(loss_sum.item() / accum)
+        if not math.isfinite(progress.losses[-1]):
+            raise FloatingPointError(
+                f"loss is {progress.losses[-1]} at step {progress.step}; lower inner.lr "
+                "or check the token source"
+            )
+        progress.lrs.append(lr)
+        progress.grad_norms.append(float(grad_norm))
+        progress.seconds += time.perf_counter() - started
+        if on_step is not None:
+            metrics = StepMetrics(
+                progress.step, progress.losses[-1], lr, progress.grad_norms[-1],
+                progress.tokens, progress.seconds,
+            )  # fmt: skip
+            on_step(metrics)
+        periodic = checkpoint_every is not None and progress.step % checkpoint_every == 0
+        if periodic and progress.step < cfg.steps:  # the last step is saved below
+            save()
+    save()  # a crash between here and the upload loses nothing: a rerun returns at once
+    return _result(progress, _delta(model, theta_old), completed=True)
+
+
+def _check_window(window: Tensor, batch: int, seq_len: int, vocab: int) -> None:
+    if tuple(window.shape) != (batch, seq_len + 1) or window.dtype != torch.int64:
+        raise ValueError(
+            f"token source gave {tuple(window.shape)} {window.dtype}; "
+            f"expected ({batch}, {seq_len + 1}) int64"
+        )
+    if int(window.min()) < 0 or int(window.max()) >= vocab:
+        raise ValueError(f"token ids must lie in [0, {vocab}); check model.vocab_size")
+
+
+def _result(progress: _Progress, delta: dict[str, Tensor], *, completed: bool) -> InnerResult:
+    return InnerResult(
+        delta=delta,
+        losses=list(progress.losses),
+        lrs=list(progress.lrs),
+        grad_norms=list(progress.grad_norms),
+        tokens=progress.tokens,
+        seconds=progress.seconds,
+        position=progress.position,
+        completed=completed,
+    )
+
+
+def train_path(
+    config: RunConfig,
+    p: int,
+    modules: Mapping[str, Mapping[str, Tensor]],
+    source: TokenSource,
+    *,
+    round_index: int = 0,
+    device: torch.device | str = "cpu",
+    start_position: int = 0,
+    checkpoint_path: str | Path | None = None,
+    checkpoint_every: int | None = None,
+    resume: bool = True,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+) -> InnerResult:
+    """One work unit: assemble path p from `modules`, train H steps, Δ split per module."""
+    model = build_model(config.model, config.seed)
+    model.load_state_dict(assemble_path_state(config, p, modules))
+    h = config.inner.steps
+    result = run_inner_loop(
+        model,
+        source,
+        config.inner,
+        seq_len=config.model.seq_len,
+        device=device,
+        start_position=start_position,
+        first_step=round_index * h,
+        total_steps=config.rounds * h,
+        checkpoint_path=checkpoint_path,
+        checkpoint_every=checkpoint_every,
+        resume=resume,
+        on_step=on_step,
+        should_stop=should_stop,
+    )
+    if result.completed:
+        result.module_deltas = split_path_state(config, p, result.delta)
+    return result

@@ -1,0 +1,192 @@
+"""The outer step of one module: aggregate the pseudo-gradients Δ of every contribution to
+it, then take a Nesterov SGD step with the aggregate as the gradient (DESIGN §1).
+
+Aggregation rules (OuterConfig.robust):
+- ``mean``: token-weighted mean, streamed (DeltaAccumulator): one fp32 sum in memory.
+- ``clipped-mean``: the same stream, each Δ's norm first clipped to clip_factor x the
+  median norm of the round; the server learns the norms while it verifies the uploads
+  (it needs them for reject_norm_factor too), then streams with `clip_norm`.
+- ``trimmed-mean``: per value, drop the trim_fraction largest and smallest of the Δs
+  and average the rest (token-weighted). It needs every Δ of the module in memory at
+  once: n x module size.
+Momentum is a plain dict of tensors, named like the module's tensors, for the server to
+persist next to the weights.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from dipaco.config import OuterConfig
+
+__all__ = [
+    "DeltaAccumulator",
+    "aggregate",
+    "clip_threshold",
+    "delta_norm",
+    "norm_outliers",
+    "outer_step",
+    "trimmed_mean",
+]
+
+Tensors = Mapping[str, Tensor]
+
+
+def delta_norm(delta: Tensors) -> float:
+    """Global L2 norm of one module's Δ, over all its tensors."""
+    return math.sqrt(sum(float(t.float().pow(2).sum()) for t in delta.values()))
+
+
+def clip_threshold(norms: Sequence[float], clip_factor: float) -> float:
+    """clipped-mean's norm limit: clip_factor x the median of the round's Δ norms."""
+    return clip_factor * statistics.median(norms)
+
+
+def norm_outliers(norms: Sequence[float], reject_norm_factor: float) -> list[bool]:
+    """True for each Δ whose norm exceeds reject_norm_factor x the median (to be dropped)."""
+    limit = reject_norm_factor * statistics.median(norms)
+    return [n > limit for n in norms]
+
+
+class DeltaAccumulator:
+    """Streaming (weighted) mean of one module's Δs in fp32: add them one by one, then mean().
+
+    Each Δ is checked against the names and shapes of the first one (or `spec`, the
+    module's name -> (shape, dtype) from dipaco.modular.module_spec) and must be finite.
+    """
+
+    def __init__(
+        self,
+        spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+        *,
+        token_weighting: bool = True,
+        clip_norm: float | None = None,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.shapes = {name: tuple(shape) for name, (shape, _) in spec.items()} if spec else None
+        self.token_weighting = token_weighting
+        self.clip_norm = clip_norm
+        self.device = torch.device(device)
+        self.sums: dict[str, Tensor] = {}
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add(self, delta: Tensors, tokens: int) -> None:
+        """Add one contribution that trained on `tokens` tokens."""
+        if tokens <= 0:
+            raise ValueError(f"a contribution must report tokens > 0, got {tokens}")
+        shapes = self.shapes or {name: tuple(t.shape) for name, t in delta.items()}
+        given = {name: tuple(t.shape) for name, t in delta.items()}
+        if given != shapes:
+            raise ValueError(f"Δ tensors {given} do not match the module's {shapes}")
+        if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
+            raise ValueError("Δ holds NaN or infinite values")
+        self.shapes = shapes
+        weight = float(tokens) if self.token_weighting else 1.0
+        scale = 1.0
+        if self.clip_norm is not None:
+            norm = delta_norm(delta)
+            scale = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
+        for name, t in delta.items():
+            if name not in self.sums:
+                self.sums[name] = torch.zeros(t.shape, dtype=torch.float32, device=self.device)
+            self.sums[name].add_(t.to(self.device, torch.float32), alpha=weight * scale)
+        self.total_weight += weight
+        self.count += 1
+
+    def mean(self) -> dict[str, Tensor]:
+        if self.count == 0:
+            raise ValueError("no contribution was added; a module without Δs keeps its weights")
+        return {name: s / self.total_weight for name, s in self.sums.items()}
+
+
+def trimmed_mean(
+    deltas: Sequence[Tensors],
+    tokens: Sequence[int],
+    trim_fraction: float,
+    *,
+    token_weighting: bool = True,
+) -> dict[str, Tensor]:
+    """Per value: sort the n Δs, drop floor(trim_fraction·n) at each end, weighted mean of the rest."""
+    n = len(deltas)
+    if n == 0 or n != len(tokens):
+        raise ValueError(f"need one token count per Δ and at least one Δ (got {n}, {len(tokens)})")
+    k = int(trim_fraction * n)  # < n/2 because trim_fraction < 0.5
+    weights = torch.tensor([float(t) if token_weighting else 1.0 for t in tokens])  # (n,)
+    result = {}
+    for name in deltas[0]:
+        stacked = torch.stack([d[name].to(torch.float32) for d in deltas])  # (n, *shape)
+        values, order = stacked.sort(dim=0)  # (n, *shape) each
+        kept, kept_weights = values[k : n - k], weights[order[k : n - k]]  # (n-2k, *shape)
+        result[name] = (kept * kept_weights).sum(0) / kept_weights.sum(0)  # (*shape)
+    return result
+
+
+def aggregate(
+    contributions: Iterable[tuple[Tensors, int]],
+    cfg: OuterConfig,
+    *,
+    paths_through: int = 1,
+    spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
+) -> dict[str, Tensor]:
+    """One module's outer gradient from (Δ, tokens) pairs under cfg.robust, then the
+    √(paths through the module) rescale: averaging n paths' roughly independent Δs
+    shrinks the norm by up to √n, and DiPaCo restores it so shared modules keep pace.
+    "mean" streams `contributions`; the robust rules hold them all.
+    """
+    if cfg.robust == "mean":
+        accumulator = DeltaAccumulator(spec, token_weighting=cfg.token_weighting)
+        for delta, tokens in contributions:
+            accumulator.add(delta, tokens)
+        result = accumulator.mean()
+    else:
+        items = list(contributions)
+        if not items:
+            raise ValueError("no contribution was given; a module without Δs keeps its weights")
+        if cfg.robust == "clipped-mean":
+            limit = clip_threshold([delta_norm(d) for d, _ in items], cfg.clip_factor)
+            accumulator = DeltaAccumulator(
+                spec, token_weighting=cfg.token_weighting, clip_norm=limit
+            )
+            for delta, tokens in items:
+                accumulator.add(delta, tokens)
+            result = accumulator.mean()
+        else:
+            result = trimmed_mean(
+                [d for d, _ in items],
+                [t for _, t in items],
+                cfg.trim_fraction,
+                token_weighting=cfg.token_weighting,
+            )
+    if cfg.sqrt_paths_rescale and paths_through > 1:
+        result = {name: t * math.sqrt(paths_through) for name, t in result.items()}
+    return result
+
+
+def outer_step(
+    params: Tensors, delta: Tensors, momentum: Tensors | None, cfg: OuterConfig
+) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """New (params, momentum) after one SGD step with `delta` as the gradient.
+
+    The arithmetic of torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0):
+    buf = μ·buf + g (buf = g on the first step, when `momentum` is None or empty);
+    update = g + μ·buf with Nesterov, else buf; θ = θ − η·update. Inputs are not modified.
+    """
+    new_params, new_momentum = {}, {}
+    for name, param in params.items():
+        grad = delta[name].to(param.device, torch.float32)
+        update = grad
+        if cfg.momentum > 0:
+            if momentum:
+                buf = momentum[name].to(torch.float32).mul(cfg.momentum).add_(grad)
+            else:
+                buf = grad.clone()
+            new_momentum[name] = buf
+            update = grad.add(buf, alpha=cfg.momentum) if cfg.nesterov else buf
+        new_params[name] = param.to(torch.float32).add(update, alpha=-cfg.lr)
+    return new_params, new_momentum
