@@ -1,0 +1,1 @@
+"""Health checks and the tasks that prove a Celery worker is alive."""

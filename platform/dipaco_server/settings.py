@@ -1,0 +1,118 @@
+"""Django settings for the dipaco control plane.
+
+Everything comes from the environment through ``dipaco_server.env``, which
+refuses malformed values with a message naming the variable. Nothing set means
+the embedded default (DESIGN §3): SQLite, a filesystem Celery broker and a
+local blob directory, all under ``DIPACO_DATA_DIR``. Setting ``DATABASE_URL``,
+``REDIS_URL`` and ``S3_BUCKET`` (+ endpoint and keys) gives the cluster mode;
+the code paths are the same.
+"""
+
+from __future__ import annotations
+
+import os
+from urllib.parse import urlsplit
+
+from dipaco_server import env
+
+# --- where things live --------------------------------------------------------
+DIPACO_DATA_DIR = env.data_dir(os.environ)
+DIPACO_PUBLIC_URL = env.public_url(os.environ)
+DIPACO_BLOB_STORE = env.blob_store(os.environ, DIPACO_DATA_DIR)
+REDIS_URL = env.redis_url(os.environ)
+
+# --- Django core --------------------------------------------------------------
+SECRET_KEY = env.secret_key(os.environ, DIPACO_DATA_DIR)
+DEBUG = env.env_bool("DEBUG", False, os.environ)
+ALLOWED_HOSTS = env.allowed_hosts(os.environ, DIPACO_PUBLIC_URL)
+_public = urlsplit(DIPACO_PUBLIC_URL)
+CSRF_TRUSTED_ORIGINS = [f"{_public.scheme}://{_public.netloc}"]
+
+DATABASES = {"default": env.database(os.environ, DIPACO_DATA_DIR)}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    # Ninja ships swagger-ui as static files; listing it serves the API docs
+    # from this server instead of a CDN.
+    "ninja",
+    "dipaco_server.core",
+    "dipaco_server.runs",
+    "dipaco_server.workers",
+    "dipaco_server.rounds",
+    "dipaco_web",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "dipaco_server.urls"
+WSGI_APPLICATION = "dipaco_server.wsgi.application"
+ASGI_APPLICATION = "dipaco_server.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+# Static files are served by the app itself (urls.py), straight from the
+# installed packages: no collectstatic step, no CDN.
+STATIC_URL = "static/"
+
+# --- Celery (read by dipaco_server.celery through the CELERY_ namespace) -----
+_celery = env.celery_transport(DIPACO_DATA_DIR, REDIS_URL)
+CELERY_BROKER_URL = _celery["broker_url"]
+CELERY_RESULT_BACKEND = _celery["result_backend"]
+CELERY_BROKER_TRANSPORT_OPTIONS = _celery["broker_transport_options"]
+CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
+# A task is acknowledged only after it finishes, and a worker takes one task at
+# a time: a worker that dies mid outer step hands the task to another worker
+# (outer-step tasks are idempotent, DESIGN §4).
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_WORKER_PREFETCH_MULTIPLIER = 1
+CELERY_TASK_SERIALIZER = "json"
+CELERY_RESULT_SERIALIZER = "json"
+CELERY_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_ACCEPT_CONTENT = ["json"]
+CELERY_RESULT_EXPIRES = 24 * 3600
+CELERY_TIMEZONE = TIME_ZONE
+CELERY_BEAT_SCHEDULE_FILENAME = str(DIPACO_DATA_DIR / "celerybeat-schedule")
+# Periodic tasks (lease sweeps, round deadlines) are added by the apps that own them.
+CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {}
+
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s: %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": "WARNING"},
+    "loggers": {"dipaco_server": {"level": "INFO"}, "dipaco_web": {"level": "INFO"}},
+}

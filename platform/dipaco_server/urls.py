@@ -1,0 +1,18 @@
+"""URL map: dashboard at /, API at /api/v1/, blob transfers at /blobs/."""
+
+from django.contrib import admin
+from django.contrib.staticfiles.views import serve as serve_static
+from django.urls import include, path, re_path
+
+from dipaco_server.api import api
+
+urlpatterns = [
+    path("", include("dipaco_web.urls")),
+    path("api/v1/", api.urls),
+    path("blobs/", include("dipaco_server.storage.urls")),
+    path("admin/", admin.site.urls),
+    # Static files straight from the installed apps (finders), also with
+    # DEBUG off: the embedded server has no separate web server in front, and
+    # the few files involved (API docs, dashboard CSS) do not need one.
+    re_path(r"^static/(?P<path>.*)$", serve_static, {"insecure": True}),
+]

@@ -1,0 +1,61 @@
+"""Celery tasks round-trip through real worker processes, on Redis and on the embedded broker."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from dipaco_server.env import celery_transport
+from tests.conftest import CeleryWorker, compose_env, start_celery_worker, stop_process
+
+PING = "dipaco_server.core.tasks.ping"
+
+
+def test_a_task_round_trips_through_redis_with_a_real_worker(
+    celery_worker_redis: CeleryWorker,
+) -> None:
+    nonce = uuid.uuid4().hex
+    answer = celery_worker_redis.call(PING, nonce)
+    assert answer["nonce"] == nonce
+    assert answer["pid"] != os.getpid()  # it ran in the worker, not eagerly here
+
+
+@pytest.fixture
+def embedded_worker(tmp_path: Path) -> Iterator[CeleryWorker]:
+    """A worker with nothing configured but its data dir: the filesystem broker."""
+    environ = compose_env(
+        DIPACO_DATA_DIR=str(tmp_path), DATABASE_URL=f"sqlite:///{tmp_path / 'db.sqlite3'}"
+    )
+    worker = start_celery_worker(environ, celery_transport(tmp_path, None), tmp_path)
+    yield worker
+    stop_process(worker.process)
+    worker.app.close()
+
+
+def test_a_task_round_trips_through_the_embedded_broker_with_a_real_worker(
+    embedded_worker: CeleryWorker, tmp_path: Path
+) -> None:
+    nonce = uuid.uuid4().hex
+    answer = embedded_worker.call(PING, nonce)
+    assert answer["nonce"] == nonce
+    assert answer["pid"] != os.getpid()
+    # The message and its result went through files in the data dir, not a server.
+    assert embedded_worker.app.conf.broker_url.startswith("filesystem://")
+    assert any((tmp_path / "results").iterdir())
+
+
+def test_the_worker_acknowledges_late_and_takes_one_task_at_a_time() -> None:
+    from dipaco_server.celery import app
+
+    assert app.conf.task_acks_late is True
+    assert app.conf.worker_prefetch_multiplier == 1
+    assert app.conf.accept_content == ["json"]
+    if not os.environ.get("REDIS_URL"):  # the session's data dir, not the default one
+        folder = Path(app.conf.broker_transport_options["data_folder_in"])
+        assert folder.is_relative_to(Path(os.environ["DIPACO_DATA_DIR"]))
+    app.loader.import_default_modules()  # what a worker does at start
+    assert PING in app.tasks

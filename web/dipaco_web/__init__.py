@@ -1,0 +1,1 @@
+"""The browser dashboard of the dipaco control plane (templates and static files)."""
