@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from dipaco_server.storage import BlobNotFound, BlobStore, InvalidBlobKey, get_blob_store
 
 MiB = 1024 * 1024

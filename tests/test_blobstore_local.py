@@ -15,15 +15,16 @@ from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import httpx
 import pytest
+from django.core.exceptions import ImproperlyConfigured
+from hypothesis import given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
+
 from dipaco_server.storage import InvalidBlobKey, get_blob_store, validate_key
 from dipaco_server.storage.base import build_blob_store
 from dipaco_server.storage.local import LocalBlobStore
 from dipaco_server.storage.uploads import BlobTooLarge, copy_limited
 from dipaco_server.storage.views import blob as blob_view
-from django.core.exceptions import ImproperlyConfigured
-from hypothesis import given
-from hypothesis import settings as hypothesis_settings
-from hypothesis import strategies as st
 
 KEY = "runs/1/rounds/0/u1/l1/0.0.safetensors"
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
+
 from dipaco_server.storage import BlobStoreError
 from dipaco_server.storage.s3 import S3BlobStore
 
