@@ -1,0 +1,67 @@
+"""Pseudo-gradient codecs: how a Δ (or a published update) travels between worker and server.
+
+Codecs
+    ``fp32``  exact.
+    ``bf16``  round to nearest even; relative error <= 2**-8.
+    ``fp16``  round to nearest even; relative error <= 2**-11 (subnormals below 6.1e-5 lose
+              relative precision; values beyond ±65504 are refused at encode).
+    ``int8``  blockwise absmax: per block of B values (default 64) one fp32 scale m/127 and
+              B int8 values; |error| <= m/254 per block (m = the block's absmax).
+    ``int4``  the same with scale m/7 and two's-complement nibbles, two per byte;
+              |error| <= m/14 per block. Exact bounds: ``dipaco.codecs.kernels``.
+
+Container (format version 1): a plain safetensors file, readable by ``safetensors`` itself.
+Its ``__metadata__`` (string to string, as safetensors requires) holds::
+
+    format      "dipaco.codec"
+    version     "1"
+    codec       one of the names above
+    block_size  "64" for int8/int4, "0" for the unblocked codecs
+    tensors     JSON: {name: {"shape": [..], "dtype": "float32", "sha256": "<64 hex>"}, ...}
+                in encoding order; shape and dtype are those of the tensor that was encoded.
+
+Each logical tensor ``name`` is stored as the 1-D array ``name`` (F32/BF16/F16 with its
+values, I8 with the zero-padded blocks, or U8 with the packed nibbles) and, for int8/int4,
+``name::scales`` (F32, one per block). Its ``sha256`` is the digest of those arrays' bytes,
+payload then scales. Arrays are ordered by element size (F32 first) and the header is padded
+to a multiple of 8 bytes, so every array is aligned.
+
+Reading is defensive: the 8-byte header length, the JSON, every shape, offset and count are
+checked against hard limits and against each other before the payload is touched; files
+never allocate more than their declared (and, with ``expected``, the module's) size;
+``accumulate`` is all-or-nothing. Every refusal is a ``CodecError`` with a stable ``code``.
+
+    data = encode({"w": delta}, "int8")                 # worker
+    stats = accumulate(data, into, weight, expected)    # server, streaming outer step
+"""
+
+from dipaco.codecs.api import (
+    CodecStats,
+    TensorSpec,
+    accumulate,
+    decode,
+    encode,
+    encode_to_file,
+    inspect,
+    spec_of,
+    verify,
+)
+from dipaco.codecs.container import CODECS, FORMAT, VERSION, CodecError, ContainerHeader, TensorInfo
+
+__all__ = [
+    "CODECS",
+    "FORMAT",
+    "VERSION",
+    "CodecError",
+    "CodecStats",
+    "ContainerHeader",
+    "TensorInfo",
+    "TensorSpec",
+    "accumulate",
+    "decode",
+    "encode",
+    "encode_to_file",
+    "inspect",
+    "spec_of",
+    "verify",
+]
