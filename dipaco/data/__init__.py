@@ -1,0 +1,1 @@
+"""Data: corpora, the run's tokenizer, and per-path token shards."""

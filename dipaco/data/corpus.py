@@ -1,0 +1,340 @@
+"""Corpora: raw text in, a deterministic stream of `Document`s out.
+
+Three sources, one decoding path:
+
+- a directory of text files (walked in sorted order; ``.jsonl`` files inside it
+  are read as JSON Lines),
+- a JSON Lines file with a text field,
+- ``stdlib``: the Python standard library sources of the running interpreter —
+  real text on every machine, with natural domains (asyncio, email, tkinter, ...).
+
+Every source is reduced to an iterable of ``(name, bytes)`` blobs and decoded by
+`iter_blob_documents`; an object-store corpus plugs in there (list the keys in
+sorted order, yield ``(key, body)``). Bad inputs — binary (a NUL byte),
+undecodable as UTF-8, empty, too large, malformed JSON — are skipped and counted
+in `CorpusStats`, never fatal.
+
+Long documents are chunked to at most ``max_chars`` characters, cut at a blank
+line (else a newline) in the second half of the window. Routing reads only the
+first 32 tokens of a document (DESIGN §1), so one 700 kB file routed as a single
+document would put all of it into one path's shard; chunks route independently
+and keep the shards balanced. 8192 characters is about 2-3k tokens of code.
+
+The train/validation split hashes ``Document.source`` (the file or record a
+chunk came from), not the chunk id, so every chunk of a file lands on the same
+side and validation text is never a neighbouring chunk of a training file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sysconfig
+from collections import Counter
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEFAULT_MAX_CHARS = 8192
+DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+
+TEXT_SUFFIXES = frozenset(
+    [
+        ".txt",
+        ".md",
+        ".rst",
+        ".py",
+        ".pyi",
+        ".c",
+        ".h",
+        ".cc",
+        ".cpp",
+        ".hpp",
+        ".rs",
+        ".go",
+        ".java",
+        ".js",
+        ".ts",
+        ".json",
+        ".toml",
+        ".cfg",
+        ".ini",
+        ".html",
+        ".htm",
+        ".css",
+        ".xml",
+        ".yaml",
+        ".yml",
+        ".sh",
+        ".tex",
+        ".csv",
+    ]
+)
+JSONL_SUFFIXES = frozenset({".jsonl", ".ndjson"})
+STDLIB_SUFFIXES = frozenset({".py", ".txt", ".rst"})
+# Directories of the standard library that are not its sources: third-party
+# packages, bytecode, compiled extensions, and test suites full of fixtures in
+# deliberately odd encodings.
+STDLIB_EXCLUDED_DIRS = frozenset(
+    {"site-packages", "dist-packages", "__pycache__", "lib-dynload", "test", "tests", "idle_test"}
+)
+
+
+@dataclass(frozen=True)
+class Document:
+    """One routing unit: ``id`` is unique and stable, ``source`` names the file
+    or record it came from (chunks of one file share it)."""
+
+    id: str
+    text: str
+    source: str
+
+
+@dataclass
+class CorpusStats:
+    """What a corpus read saw. ``skipped`` counts bad inputs by reason."""
+
+    files: int = 0  # blobs looked at (files, or JSONL records)
+    documents: int = 0  # documents yielded, after chunking
+    chars: int = 0
+    ignored: int = 0  # files without a text suffix in a directory walk
+    skipped: Counter[str] = field(default_factory=Counter)
+    skipped_examples: list[str] = field(default_factory=list)
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+    def skip(self, name: str, reason: str) -> None:
+        self.skipped[reason] += 1
+        if len(self.skipped_examples) < 20:
+            self.skipped_examples.append(f"{name}: {reason}")
+
+
+@dataclass
+class CorpusSplit:
+    train: list[Document]
+    val: list[Document]
+    stats: CorpusStats
+
+
+def is_validation(key: str, val_fraction: float) -> bool:
+    """Deterministic split: the first 8 bytes of sha256(key) as a fraction of 2**64."""
+    if not 0.0 <= val_fraction < 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+    digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < val_fraction
+
+
+def chunk_text(text: str, max_chars: int) -> list[str]:
+    """Cut ``text`` into pieces of at most ``max_chars``, preferring blank lines."""
+    if max_chars <= 0:
+        raise ValueError(f"max_chars must be positive, got {max_chars}")
+    chunks: list[str] = []
+    start = 0
+    while len(text) - start > max_chars:
+        end = start + max_chars
+        half = start + max_chars // 2
+        cut = text.rfind("\n\n", half, end)
+        cut = cut + 2 if cut >= 0 else text.rfind("\n", half, end) + 1
+        if cut <= start:  # one enormous line: cut it hard
+            cut = end
+        chunks.append(text[start:cut])
+        start = cut
+    chunks.append(text[start:])
+    return [c for c in chunks if c.strip()]
+
+
+def _documents_from_text(
+    text: str, source: str, stats: CorpusStats, max_chars: int
+) -> Iterator[Document]:
+    if not text.strip():
+        stats.skip(source, "empty")
+        return
+    chunks = chunk_text(text, max_chars)
+    for i, chunk in enumerate(chunks):
+        doc_id = source if len(chunks) == 1 else f"{source}#{i}"
+        stats.documents += 1
+        stats.chars += len(chunk)
+        yield Document(id=doc_id, text=chunk, source=source)
+
+
+def _decode(name: str, data: bytes, stats: CorpusStats, max_bytes: int) -> str | None:
+    if len(data) > max_bytes:
+        stats.skip(name, "too_large")
+        return None
+    if b"\x00" in data:
+        stats.skip(name, "binary")
+        return None
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError:
+        stats.skip(name, "undecodable")
+        return None
+
+
+def iter_blob_documents(
+    blobs: Iterable[tuple[str, bytes]],
+    stats: CorpusStats,
+    *,
+    text_field: str = "text",
+    max_chars: int = DEFAULT_MAX_CHARS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Iterator[Document]:
+    """Decode ``(name, bytes)`` blobs into documents; names ending in .jsonl are
+    JSON Lines. The caller fixes the order (sort the names for determinism)."""
+    for name, data in blobs:
+        if Path(name).suffix.lower() in JSONL_SUFFIXES:
+            yield from _jsonl_documents(name, data, stats, text_field, max_chars, max_bytes)
+            continue
+        stats.files += 1
+        text = _decode(name, data, stats, max_bytes)
+        if text is not None:
+            yield from _documents_from_text(text, name, stats, max_chars)
+
+
+def _jsonl_documents(
+    name: str,
+    data: bytes,
+    stats: CorpusStats,
+    text_field: str,
+    max_chars: int,
+    max_bytes: int,
+) -> Iterator[Document]:
+    # The size limit applies per record here: a JSONL corpus is one big file.
+    for lineno, raw in enumerate(data.split(b"\n"), start=1):
+        if not raw.strip():
+            continue
+        source = f"{name}:{lineno}"
+        stats.files += 1
+        line = _decode(source, raw, stats, max_bytes)
+        if line is None:
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            stats.skip(source, "bad_json")
+            continue
+        text = record.get(text_field) if isinstance(record, dict) else None
+        if not isinstance(text, str):
+            stats.skip(source, f"no_{text_field}_field")
+            continue
+        yield from _documents_from_text(text, source, stats, max_chars)
+
+
+def _walk(root: Path, excluded_dirs: frozenset[str] = frozenset()) -> list[Path]:
+    """Files under ``root`` in a deterministic order (sorted relative posix paths),
+    without descending into ``excluded_dirs`` or following symlinks."""
+    files: list[Path] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in excluded_dirs]
+        base = Path(dirpath)
+        files.extend(base / f for f in filenames if not (base / f).is_symlink())
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _read_files(
+    root: Path, files: Iterable[Path], stats: CorpusStats, max_bytes: int
+) -> Iterator[tuple[str, bytes]]:
+    for path in files:
+        name = path.relative_to(root).as_posix()
+        # Refuse before reading so a stray multi-gigabyte file costs nothing;
+        # JSONL files are exempt (their limit is per record).
+        if path.stat().st_size > max_bytes and path.suffix.lower() not in JSONL_SUFFIXES:
+            stats.files += 1
+            stats.skip(name, "too_large")
+            continue
+        try:
+            data = path.read_bytes()
+        except OSError as exc:
+            stats.files += 1
+            stats.skip(name, f"unreadable ({exc.__class__.__name__})")
+            continue
+        yield name, data
+
+
+def stdlib_root() -> Path:
+    """The standard library directory of the running interpreter."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def iter_corpus(
+    corpus: str,
+    stats: CorpusStats,
+    *,
+    text_field: str = "text",
+    max_chars: int = DEFAULT_MAX_CHARS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_files: int | None = None,
+) -> Iterator[Document]:
+    """Stream the documents of ``corpus``: "stdlib", a directory, or a .jsonl file.
+
+    ``max_files`` keeps only the first N files in sorted order (tests, smoke runs).
+    """
+    if corpus == "stdlib":
+        root = stdlib_root()
+        files = [p for p in _walk(root, STDLIB_EXCLUDED_DIRS) if p.suffix in STDLIB_SUFFIXES]
+    else:
+        path = Path(corpus).expanduser()
+        if path.is_file():
+            root, files = path.parent, [path]
+        elif path.is_dir():
+            root, all_files = path, _walk(path)
+            files = []
+            for p in all_files:
+                suffix = p.suffix.lower()
+                if suffix in TEXT_SUFFIXES or suffix in JSONL_SUFFIXES:
+                    files.append(p)
+                else:
+                    stats.ignored += 1
+        else:
+            raise FileNotFoundError(
+                f"corpus {corpus!r} is neither 'stdlib' nor an existing directory or "
+                ".jsonl file; set data.corpus to one of those"
+            )
+    if max_files is not None:
+        files = files[:max_files]
+    blobs = _read_files(root, files, stats, max_bytes)
+    yield from iter_blob_documents(
+        blobs, stats, text_field=text_field, max_chars=max_chars, max_bytes=max_bytes
+    )
+
+
+def split_documents(
+    docs: Iterable[Document], val_fraction: float
+) -> tuple[list[Document], list[Document]]:
+    """Deterministic train/validation split by a hash of each document's source."""
+    train: list[Document] = []
+    val: list[Document] = []
+    for doc in docs:
+        (val if is_validation(doc.source, val_fraction) else train).append(doc)
+    return train, val
+
+
+def load_corpus(
+    corpus: str,
+    *,
+    text_field: str = "text",
+    val_fraction: float = 0.05,
+    max_chars: int = DEFAULT_MAX_CHARS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    max_files: int | None = None,
+) -> CorpusSplit:
+    """Read a whole corpus into memory, split into train and validation."""
+    stats = CorpusStats()
+    docs = iter_corpus(
+        corpus,
+        stats,
+        text_field=text_field,
+        max_chars=max_chars,
+        max_bytes=max_bytes,
+        max_files=max_files,
+    )
+    train, val = split_documents(docs, val_fraction)
+    if not train:
+        raise ValueError(
+            f"corpus {corpus!r} yielded no training documents "
+            f"({stats.files} files, skipped {dict(stats.skipped)}); point data.corpus at text"
+        )
+    return CorpusSplit(train=train, val=val, stats=stats)

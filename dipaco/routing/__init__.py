@@ -1,0 +1,1 @@
+"""Routing: documents to paths, once per document, from their first tokens."""
