@@ -105,8 +105,10 @@ CELERY_RESULT_ACCEPT_CONTENT = ["json"]
 CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_TIMEZONE = TIME_ZONE
 CELERY_BEAT_SCHEDULE_FILENAME = str(DIPACO_DATA_DIR / "celerybeat-schedule")
-# Periodic tasks (lease sweeps, round deadlines) are added by the apps that own them.
-CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {}
+# Periodic tasks: expired leases go back to the queue (DESIGN §4).
+CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
+    "sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0},
+}
 
 LOGGING = {
     "version": 1,

@@ -1,0 +1,142 @@
+"""Outer rounds, their work units, the leases that hand units to workers, and contributions.
+
+State changes go through rounds.services / rounds.scheduler / rounds.completion,
+each written as a conditional UPDATE so that concurrent requests cannot both win.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.utils import timezone
+
+from dipaco_server.runs.models import Module, Path, Run
+from dipaco_server.workers.models import Worker
+
+
+class Round(models.Model):
+    """Outer round t of a run: open (units handed out), closing (outer step), closed."""
+
+    class State(models.TextChoices):
+        OPEN = "open"
+        CLOSING = "closing"
+        CLOSED = "closed"
+
+    run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="rounds")
+    t = models.PositiveIntegerField()
+    state = models.CharField(max_length=16, choices=State.choices, default=State.OPEN)
+    opened_at = models.DateTimeField(default=timezone.now)
+    deadline = models.DateTimeField(null=True, blank=True)  # quorum closes it after this
+    closed_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = (models.UniqueConstraint(fields=["run", "t"], name="round_unique_per_run"),)
+        indexes = (models.Index(fields=["state", "deadline"], name="round_state_deadline_idx"),)
+
+    def __str__(self) -> str:
+        return f"run {self.run_id} round {self.t} ({self.state})"
+
+
+class WorkUnit(models.Model):
+    """One replica of one path in one round: H inner steps on a window of the path's shard."""
+
+    class State(models.TextChoices):
+        QUEUED = "queued"
+        LEASED = "leased"
+        DONE = "done"
+        EXPIRED = "expired"  # given up: too many failed attempts, or its round closed first
+
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="units")
+    path = models.ForeignKey(Path, on_delete=models.CASCADE, related_name="units")
+    replica = models.PositiveIntegerField()
+    data_offset = models.PositiveBigIntegerField()  # in tokens, into the path's train.bin
+    data_length = models.PositiveBigIntegerField()
+    base_versions = models.JSONField()  # {module id: version} the worker starts from
+    state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
+    attempts = models.PositiveIntegerField(default=0)  # leases granted so far
+    created_at = models.DateTimeField(default=timezone.now)
+    updated_at = models.DateTimeField(default=timezone.now)
+    done_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = (
+            models.UniqueConstraint(
+                fields=["round", "path", "replica"], name="unit_unique_per_replica"
+            ),
+        )
+        indexes = (
+            # grant_lease: queued units of open rounds; coverage: units per (round, path, state).
+            models.Index(fields=["state", "round"], name="unit_state_round_idx"),
+            models.Index(fields=["round", "path", "state"], name="unit_round_path_state_idx"),
+        )
+
+    def __str__(self) -> str:
+        return f"unit {self.pk} (round {self.round_id}, path {self.path_id}, r{self.replica})"
+
+
+class Lease(models.Model):
+    """A worker's claim on a unit; it must heartbeat before ``deadline`` to keep it."""
+
+    class State(models.TextChoices):
+        ACTIVE = "active"
+        COMPLETED = "completed"
+        RELEASED = "released"
+        EXPIRED = "expired"
+
+    unit = models.ForeignKey(WorkUnit, on_delete=models.CASCADE, related_name="leases")
+    worker = models.ForeignKey(Worker, on_delete=models.CASCADE, related_name="leases")
+    secret_hash = models.CharField(max_length=64)
+    attempt = models.PositiveIntegerField()  # 1 for the unit's first lease
+    state = models.CharField(max_length=16, choices=State.choices, default=State.ACTIVE)
+    granted_at = models.DateTimeField(default=timezone.now)
+    # Liveness: a heartbeat moves it to now + the heartbeat timeout, never past hard_deadline,
+    # which is set once from the worker's measured speed.
+    deadline = models.DateTimeField()
+    hard_deadline = models.DateTimeField()
+    heartbeat_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        indexes = (
+            models.Index(fields=["state", "deadline"], name="lease_state_deadline_idx"),
+            models.Index(fields=["worker", "state"], name="lease_worker_state_idx"),
+        )
+
+    def __str__(self) -> str:
+        return f"lease {self.pk} of unit {self.unit_id} by worker {self.worker_id} ({self.state})"
+
+
+class Contribution(models.Model):
+    """One module's pseudo-gradient from one completed lease, pending server verification."""
+
+    class Status(models.TextChoices):
+        PENDING = "pending"
+        ACCEPTED = "accepted"
+        REJECTED = "rejected"
+
+    lease = models.ForeignKey(Lease, on_delete=models.CASCADE, related_name="contributions")
+    unit = models.ForeignKey(WorkUnit, on_delete=models.CASCADE, related_name="contributions")
+    module = models.ForeignKey(Module, on_delete=models.CASCADE, related_name="contributions")
+    blob_key = models.CharField(max_length=1024)  # built from ids by the server (runs.keys)
+    size = models.PositiveBigIntegerField()
+    sha256 = models.CharField(max_length=64)
+    tokens = models.PositiveBigIntegerField()
+    metrics = models.JSONField(default=dict, blank=True)
+    status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
+    reason = models.TextField(blank=True)
+    created_at = models.DateTimeField(default=timezone.now)
+    verified_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = (
+            models.UniqueConstraint(fields=["lease", "module"], name="contribution_once_per_lease"),
+            # One live Δ per unit and module: a duplicate can never be averaged in twice.
+            models.UniqueConstraint(
+                fields=["unit", "module"],
+                condition=models.Q(status__in=["pending", "accepted"]),
+                name="contribution_once_per_unit",
+            ),
+        )
+        indexes = (models.Index(fields=["module", "status"], name="contribution_module_idx"),)
+
+    def __str__(self) -> str:
+        return f"contribution {self.pk} of unit {self.unit_id} to {self.module_id} ({self.status})"

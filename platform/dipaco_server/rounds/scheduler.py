@@ -1,0 +1,277 @@
+"""Leases: granting units to workers race-free, heartbeats, release, and the expiry sweep.
+
+A grant claims one queued unit with a conditional UPDATE (``... WHERE state =
+'queued'``), which is correct on every database: of two concurrent claims of
+one unit exactly one updates a row. On PostgreSQL the candidate is also read
+with ``SELECT ... FOR UPDATE SKIP LOCKED``, so concurrent grants take different
+units instead of queueing behind one row. SQLite serialises writers (the
+settings open transactions IMMEDIATE), so the conditional UPDATE suffices there.
+
+Completion is in rounds.completion.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from django.db import connection, transaction
+from django.db.models import Case, Count, F, OuterRef, Q, QuerySet, Subquery, Value, When
+from django.db.models.functions import Coalesce
+from django.utils import timezone
+
+from dipaco_server.rounds.models import Lease, Round, WorkUnit
+from dipaco_server.rounds.policy import SchedulerPolicy, current_policy
+from dipaco_server.rounds.services import unit_tokens
+from dipaco_server.runs.errors import (
+    LeaseExpired,
+    LeaseLimitReached,
+    LeaseNotActive,
+    LeaseNotFound,
+    LeaseNotYours,
+    LeaseSecretInvalid,
+    RoundClosed,
+    RunNotActive,
+    WorkerRevoked,
+)
+from dipaco_server.runs.models import Path, Run
+from dipaco_server.runs.services import TERMINAL
+from dipaco_server.workers import tokens
+from dipaco_server.workers.models import Worker
+
+logger = logging.getLogger(__name__)
+
+# A claim loses only when another grant took the same unit in between; a few
+# retries on the next candidate is plenty (each retry sees that unit as taken).
+CLAIM_ATTEMPTS = 5
+EXPIRE_BATCH = 500
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """A granted lease and its secret: the plaintext exists only here, show it once."""
+
+    lease: Lease
+    secret: str
+
+    @property
+    def unit(self) -> WorkUnit:
+        return self.lease.unit
+
+
+def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | None:
+    """Lease one queued unit to `worker`, or None when no unit is waiting.
+
+    Preference (DESIGN §4.2): a unit of the path the worker completed last (its
+    AdamW state is warm), then the path with the fewest units leased or done in
+    its round, then the oldest round.
+    """
+    now = now or timezone.now()
+    policy = current_policy()
+    warm_path = _last_path_id(worker)
+    for _ in range(CLAIM_ATTEMPTS):
+        with transaction.atomic():
+            # Locking the worker row serialises one worker's grants, so its lease limit holds.
+            locked = Worker.objects.select_for_update().filter(pk=worker.pk).first()
+            if locked is None or locked.revoked:
+                raise WorkerRevoked(f"worker {worker.pk} was revoked; it gets no more work")
+            _check_lease_limit(locked, policy, now)
+            candidates = _candidates(warm_path)
+            if connection.features.has_select_for_update_skip_locked:
+                candidates = candidates.select_for_update(skip_locked=True, of=("self",))
+            unit = candidates.first()
+            if unit is None:
+                return None
+            claimed = WorkUnit.objects.filter(pk=unit.pk, state=WorkUnit.State.QUEUED).update(
+                state=WorkUnit.State.LEASED, attempts=F("attempts") + 1, updated_at=now
+            )
+            if not claimed:
+                continue
+            unit.refresh_from_db(fields=["state", "attempts", "updated_at"])
+            secret = tokens.generate_token(tokens.LEASE_PREFIX)
+            budget = policy.lease_budget_s(
+                unit_tokens(unit.round.run.run_config), locked.measured_speed
+            )
+            hard_deadline = now + timedelta(seconds=budget)
+            lease = Lease.objects.create(
+                unit=unit,
+                worker=locked,
+                secret_hash=tokens.hash_token(secret),
+                attempt=unit.attempts,
+                granted_at=now,
+                deadline=min(hard_deadline, now + timedelta(seconds=policy.lease_timeout_s)),
+                hard_deadline=hard_deadline,
+            )
+        logger.info("lease %s: unit %s to worker %s", lease.pk, unit.pk, worker.pk)
+        return LeaseGrant(lease=lease, secret=secret)
+    return None
+
+
+def _check_lease_limit(worker: Worker, policy: SchedulerPolicy, now: datetime) -> None:
+    held = list(
+        Lease.objects.filter(worker=worker, state=Lease.State.ACTIVE, deadline__gte=now)
+        .order_by("pk")
+        .values_list("pk", flat=True)[: policy.worker_max_leases]
+    )
+    if len(held) >= policy.worker_max_leases:
+        raise LeaseLimitReached(
+            f"worker {worker.pk} already holds lease(s) {held}; complete or release them "
+            "before asking for more work",
+            leases=held,
+        )
+
+
+def _last_path_id(worker: Worker) -> int | None:
+    last = (
+        Lease.objects.filter(worker=worker, state=Lease.State.COMPLETED)
+        .order_by("-ended_at", "-pk")
+        .values_list("unit__path_id", flat=True)
+        .first()
+    )
+    return last
+
+
+def _candidates(warm_path: int | None) -> QuerySet[WorkUnit]:
+    covered = (
+        WorkUnit.objects.filter(
+            round=OuterRef("round"),
+            path=OuterRef("path"),
+            state__in=[WorkUnit.State.LEASED, WorkUnit.State.DONE],
+        )
+        .order_by()
+        .values("round")
+        .annotate(n=Count("pk"))
+        .values("n")
+    )
+    warm = Case(When(path_id=warm_path, then=Value(0)), default=Value(1)) if warm_path else Value(1)
+    return (
+        WorkUnit.objects.filter(
+            state=WorkUnit.State.QUEUED,
+            round__state=Round.State.OPEN,
+            round__run__state=Run.State.RUNNING,
+            path__state=Path.State.ACTIVE,
+        )
+        .select_related("round__run")
+        .annotate(warm=warm, coverage=Coalesce(Subquery(covered), Value(0)))
+        .order_by("warm", "coverage", "round_id", "path__index", "replica", "pk")
+    )
+
+
+def fetch_lease(lease_id: int) -> Lease | None:
+    """The lease with its unit, round, run and path, read afresh."""
+    related = Lease.objects.select_related("unit__round__run", "unit__path", "worker")
+    return related.filter(pk=lease_id).first()
+
+
+def load_own_lease(worker: Worker, lease_id: int, secret: str) -> Lease:
+    """The lease, if it exists, belongs to `worker` and `secret` is its secret."""
+    if worker.revoked:
+        raise WorkerRevoked(f"worker {worker.pk} was revoked")
+    lease = fetch_lease(lease_id)
+    if lease is None:
+        raise LeaseNotFound(f"lease {lease_id} does not exist; ask for a new lease")
+    if lease.worker_id != worker.pk:
+        raise LeaseNotYours(f"lease {lease_id} belongs to another worker")
+    if not tokens.token_matches(secret, lease.secret_hash):
+        raise LeaseSecretInvalid(f"wrong secret for lease {lease_id}; use the one it came with")
+    return lease
+
+
+def check_lease_live(lease: Lease, now: datetime) -> None:
+    """Refuse work under a lease that ended, ran out, or whose round or run stopped."""
+    round_ = lease.unit.round
+    if round_.run.state in TERMINAL:
+        raise RunNotActive(f"run {round_.run.name!r} is {round_.run.state}; stop training")
+    if round_.state != Round.State.OPEN:
+        raise RoundClosed(f"round {round_.t} is {round_.state}; this work is no longer needed")
+    if lease.state == Lease.State.EXPIRED or (
+        lease.state == Lease.State.ACTIVE and lease.deadline < now
+    ):
+        raise LeaseExpired(
+            f"lease {lease.pk} expired at {lease.deadline.isoformat()}; its unit went back "
+            "to the queue, ask for a new lease",
+            deadline=lease.deadline.isoformat(),
+        )
+    if lease.state != Lease.State.ACTIVE:
+        raise LeaseNotActive(f"lease {lease.pk} is {lease.state}", state=lease.state)
+
+
+def authorize_lease(
+    worker: Worker, lease_id: int, secret: str, *, now: datetime | None = None
+) -> Lease:
+    """The live lease `lease_id` of `worker`: the check before upload URLs or a manifest."""
+    lease = load_own_lease(worker, lease_id, secret)
+    check_lease_live(lease, now or timezone.now())
+    return lease
+
+
+def heartbeat(worker: Worker, lease_id: int, secret: str, *, now: datetime | None = None) -> Lease:
+    """Extend a live lease to now + the heartbeat timeout, never past its hard deadline."""
+    now = now or timezone.now()
+    lease = authorize_lease(worker, lease_id, secret, now=now)
+    deadline = min(lease.hard_deadline, now + timedelta(seconds=current_policy().lease_timeout_s))
+    live = Lease.objects.filter(pk=lease.pk, state=Lease.State.ACTIVE, deadline__gte=now)
+    if not live.update(deadline=deadline, heartbeat_at=now):
+        current = fetch_lease(lease.pk) or lease
+        check_lease_live(current, now)  # raises: it ended or ran out meanwhile
+        raise LeaseNotActive(f"lease {lease.pk} is {current.state}", state=current.state)
+    lease.deadline, lease.heartbeat_at = deadline, now
+    return lease
+
+
+def release(worker: Worker, lease_id: int, secret: str, *, now: datetime | None = None) -> Lease:
+    """Give a unit back before finishing it; releasing twice is a no-op."""
+    now = now or timezone.now()
+    lease = load_own_lease(worker, lease_id, secret)
+    if lease.state == Lease.State.RELEASED:
+        return lease
+    with transaction.atomic():
+        ended = Lease.objects.filter(pk=lease.pk, state=Lease.State.ACTIVE).update(
+            state=Lease.State.RELEASED, ended_at=now
+        )
+        if ended:
+            _requeue(lease.unit_id, now)
+    lease = fetch_lease(lease.pk) or lease
+    if not ended:
+        check_lease_live(lease, now)
+        raise LeaseNotActive(f"lease {lease.pk} is {lease.state}", state=lease.state)
+    return lease
+
+
+def expire_leases(*, now: datetime | None = None) -> int:
+    """Expire active leases past their deadline or held by revoked workers; requeue units.
+
+    The beat task calls this periodically; returns how many leases it expired.
+    """
+    now = now or timezone.now()
+    stale = Q(state=Lease.State.ACTIVE) & (Q(deadline__lt=now) | Q(worker__revoked=True))
+    rows = list(
+        Lease.objects.filter(stale).values_list("pk", "unit_id", "worker_id")[:EXPIRE_BATCH]
+    )
+    expired = 0
+    for lease_id, unit_id, worker_id in rows:
+        with transaction.atomic():
+            # Re-checked in the UPDATE: a heartbeat may have saved the lease since the read.
+            if not Lease.objects.filter(stale, pk=lease_id).update(
+                state=Lease.State.EXPIRED, ended_at=now
+            ):
+                continue
+            _requeue(unit_id, now)
+            Worker.objects.filter(pk=worker_id).update(leases_expired=F("leases_expired") + 1)
+        expired += 1
+    if expired:
+        logger.info("expired %d lease(s)", expired)
+    return expired
+
+
+def _requeue(unit_id: int, now: datetime) -> None:
+    """A leased unit back to the queue, or given up after too many attempts."""
+    leased = WorkUnit.objects.filter(pk=unit_id, state=WorkUnit.State.LEASED)
+    limit = current_policy().unit_max_attempts
+    if leased.filter(attempts__lt=limit).update(state=WorkUnit.State.QUEUED, updated_at=now):
+        return
+    if leased.update(state=WorkUnit.State.EXPIRED, updated_at=now):
+        logger.warning(
+            "unit %s given up after %d attempts (DIPACO_UNIT_MAX_ATTEMPTS)", unit_id, limit
+        )

@@ -1,0 +1,1 @@
+"""Runs: datasets, runs and their state machine, modules and their versions, paths, metrics."""

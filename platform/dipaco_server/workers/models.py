@@ -1,0 +1,58 @@
+"""Workers (volunteer machines) and the enrollment tokens that let them register.
+
+Only hashes of tokens are stored (see workers.tokens); logic is in workers.services.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.utils import timezone
+
+
+class EnrollmentToken(models.Model):
+    """A secret an operator hands to volunteers; each use registers one worker."""
+
+    token_hash = models.CharField(max_length=64, unique=True)
+    label = models.CharField(max_length=100, blank=True)
+    created_by = models.ForeignKey(
+        settings.AUTH_USER_MODEL,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="+",
+    )
+    created_at = models.DateTimeField(default=timezone.now)
+    expires_at = models.DateTimeField(null=True, blank=True)  # None: never
+    max_uses = models.PositiveIntegerField(null=True, blank=True, default=1)  # None: unlimited
+    uses = models.PositiveIntegerField(default=0)
+    revoked = models.BooleanField(default=False)
+
+    def __str__(self) -> str:
+        return f"enrollment token {self.pk} ({self.label or 'no label'})"
+
+
+class Worker(models.Model):
+    """One registered machine, authenticated by its own revocable bearer token."""
+
+    name = models.CharField(max_length=64)
+    owner = models.CharField(max_length=100, blank=True)
+    token_hash = models.CharField(max_length=64, unique=True)  # the index authenticate() hits
+    enrollment = models.ForeignKey(
+        EnrollmentToken, null=True, blank=True, on_delete=models.SET_NULL, related_name="workers"
+    )
+    device = models.JSONField(default=dict, blank=True)  # as the worker reported it: untrusted
+    measured_speed = models.FloatField(null=True, blank=True)  # training tokens per second
+    created_at = models.DateTimeField(default=timezone.now)
+    last_seen = models.DateTimeField(null=True, blank=True)
+    revoked = models.BooleanField(default=False)
+    revoked_at = models.DateTimeField(null=True, blank=True)
+    # Counters for the dashboard and for judging a worker (DESIGN §4: drops count against it).
+    units_completed = models.PositiveIntegerField(default=0)
+    leases_expired = models.PositiveIntegerField(default=0)
+    contributions_accepted = models.PositiveIntegerField(default=0)
+    contributions_rejected = models.PositiveIntegerField(default=0)
+    tokens_processed = models.PositiveBigIntegerField(default=0)
+
+    def __str__(self) -> str:
+        return f"worker {self.pk} ({self.name})"

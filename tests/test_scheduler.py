@@ -1,0 +1,514 @@
+"""Rounds, leases and completions: the scheduling a worker sees, on the real database."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from django.db import connection, transaction
+from django.test import override_settings
+from django.utils import timezone
+
+from dipaco_server.rounds.completion import ContributionReport, complete, upload_key
+from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
+from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.scheduler import (
+    LeaseGrant,
+    expire_leases,
+    grant_lease,
+    heartbeat,
+    release,
+)
+from dipaco_server.rounds.services import (
+    data_window,
+    mark_round_closed,
+    mark_round_closing,
+    open_round,
+    round_ready_to_close,
+    start_run,
+    unit_tokens,
+)
+from dipaco_server.runs.errors import (
+    ContributionConflict,
+    ContributionInvalid,
+    LeaseExpired,
+    LeaseLimitReached,
+    LeaseNotYours,
+    LeaseSecretInvalid,
+    ModulesNotReady,
+    RoundClosed,
+    RunNotActive,
+    WorkerRevoked,
+)
+from dipaco_server.runs.models import Run
+from dipaco_server.runs.services import transition
+from dipaco_server.workers.models import Worker
+from dipaco_server.workers.services import revoke_worker
+from tests.test_models import SHARD_TOKENS, make_run, make_worker, prepare_run
+
+T0 = datetime(2030, 1, 1, tzinfo=UTC)
+MINUTE = timedelta(minutes=1)
+
+
+@pytest.fixture
+def round0(db: None) -> Round:
+    """Round 0 of a running 2x2-path run with 2 replicas per path: 8 queued units."""
+    return start_run(prepare_run(make_run(replicas_per_path=2)), now=T0)
+
+
+def reports(
+    grant: LeaseGrant, tokens: int | None = None, sha: str = "ab"
+) -> list[ContributionReport]:
+    """One well-formed report per module of the lease's path."""
+    config = grant.unit.round.run.run_config
+    count = tokens or unit_tokens(config)
+    return [
+        ContributionReport(
+            m, 4096, (sha * 32)[:64], count, {"loss": 3.5, "tokens_per_second": 900.0}
+        )
+        for m in grant.unit.path.modules
+    ]
+
+
+def grant(worker: Worker, now: datetime = T0) -> LeaseGrant:
+    granted = grant_lease(worker, now=now)
+    assert granted is not None, "a unit should have been waiting"
+    return granted
+
+
+# --- opening a round ---------------------------------------------------------------
+
+
+def test_open_round_queues_r_units_per_active_path_from_the_current_versions(round0: Round) -> None:
+    run = round0.run
+    units = list(round0.units.select_related("path").order_by("path__index", "replica"))
+    assert len(units) == run.paths.count() * 2
+    assert {u.state for u in units} == {WorkUnit.State.QUEUED}
+    for unit in units:
+        assert unit.base_versions == {m: 0 for m in unit.path.modules}
+        assert unit.data_length == unit_tokens(run.run_config) + 1
+        assert unit.data_offset + unit.data_length <= SHARD_TOKENS
+    run.refresh_from_db()
+    assert run.current_round == 0 and round0.deadline is not None
+
+
+def test_opening_a_round_again_returns_it_without_new_units(round0: Round) -> None:
+    again = open_round(round0.run, 0, now=T0 + MINUTE)
+    assert again.pk == round0.pk
+    assert WorkUnit.objects.count() == 8
+
+
+def test_starting_a_run_without_module_versions_is_refused_and_it_stays_ready(
+    db: None,
+) -> None:
+    run = make_run()
+    run.paths.update(train_tokens=SHARD_TOKENS)
+    for state in ("preparing", "ready"):
+        transition(run, state)
+    with pytest.raises(ModulesNotReady, match="prepare the run"):
+        start_run(run)
+    assert run.state == "ready" and Run.objects.get(pk=run.pk).state == "ready"
+    assert not Round.objects.exists()
+
+
+def test_starting_a_ready_run_opens_round_zero(db: None) -> None:
+    run = prepare_run(make_run())
+    round_ = start_run(run, now=T0)
+    assert (round_.t, round_.state, run.state) == (0, Round.State.OPEN, Run.State.RUNNING)
+    assert round_.units.count() == run.paths.count()
+
+
+def test_a_round_cannot_open_before_the_previous_one_closed(round0: Round) -> None:
+    with pytest.raises(RunNotActive, match=r"round 0 .* is not closed"):
+        open_round(round0.run, 1, now=T0)
+
+
+def test_data_windows_are_deterministic_distinct_and_inside_the_shard() -> None:
+    shard, window, replicas = 100_000, 10_241, 3
+    seen = set()
+    for t in range(3):  # 9 units fill the 9 slots of this shard exactly once
+        for r in range(replicas):
+            offset, length = data_window(shard, window, t, r, replicas)
+            assert (offset, length) == data_window(shard, window, t, r, replicas)
+            assert length == window and offset + length <= shard
+            seen.add(offset)
+    assert len(seen) == 9
+    assert data_window(shard, window, 3, 0, replicas) == (0, window)  # the next epoch
+    assert data_window(500, window, 4, 1, replicas) == (0, 500)  # a tiny shard, whole
+
+
+# --- granting ------------------------------------------------------------------------
+
+
+def test_grant_lease_returns_none_when_no_unit_is_waiting(db: None) -> None:
+    assert grant_lease(make_worker(), now=T0) is None
+
+
+def test_a_paused_run_gets_no_leases(round0: Round) -> None:
+    transition(round0.run, "paused")
+    assert grant_lease(make_worker(), now=T0) is None
+    transition(round0.run, "running")
+    assert grant_lease(make_worker(), now=T0) is not None
+
+
+def test_a_grant_leases_the_unit_with_a_secret_and_deadlines(round0: Round) -> None:
+    granted = grant(make_worker())
+    lease = Lease.objects.get(pk=granted.lease.pk)
+    assert lease.state == Lease.State.ACTIVE and lease.attempt == 1
+    assert lease.unit.state == WorkUnit.State.LEASED
+    assert granted.secret not in lease.secret_hash
+    policy = current_policy()
+    assert lease.deadline == T0 + timedelta(seconds=policy.lease_timeout_s)
+    assert lease.hard_deadline == T0 + timedelta(seconds=policy.lease_default_s)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_grants_never_hand_out_one_unit_twice() -> None:
+    start_run(prepare_run(make_run(replicas_per_path=1)), now=T0)  # 4 units for 8 workers
+    workers = [make_worker(f"w{i}") for i in range(8)]
+    barrier, granted, lock = threading.Barrier(len(workers)), [], threading.Lock()
+
+    def ask(worker: Worker) -> None:
+        try:
+            barrier.wait()
+            result = grant_lease(worker, now=T0)
+            with lock:
+                granted.append(result.lease.unit_id if result else None)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=ask, args=(w,)) for w in workers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    units = [u for u in granted if u is not None]
+    assert len(granted) == 8
+    assert len(units) == len(set(units)) == 4
+    assert Lease.objects.count() == 4
+    assert not WorkUnit.objects.filter(state=WorkUnit.State.QUEUED).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_on_postgresql_a_grant_skips_a_unit_another_grant_holds_locked() -> None:
+    if connection.vendor != "postgresql":
+        pytest.skip("SKIP LOCKED is PostgreSQL's; SQLite serialises writers instead")
+    start_run(prepare_run(make_run(replicas_per_path=1)), now=T0)
+    first = WorkUnit.objects.order_by("path__index").first()
+    assert first is not None
+    locked, done, granted = threading.Event(), threading.Event(), []
+
+    def hold_first_unit() -> None:  # what a concurrent grant does mid-transaction
+        try:
+            with transaction.atomic():
+                WorkUnit.objects.select_for_update().get(pk=first.pk)
+                locked.set()
+                done.wait(timeout=30)
+        finally:
+            connection.close()
+
+    def ask() -> None:
+        try:
+            result = grant_lease(make_worker(), now=T0)
+            granted.append(result.lease.unit_id if result else None)
+        finally:
+            connection.close()
+
+    holder = threading.Thread(target=hold_first_unit)
+    holder.start()
+    assert locked.wait(timeout=30)
+    asker = threading.Thread(target=ask)
+    asker.start()
+    asker.join(timeout=10)
+    blocked = asker.is_alive()
+    done.set()
+    holder.join(timeout=30)
+    asker.join(timeout=30)
+    assert not blocked, "the grant waited for the locked unit instead of skipping it"
+    assert granted and granted[0] not in (None, first.pk)
+
+
+def test_a_worker_gets_the_path_it_completed_last(round0: Round) -> None:
+    worker = make_worker()
+    first = grant(worker)
+    complete(worker, first.lease.pk, first.secret, reports(first))
+    for other in range(2):  # others take units, so coverage alone would pick another path
+        grant(make_worker(f"other{other}"))
+    second = grant(worker)
+    assert second.unit.path_id == first.unit.path_id
+
+
+def test_a_new_worker_gets_the_least_covered_path(round0: Round) -> None:
+    paths = [grant(make_worker(f"w{i}")).unit.path_id for i in range(4)]
+    assert len(set(paths)) == 4, "each path gets one replica before any gets a second"
+    fifth = grant(make_worker("w5"))
+    assert fifth.unit.replica == 1
+
+
+@override_settings(DIPACO_WORKER_MAX_LEASES=1)
+def test_a_worker_cannot_hold_more_leases_than_the_limit(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    with pytest.raises(LeaseLimitReached, match=str(held.lease.pk)):
+        grant_lease(worker, now=T0)
+    release(worker, held.lease.pk, held.secret, now=T0)
+    assert grant_lease(worker, now=T0) is not None
+
+
+def test_a_revoked_worker_gets_no_lease_and_loses_the_ones_it_holds(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    revoke_worker(worker)
+    with pytest.raises(WorkerRevoked):
+        grant_lease(worker, now=T0)
+    with pytest.raises(WorkerRevoked):
+        heartbeat(worker, held.lease.pk, held.secret, now=T0)
+    assert expire_leases(now=T0) == 1  # before its deadline: revocation is enough
+    assert WorkUnit.objects.get(pk=held.unit.pk).state == WorkUnit.State.QUEUED
+
+
+def test_lease_budget_follows_the_workers_measured_speed(round0: Round) -> None:
+    policy = current_policy()
+    tokens = unit_tokens(round0.run.run_config)  # 10,240 tokens
+    assert policy.lease_budget_s(tokens, None) == policy.lease_default_s
+    assert policy.lease_budget_s(tokens, 1.0) == policy.lease_max_s  # hours: capped
+    assert policy.lease_budget_s(tokens, 1e6) == policy.lease_min_s  # instant: floored
+    slow = policy.lease_budget_s(tokens, 3.0)
+    assert slow == pytest.approx(tokens / 3.0 * policy.lease_speed_margin)
+    worker = make_worker()
+    Worker.objects.filter(pk=worker.pk).update(measured_speed=3.0)
+    worker.refresh_from_db()
+    lease = grant(worker).lease
+    assert lease.hard_deadline == T0 + timedelta(seconds=slow)
+
+
+# --- heartbeats, expiry, release ---------------------------------------------------------
+
+
+def test_a_heartbeat_extends_the_deadline_but_never_past_the_hard_deadline(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    timeout = timedelta(seconds=current_policy().lease_timeout_s)
+    lease = heartbeat(worker, held.lease.pk, held.secret, now=T0 + 4 * MINUTE)
+    assert lease.deadline == T0 + 4 * MINUTE + timeout
+    late = held.lease.hard_deadline - MINUTE
+    Lease.objects.filter(pk=held.lease.pk).update(deadline=late)
+    lease = heartbeat(worker, held.lease.pk, held.secret, now=late - MINUTE)
+    assert lease.deadline == held.lease.hard_deadline
+    with pytest.raises(LeaseExpired):
+        heartbeat(worker, held.lease.pk, held.secret, now=held.lease.hard_deadline + MINUTE)
+
+
+def test_an_expired_lease_returns_its_unit_to_the_queue(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    assert expire_leases(now=held.lease.deadline) == 0, "at the deadline it is still valid"
+    assert expire_leases(now=held.lease.deadline + MINUTE) == 1
+    assert Lease.objects.get(pk=held.lease.pk).state == Lease.State.EXPIRED
+    assert WorkUnit.objects.get(pk=held.unit.pk).state == WorkUnit.State.QUEUED
+    assert Worker.objects.get(pk=worker.pk).leases_expired == 1
+    # All 8 units are waiting again: the requeued one is handed out once more, as attempt 2.
+    grants = [grant(make_worker(f"w{i}"), now=T0 + 10 * MINUTE) for i in range(8)]
+    again = [g for g in grants if g.unit.pk == held.unit.pk]
+    assert len(again) == 1 and again[0].lease.attempt == 2
+    assert grant_lease(make_worker("late"), now=T0 + 10 * MINUTE) is None
+
+
+def test_the_beat_sweep_requeues_units_of_leases_past_their_deadline(round0: Round) -> None:
+    from dipaco_server.rounds.tasks import sweep_leases
+
+    held = grant(make_worker(), now=timezone.now() - timedelta(hours=1))  # long silent
+    fresh = grant(make_worker("fresh"), now=timezone.now())
+    assert sweep_leases.apply().get() == 1
+    assert WorkUnit.objects.get(pk=held.unit.pk).state == WorkUnit.State.QUEUED
+    assert Lease.objects.get(pk=fresh.lease.pk).state == Lease.State.ACTIVE
+
+
+@override_settings(DIPACO_UNIT_MAX_ATTEMPTS=2)
+def test_a_unit_is_given_up_after_too_many_attempts(db: None) -> None:
+    one_path = make_run(replicas_per_path=1, layout={"levels": [{"blocks": [0, 4]}]})
+    start_run(prepare_run(one_path), now=T0)  # one path, one unit
+    now = T0
+    for _ in range(2):
+        held = grant(make_worker(f"w{now.minute}"), now=now)
+        now = held.lease.deadline + MINUTE
+        expire_leases(now=now)
+    assert WorkUnit.objects.get().state == WorkUnit.State.EXPIRED
+    assert grant_lease(make_worker("last"), now=now) is None
+
+
+def test_release_puts_the_unit_back_and_twice_is_a_no_op(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    assert release(worker, held.lease.pk, held.secret, now=T0).state == Lease.State.RELEASED
+    assert release(worker, held.lease.pk, held.secret, now=T0).state == Lease.State.RELEASED
+    assert WorkUnit.objects.get(pk=held.unit.pk).state == WorkUnit.State.QUEUED
+    assert Worker.objects.get(pk=worker.pk).leases_expired == 0
+
+
+# --- completing -------------------------------------------------------------------------
+
+
+def test_complete_records_pending_contributions_under_server_built_keys(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    rows = complete(worker, held.lease.pk, held.secret, reports(held), now=T0 + MINUTE)
+    unit = held.unit
+    assert {c.module.module_id for c in rows} == set(unit.path.modules)
+    for row in rows:
+        assert row.status == Contribution.Status.PENDING
+        assert row.blob_key == (
+            f"runs/{round0.run_id}/rounds/0/{unit.pk}/{held.lease.pk}/"
+            f"{row.module.module_id}.safetensors"
+        )
+        assert row.blob_key == upload_key(held.lease, row.module.module_id)
+    assert WorkUnit.objects.get(pk=unit.pk).state == WorkUnit.State.DONE
+    stored = Worker.objects.get(pk=worker.pk)
+    assert stored.units_completed == 1 and stored.measured_speed == 900.0
+    assert stored.tokens_processed == unit_tokens(round0.run.run_config)
+
+
+def test_complete_under_an_expired_lease_is_refused(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    late = held.lease.deadline + MINUTE
+    with pytest.raises(LeaseExpired, match="ask for a new lease"):
+        complete(worker, held.lease.pk, held.secret, reports(held), now=late)  # not yet swept
+    expire_leases(now=late)
+    with pytest.raises(LeaseExpired):
+        complete(worker, held.lease.pk, held.secret, reports(held), now=late)
+    assert not Contribution.objects.exists()
+
+
+def test_a_duplicate_complete_with_identical_content_is_a_no_op(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    first = complete(worker, held.lease.pk, held.secret, reports(held), now=T0 + MINUTE)
+    again = complete(worker, held.lease.pk, held.secret, reports(held), now=T0 + 2 * MINUTE)
+    assert [c.pk for c in again] == [c.pk for c in first]
+    assert Contribution.objects.count() == len(first)
+    assert Worker.objects.get(pk=worker.pk).units_completed == 1
+
+
+def test_a_duplicate_complete_with_different_content_is_refused(round0: Round) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    complete(worker, held.lease.pk, held.secret, reports(held), now=T0 + MINUTE)
+    with pytest.raises(ContributionConflict, match="already completed"):
+        complete(worker, held.lease.pk, held.secret, reports(held, sha="cd"), now=T0 + MINUTE)
+    assert set(Contribution.objects.values_list("sha256", flat=True)) == {"ab" * 32}
+
+
+def test_another_workers_lease_or_a_wrong_secret_is_refused(round0: Round) -> None:
+    owner, intruder = make_worker("owner"), make_worker("intruder")
+    held = grant(owner)
+    with pytest.raises(LeaseNotYours):
+        complete(intruder, held.lease.pk, held.secret, reports(held))
+    with pytest.raises(LeaseNotYours):
+        heartbeat(intruder, held.lease.pk, held.secret, now=T0)
+    with pytest.raises(LeaseSecretInvalid):
+        complete(owner, held.lease.pk, "dpl_guess", reports(held), now=T0)
+    assert Lease.objects.get(pk=held.lease.pk).state == Lease.State.ACTIVE
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ("drop-module", "missing"),
+        ("extra-module", "unexpected"),
+        ("inflate-tokens", "tokens"),
+        ("huge-size", "size"),
+        ("bad-sha", "sha256"),
+        ("nan-metric", "finite"),
+    ],
+)
+def test_complete_refuses_reports_that_do_not_fit_the_unit(
+    round0: Round, change: str, message: str
+) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    given = reports(held)
+    first = given[0]
+    if change == "drop-module":
+        given = given[1:]
+    elif change == "extra-module":
+        given.append(ContributionReport("9.9", 1, "0" * 64, first.tokens))
+    elif change == "inflate-tokens":
+        given = [ContributionReport(r.module_id, r.size, r.sha256, r.tokens * 100) for r in given]
+    elif change == "huge-size":
+        given[0] = ContributionReport(first.module_id, 10**12, first.sha256, first.tokens)
+    elif change == "bad-sha":
+        given[0] = ContributionReport(first.module_id, first.size, "../../x", first.tokens)
+    else:
+        given[0] = ContributionReport(
+            first.module_id, first.size, first.sha256, first.tokens, {"loss": float("nan")}
+        )
+    with pytest.raises(ContributionInvalid, match=message):
+        complete(worker, held.lease.pk, held.secret, given, now=T0 + MINUTE)
+    assert Lease.objects.get(pk=held.lease.pk).state == Lease.State.ACTIVE
+
+
+def test_upload_keys_refuse_a_module_outside_the_path(round0: Round) -> None:
+    held = grant(make_worker())
+    other = next(m for m in ("0.0", "0.1") if m not in held.unit.path.modules)
+    with pytest.raises(ContributionInvalid, match="not part of path"):
+        upload_key(held.lease, other)
+
+
+# --- closing -------------------------------------------------------------------------------
+
+
+def finish(units: int, now: datetime) -> Iterator[LeaseGrant]:
+    for i in range(units):
+        worker = make_worker(f"finisher{i}")
+        held = grant(worker, now=now)
+        complete(worker, held.lease.pk, held.secret, reports(held), now=now)
+        yield held
+
+
+def test_a_round_is_ready_to_close_when_every_unit_is_done(round0: Round) -> None:
+    list(finish(7, T0))
+    assert not round_ready_to_close(round0, now=T0)
+    list(finish(1, T0))
+    assert round_ready_to_close(round0, now=T0)
+
+
+@override_settings(DIPACO_ROUND_QUORUM=0.5)
+def test_a_quorum_closes_a_round_only_after_its_deadline(round0: Round) -> None:
+    assert round0.deadline is not None
+    list(finish(3, T0))
+    assert not round_ready_to_close(round0, now=round0.deadline + MINUTE)  # 3 of 8
+    list(finish(1, T0))
+    assert not round_ready_to_close(round0, now=round0.deadline - MINUTE)  # 4 of 8, early
+    assert round_ready_to_close(round0, now=round0.deadline)
+
+
+def test_closing_wins_once_and_refuses_late_work(round0: Round) -> None:
+    list(finish(4, T0))
+    straggler = make_worker("straggler")
+    held = grant(straggler)
+    assert mark_round_closing(round0, now=T0 + MINUTE)
+    assert not mark_round_closing(round0, now=T0 + MINUTE), "only one caller runs the outer step"
+    with pytest.raises(RoundClosed, match="no longer needed"):
+        complete(straggler, held.lease.pk, held.secret, reports(held), now=T0 + MINUTE)
+    assert grant_lease(make_worker("late"), now=T0 + MINUTE) is None
+    assert round0.units.filter(state=WorkUnit.State.DONE).count() == 4
+    assert mark_round_closed(round0, now=T0 + 2 * MINUTE) and round0.state == Round.State.CLOSED
+    next_round = open_round(round0.run, 1, now=T0 + 3 * MINUTE)
+    assert next_round.units.count() == 8
+    assert Run.objects.get(pk=round0.run_id).current_round == 1
+
+
+def test_a_cancelled_runs_round_never_closes_and_its_leases_stop(round0: Round) -> None:
+    list(finish(7, T0))
+    worker = make_worker("last")
+    held = grant(worker)
+    complete_later = reports(held)
+    transition(round0.run, "cancelled")
+    assert not round_ready_to_close(round0, now=round0.deadline)
+    with pytest.raises(RunNotActive, match="stop training"):
+        heartbeat(worker, held.lease.pk, held.secret, now=T0)
+    with pytest.raises(RunNotActive):
+        complete(worker, held.lease.pk, held.secret, complete_later, now=T0)
