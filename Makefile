@@ -11,11 +11,15 @@ BIN := $(VENV)/bin
 
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml package-lock.json
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(TORCH)
 	$(BIN)/python -m pip install -q -e ".[server,dev]"
+	@# Dashboard charts (uPlot) and live updates (htmx) come from npm, pinned by
+	@# package-lock.json; postinstall copies them into the app's static folder.
+	@if command -v npm >/dev/null; then npm ci --no-audit --no-fund --loglevel=error; \
+	else echo "warning: npm not found: the dashboard will have no charts; install Node.js and rerun 'make setup'"; fi
 	touch $@
 
 # Until `dipaco demo` lands, the main job is the control plane on the embedded default.

@@ -2,19 +2,70 @@
 
 The OpenAPI schema is at /api/v1/openapi.json and its browsable docs at
 /api/v1/docs (swagger-ui served from the ``ninja`` package's static files).
-Apps add their routers below.
+
+- admin API (staff bearer tokens, accounts.auth.StaffToken): /datasets, /runs,
+  /runs/{id}/metrics, /enrollment-tokens, /workers
+- worker API (worker bearer tokens): /worker/register, /worker/heartbeat,
+  /worker/lease, /worker/lease/{id}/manifest|upload-urls|complete|release
+- /health (no auth)
+
+Every error is ``{"error": {"code", "message"}}`` (dipaco_server.errors),
+including unknown routes under /api/v1 and wrong methods.
 """
 
+from typing import Any
+
+from django.urls import URLPattern, URLResolver, re_path
 from ninja import NinjaAPI
+from ninja.openapi.schema import OpenAPISchema
 
 from dipaco import __version__
+from dipaco_server import errors
 from dipaco_server.core.api import router as core_router
+from dipaco_server.inference.api import router as inference_router
+from dipaco_server.rounds.api import router as lease_router
+from dipaco_server.runs.api import router as runs_router
+from dipaco_server.workers.api import router as workers_router
+from dipaco_server.workers.api import worker_router as registration_router
 
-api = NinjaAPI(
+
+class DipacoAPI(NinjaAPI):
+    """NinjaAPI whose every URL answers errors as JSON, ending with a JSON 404 catch-all."""
+
+    def _get_urls(self) -> list[URLResolver | URLPattern]:
+        urls = super()._get_urls()
+        for pattern in urls:
+            if isinstance(pattern, URLPattern):
+                pattern.callback = errors.json_errors(pattern.callback)
+        # Last, so it only sees paths that no route (including routers added later) matched.
+        urls.append(re_path(r"^.*$", errors.not_found, name="not-found"))
+        return urls
+
+    def get_openapi_schema(
+        self, *, path_prefix: str | None = None, path_params: dict[str, Any] | None = None
+    ) -> OpenAPISchema:
+        schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
+        errors.document_errors(schema)
+        return schema
+
+
+api = DipacoAPI(
     title="dipaco control plane",
     version=__version__,
-    description="Admin, worker and inference API of a dipaco server.",
+    description=(
+        "Admin, worker and inference API of a dipaco server. Admin routes need a staff "
+        "token (`dipaco admin token create USER`), worker routes a worker token from "
+        "`POST /worker/register`; send either as `Authorization: Bearer <token>`. "
+        'Every error is `{"error": {"code": ..., "message": ...}}`.'
+    ),
     urls_namespace="api-v1",
     docs_url="/docs",
+    parser=errors.SizeLimitedParser(),
 )
+errors.install(api)
 api.add_router("/", core_router)
+api.add_router("/", runs_router)
+api.add_router("/", workers_router)
+api.add_router("/", inference_router)
+api.add_router("/worker", registration_router)
+api.add_router("/worker", lease_router)

@@ -41,6 +41,7 @@ KNOWN_VARIABLES = frozenset(
         "SECRET_KEY",
         "DEBUG",
         "ALLOWED_HOSTS",
+        "DIPACO_PUBLIC_DASHBOARD",
     }
 )
 

@@ -45,6 +45,8 @@ INSTALLED_APPS = [
     "dipaco_server.runs",
     "dipaco_server.workers",
     "dipaco_server.rounds",
+    "dipaco_server.accounts",
+    "dipaco_server.inference",
     "dipaco_web",
 ]
 
@@ -85,6 +87,11 @@ USE_TZ = True
 # Static files are served by the app itself (urls.py), straight from the
 # installed packages: no collectstatic step, no CDN.
 STATIC_URL = "static/"
+
+# --- dashboard (dipaco_web) -----------------------------------------------------
+# Runs and workers pages for anyone (default), or only for signed-in users when
+# false; the run buttons are for staff either way.
+DIPACO_PUBLIC_DASHBOARD = env.env_bool("DIPACO_PUBLIC_DASHBOARD", True, os.environ)
 
 # --- Celery (read by dipaco_server.celery through the CELERY_ namespace) -----
 _celery = env.celery_transport(DIPACO_DATA_DIR, REDIS_URL)

@@ -4,11 +4,13 @@ from django.contrib import admin
 from django.contrib.staticfiles.views import serve as serve_static
 from django.urls import include, path, re_path
 
+from dipaco_server import errors
 from dipaco_server.api import api
 
 urlpatterns = [
     path("", include("dipaco_web.urls")),
     path("api/v1/", api.urls),
+    re_path(r"^api/", errors.not_found),
     path("blobs/", include("dipaco_server.storage.urls")),
     path("admin/", admin.site.urls),
     # Static files straight from the installed apps (finders), also with

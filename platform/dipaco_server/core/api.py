@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Literal
 
 from django.http import HttpRequest
-from ninja import Router, Schema
+from ninja import Router, Schema, Status
 
 from dipaco import __version__
 from dipaco_server.core import services
@@ -26,7 +26,7 @@ class HealthOut(Schema):
 
 
 @router.get("/health", response={200: HealthOut, 503: HealthOut}, auth=None)
-def health(request: HttpRequest) -> tuple[int, HealthOut]:
+def health(request: HttpRequest) -> Status[HealthOut]:
     """Whether this server can reach its database and Celery broker."""
     database, broker = services.check_database(), services.check_broker()
     ok = database.ok and broker.ok
@@ -36,4 +36,4 @@ def health(request: HttpRequest) -> tuple[int, HealthOut]:
         database=CheckOut(ok=database.ok, detail=database.detail),
         broker=CheckOut(ok=broker.ok, detail=broker.detail),
     )
-    return (200 if ok else 503), body
+    return Status(200 if ok else 503, body)

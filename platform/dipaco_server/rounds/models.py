@@ -140,3 +140,36 @@ class Contribution(models.Model):
 
     def __str__(self) -> str:
         return f"contribution {self.pk} of unit {self.unit_id} to {self.module_id} ({self.status})"
+
+
+class OuterStep(models.Model):
+    """One module's outer step in one round: its outcome, recorded once (rounds.outer).
+
+    The row is written in the same transaction that publishes version t + 1 and settles
+    the contributions, so its existence is what makes a retried step a no-op.
+    """
+
+    class Outcome(models.TextChoices):
+        STEPPED = "stepped"  # version t + 1 was written
+        KEPT = "kept"  # no contribution was accepted: the module keeps its version
+
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="outer_steps")
+    module = models.ForeignKey(Module, on_delete=models.CASCADE, related_name="outer_steps")
+    outcome = models.CharField(max_length=16, choices=Outcome.choices)
+    base_version = models.PositiveIntegerField(null=True, blank=True)
+    version = models.PositiveIntegerField(null=True, blank=True)  # None when kept
+    accepted = models.PositiveIntegerField(default=0)
+    rejected = models.PositiveIntegerField(default=0)
+    tokens = models.PositiveBigIntegerField(default=0)  # behind the accepted contributions
+    median_norm = models.FloatField(null=True, blank=True)  # of the verified Δs
+    update_norm = models.FloatField(null=True, blank=True)  # of the aggregated outer gradient
+    seconds = models.FloatField(default=0.0)
+    created_at = models.DateTimeField(default=timezone.now)
+
+    class Meta:
+        constraints = (
+            models.UniqueConstraint(fields=["round", "module"], name="outer_step_once_per_round"),
+        )
+
+    def __str__(self) -> str:
+        return f"round {self.round_id} module {self.module_id}: {self.outcome}"

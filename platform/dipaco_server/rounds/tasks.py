@@ -1,18 +1,182 @@
-"""Periodic scheduling tasks (Celery beat).
+"""Round tasks: closing a round, one outer step per module, and opening the next round.
 
-Wire into settings.CELERY_BEAT_SCHEDULE, e.g. every 30 s:
-``{"sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0}}``.
-Idempotent: a sweep that runs twice, or two sweeps at once, expire each lease once.
+    close_round(run, t)  ──chord──▶  outer_step(run, m, t) for every module m
+                                     ──▶ finish_round(run, t): evaluate, open t + 1 or finish
+
+Call `close_round` whenever a round may have become ready (after each completion, and
+from beat through `close_ready_rounds`): it does nothing until every unit is in, or a
+quorum is in and the deadline passed, and of concurrent calls only one closes the round.
+Sending it again for a round that is already closing launches the chord again, which is
+safe: every outer step is idempotent (rounds.outer), so use that to resume a round whose
+steps were lost. Tasks started here go to the queue their parent came from.
+
+Beat (settings.CELERY_BEAT_SCHEDULE), e.g. every 30 s:
+``{"sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0},
+"close-ready-rounds": {"task": "dipaco_server.rounds.tasks.close_ready_rounds", "schedule": 30.0}}``.
 """
 
 from __future__ import annotations
 
-from celery import shared_task
+import importlib
+import logging
+from typing import Any
 
+from botocore.exceptions import BotoCoreError, ClientError
+from celery import Task, chord, shared_task
+from celery.signals import worker_init
+from django.db import InterfaceError, OperationalError
+
+from dipaco_server.rounds.models import Round
 from dipaco_server.rounds.scheduler import expire_leases
+from dipaco_server.rounds.services import (
+    mark_round_closed,
+    mark_round_closing,
+    open_round,
+    round_ready_to_close,
+)
+from dipaco_server.runs.errors import ServiceError
+from dipaco_server.runs.models import Module, Run
+from dipaco_server.runs.models import Path as RunPath
+from dipaco_server.runs.services import TERMINAL, transition
+
+logger = logging.getLogger(__name__)
+
+# Errors worth retrying with backoff: the database or the object store was unreachable.
+TRANSIENT = (
+    OperationalError,
+    InterfaceError,
+    ConnectionError,
+    TimeoutError,
+    BotoCoreError,
+    ClientError,
+)
+RETRY = {
+    "autoretry_for": TRANSIENT,
+    "retry_backoff": 2,
+    "retry_backoff_max": 120,
+    "retry_jitter": True,
+    "max_retries": 6,
+}
+
+
+def same_queue(task: Task) -> dict[str, Any]:
+    """Options that send a follow-up task to the queue `task` was taken from."""
+    queue = (task.request.delivery_info or {}).get("routing_key")
+    return {"queue": queue} if queue else {}
+
+
+@worker_init.connect
+def preload(**_: object) -> None:
+    """Import torch, transformers and the outer step once in the worker's main process,
+    before it forks its pool: every pool process (and each replacement of one that died)
+    then starts warm instead of spending seconds on imports in its first task."""
+    for module in ("dipaco.modular", "dipaco_server.rounds.outer", "dipaco_server.runs.evaluate"):
+        importlib.import_module(module)
 
 
 @shared_task(name="dipaco_server.rounds.tasks.sweep_leases")
 def sweep_leases() -> int:
     """Requeue the units of leases past their deadline or held by revoked workers."""
     return expire_leases()
+
+
+@shared_task(bind=True, name="dipaco_server.rounds.tasks.close_ready_rounds")
+def close_ready_rounds(self: Task) -> list[tuple[int, int]]:
+    """Send close_round for every open round that may close now: (run, t) of each."""
+    ready = [
+        (r.run_id, r.t)
+        for r in Round.objects.filter(
+            state=Round.State.OPEN, run__state__in=[Run.State.RUNNING, Run.State.PAUSED]
+        )
+        if round_ready_to_close(r)
+    ]
+    for run_id, t in ready:
+        close_round.apply_async((run_id, t), **same_queue(self))
+    return ready
+
+
+@shared_task(bind=True, name="dipaco_server.rounds.tasks.close_round", **RETRY)
+def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
+    """Close round t once it is ready (or now, with `force`) and step every module."""
+    round_ = Round.objects.select_related("run").filter(run_id=run_id, t=t).first()
+    if round_ is None:
+        return "missing"
+    if round_.run.state in TERMINAL:
+        return round_.run.state  # a cancelled or failed run gets no more outer steps
+    if round_.state == Round.State.CLOSED:
+        return "closed"
+    if round_.state == Round.State.OPEN:
+        if not force and not round_ready_to_close(round_):
+            return "not ready"
+        if not mark_round_closing(round_):
+            return "closing elsewhere"  # a concurrent call won and launched the chord
+    modules = (
+        Module.objects.filter(run_id=run_id).order_by("pk").values_list("module_id", flat=True)
+    )
+    options = same_queue(self)
+    steps = [outer_step.si(run_id, module_id, t).set(**options) for module_id in modules]
+    done = finish_round.si(run_id, t).set(**options)
+    chord(steps)(done.on_error(fail_round.si(run_id, t).set(**options)))
+    logger.info("run %s round %d closing: %d outer steps sent", run_id, t, len(steps))
+    return "closing"
+
+
+@shared_task(
+    bind=True,
+    name="dipaco_server.rounds.tasks.outer_step",
+    acks_late=True,
+    reject_on_worker_lost=True,  # a worker killed mid-step hands the step to another
+    **RETRY,
+)
+def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, object]:
+    """Verify, aggregate and apply round t's contributions to one module, exactly once."""
+    from dipaco_server.rounds.outer import step_module
+
+    return step_module(run_id, module_id, t)
+
+
+@shared_task(bind=True, name="dipaco_server.rounds.tasks.finish_round", **RETRY)
+def finish_round(self: Task, run_id: int, t: int) -> str:
+    """After every module stepped: close the round, evaluate the paths, then go on."""
+    round_ = Round.objects.select_related("run").get(run_id=run_id, t=t)
+    mark_round_closed(round_)
+    run = round_.run
+    try:
+        from dipaco_server.runs.evaluate import evaluate_run
+
+        evaluate_run(run, t)
+    except Exception:  # evaluation is for curves and early stopping; training goes on
+        logger.exception(
+            "run %s: evaluation after round %d failed; opening the next round", run_id, t
+        )
+    return advance_run(run, t)
+
+
+@shared_task(name="dipaco_server.rounds.tasks.fail_round")
+def fail_round(run_id: int, t: int) -> None:
+    """A module's outer step failed for good (not a bad contribution: those are rejected)."""
+    run = Run.objects.get(pk=run_id)
+    message = f"the outer step of round {t} failed; see the Celery worker log, then resume"
+    logger.error("run %s: %s", run_id, message)
+    if run.state not in TERMINAL:
+        transition(run, Run.State.FAILED, error=message)
+
+
+def advance_run(run: Run, t: int) -> str:
+    """Open round t + 1, or finish the run after its last round or when every path stopped."""
+    run.refresh_from_db()
+    if run.state in TERMINAL:
+        return run.state
+    if t + 1 < run.run_config.rounds and run.paths.filter(state=RunPath.State.ACTIVE).exists():
+        try:
+            open_round(run, t + 1)
+        except ServiceError as exc:
+            logger.warning("run %s: round %d not opened: %s", run.pk, t + 1, exc.message)
+            return "stalled"
+        return "opened"
+    run.paths.filter(state=RunPath.State.ACTIVE).update(state=RunPath.State.FINISHED)
+    try:
+        transition(run, Run.State.FINISHED)
+    except ServiceError as exc:  # finished (or cancelled) concurrently
+        logger.info("run %s: not finished here: %s", run.pk, exc.message)
+    return "finished"

@@ -30,6 +30,8 @@ class Dataset(models.Model):
     tokenizer_key = models.CharField(max_length=1024, blank=True)
     router_key = models.CharField(max_length=1024, blank=True)
     error = models.TextField(blank=True)
+    # What prepare_dataset is doing now: {"stage", "step", "steps", "detail", "updated_at"}.
+    progress = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
 
@@ -59,6 +61,8 @@ class Run(models.Model):
     state = models.CharField(max_length=16, choices=State.choices, default=State.DRAFT)
     current_round = models.PositiveIntegerField(default=0)
     error = models.TextField(blank=True)
+    # What prepare_run is doing now: {"stage", "step", "steps", "detail", "updated_at"}.
+    progress = models.JSONField(default=dict, blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     updated_at = models.DateTimeField(default=timezone.now)
     started_at = models.DateTimeField(null=True, blank=True)

@@ -18,6 +18,8 @@ from django.http import FileResponse, HttpRequest, HttpResponse, JsonResponse
 from django.http.multipartparser import MultiPartParserError
 from django.views.decorators.csrf import csrf_exempt
 
+from dipaco_server.errors import error_response as error
+
 from . import signing
 from .base import get_blob_store
 from .keys import BlobNotFound, BlobStoreError, InvalidBlobKey
@@ -28,10 +30,6 @@ log = logging.getLogger(__name__)
 
 # Room for the multipart boundaries and headers around a POST's file field.
 FORM_OVERHEAD_BYTES = 64 * 1024
-
-
-def error(status: int, code: str, message: str) -> JsonResponse:
-    return JsonResponse({"error": {"code": code, "message": message}}, status=status)
 
 
 @csrf_exempt  # authorised by the URL's signature, not by a session

@@ -1,0 +1,72 @@
+"""An optional dense warm-up phase every method and baseline starts from.
+
+DiPaCo starts its modules from a trained dense model (DESIGN §1, init_modules_from_base),
+and DiLoCo's experiments start from a pretrained checkpoint (arXiv 2311.08105): averaging
+replicas that left one random initialisation 50 steps ago loses much of what they learnt,
+which at simulation scale (a few rounds) dominates every comparison. The base model trains
+`steps` AdamW steps at the inner batch size on the stream of every document (its own
+warm-up and cosine), and is cached next to the prepared data.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from dipaco.config import RunConfig
+from dipaco.inner import StepMetrics, run_inner_loop
+from dipaco.model import build_model
+from dipaco.simulate.prepare import PreparedData
+
+__all__ = ["BASE_SEED_OFFSET", "train_base"]
+
+BASE_SEED_OFFSET = 7919  # the base reads its own shuffle of the windows, not the methods'
+
+
+def _cache_name(config: RunConfig, steps: int) -> str:
+    inputs = {
+        "model": config.model.model_dump(mode="json"),
+        "inner": config.inner.model_dump(mode="json", exclude={"steps"}),
+        "seed": config.seed,
+        "steps": steps,
+    }
+    digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    return f"base-{digest}.safetensors"
+
+
+def train_base(
+    config: RunConfig,
+    data: PreparedData,
+    steps: int,
+    *,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    device: torch.device | str = "cpu",
+) -> dict[str, Tensor]:
+    """The base model's state dict (fp32, CPU), trained once per (model, inner, seed, steps)."""
+    if steps < 1:
+        raise ValueError(f"base steps = {steps}: need at least 1 (or no base phase at all)")
+    path = data.directory / _cache_name(config, steps)
+    if path.is_file():
+        return load_file(str(path))
+    model = build_model(config.model, config.seed)
+    source = data.train_source(None, config.model.seq_len, config.seed + BASE_SEED_OFFSET)
+    inner = config.inner.model_copy(update={"steps": steps})
+    run_inner_loop(
+        model, source, inner, seq_len=config.model.seq_len, device=device, on_step=on_step
+    )
+    state = {
+        name: t.detach().to("cpu", torch.float32).contiguous()
+        for name, t in model.state_dict().items()
+    }
+    if config.model.tie_embeddings:  # safetensors refuses shared tensors; assembly re-ties
+        state["lm_head.weight"] = state["lm_head.weight"].clone()
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    save_file(state, str(tmp))
+    os.replace(tmp, path)
+    return state

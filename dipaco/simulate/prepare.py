@@ -1,0 +1,263 @@
+"""Prepare a simulation's data: corpus -> tokenizer -> router -> per-path token shards.
+
+Everything is cached in ``<work_dir>/<key>/`` where the key hashes every input that changes
+the result (corpus, budget, split, vocabulary, router settings, modules per level, seed).
+A second run with the same inputs opens the directory instead of re-tokenising.
+
+Layout of a prepared directory::
+
+    meta.json     inputs, document counts, corpus statistics
+    tokenizer/    a Hugging Face tokenizer directory (dipaco.data.tokenizer)
+    router/       router.safetensors + router.json (absent with one path)
+    shards/       per-path train/val shards, as the platform stores them (dipaco.data.shards)
+    all/          one shard of every document: the i.i.d. stream the baselines read
+                  (absent with one path, where shards/ is that stream already)
+
+Documents are written in a seeded hash order, so a path's stream and the stream of all
+documents are both shuffled the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dipaco.config import RunConfig
+from dipaco.data.corpus import CorpusStats, Document, iter_corpus, split_documents
+from dipaco.data.shards import ShardIndex, TokenShard, build_shards
+from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
+from dipaco.routing.router import Router
+
+__all__ = ["DataBudget", "PreparedData", "ShardSource", "default_work_dir", "prepare_data"]
+
+PREPARE_FORMAT = "dipaco-simulate-data/2"
+Log = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class DataBudget:
+    """How much of the corpus a simulation reads: a hash-ordered sample, so any budget
+    covers every part of the corpus (a sorted stdlib cut would be all `asyncio`)."""
+
+    max_docs: int | None = 2000  # documents (file chunks of <= 8192 chars) kept at most
+    max_chars: int | None = None  # characters kept at most, over train and validation
+    tokenizer_chars: int = 4_000_000  # BPE training sample (dipaco.data.tokenizer default)
+
+
+class ShardSource:
+    """dipaco.inner's TokenSource over a TokenShard, reading windows in a seeded shuffled order.
+
+    The inner loop counts its position in windows (it advances by batch_size per
+    micro-batch, like InMemoryTokenSource), while TokenShard.batch takes a token offset;
+    this adapter converts. Position k reads window perm[k] of the shard's non-overlapping
+    windows: on the platform a unit's contiguous window of a path's shard spans thousands
+    of documents, but at simulation scale a contiguous run of H x batch windows would be a
+    handful of files, and replicas would drift apart on them; a permutation restores
+    i.i.d. batches, for the method and the baselines alike.
+    """
+
+    def __init__(self, shard: TokenShard, seq_len: int, seed: int) -> None:
+        self.shard = shard
+        self.seq_len = seq_len
+        windows = (len(shard) - 1) // seq_len
+        if windows < 1:
+            raise ValueError(
+                f"{shard.path} holds {len(shard)} tokens, not one window of {seq_len + 1}; "
+                "raise the budget (--max-docs) or use fewer paths"
+            )
+        generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(windows, generator=generator)  # (W,)
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        if seq_len != self.seq_len:
+            raise ValueError(f"source cut for seq_len {self.seq_len}, asked for {seq_len}")
+        picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
+        rows = [self.shard.read_window(int(w) * seq_len, seq_len + 1) for w in picks]
+        return torch.from_numpy(np.stack(rows))  # (B, T+1)
+
+
+@dataclass
+class PreparedData:
+    directory: Path
+    key: str
+    reused: bool
+    tokenizer: RunTokenizer
+    router: Router | None
+    shards: ShardIndex  # one entry per path
+    everything: ShardIndex  # one path holding every document
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def num_paths(self) -> int:
+        return self.shards.num_paths
+
+    def _root(self, index: ShardIndex) -> Path:
+        return self.directory / ("shards" if index is self.shards else "all")
+
+    def train_source(self, path: int | None, seq_len: int, seed: int) -> ShardSource:
+        """Training windows of one path, or of every document (path=None), shuffled."""
+        index = self.shards if path is not None else self.everything
+        return ShardSource(index.open(self._root(index), path or 0, "train"), seq_len, seed)
+
+    def val_tokens(self, path: int) -> Tensor:
+        """Path's whole validation stream, (N,) int64 (empty when no document routes there)."""
+        info = self.shards.info(path, "val")
+        if info.tokens == 0:
+            return torch.zeros(0, dtype=torch.int64)
+        shard = self.shards.open(self._root(self.shards), path, "val")
+        return torch.from_numpy(shard.read_window(0, len(shard)))
+
+    def docs(self, split: str) -> list[int]:
+        """Documents per path in `split` ("train" or "val")."""
+        return [self.shards.info(p, split).docs for p in range(self.num_paths)]
+
+    def tokens(self, split: str) -> list[int]:
+        return [self.shards.info(p, split).tokens for p in range(self.num_paths)]
+
+
+def default_work_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(cache) / "dipaco" / "simulate"
+
+
+def cache_inputs(config: RunConfig, budget: DataBudget) -> dict[str, Any]:
+    """Everything the prepared data depends on (and nothing it does not, e.g. H or lr)."""
+    return {
+        "format": PREPARE_FORMAT,
+        "data": config.data.model_dump(mode="json"),
+        "vocab_size": config.model.vocab_size,
+        "router": config.router.model_dump(mode="json"),
+        "modules_per_level": list(config.layout.modules_per_level),
+        "seed": config.seed,
+        "max_docs": budget.max_docs,
+        "max_chars": budget.max_chars,
+        "tokenizer_chars": budget.tokenizer_chars,
+    }
+
+
+def _doc_hash(seed: int, doc: Document) -> bytes:
+    return hashlib.sha256(f"{seed}:{doc.id}".encode("utf-8", "surrogatepass")).digest()
+
+
+def select_documents(
+    config: RunConfig, budget: DataBudget, stats: CorpusStats
+) -> tuple[list[Document], list[Document]]:
+    """The budgeted sample, split into (train, val) by source, both in seeded hash order."""
+    docs: Iterable[Document] = iter_corpus(
+        config.data.corpus, stats, text_field=config.data.text_field
+    )
+    key = lambda doc: _doc_hash(config.seed, doc)  # noqa: E731
+    if budget.max_docs is not None:
+        chosen = heapq.nsmallest(budget.max_docs, docs, key=key)  # streams: holds max_docs
+    else:
+        chosen = sorted(docs, key=key)
+    if budget.max_chars is not None:
+        total, kept = 0, list[Document]()
+        for doc in chosen:
+            if total + len(doc.text) > budget.max_chars and kept:
+                break
+            kept.append(doc)
+            total += len(doc.text)
+        chosen = kept
+    return split_documents(chosen, config.data.val_fraction)
+
+
+def _build(config: RunConfig, budget: DataBudget, out: Path, log: Log) -> dict[str, Any]:
+    stats = CorpusStats()
+    train_docs, val_docs = select_documents(config, budget, stats)
+    if not val_docs:
+        raise ValueError(
+            f"the sample of {len(train_docs)} documents left none for validation; raise "
+            "data.val_fraction (--val-fraction) or the budget (--max-docs)"
+        )
+    num_paths = config.layout.num_paths
+    log(f"corpus: {len(train_docs)} train + {len(val_docs)} val documents; training tokenizer")
+    tokenizer = train_tokenizer(
+        train_docs, config.model.vocab_size, max_chars=budget.tokenizer_chars
+    )
+    tokenizer.save(out / "tokenizer")
+    router = None
+    if num_paths > 1:
+        if config.router.featurizer != "tfidf":
+            raise ValueError(
+                "simulate fits its router before any model exists, so it needs "
+                "router.featurizer = 'tfidf' (base-lm needs a trained base model)"
+            )
+        log(f"fitting the {config.router.method} router for {num_paths} paths")
+        router = Router.fit(
+            [doc.text for doc in train_docs],
+            tokenizer,
+            factors=config.layout.modules_per_level,
+            featurizer="tfidf",
+            method=config.router.method,
+            prefix_tokens=config.router.prefix_tokens,
+            max_imbalance=config.router.max_imbalance,
+            seed=config.router.seed,
+        )
+        router.save(out / "router")
+    log("tokenizing and writing shards")
+    build_shards(train_docs, val_docs, tokenizer, router, out / "shards", progress=False)
+    if router is not None:  # the baselines' i.i.d. stream of every document
+        build_shards(train_docs, val_docs, tokenizer, None, out / "all", progress=False)
+    return {
+        "inputs": cache_inputs(config, budget),
+        "train_docs": len(train_docs),
+        "val_docs": len(val_docs),
+        "corpus_files": stats.files,
+        "corpus_skipped": dict(stats.skipped),
+        "tokenizer_vocab": tokenizer.vocab_size,
+    }
+
+
+def _load(directory: Path, key: str, reused: bool) -> PreparedData:
+    meta = json.loads((directory / "meta.json").read_text("utf-8"))
+    tokenizer = RunTokenizer.load(directory / "tokenizer")
+    shards = ShardIndex.load(directory / "shards")
+    router = Router.load(directory / "router", tokenizer) if shards.num_paths > 1 else None
+    everything = ShardIndex.load(directory / "all") if router is not None else shards
+    return PreparedData(directory, key, reused, tokenizer, router, shards, everything, meta)
+
+
+def prepare_data(
+    config: RunConfig,
+    budget: DataBudget,
+    work_dir: Path | None = None,
+    *,
+    log: Log = lambda _: None,
+) -> PreparedData:
+    """Prepared data for `config`, built once per distinct input and then reused."""
+    inputs = cache_inputs(config, budget)
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
+    root = Path(work_dir) if work_dir is not None else default_work_dir()
+    directory = root / key
+    if (directory / "meta.json").is_file():
+        log(f"reusing prepared data in {directory}")
+        return _load(directory, key, True)
+    root.mkdir(parents=True, exist_ok=True)
+    # Built aside and renamed into place: a crash never leaves a half-prepared directory
+    # that a later run would trust.
+    staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
+    try:
+        meta = _build(config, budget, staging, log)
+        (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", "utf-8")
+        try:
+            os.replace(staging, directory)
+        except OSError:  # another process finished the same key first: use theirs
+            if not (directory / "meta.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    log(f"prepared data in {directory}")
+    return _load(directory, key, False)

@@ -1,0 +1,1 @@
+"""Staff accounts of the admin API: personal bearer tokens, stored hashed."""

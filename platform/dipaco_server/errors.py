@@ -1,0 +1,249 @@
+"""The one error shape of every API, and the mapping from exceptions to it.
+
+Every refusal is JSON ``{"error": {"code": ..., "message": ...}}`` with a 4xx
+status, plus ``"details"`` inside ``error`` when there is more to say (config
+problems, allowed moves, validation errors). ``code`` is stable and part of the
+API contract; ``message`` is for a person and says what to do. Client faults
+are never 500: malformed JSON, missing fields, unknown routes, wrong methods,
+bodies over the limit and auth failures all land here. A 500 means a bug; it
+is logged with its traceback and answered in the same shape.
+
+`install(api)` registers the handlers on a NinjaAPI; `error_response` is the
+helper everything else (the blob views too) builds its errors with.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from functools import wraps
+from typing import Any
+
+from django.core.exceptions import RequestDataTooBig
+from django.core.serializers.json import DjangoJSONEncoder
+from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from ninja import NinjaAPI
+from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
+from ninja.parser import Parser
+
+from dipaco_server.runs.errors import ServiceError
+
+logger = logging.getLogger(__name__)
+
+# JSON bodies of this API are small (the largest, a completion, is a few KiB); Django's
+# DATA_UPLOAD_MAX_MEMORY_SIZE (2.5 MiB) stops anything bigger before it is read.
+MAX_JSON_BODY_BYTES = 256 * 1024
+MAX_ERRORS_LISTED = 20  # validation errors echoed in one response
+
+# A code for statuses that reach us without one (ninja's HttpError, Django responses).
+STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthenticated",
+    403: "forbidden",
+    404: "not_found",
+    405: "method_not_allowed",
+    409: "conflict",
+    413: "body_too_large",
+    415: "unsupported_media_type",
+    422: "invalid_request",
+    429: "too_many_requests",
+}
+
+
+class ApiError(Exception):
+    """An API-level refusal (not a service's): raise it from a view or an auth check."""
+
+    def __init__(self, status: int, code: str, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+        self.details = details
+
+
+def error_response(
+    status: int, code: str, message: str, details: Mapping[str, Any] | None = None
+) -> JsonResponse:
+    """The one error body: ``{"error": {"code", "message"[, "details"]}}``."""
+    body: dict[str, Any] = {"code": code, "message": message}
+    if details:
+        body["details"] = dict(details)
+    return JsonResponse({"error": body}, status=status, encoder=DjangoJSONEncoder)
+
+
+class SizeLimitedParser(Parser):
+    """ninja's JSON parser, refusing bodies over MAX_JSON_BODY_BYTES and saying why JSON fails."""
+
+    def parse_body(self, request: HttpRequest) -> Any:
+        declared = request.META.get("CONTENT_LENGTH") or ""
+        too_long = declared.isdigit() and int(declared) > MAX_JSON_BODY_BYTES
+        if too_long or len(request.body) > MAX_JSON_BODY_BYTES:
+            raise _too_large()
+        try:
+            return json.loads(request.body)
+        except UnicodeDecodeError:
+            raise ApiError(400, "malformed_json", "the body is not UTF-8 encoded JSON") from None
+        except json.JSONDecodeError as exc:
+            raise ApiError(
+                400,
+                "malformed_json",
+                f"the body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
+            ) from None
+
+
+def _too_large() -> ApiError:
+    return ApiError(
+        413, "body_too_large", f"the request body exceeds {MAX_JSON_BODY_BYTES} bytes; send less"
+    )
+
+
+# --- exception handlers ------------------------------------------------------------------
+
+
+def _service_error(request: HttpRequest, exc: ServiceError) -> HttpResponse:
+    return error_response(exc.status, exc.code, exc.message, exc.details)
+
+
+def _api_error(request: HttpRequest, exc: ApiError) -> HttpResponse:
+    return error_response(exc.status, exc.code, exc.message, exc.details)
+
+
+def _http_error(request: HttpRequest, exc: HttpError) -> HttpResponse:
+    # ninja wraps whatever the body parser raised in HttpError(400): answer with the cause.
+    cause = exc.__cause__
+    if isinstance(cause, ApiError):
+        return _api_error(request, cause)
+    if isinstance(cause, RequestDataTooBig):
+        return _api_error(request, _too_large())
+    if isinstance(exc, AuthenticationError):
+        return error_response(
+            401,
+            "unauthenticated",
+            "send a token in the header 'Authorization: Bearer <token>'",
+        )
+    if isinstance(exc, AuthorizationError):
+        return error_response(403, "forbidden", str(exc))
+    status = exc.status_code
+    return error_response(status, STATUS_CODES.get(status, f"http_{status}"), str(exc))
+
+
+def _validation_error(request: HttpRequest, exc: ValidationError) -> HttpResponse:
+    errors = [
+        {"loc": _location(e.get("loc", ())), "msg": str(e.get("msg", ""))}
+        for e in exc.errors[:MAX_ERRORS_LISTED]
+    ]
+    listed = "; ".join(f"{'.'.join(e['loc'])}: {e['msg']}" for e in errors)
+    return error_response(
+        422,
+        "invalid_request",
+        f"the request does not match the schema: {listed}",
+        {"errors": errors},
+    )
+
+
+def _location(loc: Any) -> list[str]:
+    """ninja's (source, parameter, field...) without the parameter name of a body schema,
+    which means nothing to a client: ("body", "body", "name") -> ["body", "name"]."""
+    parts = [str(part) for part in loc]
+    if len(parts) > 2 and parts[0] == "body":
+        del parts[1]
+    return parts
+
+
+def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
+    return _api_error(request, _too_large())
+
+
+def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
+    return not_found(request)
+
+
+def _bug(request: HttpRequest, exc: Exception) -> HttpResponse:
+    logger.error("%s %s failed", request.method, request.path, exc_info=exc)
+    return error_response(
+        500, "internal_error", "the server failed to answer; this is a bug, it has been logged"
+    )
+
+
+def install(api: NinjaAPI) -> None:
+    """Answer every error `api` raises in the one shape (replaces ninja's defaults)."""
+    api.add_exception_handler(ServiceError, _service_error)
+    api.add_exception_handler(ApiError, _api_error)
+    api.add_exception_handler(HttpError, _http_error)
+    api.add_exception_handler(ValidationError, _validation_error)
+    api.add_exception_handler(RequestDataTooBig, _too_big)
+    api.add_exception_handler(Http404, _not_found)
+    api.add_exception_handler(Exception, _bug)
+
+
+# --- the shape in the OpenAPI schema -----------------------------------------------------
+
+ERROR_SCHEMA: dict[str, Any] = {
+    "title": "Error",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message"],
+            "properties": {
+                "code": {"type": "string", "description": "Stable, e.g. lease_expired."},
+                "message": {"type": "string", "description": "What went wrong and what to do."},
+                "details": {"type": "object", "description": "More, by code (e.g. problems)."},
+            },
+        }
+    },
+}
+
+
+def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
+    """Add the error shape to an OpenAPI schema as every operation's 4XX answer."""
+    schema.setdefault("components", {}).setdefault("schemas", {})["Error"] = ERROR_SCHEMA
+    answer = {
+        "description": "A client fault, in the one error shape",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
+    }
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            operation.setdefault("responses", {}).setdefault("4XX", answer)
+    return schema
+
+
+# --- plain Django views under the API's prefix ------------------------------------------
+
+
+def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
+    """JSON 404 for a path no route matches (mounted as the API's last URL pattern)."""
+    return error_response(
+        404,
+        "not_found",
+        f"no API route at {request.path}; the routes are listed at /api/v1/docs",
+    )
+
+
+def json_errors(view: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
+    """Wrap a ninja URL view so the few answers ninja builds itself come back as JSON too.
+
+    Those are 405 for a known path with another method (ninja answers plain text)
+    and 404 from the API root (ninja raises Http404 there).
+    """
+
+    @wraps(view)
+    def wrapped(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        try:
+            response = view(request, *args, **kwargs)
+        except Http404:
+            return not_found(request)
+        if response.status_code == 405 and "json" not in response.get("Content-Type", ""):
+            allowed = response.get("Allow", "")
+            json_response = error_response(
+                405,
+                "method_not_allowed",
+                f"{request.method} is not allowed on {request.path}; use {allowed}",
+            )
+            json_response["Allow"] = allowed
+            return json_response
+        return response
+
+    return wrapped

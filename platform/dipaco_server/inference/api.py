@@ -1,0 +1,168 @@
+"""Inference API: a path's manifest, its directory as a streamed zip, its files, and routing.
+
+    GET  /runs/{id}/paths/{p}/manifest[?round=t]   files + module blobs, sha256, URLs
+    GET  /runs/{id}/paths/{p}/download[?round=t]   the Hugging Face directory as a zip
+    GET  /runs/{id}/paths/{p}/files/{name}[?round=t]  one file (blob-backed: a redirect)
+    POST /runs/{id}/route {"text": ...}            the path for a text, with every score
+
+`round=t` serves the weights after round t closed (what the dashboard's round t curves
+scored); without it, the last closed round. Readable by
+anyone while the setting DIPACO_PUBLIC_READ is true (the default), else by staff tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.conf import settings
+from django.http import (
+    HttpRequest,
+    HttpResponse,
+    HttpResponseRedirect,
+    StreamingHttpResponse,
+)
+from django.urls import reverse
+from ninja import Field, Query, Router, Schema
+
+from dipaco_server.accounts.auth import StaffToken
+from dipaco_server.errors import ApiError
+from dipaco_server.inference import routing, services
+from dipaco_server.inference.zipstream import ZipEntry, stream_zip
+from dipaco_server.storage import get_blob_store
+
+
+class PublicReadOrStaff(StaffToken):
+    """Anyone while settings.DIPACO_PUBLIC_READ is true; otherwise a staff token."""
+
+    def __call__(self, request: HttpRequest) -> Any:
+        if getattr(settings, "DIPACO_PUBLIC_READ", True):
+            return "public"
+        return super().__call__(request)
+
+
+router = Router(tags=["inference"], auth=PublicReadOrStaff())
+
+
+class RoundQuery(Schema):
+    round: int | None = Field(
+        None, ge=0, description="The weights after this round closed; the last one if left out."
+    )
+
+
+class RunRef(Schema):
+    id: int
+    name: str
+    state: str
+
+
+class PathRef(Schema):
+    index: int
+    choices: list[int] = Field(description="Module index per level.")
+    modules: list[str] = Field(description="Module ids the path is assembled from.")
+
+
+class FileOut(Schema):
+    name: str
+    size: int
+    sha256: str
+    url: str
+
+
+class ModuleBlobOut(Schema):
+    module_id: str
+    version: int
+    size: int
+    sha256: str
+    url: str = Field(description="Presigned GET of the module's fp32 safetensors.")
+
+
+class ManifestOut(Schema):
+    run: RunRef
+    path: PathRef
+    round: int = Field(description="The weights are those after this round closed.")
+    folder: str = Field(description="Directory name the zip unpacks to.")
+    expires_in: int = Field(description="Seconds the URLs stay valid.")
+    files: list[FileOut] = Field(description="The Hugging Face directory, sorted by name.")
+    modules: list[ModuleBlobOut] = Field(description="What model.safetensors is assembled from.")
+
+
+class RouteIn(Schema):
+    text: str = Field(description="A document or its start; the router reads its first tokens.")
+
+
+class RouteOut(Schema):
+    path: int
+    modules: list[int] = Field(description="Module index per level of the chosen path.")
+    scores: list[float] = Field(description="Score per path; the path is the highest.")
+
+
+def _file_url(run_id: int, path_index: int, round: int) -> Any:
+    def url(name: str) -> str:
+        relative = reverse(
+            "api-v1:inference-file",
+            kwargs={"run_id": run_id, "path_index": path_index, "name": name},
+        )
+        return f"{settings.DIPACO_PUBLIC_URL.rstrip('/')}{relative}?round={round}"
+
+    return url
+
+
+@router.get("/runs/{run_id}/paths/{path_index}/manifest", response=ManifestOut)
+def path_manifest(
+    request: HttpRequest, run_id: int, path_index: int, query: Query[RoundQuery]
+) -> dict[str, Any]:
+    """What `dipaco download` fetches: each file and module blob with size, sha256, URL."""
+    selection = services.select(run_id, path_index, query.round)
+    return services.manifest(selection, _file_url(run_id, path_index, selection.round))
+
+
+@router.get("/runs/{run_id}/paths/{path_index}/download", response={200: None})
+def path_download(
+    request: HttpRequest, run_id: int, path_index: int, query: Query[RoundQuery]
+) -> StreamingHttpResponse:
+    """The path as a zip of a Hugging Face model directory, streamed as it is read."""
+    selection = services.select(run_id, path_index, query.round)
+    files = services.path_files(selection)  # everything that can fail, before the first byte
+    store = get_blob_store()
+    entries = [
+        ZipEntry(
+            f"{selection.folder}/{f.name}",
+            f.size,
+            (lambda data=f.data: iter([data]))
+            if f.data is not None
+            else (lambda key=f.blob_key: store.iter_chunks(key)),
+        )
+        for f in files
+    ]
+    response = StreamingHttpResponse(stream_zip(entries), content_type="application/zip")
+    response["Content-Disposition"] = f'attachment; filename="{selection.folder}.zip"'
+    return response
+
+
+@router.get(
+    "/runs/{run_id}/paths/{path_index}/files/{name}",
+    response={200: None},
+    url_name="inference-file",
+)
+def path_file(
+    request: HttpRequest, run_id: int, path_index: int, name: str, query: Query[RoundQuery]
+) -> HttpResponse:
+    """One file of the directory; a blob-backed one redirects to a presigned URL."""
+    selection = services.select(run_id, path_index, query.round)
+    files = {f.name: f for f in services.path_files(selection)}
+    file = files.get(name)
+    if file is None:
+        raise ApiError(
+            404, "file_not_found", f"no file {name!r} in a path directory; files: {sorted(files)}"
+        )
+    if file.blob_key:
+        url = get_blob_store().presigned_get(file.blob_key, services.URL_EXPIRES_S)
+        return HttpResponseRedirect(url)
+    kind = "text/markdown" if name.endswith(".md") else "application/json"
+    return HttpResponse(file.data, content_type=f"{kind}; charset=utf-8")
+
+
+@router.post("/runs/{run_id}/route", response=RouteOut)
+def route(request: HttpRequest, run_id: int, body: RouteIn) -> dict[str, Any]:
+    """The path the run's router picks for a text (the router that sharded the training data)."""
+    return routing.route_text(run_id, body.text)

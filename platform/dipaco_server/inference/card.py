@@ -1,0 +1,133 @@
+"""The model card (README.md) and dipaco.json of a path directory.
+
+Both hold only database facts (no clock), so downloading the same path twice gives the
+same bytes, and the streamed zip and `dipaco download` agree.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import TYPE_CHECKING, Any
+
+from dipaco.inference import CARD_FILE, MODEL_FORMAT, RUN_FILE
+from dipaco_server.runs.models import MetricPoint
+
+if TYPE_CHECKING:
+    from dipaco_server.inference.services import Selection
+
+VAL_LOSS_METRIC = "val_loss"  # the evaluation task's per-path series (DESIGN §4 step 5)
+
+
+def _perplexity(loss: float | None) -> str:
+    if loss is None:
+        return "not evaluated yet"
+    ppl = math.exp(loss) if loss < 700 else math.inf  # exp overflows past ~709
+    return f"{loss:.4f} nats/token (perplexity {ppl:.2f})"
+
+
+def _round_val_loss(selection: Selection) -> float | None:
+    """The path's validation loss at the served round, when the evaluation recorded one."""
+    point = (
+        MetricPoint.objects.filter(
+            run=selection.run, path=selection.path, round=selection.round, name=VAL_LOSS_METRIC
+        )
+        .order_by("-created_at", "-pk")
+        .first()
+    )
+    return None if point is None else point.value
+
+
+def facts(selection: Selection) -> dict[str, Any]:
+    """dipaco.json: what this directory is, for programs (the card says it for people)."""
+    run, path = selection.run, selection.path
+    return {
+        "format": MODEL_FORMAT,
+        "run": {"id": run.pk, "name": run.name, "state": run.state},
+        "path": {"index": path.index, "choices": path.choices, "modules": path.modules},
+        "round": selection.round,
+        "modules": [
+            {"module_id": v.module.module_id, "version": v.version, "sha256": v.sha256}
+            for v in selection.versions
+        ],
+        "val_loss": _round_val_loss(selection),
+        "best_val_loss": path.best_val_loss,
+        "best_round": path.best_round,
+        "routing_share": path.routing_share,
+        "train_tokens": path.train_tokens,
+        "config": run.config,
+    }
+
+
+def model_card(selection: Selection) -> str:
+    run, path, t = selection.run, selection.path, selection.round
+    config = run.run_config
+    share = "unknown" if path.routing_share is None else f"{100 * path.routing_share:.1f}%"
+    best = _perplexity(path.best_val_loss)
+    if path.best_round is not None and path.best_val_loss is not None:
+        best += f", at round {path.best_round}"
+    choices = ", ".join(f"level {i}: module {k}" for i, k in enumerate(path.choices))
+    module_rows = "\n".join(
+        f"| `{v.module.module_id}` | {v.version} | `{v.sha256}` |" for v in selection.versions
+    )
+    config_json = json.dumps(run.config, indent=2, sort_keys=True)
+    return f"""---
+library_name: transformers
+pipeline_tag: text-generation
+tags:
+- dipaco
+- diloco
+- llama
+---
+
+# {run.name}: path {path.index}, round {t}
+
+One path of the DiPaCo run **{run.name}**: an ordinary Llama-family causal language model of
+{config.num_params():,} parameters, assembled from one module per level ({choices}).
+DiPaCo routes each document to one path; this path saw {share} of the documents.
+
+| | |
+|---|---|
+| run | {run.name} (id {run.pk}), {run.state} at round {run.current_round} (of 0-{config.rounds - 1}) |
+| path | {path.index} of {config.num_paths} ({path.state}) |
+| weights | after round {t} closed ({t + 1} outer steps) |
+| validation loss at round {t} | {_perplexity(_round_val_loss(selection))} |
+| best validation loss | {best} |
+| routing share | {share} |
+| training tokens in its shard | {path.train_tokens:,} |
+
+## Modules
+
+| module | version | sha256 |
+|---|---|---|
+{module_rows}
+
+## Use
+
+```python
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model = AutoModelForCausalLM.from_pretrained("path/to/this/directory")
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/directory")
+# Documents start with the separator token, as in training.
+ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer.encode("def main():")]])
+print(tokenizer.decode(model.generate(ids, max_new_tokens=50)[0]))
+```
+
+A prompt meant for another path generates worse text: `dipaco generate --server URL --run
+{run.pk} "prompt"` routes the prompt first and downloads the right path.
+
+## Run config
+
+```json
+{config_json}
+```
+"""
+
+
+def card_files(selection: Selection) -> dict[str, bytes]:
+    return {
+        CARD_FILE: model_card(selection).encode("utf-8"),
+        RUN_FILE: (json.dumps(facts(selection), indent=2, sort_keys=True) + "\n").encode(),
+    }

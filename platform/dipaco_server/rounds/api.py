@@ -1,0 +1,432 @@
+"""The worker protocol over HTTP (DESIGN §4.2-4.3): lease, manifest, upload URLs, complete.
+
+Mounted under /api/v1/worker with worker bearer tokens. A lease comes with a
+secret, shown once; every call about the lease sends it back in the
+``X-Lease-Secret`` header. Keys of uploads are built from ids only (runs.keys);
+presigned URLs are short-lived and name one key each. Nothing here reads the
+uploaded bytes: completion records contributions pending, and the outer step
+verifies them (DESIGN §7).
+
+The logic is in rounds.scheduler and rounds.completion; these views translate.
+"""
+
+import logging
+from datetime import datetime
+from typing import Annotated, Any
+
+from django.db import transaction
+from django.http import HttpRequest
+from django.utils import timezone
+from kombu.exceptions import KombuError
+from ninja import Field, Header, Router, Schema, Status
+
+from dipaco_server.accounts.auth import current_worker, worker_auth
+from dipaco_server.celery import app as celery_app
+from dipaco_server.errors import ApiError
+from dipaco_server.rounds import scheduler
+from dipaco_server.rounds.completion import (
+    ContributionReport,
+    complete,
+    max_upload_bytes,
+    upload_key,
+)
+from dipaco_server.rounds.models import Lease, Round
+from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.services import round_ready_to_close
+from dipaco_server.runs.errors import ModulesNotReady, RoundClosed, RunNotActive
+from dipaco_server.runs.keys import data_key
+from dipaco_server.runs.models import ModuleVersion
+from dipaco_server.runs.services import record_metric
+from dipaco_server.storage import BlobNotFound, get_blob_store
+
+logger = logging.getLogger(__name__)
+router = Router(tags=["worker"], auth=worker_auth)
+
+# Presigned URLs live long enough to start a transfer (S3 checks the signature once, at
+# the start) and no longer: a leaked URL is useless after a quarter of an hour.
+DOWNLOAD_URL_EXPIRES_S = 900
+UPLOAD_URL_EXPIRES_S = 900
+MAX_MODULES_PER_PATH = 256
+SECRET_HEADER = "X-Lease-Secret"
+Secret = Annotated[
+    str, Header(alias=SECRET_HEADER, max_length=256, description="The lease's secret.")
+]
+OptionalSecret = Annotated[
+    str | None, Header(None, alias=SECRET_HEADER, max_length=256, description="With lease_id.")
+]
+
+
+# --- schemas -------------------------------------------------------------------------------
+
+
+class DataWindowOut(Schema):
+    offset_tokens: int
+    length_tokens: int
+    dtype: str = Field(description="numpy dtype of the token file, e.g. '<u2' (little-endian).")
+
+
+class LeaseOut(Schema):
+    lease_id: int
+    lease_secret: str = Field(description="Send it as X-Lease-Secret. Shown once.")
+    attempt: int
+    deadline: datetime = Field(description="Heartbeat before this, or the lease expires.")
+    hard_deadline: datetime = Field(description="Heartbeats never extend past this.")
+    heartbeat_interval_s: float
+    run_id: int
+    run_name: str
+    round: int = Field(description="Outer round t.")
+    unit_id: int
+    replica: int
+    path: int = Field(description="The path index.")
+    modules: list[str] = Field(description="Module ids of the path, in assembly order.")
+    base_versions: dict[str, int] = Field(description="Module version each module starts from.")
+    steps: int = Field(description="H: inner steps to train.")
+    codec: str = Field(description="How to encode each module's Δ (dipaco.codecs).")
+    config: dict[str, Any] = Field(description="The whole run config (dipaco.config.RunConfig).")
+    data: DataWindowOut
+
+
+class ModuleBlobOut(Schema):
+    module_id: str
+    version: int
+    key: str
+    sha256: str
+    size: int
+    url: str = Field(description="Presigned GET of the module's fp32 weights.")
+
+
+class DataBlobOut(Schema):
+    key: str
+    url: str = Field(description="Presigned GET of the path's train shard.")
+    dtype: str
+    offset_tokens: int
+    length_tokens: int
+    byte_start: int
+    byte_end: int = Field(description="Exclusive.")
+    range: str = Field(description="The HTTP Range header that fetches just the window.")
+
+
+class ManifestOut(Schema):
+    lease_id: int
+    expires_in_s: int
+    modules: list[ModuleBlobOut]
+    data: DataBlobOut
+
+
+class PresignedPostOut(Schema):
+    url: str
+    fields: dict[str, str] = Field(description="Form fields to send before the 'file' field.")
+
+
+class UploadOut(Schema):
+    module_id: str
+    key: str
+    max_bytes: int
+    put_url: str
+    post: PresignedPostOut
+
+
+class UploadUrlsOut(Schema):
+    lease_id: int
+    codec: str
+    expires_in_s: int
+    uploads: list[UploadOut]
+
+
+class ContributionIn(Schema):
+    module_id: str = Field(max_length=32)
+    sha256: str = Field(max_length=64, description="Of the uploaded bytes, lowercase hex.")
+    size: int = Field(description="Bytes uploaded.")
+
+
+class CompleteIn(Schema):
+    contributions: list[ContributionIn] = Field(max_length=MAX_MODULES_PER_PATH)
+    tokens: int = Field(description="Training tokens the unit consumed.")
+    metrics: dict[str, float] = Field(
+        default_factory=dict, description="e.g. loss, tokens_per_second."
+    )
+
+
+class ContributionOut(Schema):
+    module_id: str
+    key: str
+    size: int
+    sha256: str
+    status: str
+
+
+class CompleteOut(Schema):
+    lease_id: int
+    state: str
+    contributions: list[ContributionOut]
+
+
+class LeaseStateOut(Schema):
+    lease_id: int
+    state: str
+    deadline: datetime
+    hard_deadline: datetime
+
+
+class HeartbeatIn(Schema):
+    lease_id: int | None = Field(None, description="The lease to extend (with X-Lease-Secret).")
+
+
+class HeartbeatOut(Schema):
+    server_time: datetime
+    worker_id: int
+    heartbeat_interval_s: float
+    lease: LeaseStateOut | None
+    instructions: list[str] = Field(
+        description="'release': the lease's work is no longer needed; release it and stop."
+    )
+
+
+def _lease_state(lease: Lease) -> dict[str, Any]:
+    return {
+        "lease_id": lease.pk,
+        "state": lease.state,
+        "deadline": lease.deadline,
+        "hard_deadline": lease.hard_deadline,
+    }
+
+
+def _token_dtype(vocab_size: int) -> str:
+    """dipaco.data.shards.token_dtype as a string, without importing torch into the web process."""
+    return "<u2" if vocab_size <= 2**16 else "<u4"
+
+
+# --- views ---------------------------------------------------------------------------------
+
+
+@router.post("/heartbeat", response=HeartbeatOut)
+def heartbeat(
+    request: HttpRequest,
+    body: HeartbeatIn,
+    lease_secret: OptionalSecret = None,
+) -> dict[str, Any]:
+    """I am alive; with a lease id, extend that lease (never past its hard deadline)."""
+    worker = current_worker(request)
+    out: dict[str, Any] = {
+        "server_time": timezone.now(),
+        "worker_id": worker.pk,
+        "heartbeat_interval_s": current_policy().heartbeat_interval_s,
+        "lease": None,
+        "instructions": [],
+    }
+    if body.lease_id is None:
+        return out
+    if not lease_secret:
+        raise ApiError(400, "lease_secret_missing", f"send the lease's secret in {SECRET_HEADER}")
+    try:
+        lease = scheduler.heartbeat(worker, body.lease_id, lease_secret)
+    except (RoundClosed, RunNotActive):
+        # The unit's work can no longer be used: tell the agent to stop, not to retry.
+        lease = scheduler.load_own_lease(worker, body.lease_id, lease_secret)
+        out["instructions"] = ["release"]
+    out["lease"] = _lease_state(lease)
+    return out
+
+
+@router.post("/lease", response={200: LeaseOut, 204: None})
+def lease(request: HttpRequest) -> Status[dict[str, Any] | None]:
+    """Take one queued work unit; 204 when nothing is queued (ask again later)."""
+    worker = current_worker(request)
+    grant = scheduler.grant_lease(worker)
+    if grant is None:
+        return Status(204, None)
+    lease, unit = grant.lease, grant.unit
+    run, config = unit.round.run, unit.round.run.run_config
+    return Status(
+        200,
+        {
+            "lease_id": lease.pk,
+            "lease_secret": grant.secret,
+            "attempt": lease.attempt,
+            "deadline": lease.deadline,
+            "hard_deadline": lease.hard_deadline,
+            "heartbeat_interval_s": current_policy().heartbeat_interval_s,
+            "run_id": run.pk,
+            "run_name": run.name,
+            "round": unit.round.t,
+            "unit_id": unit.pk,
+            "replica": unit.replica,
+            "path": unit.path.index,
+            "modules": list(unit.path.modules),
+            "base_versions": dict(unit.base_versions),
+            "steps": config.inner.steps,
+            "codec": config.comm.codec,
+            "config": run.config,
+            "data": {
+                "offset_tokens": unit.data_offset,
+                "length_tokens": unit.data_length,
+                "dtype": _token_dtype(config.model.vocab_size),
+            },
+        },
+    )
+
+
+@router.get("/lease/{lease_id}/manifest", response=ManifestOut)
+def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[str, Any]:
+    """Presigned GETs for the path's module blobs (at the unit's base versions) and data window."""
+    lease = scheduler.authorize_lease(current_worker(request), lease_id, lease_secret)
+    unit, store = lease.unit, get_blob_store()
+    run = unit.round.run
+    wanted = dict(unit.base_versions)
+    rows = {
+        v.module.module_id: v
+        for v in ModuleVersion.objects.select_related("module").filter(
+            module__run=run, module__module_id__in=list(wanted)
+        )
+        if v.version == wanted[v.module.module_id]
+    }
+    missing = sorted(set(wanted) - set(rows))
+    if missing:
+        raise ModulesNotReady(
+            f"modules {missing} have no blob at their base version", modules=missing
+        )
+    dtype = _token_dtype(run.run_config.model.vocab_size)
+    itemsize = int(dtype[-1])
+    start = unit.data_offset * itemsize
+    end = (unit.data_offset + unit.data_length) * itemsize
+    key = data_key(run.pk, unit.path.index, "train")
+    return {
+        "lease_id": lease.pk,
+        "expires_in_s": DOWNLOAD_URL_EXPIRES_S,
+        "modules": [
+            {
+                "module_id": m,
+                "version": rows[m].version,
+                "key": rows[m].blob_key,
+                "sha256": rows[m].sha256,
+                "size": rows[m].size,
+                "url": store.presigned_get(rows[m].blob_key, DOWNLOAD_URL_EXPIRES_S),
+            }
+            for m in unit.path.modules
+        ],
+        "data": {
+            "key": key,
+            "url": store.presigned_get(key, DOWNLOAD_URL_EXPIRES_S),
+            "dtype": dtype,
+            "offset_tokens": unit.data_offset,
+            "length_tokens": unit.data_length,
+            "byte_start": start,
+            "byte_end": end,
+            "range": f"bytes={start}-{end - 1}",
+        },
+    }
+
+
+@router.post("/lease/{lease_id}/upload-urls", response=UploadUrlsOut)
+def upload_urls(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[str, Any]:
+    """One presigned PUT (and form POST) per module, scoped to this unit and lease."""
+    lease = scheduler.authorize_lease(current_worker(request), lease_id, lease_secret)
+    store, config = get_blob_store(), lease.unit.round.run.run_config
+    uploads = []
+    for module_id in lease.unit.path.modules:
+        key, limit = upload_key(lease, module_id), max_upload_bytes(config, module_id)
+        post = store.presigned_post(key, UPLOAD_URL_EXPIRES_S, limit)
+        uploads.append(
+            {
+                "module_id": module_id,
+                "key": key,
+                "max_bytes": limit,
+                "put_url": store.presigned_put(key, UPLOAD_URL_EXPIRES_S, limit),
+                "post": {"url": post.url, "fields": post.fields},
+            }
+        )
+    return {
+        "lease_id": lease.pk,
+        "codec": config.comm.codec,
+        "expires_in_s": UPLOAD_URL_EXPIRES_S,
+        "uploads": uploads,
+    }
+
+
+@router.post("/lease/{lease_id}/complete", response=CompleteOut)
+def complete_lease(
+    request: HttpRequest, lease_id: int, body: CompleteIn, lease_secret: Secret
+) -> dict[str, Any]:
+    """Report the uploads; recorded pending verification. A replay with the same report is 200."""
+    worker = current_worker(request)
+    lease = scheduler.load_own_lease(worker, lease_id, lease_secret)
+    fresh = lease.state == Lease.State.ACTIVE
+    if fresh:
+        scheduler.check_lease_live(lease, timezone.now())
+        _check_uploads(lease, body)
+    reports = [
+        ContributionReport(c.module_id, c.size, c.sha256, body.tokens, body.metrics)
+        for c in body.contributions
+    ]
+    rows = complete(worker, lease_id, lease_secret, reports)
+    if fresh:
+        unit = lease.unit
+        for name, value in body.metrics.items():
+            record_metric(unit.round.run, name, value, path=unit.path, round=unit.round.t)
+        round_ = unit.round
+        transaction.on_commit(lambda: _close_if_ready(round_))
+    return {
+        "lease_id": lease.pk,
+        "state": Lease.State.COMPLETED,
+        "contributions": [
+            {
+                "module_id": row.module.module_id,
+                "key": row.blob_key,
+                "size": row.size,
+                "sha256": row.sha256,
+                "status": row.status,
+            }
+            for row in rows
+        ],
+    }
+
+
+def _close_if_ready(round_: Round) -> None:
+    """Send close_round when this completion made the round ready (rounds.tasks)."""
+    if not round_ready_to_close(round_):
+        return
+    try:
+        celery_app.send_task(
+            "dipaco_server.rounds.tasks.close_round", args=[round_.run_id, round_.t]
+        )
+    except (KombuError, OSError) as exc:
+        # The completion is recorded; beat's close_ready_rounds sends the task later.
+        logger.warning(
+            "run %s round %s is ready to close but close_round could not be sent (%s); "
+            "beat's close_ready_rounds will send it",
+            round_.run_id,
+            round_.t,
+            exc,
+        )
+
+
+def _check_uploads(lease: Lease, body: CompleteIn) -> None:
+    """Each reported module's blob is there with the reported size (content: the outer step)."""
+    store = get_blob_store()
+    for c in body.contributions:
+        if c.module_id not in lease.unit.path.modules:
+            continue  # completion refuses it with the full list of expected modules
+        key = upload_key(lease, c.module_id)
+        try:
+            size = store.size(key)
+        except BlobNotFound:
+            raise ApiError(
+                409,
+                "upload_missing",
+                f"nothing was uploaded for module {c.module_id}; PUT it to its upload URL first",
+                module=c.module_id,
+            ) from None
+        if size != c.size:
+            raise ApiError(
+                422,
+                "upload_size_mismatch",
+                f"module {c.module_id}: {size} bytes were uploaded but {c.size} reported",
+                module=c.module_id,
+            )
+
+
+@router.post("/lease/{lease_id}/release", response=LeaseStateOut)
+def release_lease(request: HttpRequest, lease_id: int, lease_secret: Secret) -> Any:
+    """Give the unit back unfinished (it is queued again); releasing twice is a no-op."""
+    lease = scheduler.release(current_worker(request), lease_id, lease_secret)
+    return _lease_state(lease)

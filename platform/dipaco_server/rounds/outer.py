@@ -1,0 +1,495 @@
+"""One module's outer step in one round (DESIGN §4.4): verify, aggregate, Nesterov, publish.
+
+`step_module(run_id, module_id, t)` runs in two passes over the module's contributions,
+each streamed from the object store to a temporary file, one at a time:
+
+1. **verify** each upload before anything uses it (DESIGN §7; S3 test servers enforce
+   neither size nor signature): its size and sha256 against what the worker declared at
+   completion, hashed while it downloads; then `dipaco.codecs.verify` against the
+   module's spec (header, names, shapes, dtypes, finite values) for its norm. Norms
+   above ``outer.reject_norm_factor`` x the median of the verified ones are outliers.
+2. **aggregate** the accepted ones into one fp32 sum (`codecs.accumulate`, token weights,
+   the configured robust rule), then the √(paths) rescale, then the Nesterov step chunk by
+   chunk, streaming version `base` and its momentum in and version t + 1 out.
+
+Memory: the fp32 sum (1x the module) plus one contribution's encoded bytes (<= 1x with
+fp32 uploads) plus chunk-sized temporaries, whatever the number of contributions; the
+trimmed mean, which needs every Δ per value, decodes them to disk and works in chunks.
+
+Crash safety: nothing in the database changes until one transaction, under a lock on the
+module row, uploads both blobs under their deterministic keys (runs.keys), publishes the
+ModuleVersion, settles every contribution and writes the OuterStep row. A crash before
+the commit leaves at most an unreferenced blob, which the retry overwrites; an OuterStep
+row makes any later delivery a no-op, and the lock makes a concurrent duplicate wait and
+then find it.
+
+A version's weights and momentum are module files (runs.prepare: plain fp32
+safetensors), streamed in and out in chunks.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import logging
+import math
+import os
+import shutil
+import signal
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+from django.db import transaction
+from django.db.models import F
+from django.utils import timezone
+from torch import Tensor
+
+from dipaco import codecs
+from dipaco.config import OuterConfig
+from dipaco.outer import clip_threshold, norm_outliers, outer_step, trimmed_mean
+from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
+from dipaco_server.runs import keys
+from dipaco_server.runs.errors import RoundClosed
+from dipaco_server.runs.models import Module, ModuleVersion
+from dipaco_server.runs.prepare import ModuleReader, ModuleWriter, Spec, work_root
+from dipaco_server.runs.services import publish_module_version
+from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
+from dipaco_server.workers.models import Worker
+
+logger = logging.getLogger(__name__)
+
+DOWNLOAD_CHUNK = 1 << 20
+STEP_CHUNK = 1 << 18  # values per Nesterov chunk: 1 MiB per temporary
+TRIM_CHUNK = 1 << 18  # values x contributions per trimmed-mean chunk (sort keeps ~7 copies)
+FAULTS_DIR_ENV = "DIPACO_FAULTS_DIR"
+
+
+class Fault(enum.Enum):
+    """Faults a test arms by creating ``$DIPACO_FAULTS_DIR/<value>``; each fires once."""
+
+    KILL_AFTER_BLOB_WRITE = "kill-after-blob-write"  # SIGKILL: a worker dying mid-step
+    RAISE_AFTER_BLOB_WRITE = "raise-after-blob-write"  # an error between blobs and commit
+
+
+class InjectedFault(RuntimeError):
+    pass
+
+
+def inject(fault: Fault) -> None:
+    folder = os.environ.get(FAULTS_DIR_ENV)
+    if not folder:
+        return
+    try:
+        (Path(folder) / fault.value).unlink()  # atomic: exactly one process consumes it
+    except FileNotFoundError:
+        return
+    logger.warning("injected fault %s in process %d", fault.value, os.getpid())
+    if fault is Fault.KILL_AFTER_BLOB_WRITE:
+        os.kill(os.getpid(), signal.SIGKILL)
+    raise InjectedFault(f"injected fault {fault.value}")
+
+
+# --- the computation (no database) -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Upload:
+    """One contribution as the outer step sees it: where it is and what its worker declared."""
+
+    contribution_id: int
+    worker_id: int
+    key: str
+    size: int
+    sha256: str
+    tokens: int
+
+
+@dataclass
+class Verdict:
+    upload: Upload
+    file: Path | None = None  # the verified local copy while it is needed
+    norm: float | None = None
+    reason: str = ""  # "<code>: <message>" when rejected
+
+    @property
+    def accepted(self) -> bool:
+        return not self.reason
+
+    def reject(self, code: str, message: str) -> None:
+        self.reason = f"{code}: {message}"
+        if self.file is not None:
+            self.file.unlink(missing_ok=True)
+            self.file = None
+
+
+@dataclass(frozen=True)
+class BaseVersion:
+    """The version the round's contributions were trained from."""
+
+    version: int
+    key: str
+    sha256: str
+    momentum_key: str
+
+
+@dataclass(frozen=True)
+class BaseFiles:
+    """Version `base` downloaded: its weights (checked against sha256) and momentum."""
+
+    weights: Path
+    sha256: str
+    momentum: Path | None
+
+
+@dataclass
+class StepResult:
+    verdicts: list[Verdict]
+    weights: Path | None = None  # None: nothing accepted, the module keeps its version
+    weights_sha256: str = ""
+    weights_size: int = 0
+    momentum: Path | None = None
+    median_norm: float | None = None
+    update_norm: float | None = None
+    tokens: int = 0
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Rejection(Exception):
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def fetch(store: BlobStore, upload: Upload, directory: Path) -> Path:
+    """Download one upload to a file, refusing it unless size and sha256 are as declared."""
+    path = directory / f"contribution-{upload.contribution_id}.safetensors"
+    digest, size = hashlib.sha256(), 0
+    try:
+        stream: BinaryIO = store.open(upload.key)
+    except BlobNotFound:
+        raise Rejection("missing", "nothing was uploaded under its key") from None
+    complete = False
+    try:
+        with stream, open(path, "wb") as out:
+            while chunk := stream.read(DOWNLOAD_CHUNK):
+                size += len(chunk)
+                if size > upload.size:  # stop early: never store more than was declared
+                    raise Rejection("size_mismatch", f"larger than the {upload.size} B declared")
+                digest.update(chunk)
+                out.write(chunk)
+        if size != upload.size:
+            raise Rejection("size_mismatch", f"{size} B uploaded, {upload.size} B declared")
+        if digest.hexdigest() != upload.sha256:
+            raise Rejection("checksum_mismatch", "its sha256 differs from the one declared")
+        complete = True
+    finally:
+        if not complete:
+            path.unlink(missing_ok=True)
+    return path
+
+
+def verify_uploads(
+    store: BlobStore, uploads: Sequence[Upload], spec: Spec, reject_norm_factor: float, work: Path
+) -> list[Verdict]:
+    """Pass 1: every upload fetched, checked and measured; outliers by norm rejected."""
+    verdicts = []
+    for upload in uploads:
+        verdict = Verdict(upload)
+        try:
+            verdict.file = fetch(store, upload, work)
+            # The whole blob's sha256 was checked while it downloaded; the per-tensor
+            # digests inside come from the same worker and would add nothing.
+            stats = codecs.verify(verdict.file, spec, verify_checksum=False)
+            if not math.isfinite(stats.norm):
+                raise Rejection("norm_overflow", "its norm overflows fp32")
+            verdict.norm = stats.norm
+        except Rejection as exc:
+            verdict.reject(exc.code, str(exc))
+        except codecs.CodecError as exc:
+            verdict.reject(exc.code, str(exc))
+        verdicts.append(verdict)
+    verified = [v for v in verdicts if v.accepted]
+    if verified:
+        norms = [float(v.norm or 0.0) for v in verified]
+        median = statistics.median(norms)
+        for verdict, outlier in zip(
+            verified, norm_outliers(norms, reject_norm_factor), strict=True
+        ):
+            if outlier:
+                verdict.reject(
+                    "norm_outlier",
+                    f"norm {verdict.norm:.4g} exceeds {reject_norm_factor:g} x the round's "
+                    f"median {median:.4g} (outer.reject_norm_factor)",
+                )
+    return verdicts
+
+
+def aggregate(
+    accepted: Sequence[Verdict], spec: Spec, cfg: OuterConfig, paths: int, work: Path
+) -> dict[str, Tensor]:
+    """Pass 2: the module's outer gradient in fp32, as dipaco.outer.aggregate computes it."""
+    weights = [float(v.upload.tokens) if cfg.token_weighting else 1.0 for v in accepted]
+    if cfg.robust == "trimmed-mean":
+        grad = _trimmed_mean(accepted, spec, cfg, work)
+    else:
+        scales = [1.0] * len(accepted)
+        if cfg.robust == "clipped-mean":
+            limit = clip_threshold([float(v.norm or 0.0) for v in accepted], cfg.clip_factor)
+            scales = [min(1.0, limit / v.norm) if v.norm else 1.0 for v in accepted]
+        grad = {name: torch.zeros(shape, dtype=torch.float32) for name, (shape, _) in spec.items()}
+        for verdict, weight, scale in zip(accepted, weights, scales, strict=True):
+            assert verdict.file is not None
+            codecs.accumulate(verdict.file, grad, weight * scale, spec, verify_checksum=False)
+        total = sum(weights)
+        for tensor in grad.values():
+            tensor.div_(total)
+    if cfg.sqrt_paths_rescale and paths > 1:
+        for tensor in grad.values():
+            tensor.mul_(math.sqrt(paths))
+    return grad
+
+
+def _trimmed_mean(
+    accepted: Sequence[Verdict], spec: Spec, cfg: OuterConfig, work: Path
+) -> dict[str, Tensor]:
+    """dipaco.outer.trimmed_mean, chunk by chunk over Δs decoded to raw fp32 files."""
+    raw_files = []
+    for verdict in accepted:  # one decoded Δ in memory at a time
+        assert verdict.file is not None
+        decoded = codecs.decode(verdict.file, spec, verify_checksum=False)
+        raw = verdict.file.with_suffix(".f32")
+        with open(raw, "wb") as out:
+            for name in spec:
+                out.write(decoded[name].contiguous().view(torch.uint8).numpy().data)
+        del decoded
+        raw_files.append(raw)
+    tokens = [v.upload.tokens for v in accepted]
+    chunk = max(1, TRIM_CHUNK // len(accepted))
+    result = {name: torch.empty(shape, dtype=torch.float32) for name, (shape, _) in spec.items()}
+    handles = [open(raw, "rb") for raw in raw_files]  # noqa: SIM115 (closed below)
+    try:
+        for name, flat in ((n, t.view(-1)) for n, t in result.items()):
+            for start in range(0, flat.numel(), chunk):
+                count = min(chunk, flat.numel() - start)
+                pieces = [{name: _read_floats(h, count)} for h in handles]  # n x (count,)
+                flat[start : start + count] = trimmed_mean(
+                    pieces, tokens, cfg.trim_fraction, token_weighting=cfg.token_weighting
+                )[name]
+    finally:
+        for handle in handles:
+            handle.close()
+    return result
+
+
+def _read_floats(handle: BinaryIO, count: int) -> Tensor:
+    values = torch.empty(count, dtype=torch.float32)
+    if handle.readinto(values.view(torch.uint8).numpy()) != 4 * count:  # type: ignore[attr-defined]
+        raise OSError(f"{handle.name} ended early; the work directory was changed under us")
+    return values
+
+
+def apply_step(
+    base: BaseFiles, grad: Mapping[str, Tensor], spec: Spec, cfg: OuterConfig, work: Path
+) -> tuple[Path, str, int, Path | None]:
+    """dipaco.outer.outer_step chunk by chunk: (weights file, sha256, size, momentum file)."""
+    weights_path, momentum_path = work / "weights.safetensors", work / "momentum.safetensors"
+    with (
+        ModuleReader(base.weights, spec, base.sha256) as params,
+        ModuleReader(base.momentum, spec) if base.momentum else nullcontext() as buffer,
+        ModuleWriter(weights_path, spec) as weights_out,
+        ModuleWriter(momentum_path, spec) if cfg.momentum else nullcontext() as momentum_out,
+    ):
+        for name, (shape, _) in spec.items():
+            flat = grad[name].view(-1)
+            for start in range(0, math.prod(shape), STEP_CHUNK):
+                g = flat[start : start + STEP_CHUNK]  # (c,)
+                p = params.read(g.numel())  # (c,)
+                m = {name: buffer.read(g.numel())} if buffer is not None else None  # (c,)
+                new_p, new_m = outer_step({name: p}, {name: g}, m, cfg)
+                weights_out.write(new_p[name])
+                if momentum_out is not None:
+                    momentum_out.write(new_m[name])
+        params.finish()  # raises if version `base` is not the one the database names
+        if buffer is not None:
+            buffer.finish()
+        digest, size = weights_out.close()
+        if momentum_out is not None:
+            momentum_out.close()
+    return weights_path, digest, size, momentum_path if cfg.momentum else None
+
+
+def compute_step(
+    store: BlobStore,
+    uploads: Sequence[Upload],
+    base: BaseVersion | None,
+    spec: Spec,
+    cfg: OuterConfig,
+    paths: int,
+    work: Path,
+) -> StepResult:
+    """Verify, aggregate and step in `work`; the outputs stay there for the caller."""
+    clock = time.perf_counter()
+    result = StepResult(verify_uploads(store, uploads, spec, cfg.reject_norm_factor, work))
+    result.timings["verify"] = time.perf_counter() - clock
+    norms = [v.norm for v in result.verdicts if v.norm is not None]
+    result.median_norm = statistics.median(norms) if norms else None
+    accepted = [v for v in result.verdicts if v.accepted]
+    if accepted:
+        if base is None:
+            raise ValueError("contributions without a base version: the round has no units")
+        grad = aggregate(accepted, spec, cfg, paths, work)
+        result.timings["aggregate"] = time.perf_counter() - clock
+        for verdict in accepted:  # done with them: free the disk before the step
+            if verdict.file is not None:
+                verdict.file.unlink(missing_ok=True)
+            verdict.file = None
+        result.update_norm = math.sqrt(
+            sum(float(torch.linalg.vector_norm(t)) ** 2 for t in grad.values())
+        )
+        files = BaseFiles(work / "base.safetensors", base.sha256, None)
+        store.download_to(base.key, files.weights)
+        if base.momentum_key and cfg.momentum:
+            files = BaseFiles(files.weights, base.sha256, work / "base-momentum.safetensors")
+            store.download_to(base.momentum_key, files.momentum)  # type: ignore[arg-type]
+        weights, digest, size, momentum = apply_step(files, grad, spec, cfg, work)
+        result.weights, result.weights_sha256, result.weights_size = weights, digest, size
+        result.momentum = momentum
+        result.tokens = sum(v.upload.tokens for v in accepted)
+    result.seconds = time.perf_counter() - clock
+    return result
+
+
+# --- the database side ------------------------------------------------------------------
+
+
+def _report(step: OuterStep, module_id: str, t: int, *, replayed: bool) -> dict[str, Any]:
+    """The task's result: what the step did, and whether an earlier delivery did it."""
+    done = {f: getattr(step, f) for f in ("outcome", "version", "accepted", "rejected")}
+    return {"module_id": module_id, "t": t, **done, "replayed": replayed, "pid": os.getpid()}
+
+
+def step_module(
+    run_id: int, module_id: str, t: int, *, store: BlobStore | None = None
+) -> dict[str, Any]:
+    """Apply round t's outer step to one module once, however often it is called."""
+    from dipaco.modular import module_spec, paths_through  # transformers: seconds to import
+
+    module = Module.objects.select_related("run").get(run_id=run_id, module_id=module_id)
+    round_ = Round.objects.get(run_id=run_id, t=t)
+    if round_.state == Round.State.OPEN:
+        raise RoundClosed(f"round {t} of run {run_id} is still open; close it before stepping")
+    done = OuterStep.objects.filter(round=round_, module=module).first()
+    if done is not None:
+        return _report(done, module_id, t, replayed=True)
+    store = store or get_blob_store()
+    config = module.run.run_config
+    pending = Contribution.objects.filter(
+        module=module, unit__round=round_, status=Contribution.Status.PENDING
+    )
+    uploads = [
+        Upload(c.pk, c.lease.worker_id, c.blob_key, c.size, c.sha256, c.tokens)
+        for c in pending.select_related("lease").order_by("pk")
+    ]
+    base = _base_version(round_, module)
+    spec, paths = module_spec(config, module_id), len(paths_through(config, module_id))
+    work = Path(tempfile.mkdtemp(prefix=f"outer-{run_id}-{module_id}-{t}-", dir=work_root()))
+    try:
+        result = compute_step(store, uploads, base, spec, config.outer, paths, work)
+        report = _commit(store, module, round_, base, result)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    logger.info(
+        "run %s round %d module %s: %s in %.2f s", run_id, t, module_id, report, result.seconds
+    )
+    return report
+
+
+def _base_version(round_: Round, module: Module) -> BaseVersion | None:
+    """The version every unit of the round that trains `module` started from."""
+    units = WorkUnit.objects.filter(round=round_).values_list("base_versions", flat=True)
+    bases = {versions[module.module_id] for versions in units if module.module_id in versions}
+    if not bases:
+        return None
+    if len(bases) > 1:
+        raise ValueError(f"units of round {round_.t} disagree on {module} versions: {bases}")
+    version = ModuleVersion.objects.get(module=module, version=bases.pop())
+    return BaseVersion(version.version, version.blob_key, version.sha256, version.momentum_key)
+
+
+def _count(verdicts: Sequence[Verdict], counter: str) -> None:
+    """Add each worker's contributions to its `counter` (DESIGN §4: drops count against it)."""
+    for worker_id, n in Counter(v.upload.worker_id for v in verdicts).items():
+        Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + n})
+
+
+def _commit(
+    store: BlobStore, module: Module, round_: Round, base: BaseVersion | None, result: StepResult
+) -> dict[str, Any]:
+    """Blobs, version, contributions and the OuterStep row: all visible at once, or none."""
+    run_id, module_id, t = module.run_id, module.module_id, round_.t
+    now = timezone.now()
+    accepted = [v for v in result.verdicts if v.accepted]
+    rejected = [v for v in result.verdicts if not v.accepted]
+    with transaction.atomic():
+        # Serialises duplicate deliveries of this step: the second waits here, then finds
+        # the first one's OuterStep row.
+        Module.objects.select_for_update().filter(pk=module.pk).first()
+        done = OuterStep.objects.filter(round=round_, module=module).first()
+        if done is not None:
+            return _report(done, module_id, t, replayed=True)
+        version = None
+        if result.weights is not None:
+            version = t + 1
+            weights_key, momentum_key = keys.module_key(run_id, module_id, version), ""
+            if result.momentum is not None:
+                momentum_key = keys.momentum_key(run_id, module_id, version)
+                store.put_file(momentum_key, result.momentum)
+            store.put_file(weights_key, result.weights)
+            inject(Fault.KILL_AFTER_BLOB_WRITE)
+            inject(Fault.RAISE_AFTER_BLOB_WRITE)
+            publish_module_version(
+                module,
+                version,
+                blob_key=weights_key,
+                sha256=result.weights_sha256,
+                size=result.weights_size,
+                momentum_key=momentum_key,
+            )
+        for verdict in result.verdicts:
+            status = "accepted" if verdict.accepted else "rejected"
+            Contribution.objects.filter(
+                pk=verdict.upload.contribution_id, status=Contribution.Status.PENDING
+            ).update(status=status, reason=verdict.reason, verified_at=now)
+        _count(accepted, "contributions_accepted")
+        _count(rejected, "contributions_rejected")
+        step = OuterStep.objects.create(
+            round=round_,
+            module=module,
+            outcome=OuterStep.Outcome.STEPPED if version is not None else OuterStep.Outcome.KEPT,
+            base_version=base.version if base is not None else None,
+            version=version,
+            accepted=len(accepted),
+            rejected=len(rejected),
+            tokens=result.tokens,
+            median_norm=result.median_norm,
+            update_norm=result.update_norm,
+            seconds=result.seconds,
+            created_at=now,
+        )
+    where = f"run {run_id} round {t} module {module_id}"
+    for v in rejected:
+        logger.warning("%s: rejected contribution %d of worker %d: %s", where,
+                       v.upload.contribution_id, v.upload.worker_id, v.reason)  # fmt: skip
+    if version is None:
+        kept = base.version if base is not None else module.current_version
+        logger.warning("%s: no accepted contribution; it keeps version %s", where, kept)
+    return _report(step, module_id, t, replayed=False)

@@ -1,0 +1,221 @@
+"""Held-out loss of each path after an outer round, and per-path early stopping (DESIGN §1).
+
+`evaluate_run(run, t)` assembles every active path from its modules as they stand after
+round t (the newest version <= t + 1 of each), and scores it on fixed windows of its own
+validation shard: window i holds tokens [i·T, (i+1)·T] of ``data/<p>/val.bin``, the same
+windows every round, so the curve moves only when the weights do. It records
+``val_loss`` (mean next-token cross-entropy over every scored token) and
+``val_perplexity`` as MetricPoints of round t.
+
+Early stopping: a path whose loss has not improved on its best for ``patience`` rounds
+is marked finished, and the scheduler leases it no more units. Each path's points and
+decision are written in one transaction; a path that already has its round-t point is
+skipped, so evaluating a round twice changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from django.db import transaction
+from torch import Tensor
+
+from dipaco.config import RunConfig
+from dipaco_server.runs import keys
+from dipaco_server.runs.models import MetricPoint, Module, ModuleVersion, Run
+from dipaco_server.runs.models import Path as RunPath
+from dipaco_server.runs.prepare import data_index_key, read_module, work_root
+from dipaco_server.runs.services import record_metric
+from dipaco_server.storage import BlobStore, get_blob_store
+
+logger = logging.getLogger(__name__)
+
+# Defaults while the run config has no evaluation section: 4 x 8 windows of seq_len + 1
+# tokens per path keeps a round's evaluation to seconds on a CPU for the tiny configs.
+EVAL_BATCHES = 4
+EVAL_BATCH_SIZE = 8
+LOSS = "val_loss"
+PERPLEXITY = "val_perplexity"
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    batches: int = EVAL_BATCHES
+    batch_size: int = EVAL_BATCH_SIZE
+    patience: int | None = None  # rounds without improvement before a path stops; None: never
+    min_delta: float = 0.0  # an improvement smaller than this does not count
+
+
+def eval_settings(config: RunConfig) -> EvalSettings:
+    """The run's evaluation settings: ``config.eval`` (or a top-level ``patience``) if the
+    schema has them, else the defaults above."""
+    section: Any = getattr(config, "eval", None)
+    defaults = EvalSettings()
+    return EvalSettings(
+        batches=getattr(section, "batches", defaults.batches),
+        batch_size=getattr(section, "batch_size", defaults.batch_size),
+        patience=getattr(section, "patience", getattr(config, "patience", None)),
+        min_delta=getattr(section, "min_delta", defaults.min_delta),
+    )
+
+
+@dataclass(frozen=True)
+class PathEval:
+    path: int
+    loss: float
+    tokens: int
+    finished: bool  # early-stopped by this evaluation
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.loss)
+
+
+def val_windows(shard: Any, seq_len: int, count: int) -> Tensor:
+    """(n, T+1) int64: the first n <= count non-overlapping windows of a validation shard
+    (one wrapping window when the shard is shorter than T + 1 tokens)."""
+    available = max(1, (len(shard) - 1) // seq_len)
+    rows = [shard.read_window(i * seq_len, seq_len + 1) for i in range(min(count, available))]
+    return torch.from_numpy(np.stack(rows)).to(torch.int64)
+
+
+@torch.no_grad()
+def mean_loss(model: torch.nn.Module, windows: Tensor, batch_size: int) -> float:
+    """Mean next-token cross-entropy over every target of `windows`, in float64."""
+    model.eval()
+    total, count = 0.0, 0
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size]  # (B, T+1)
+        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T), (B, T)
+        logits = model(input_ids=inputs).logits.float()  # (B, T, V)
+        loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="sum")  # ()
+        total += float(loss)
+        count += targets.numel()
+    return total / count
+
+
+def evaluate_run(
+    run: Run, t: int, *, store: BlobStore | None = None, patience: int | None = None
+) -> list[PathEval]:
+    """Score every active path after round t; `patience` overrides the config's."""
+    from dipaco.data.shards import ShardIndex, TokenShard
+    from dipaco.model import build_model
+    from dipaco.modular import assemble_path_state
+
+    config = run.run_config
+    settings = eval_settings(config)
+    patience = settings.patience if patience is None else patience
+    done = set(
+        MetricPoint.objects.filter(run=run, round=t, name=LOSS).values_list("path_id", flat=True)
+    )
+    paths = [
+        p
+        for p in run.paths.filter(state=RunPath.State.ACTIVE).order_by("index")
+        if p.pk not in done and p.val_tokens > 1
+    ]
+    if not paths:
+        return []
+    store = store or get_blob_store()
+    work = Path(tempfile.mkdtemp(prefix=f"evaluate-{run.pk}-{t}-", dir=work_root()))
+    try:
+        store.download_to(data_index_key(run.pk), work / "index.json")
+        index = ShardIndex.load(work)
+        modules = _ModuleCache(run, t, store, work)
+        model = build_model(config.model, config.seed)
+        results = []
+        for path in paths:
+            model.load_state_dict(assemble_path_state(config, path.index, modules.of(path)))
+            val = work / f"val-{path.index}.bin"
+            store.download_to(keys.data_key(run.pk, path.index, "val"), val)
+            windows = val_windows(
+                TokenShard(val, index.dtype),
+                config.model.seq_len,
+                settings.batches * settings.batch_size,
+            )
+            loss = mean_loss(model, windows, settings.batch_size)
+            val.unlink()
+            if not math.isfinite(loss):
+                logger.warning(
+                    "run %s path %d: validation loss is %s after round %d",
+                    run.pk,
+                    path.index,
+                    loss,
+                    t,
+                )
+                continue
+            results.append(
+                _record(run, path, t, loss, windows[:, 1:].numel(), patience, settings.min_delta)
+            )
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return results
+
+
+def _record(
+    run: Run,
+    path: RunPath,
+    t: int,
+    loss: float,
+    tokens: int,
+    patience: int | None,
+    min_delta: float,
+) -> PathEval:
+    """The path's points and its early-stopping decision, in one transaction."""
+    with transaction.atomic():
+        path = RunPath.objects.select_for_update().get(pk=path.pk)
+        record_metric(run, LOSS, loss, path=path, round=t)
+        record_metric(run, PERPLEXITY, math.exp(min(loss, 700.0)), path=path, round=t)
+        improved = path.best_val_loss is None or loss < path.best_val_loss - min_delta
+        if improved:
+            path.best_val_loss, path.best_round = loss, t
+        stale = t - path.best_round if path.best_round is not None else 0
+        finished = patience is not None and not improved and stale >= patience
+        if finished:
+            path.state = RunPath.State.FINISHED
+        path.save(update_fields=["best_val_loss", "best_round", "state"])
+    if finished:
+        logger.info(
+            "run %s path %d stops early: no improvement on %.4f (round %s) for %d rounds",
+            run.pk, path.index, path.best_val_loss, path.best_round, stale,
+        )  # fmt: skip
+    return PathEval(path.index, loss, tokens, finished)
+
+
+class _ModuleCache:
+    """Each module's weights after round t, downloaded and checked once per evaluation."""
+
+    def __init__(self, run: Run, t: int, store: BlobStore, work: Path) -> None:
+        self.run, self.t, self.store, self.work = run, t, store, work
+        self.tensors: dict[str, dict[str, Tensor]] = {}
+
+    def of(self, path: RunPath) -> dict[str, dict[str, Tensor]]:
+        from dipaco.modular import module_spec
+
+        for module_id in path.modules:
+            if module_id in self.tensors:
+                continue
+            version = (
+                ModuleVersion.objects.filter(
+                    module=Module.objects.get(run=self.run, module_id=module_id),
+                    version__lte=self.t + 1,
+                )
+                .order_by("-version")
+                .first()
+            )
+            if version is None:
+                raise ValueError(f"module {module_id} of run {self.run.pk} has no version yet")
+            file = self.work / f"{module_id}.safetensors"
+            self.store.download_to(version.blob_key, file)
+            spec = module_spec(self.run.run_config, module_id)
+            self.tensors[module_id] = read_module(file, spec, version.sha256)
+            file.unlink()
+        return {m: self.tensors[m] for m in path.modules}

@@ -1,0 +1,169 @@
+"""Workers over HTTP: enrollment tokens and workers for staff, registration for volunteers.
+
+``router`` (staff): create, list and revoke enrollment tokens; list and revoke
+workers. ``worker_router`` (mounted under /worker): a machine trades an
+enrollment token for its own worker token, shown once and stored hashed.
+"""
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from ninja import Field, Router, Schema, Status
+from ninja.pagination import LimitOffsetPagination, paginate
+
+from dipaco_server.accounts.auth import staff_auth
+from dipaco_server.errors import ApiError
+from dipaco_server.rounds.policy import current_policy
+from dipaco_server.workers import services
+from dipaco_server.workers.models import EnrollmentToken, Worker
+
+router = Router(tags=["admin: workers"], auth=staff_auth)
+worker_router = Router(tags=["worker"])
+MAX_PAGE = 500
+MAX_EXPIRY_S = 365 * 24 * 3600
+
+
+# --- schemas -------------------------------------------------------------------------------
+
+
+class EnrollmentIn(Schema):
+    label: str = Field("", max_length=100, description="Who or what it is for.")
+    max_uses: int | None = Field(1, ge=1, description="Workers it may register; null: unlimited.")
+    expires_in_s: int | None = Field(
+        None, ge=60, le=MAX_EXPIRY_S, description="Seconds until it expires; null: never."
+    )
+
+
+class EnrollmentOut(Schema):
+    id: int
+    label: str
+    max_uses: int | None
+    uses: int
+    expires_at: datetime | None
+    revoked: bool
+    created_at: datetime
+    created_by: str | None
+
+    @staticmethod
+    def resolve_created_by(obj: EnrollmentToken) -> str | None:
+        return obj.created_by.get_username() if obj.created_by else None
+
+
+class EnrollmentCreatedOut(EnrollmentOut):
+    token: str = Field(description="The enrollment token. Shown once: only its hash is kept.")
+
+
+class WorkerOut(Schema):
+    id: int
+    name: str
+    owner: str
+    device: dict[str, Any]
+    measured_speed: float | None = Field(description="Training tokens per second, smoothed.")
+    created_at: datetime
+    last_seen: datetime | None
+    revoked: bool
+    revoked_at: datetime | None
+    units_completed: int
+    leases_expired: int
+    contributions_accepted: int
+    contributions_rejected: int
+    tokens_processed: int
+
+
+class RegisterIn(Schema):
+    enrollment_token: str = Field(max_length=256, description="From the operator (dpe_...).")
+    name: str = Field(description="This machine's name, shown on the dashboard.")
+    owner: str = Field("", description="Who runs it (optional).")
+    device: dict[str, Any] = Field(
+        default_factory=dict, description='What it trains on, e.g. {"gpu": "RTX 4090"}.'
+    )
+
+
+class RegisterOut(Schema):
+    worker_id: int
+    name: str
+    token: str = Field(description="This worker's bearer token. Shown once: keep it.")
+    heartbeat_interval_s: float
+
+
+# --- enrollment tokens (staff) -------------------------------------------------------------
+
+
+@router.post("/enrollment-tokens", response={201: EnrollmentCreatedOut})
+def create_enrollment_token(request: HttpRequest, body: EnrollmentIn) -> Status[EnrollmentToken]:
+    """A token volunteers register workers with; its plaintext appears only in this answer."""
+    expires = timedelta(seconds=body.expires_in_s) if body.expires_in_s is not None else None
+    row, plaintext = services.create_enrollment_token(
+        created_by=request.auth, label=body.label, max_uses=body.max_uses, expires_in=expires
+    )
+    row.token = plaintext  # for the answer only, never saved
+    return Status(201, row)
+
+
+@router.get("/enrollment-tokens", response=list[EnrollmentOut])
+@paginate(LimitOffsetPagination, max_limit=MAX_PAGE)
+def list_enrollment_tokens(request: HttpRequest) -> QuerySet[EnrollmentToken]:
+    return EnrollmentToken.objects.select_related("created_by").order_by("-created_at", "-pk")
+
+
+@router.post("/enrollment-tokens/{token_id}/revoke", response=EnrollmentOut)
+def revoke_enrollment_token(request: HttpRequest, token_id: int) -> EnrollmentToken:
+    """Refuse the token from now on; workers it already registered keep working."""
+    row = EnrollmentToken.objects.filter(pk=token_id).first()
+    if row is None:
+        raise ApiError(404, "enrollment_token_not_found", f"no enrollment token with id {token_id}")
+    services.revoke_enrollment_token(row)
+    return row
+
+
+# --- workers (staff) -----------------------------------------------------------------------
+
+
+@router.get("/workers", response=list[WorkerOut])
+@paginate(LimitOffsetPagination, max_limit=MAX_PAGE)
+def list_workers(request: HttpRequest, revoked: bool | None = None) -> QuerySet[Worker]:
+    """Workers, most recently seen first; `revoked` keeps only (non-)revoked ones."""
+    workers = Worker.objects.order_by("-last_seen", "-pk")
+    return workers if revoked is None else workers.filter(revoked=revoked)
+
+
+def _worker(worker_id: int) -> Worker:
+    worker = Worker.objects.filter(pk=worker_id).first()
+    if worker is None:
+        raise ApiError(404, "worker_not_found", f"no worker with id {worker_id}")
+    return worker
+
+
+@router.get("/workers/{worker_id}", response=WorkerOut)
+def get_worker(request: HttpRequest, worker_id: int) -> Worker:
+    return _worker(worker_id)
+
+
+@router.post("/workers/{worker_id}/revoke", response=WorkerOut)
+def revoke_worker(request: HttpRequest, worker_id: int) -> Worker:
+    """Refuse the worker's token from now on; the lease sweep takes its units back."""
+    worker = _worker(worker_id)
+    services.revoke_worker(worker)
+    return worker
+
+
+# --- registration (volunteers) -------------------------------------------------------------
+
+
+@worker_router.post("/register", response={201: RegisterOut}, auth=None)
+def register(request: HttpRequest, body: RegisterIn) -> Status[dict[str, Any]]:
+    """Trade an enrollment token for this worker's own token (shown once, stored hashed)."""
+    worker, plaintext = services.register_worker(
+        body.enrollment_token, body.name, body.device, owner=body.owner
+    )
+    return Status(
+        201,
+        {
+            "worker_id": worker.pk,
+            "name": worker.name,
+            "token": plaintext,
+            "heartbeat_interval_s": current_policy().heartbeat_interval_s,
+        },
+    )

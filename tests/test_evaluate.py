@@ -1,0 +1,191 @@
+"""Evaluation after a round: held-out loss per path on fixed windows, and early stopping.
+
+Runs are built directly on the local blob store: version-0 modules from the run's seed and
+random validation shards, so each test controls exactly what a path is scored on.
+"""
+
+from __future__ import annotations
+
+import math
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dipaco.config import LayoutConfig, RunConfig
+from dipaco.data.shards import ShardIndex, ShardInfo
+from dipaco.model import build_model
+from dipaco.modular import assemble_path_state, init_modules, split_path_state
+from dipaco_server.rounds.services import open_round
+from dipaco_server.rounds.tasks import advance_run
+from dipaco_server.runs import keys
+from dipaco_server.runs.evaluate import EVAL_BATCH_SIZE, EVAL_BATCHES, evaluate_run
+from dipaco_server.runs.models import MetricPoint, Run
+from dipaco_server.runs.prepare import data_index_key, write_module
+from dipaco_server.runs.services import create_run, publish_module_version, transition
+from dipaco_server.storage import BlobStore, get_blob_store
+
+MODEL = {
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "intermediate_size": 64,
+    "vocab_size": 300,
+    "seq_len": 16,
+}
+TWO_PATHS = LayoutConfig.grid(2, levels=1, modules=2)  # paths 0, 1 over 0.0 / 0.1 + shared
+VAL_TOKENS = 700  # 43 windows of 17 tokens: more than the 32 evaluated
+
+
+@pytest.fixture
+def store(settings: Any, tmp_path: Path, db: None) -> BlobStore:
+    settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
+    return get_blob_store()
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One thread: on a shared, loaded machine torch's thread pool stalls tiny ops 10-70x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def publish(
+    run: Run, module_id: str, version: int, tensors: dict[str, torch.Tensor], tmp: Path
+) -> None:
+    file = tmp / f"{module_id}-v{version}"
+    sha256, size = write_module(file, tensors)
+    key = keys.module_key(run.pk, module_id, version)
+    get_blob_store().put_file(key, file)
+    publish_module_version(
+        run.modules.get(module_id=module_id), version, blob_key=key, sha256=sha256, size=size
+    )
+
+
+def running_run(tmp: Path, rounds: int = 10) -> tuple[Run, list[np.ndarray]]:
+    """A running run with version-0 modules and random validation shards per path."""
+    config = RunConfig.tiny(model=MODEL, layout=TWO_PATHS, rounds=rounds).model_dump(mode="json")
+    del config["name"]
+    run = create_run(f"eval-{uuid.uuid4().hex[:8]}", config)
+    for module_id, tensors in init_modules(run.run_config).items():
+        publish(run, module_id, 0, tensors, tmp)
+    rng = np.random.default_rng(0)
+    shards, infos = [], []
+    for path in run.paths.order_by("index"):
+        ids = rng.integers(0, MODEL["vocab_size"], VAL_TOKENS).astype("<u2")
+        get_blob_store().put_bytes(keys.data_key(run.pk, path.index, "val"), ids.tobytes())
+        shards.append(ids.astype(np.int64))
+        info = ShardInfo(f"{path.index}/val.bin", VAL_TOKENS, 1, "0" * 64)
+        infos.append({"train": info, "val": info})
+    index = ShardIndex("<u2", MODEL["vocab_size"], 0, 2, "test", infos)
+    get_blob_store().put_file(data_index_key(run.pk), index.save(tmp))
+    run.paths.update(train_tokens=100_000, val_tokens=VAL_TOKENS)
+    for state in ("preparing", "ready", "running"):
+        transition(run, state)
+    return run, shards
+
+
+def reference_loss(
+    run: Run, p: int, modules: dict[str, dict[str, torch.Tensor]], ids: np.ndarray
+) -> float:
+    """The loss computed independently: windows [iT, (i+1)T] of the shard, all targets."""
+    config = run.run_config
+    model = build_model(config.model, config.seed)
+    model.load_state_dict(assemble_path_state(config, p, modules))
+    model.eval()
+    t = config.model.seq_len
+    windows = torch.stack(
+        [
+            torch.from_numpy(ids[i * t : i * t + t + 1])
+            for i in range(EVAL_BATCHES * EVAL_BATCH_SIZE)
+        ]
+    )
+    with torch.no_grad():
+        logits = model(input_ids=windows[:, :-1]).logits  # (N, T, V)
+    return float(F.cross_entropy(logits.transpose(1, 2), windows[:, 1:]))
+
+
+def series(run: Run, name: str) -> dict[tuple[int, int], float]:
+    return {
+        (point.path.index, point.round): point.value
+        for point in MetricPoint.objects.filter(run=run, name=name).select_related("path")
+    }
+
+
+def test_evaluation_records_each_paths_loss_and_perplexity_on_its_fixed_windows(
+    store: BlobStore, tmp_path: Path
+) -> None:
+    run, shards = running_run(tmp_path)
+    results = evaluate_run(run, 0)
+
+    initial = init_modules(run.run_config)
+    losses = series(run, "val_loss")
+    for p in (0, 1):
+        assert losses[p, 0] == pytest.approx(reference_loss(run, p, initial, shards[p]), rel=1e-5)
+        assert series(run, "val_perplexity")[p, 0] == pytest.approx(math.exp(losses[p, 0]))
+    assert [r.tokens for r in results] == [EVAL_BATCHES * EVAL_BATCH_SIZE * MODEL["seq_len"]] * 2
+    assert losses[0, 0] != losses[1, 0], "each path is scored on its own shard and modules"
+
+    assert evaluate_run(run, 0) == [], "a round already scored is not scored again"
+    assert MetricPoint.objects.filter(run=run).count() == 4
+
+
+def improve(run: Run, p: int, ids: np.ndarray, version: int, tmp: Path) -> None:
+    """Publish `version` of path p's level module after a few Adam steps on its windows."""
+    config = run.run_config
+    model = build_model(config.model, config.seed)
+    model.load_state_dict(assemble_path_state(config, p, init_modules(config)))
+    t = config.model.seq_len
+    windows = torch.stack([torch.from_numpy(ids[i * t : i * t + t + 1]) for i in range(32)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(10):
+        logits = model(input_ids=windows[:, :-1]).logits  # (N, T, V)
+        F.cross_entropy(logits.transpose(1, 2), windows[:, 1:]).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    level = f"0.{p}"
+    trained = split_path_state(config, p, {k: v.detach() for k, v in model.state_dict().items()})
+    publish(run, level, version, trained[level], tmp)
+
+
+def test_a_path_without_improvement_for_patience_rounds_stops_and_gets_no_more_units(
+    store: BlobStore, tmp_path: Path
+) -> None:
+    run, shards = running_run(tmp_path)
+    evaluate_run(run, 0, patience=2)
+    improve(run, 1, shards[1], version=2, tmp=tmp_path)  # path 1 learns in round 1, path 0 not
+
+    first = evaluate_run(run, 1, patience=2)
+    second = evaluate_run(run, 2, patience=2)
+
+    assert [(r.path, r.finished) for r in first] == [(0, False), (1, False)]
+    assert [(r.path, r.finished) for r in second] == [(0, True), (1, False)]
+    paths = {p.index: p for p in run.paths.all()}
+    assert (paths[0].state, paths[0].best_round) == ("finished", 0)
+    assert (paths[1].state, paths[1].best_round) == ("active", 1)
+    assert series(run, "val_loss")[1, 1] < series(run, "val_loss")[1, 0]
+
+    for t in range(3):
+        run.rounds.create(t=t, state="closed")
+    next_round = open_round(run, 3)
+    assert {u.path.index for u in next_round.units.all()} == {1}
+    last = evaluate_run(run, 3, patience=2)
+    assert [(r.path, r.finished) for r in last] == [(1, True)], "a finished path is not scored"
+
+
+def test_the_run_finishes_when_its_last_path_stops(store: BlobStore, tmp_path: Path) -> None:
+    run, _ = running_run(tmp_path)
+    for t in range(2):
+        evaluate_run(run, t, patience=1)
+    assert set(run.paths.values_list("state", flat=True)) == {"finished"}
+    assert advance_run(run, 1) == "finished"
+    run.refresh_from_db()
+    assert run.state == Run.State.FINISHED

@@ -1,0 +1,226 @@
+"""The worker agent against a live control plane: `dipaco-worker` processes over real HTTP.
+
+The server is Django's live server on the session's database (PostgreSQL when it
+answers) with the local blob store, so every byte goes through presigned URLs as in
+production. Each test starts real `dipaco-worker` processes and reads their
+``--json-logs`` lines: one unit from enrollment to recorded contributions; SIGTERM
+during training (release, exit 0); ``kill -9`` then a restart that resumes the lease.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from dipaco.codecs import decode, encode
+from dipaco.config import RunConfig
+from dipaco.modular import init_modules, module_spec
+from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
+from dipaco_server.rounds.services import start_run
+from dipaco_server.runs import keys
+from dipaco_server.runs.models import Run
+from dipaco_server.runs.services import create_run, publish_module_version, transition
+from dipaco_server.storage import BlobStore, get_blob_store
+from dipaco_server.workers.models import Worker
+from dipaco_server.workers.services import create_enrollment_token
+from tests.test_models import tiny_config
+
+SHARD_TOKENS = 40_000
+# A smaller model than RunConfig.tiny's, so steps are quick on a busy CPU.
+SMALL_MODEL = {"hidden_size": 32, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 64,
+               "vocab_size": 256, "seq_len": 32}  # fmt: skip
+WORKER_BIN = Path(sys.executable).parent / "dipaco-worker"
+EVENT_TIMEOUT_S = 90.0
+pytestmark = pytest.mark.django_db(transaction=True)
+
+
+@pytest.fixture
+def store(settings: Any, tmp_path: Path, live_server: Any) -> BlobStore:
+    settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
+    settings.DIPACO_PUBLIC_URL = live_server.url
+    return get_blob_store()
+
+
+def running_run(store: BlobStore, steps: int) -> Run:
+    """A running 2x2-path tiny run, H = `steps`, with real version-0 blobs and shards."""
+    run = create_run("agent-run", tiny_config(model=SMALL_MODEL, inner={"steps": steps}))
+    modules = init_modules(run.run_config)
+    for module in run.modules.all():
+        data = encode(modules[module.module_id], "fp32")
+        key = keys.module_key(run.pk, module.module_id, 0)
+        store.put_bytes(key, data)
+        digest = hashlib.sha256(data).hexdigest()
+        publish_module_version(module, 0, blob_key=key, sha256=digest, size=len(data))
+    rng = np.random.default_rng(0)
+    for path in run.paths.all():
+        ids = rng.integers(0, run.run_config.model.vocab_size, SHARD_TOKENS, dtype=np.uint16)
+        store.put_bytes(keys.data_key(run.pk, path.index, "train"), ids.astype("<u2").tobytes())
+    run.paths.update(train_tokens=SHARD_TOKENS)
+    for state in ("preparing", "ready"):
+        transition(run, state)
+    start_run(run)
+    return run
+
+
+class WorkerProcess:
+    """A `dipaco-worker --json-logs` process and the events it printed so far."""
+
+    def __init__(self, server: str, data_dir: Path, *args: str) -> None:
+        command = [
+            str(WORKER_BIN), "--server", server, "--data-dir", str(data_dir), "--json-logs",
+            "--threads", "1", "--probe-seconds", "0.05", *args,
+        ]  # fmt: skip
+        self.process = subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )  # fmt: skip
+        self.events: list[dict[str, Any]] = []
+        self.lines: list[str] = []
+
+    def _read(self) -> Iterator[dict[str, Any]]:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self.lines.append(line)
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue  # a traceback or a warning from a library
+            self.events.append(event)
+            yield event
+
+    def wait_for(self, name: str, **fields: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + EVENT_TIMEOUT_S
+        for event in self._read():
+            if event.get("event") == name and all(event.get(k) == v for k, v in fields.items()):
+                return event
+            if time.monotonic() > deadline:
+                break
+        raise AssertionError(f"no {name} event {fields}; output:\n{''.join(self.lines[-40:])}")
+
+    def wait_for_step(self, at_least: int) -> dict[str, Any]:
+        for event in self._read():
+            if event.get("event") == "step" and event["step"] >= at_least:
+                return event
+        raise AssertionError(f"no step >= {at_least}; output:\n{''.join(self.lines[-40:])}")
+
+    def finish(self, timeout: float = EVENT_TIMEOUT_S) -> int:
+        list(self._read())
+        return self.process.wait(timeout=timeout)
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+
+@pytest.fixture
+def workers() -> Iterator[list[WorkerProcess]]:
+    started: list[WorkerProcess] = []
+    yield started
+    for worker in started:
+        worker.kill()
+
+
+def wait_for_saved_step(state: Path, at_least: int) -> dict[str, Any]:
+    """The agent's lease.json once it records a checkpoint at `at_least` steps or more."""
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while time.monotonic() < deadline:
+        try:
+            saved: dict[str, Any] = json.loads(state.read_text())
+        except (FileNotFoundError, ValueError):
+            saved = {}
+        if saved.get("step", 0) >= at_least:
+            return saved
+        time.sleep(0.01)
+    raise AssertionError(f"{state} never recorded step {at_least}")
+
+
+def enrollment() -> str:
+    return create_enrollment_token(max_uses=None)[1]
+
+
+def test_one_worker_enrolls_trains_a_unit_and_its_contributions_decode_to_finite_deltas(
+    store: BlobStore, live_server: Any, tmp_path: Path, workers: list[WorkerProcess]
+) -> None:
+    run = running_run(store, steps=3)
+    worker = WorkerProcess(live_server.url, tmp_path / "agent", "--enroll", enrollment(), "--once")
+    workers.append(worker)
+    assert worker.finish() == 0, "".join(worker.lines[-40:])
+
+    names = [e["event"] for e in worker.events]
+    assert names.index("enrolled") < names.index("lease") < names.index("completed")
+    config_file = tmp_path / "agent" / "worker.json"
+    assert stat.S_IMODE(config_file.stat().st_mode) == 0o600
+    registered = Worker.objects.get()
+    assert registered.device["probe_tokens_per_second"] > 0
+    assert registered.units_completed == 1
+
+    lease = Lease.objects.select_related("unit__path").get()
+    assert lease.state == Lease.State.COMPLETED and lease.unit.state == WorkUnit.State.DONE
+    config = RunConfig.model_validate(run.config)
+    rows = list(Contribution.objects.filter(lease=lease).select_related("module"))
+    assert sorted(r.module.module_id for r in rows) == sorted(lease.unit.path.modules)
+    for row in rows:
+        data = store.get_bytes(row.blob_key)
+        assert (len(data), hashlib.sha256(data).hexdigest()) == (row.size, row.sha256)
+        assert row.tokens == 3 * config.inner.batch_size * config.model.seq_len
+        spec = module_spec(config, row.module.module_id)
+        delta = decode(data, expected=spec)
+        assert all(torch.isfinite(t).all() for t in delta.values())
+        assert math.sqrt(sum(float(t.pow(2).sum()) for t in delta.values())) > 0
+    assert not (tmp_path / "agent" / "lease.json").exists(), "a completed unit leaves no state"
+
+
+def test_sigterm_during_training_releases_the_lease_and_exits_zero(
+    store: BlobStore, live_server: Any, tmp_path: Path, workers: list[WorkerProcess]
+) -> None:
+    running_run(store, steps=400)
+    worker = WorkerProcess(live_server.url, tmp_path / "agent", "--enroll", enrollment())
+    workers.append(worker)
+    worker.wait_for_step(1)
+    worker.process.send_signal(signal.SIGTERM)
+    assert worker.finish() == 0, "".join(worker.lines[-40:])
+
+    names = [e["event"] for e in worker.events]
+    assert "stopping" in names and "released" in names
+    lease = Lease.objects.select_related("unit").get()
+    assert lease.state == Lease.State.RELEASED
+    assert lease.unit.state == WorkUnit.State.QUEUED, "the unit goes back to the queue"
+    assert not (tmp_path / "agent" / "lease.json").exists()
+
+
+def test_after_kill_9_a_restarted_worker_resumes_the_same_lease_from_its_checkpoint(
+    store: BlobStore, live_server: Any, tmp_path: Path, workers: list[WorkerProcess]
+) -> None:
+    running_run(store, steps=100)
+    data_dir = tmp_path / "agent"
+    first = WorkerProcess(
+        live_server.url, data_dir, "--enroll", enrollment(), "--checkpoint-every", "2"
+    )
+    workers.append(first)
+    first.wait_for_step(1)
+    saved = wait_for_saved_step(data_dir / "lease.json", at_least=2)
+    first.kill()
+
+    second = WorkerProcess(live_server.url, data_dir, "--once", "--checkpoint-every", "100")
+    workers.append(second)
+    resumed = second.wait_for("resume")
+    assert resumed["lease_id"] == saved["lease"]["lease_id"]
+    assert second.wait_for_step(1)["step"] > saved["step"], "training went on from the checkpoint"
+    assert second.finish() == 0, "".join(second.lines[-40:])
+    lease = Lease.objects.get()
+    assert lease.pk == saved["lease"]["lease_id"] and lease.state == Lease.State.COMPLETED

@@ -1,0 +1,169 @@
+"""The agent's training of one unit: data window, warm AdamW state, out-of-memory fallback.
+
+Tiny CPU models with fixed seeds; the library's inner loop does the training, these
+tests check what the agent adds around it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+from dipaco.config import GiB, RunConfig, estimate_path_memory
+from dipaco.inner import StepMetrics
+from dipaco.modular import init_modules
+from worker_agent.errors import OutOfMemory
+from worker_agent.trainer import (
+    CHECKPOINT_NAME,
+    UnitWork,
+    WindowSource,
+    fit_micro_batch,
+    smaller_micro_batch,
+    train_unit,
+)
+from worker_agent.warm_start import OptimizerStates
+
+STEPS = 3
+# Smaller than RunConfig.tiny's model, so a unit takes a fraction of a second on a busy CPU.
+SMALL_MODEL = {"hidden_size": 32, "num_heads": 2, "num_kv_heads": 2, "intermediate_size": 64,
+               "vocab_size": 256, "seq_len": 32}  # fmt: skip
+
+
+def small(**inner: int) -> RunConfig:
+    return RunConfig.tiny(model=SMALL_MODEL, inner=inner)
+
+
+@pytest.fixture(scope="module")
+def config() -> RunConfig:
+    return small(steps=STEPS, micro_batch_size=4, grad_accum_steps=1)
+
+
+def window_file(tmp_path: Path, config: RunConfig, seed: int = 0) -> Path:
+    tokens = STEPS * config.inner.batch_size * config.model.seq_len + 1
+    rng = np.random.default_rng(seed)
+    path = tmp_path / f"window-{seed}.bin"
+    rng.integers(0, config.model.vocab_size, tokens, dtype=np.uint16).astype("<u2").tofile(path)
+    return path
+
+
+def unit(config: RunConfig, window: Path, round_index: int = 0) -> UnitWork:
+    return UnitWork(config, 1, 0, round_index, init_modules(config), WindowSource(window, "<u2"))
+
+
+def adam_steps(checkpoint: Path) -> float:
+    with safe_open(str(checkpoint), framework="pt") as handle:
+        return float(handle.get_tensor("adam/0/step"))
+
+
+def test_the_window_source_gives_consecutive_sequences_of_the_window(
+    tmp_path: Path, config: RunConfig
+) -> None:
+    path = window_file(tmp_path, config)
+    tokens = torch.from_numpy(np.fromfile(path, dtype="<u2").astype(np.int64))
+    source, t = WindowSource(path, "<u2"), config.model.seq_len
+    batch = source.batch(2, 3, t)  # sequences 2, 3, 4
+    assert batch.shape == (3, t + 1) and batch.dtype == torch.int64
+    for row in range(3):
+        start = (2 + row) * t
+        assert torch.equal(batch[row], tokens[start : start + t + 1])
+
+
+def test_a_unit_trains_and_returns_a_finite_delta_per_module(
+    tmp_path: Path, config: RunConfig
+) -> None:
+    result, inner = train_unit(
+        unit(config, window_file(tmp_path, config)), device=torch.device("cpu"),
+        work_dir=tmp_path / "work", optimizer_states=None,
+    )  # fmt: skip
+    assert result.completed and inner == config.inner
+    assert sorted(result.module_deltas) == ["0.0", "1.0", "shared"]
+    for tensors in result.module_deltas.values():
+        assert all(torch.isfinite(t).all() for t in tensors.values())
+    assert result.tokens == STEPS * config.inner.batch_size * config.model.seq_len
+
+
+def test_the_same_path_coming_back_continues_its_adamw_state(
+    tmp_path: Path, config: RunConfig
+) -> None:
+    states = OptimizerStates(tmp_path / "optim")
+    cpu = torch.device("cpu")
+    first, _ = train_unit(unit(config, window_file(tmp_path, config)), device=cpu,
+                          work_dir=tmp_path / "a", optimizer_states=states)  # fmt: skip
+    assert first.completed and adam_steps(tmp_path / "a" / CHECKPOINT_NAME) == STEPS
+    assert states.path_for(1, 0).exists()
+
+    second, _ = train_unit(unit(config, window_file(tmp_path, config, seed=1), round_index=1),
+                           device=cpu, work_dir=tmp_path / "b", optimizer_states=states)  # fmt: skip
+    assert second.completed
+    assert adam_steps(tmp_path / "b" / CHECKPOINT_NAME) == 2 * STEPS, "the moments carried over"
+
+    cold, _ = train_unit(unit(config, window_file(tmp_path, config, seed=1), round_index=1),
+                         device=cpu, work_dir=tmp_path / "c", optimizer_states=None)  # fmt: skip
+    assert adam_steps(tmp_path / "c" / CHECKPOINT_NAME) == STEPS
+    differs = any(
+        not torch.allclose(second.delta[name], cold.delta[name]) for name in cold.delta
+    )
+    assert differs, "warm and cold AdamW state must train differently"
+
+
+def test_moments_of_another_model_are_not_reused(tmp_path: Path, config: RunConfig) -> None:
+    states = OptimizerStates(tmp_path / "optim")
+    states.save(1, 0, config, {"adam/0/step": torch.tensor(5.0)})
+    wider = RunConfig.tiny(model={**SMALL_MODEL, "hidden_size": 64})
+    assert states.load(1, 0, wider) is None
+    assert states.load(1, 0, config) is not None
+
+
+def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(
+    tmp_path: Path, config: RunConfig
+) -> None:
+    cpu, window = torch.device("cpu"), window_file(tmp_path, config)
+    reference, _ = train_unit(unit(config, window), device=cpu, work_dir=tmp_path / "ref",
+                              optimizer_states=None)  # fmt: skip
+    seen: list[tuple[int, int]] = []
+
+    def oom_on_big_batches(metrics: StepMetrics, inner: object) -> None:
+        micro = getattr(inner, "micro_batch_size")  # noqa: B009
+        seen.append((metrics.step, micro))
+        if metrics.step == 2 and micro > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    result, inner = train_unit(
+        unit(config, window), device=cpu, work_dir=tmp_path / "oom", optimizer_states=None,
+        checkpoint_every=1, fault=oom_on_big_batches,
+    )  # fmt: skip
+    assert (inner.micro_batch_size, inner.grad_accum_steps) == (2, 2)
+    assert inner.batch_size == config.inner.batch_size
+    assert seen == [(1, 4), (2, 4), (2, 2), (3, 2)], "resumed after the last checkpoint"
+    assert result.completed and result.tokens == reference.tokens
+    for name, delta in reference.delta.items():
+        torch.testing.assert_close(result.delta[name], delta, rtol=1e-3, atol=1e-5)
+
+
+def test_out_of_memory_at_one_sequence_per_micro_batch_gives_up_with_advice(
+    tmp_path: Path,
+) -> None:
+    config = small(steps=1, micro_batch_size=1, grad_accum_steps=1)
+
+    def always(metrics: StepMetrics, inner: object) -> None:
+        raise RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)")
+
+    with pytest.raises(OutOfMemory, match="bigger device"):
+        train_unit(unit(config, window_file(tmp_path, config)), device=torch.device("cpu"),
+                   work_dir=tmp_path / "w", optimizer_states=None, fault=always)  # fmt: skip
+
+
+def test_a_memory_budget_shrinks_the_micro_batch_before_training(config: RunConfig) -> None:
+    big = small(micro_batch_size=8, grad_accum_steps=2)
+    need = estimate_path_memory(big.model, big.inner).total_bytes
+    fitted = fit_micro_batch(big, int(need * 0.7))
+    assert fitted.micro_batch_size < 8 and fitted.batch_size == big.inner.batch_size
+    assert fit_micro_batch(big, None) == big.inner
+    with pytest.raises(OutOfMemory, match="--memory-cap"):
+        fit_micro_batch(big, GiB // 1024)
+    odd = smaller_micro_batch(big.inner.model_copy(update={"micro_batch_size": 6}))
+    assert odd is not None and (odd.micro_batch_size, odd.grad_accum_steps) == (3, 4)

@@ -1,0 +1,152 @@
+"""The run page's chart series: validation and training curves, and bytes moved per round.
+
+Each chart is plain JSON for uPlot (static/dipaco_web/dashboard.js): a shared x
+axis of outer rounds and one list of y values per series, ``None`` where a series
+has no point in a round.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from itertools import accumulate
+from typing import Any, TypedDict
+
+from django.db.models import Sum
+
+from dipaco_server.rounds.models import Contribution, Lease
+from dipaco_server.runs.models import MetricPoint, ModuleVersion, Run
+from dipaco_web.queries import TRAIN_LOSS, VAL_LOSS, perplexity, routed_val_losses
+
+FP32_BYTES = 4
+ROUTED = "routed mean"
+
+
+class Series(TypedDict):
+    label: str
+    values: list[float | None]
+
+
+class Chart(TypedDict):
+    x: list[int]
+    series: list[Series]
+
+
+def _chart(by_label: dict[str, dict[int, float]]) -> Chart:
+    rounds = sorted({t for values in by_label.values() for t in values})
+    return {
+        "x": rounds,
+        "series": [
+            {"label": label, "values": [values.get(t) for t in rounds]}
+            for label, values in by_label.items()
+        ],
+    }
+
+
+def loss_charts(run: Run) -> dict[str, Chart]:
+    """Validation loss and perplexity per path with the routed mean; training loss."""
+    series: dict[str, dict[Any, dict[int, float]]] = {VAL_LOSS: {}, TRAIN_LOSS: {}}
+    for name, path_index, t, value in (
+        MetricPoint.objects.filter(run=run, name__in=list(series), round__isnull=False)
+        .order_by("path__index", "round", "pk")
+        .values_list("name", "path__index", "round", "value")
+    ):
+        series[name].setdefault(path_index, {})[t] = value  # the last point of a round wins
+    validation = {_label(p): v for p, v in series[VAL_LOSS].items() if p is not None}
+    routed = routed_val_losses(run)
+    if routed:
+        validation[ROUTED] = routed
+    training = {
+        ("all paths" if p is None else _label(p)): values
+        for p, values in series[TRAIN_LOSS].items()
+    }
+    ppl = {
+        label: {t: p for t, loss in values.items() if (p := perplexity(loss)) is not None}
+        for label, values in validation.items()
+    }
+    return {
+        "val_loss": _chart(validation),
+        "val_perplexity": _chart(ppl),
+        "train_loss": _chart(training),
+    }
+
+
+def _label(path_index: int) -> str:
+    return f"path {path_index}"
+
+
+@dataclass(frozen=True)
+class Communication:
+    """Bytes moved per round by DiPaCo, and by data-parallel training of the same steps.
+
+    DiPaCo moves, per completed unit, the path's weights down (the module versions it
+    started from) and its encoded Δ up. Data-parallel training of the same steps would
+    exchange every inner step's fp32 gradient of the whole path: sent and received,
+    2 x 4 bytes per parameter per step (a parameter server; a ring all-reduce moves
+    about as much per worker).
+    """
+
+    rounds: list[int]
+    moved: list[int]
+    data_parallel: list[int]
+
+    @property
+    def total_moved(self) -> int:
+        return sum(self.moved)
+
+    @property
+    def total_data_parallel(self) -> int:
+        return sum(self.data_parallel)
+
+    @property
+    def ratio(self) -> float | None:
+        """How many times more data-parallel would have moved (None before any unit)."""
+        return self.total_data_parallel / self.total_moved if self.total_moved else None
+
+    def chart(self) -> Chart:
+        """Cumulative bytes over rounds, both ways."""
+        moved: list[float | None] = [float(b) for b in accumulate(self.moved)]
+        data_parallel: list[float | None] = [float(b) for b in accumulate(self.data_parallel)]
+        return {
+            "x": self.rounds,
+            "series": [
+                {"label": "dipaco", "values": moved},
+                {"label": "data-parallel", "values": data_parallel},
+            ],
+        }
+
+
+def communication(run: Run) -> Communication:
+    """Bytes per round, from the module versions, contributions and completed leases."""
+    config = run.run_config
+    params = config.module_param_counts()
+    steps = config.inner.steps
+    sizes = {
+        (module_id, version): size
+        for module_id, version, size in ModuleVersion.objects.filter(module__run=run).values_list(
+            "module__module_id", "version", "size"
+        )
+    }
+    moved: dict[int, int] = defaultdict(int)
+    data_parallel: dict[int, int] = defaultdict(int)
+    for t, uploaded in (
+        Contribution.objects.filter(unit__round__run=run)
+        .values_list("unit__round__t")
+        .annotate(total=Sum("size"))
+        .order_by()
+    ):
+        moved[t] += uploaded
+    for t, base_versions, modules in Lease.objects.filter(
+        unit__round__run=run, state=Lease.State.COMPLETED
+    ).values_list("unit__round__t", "unit__base_versions", "unit__path__modules"):
+        # A version not in the table (never expected) is counted at its fp32 size.
+        moved[t] += sum(
+            sizes.get((m, v), FP32_BYTES * params.get(m, 0)) for m, v in base_versions.items()
+        )
+        data_parallel[t] += steps * 2 * FP32_BYTES * sum(params.get(m, 0) for m in modules)
+    rounds = sorted(set(moved) | set(data_parallel))
+    return Communication(
+        rounds=rounds,
+        moved=[moved.get(t, 0) for t in rounds],
+        data_parallel=[data_parallel.get(t, 0) for t in rounds],
+    )

@@ -1,0 +1,128 @@
+// The run page's charts: uPlot draws each <div data-chart="NAME"> from the JSON in
+// <script id="run-charts">, and redraws whenever an htmx poll swaps in new JSON.
+// The live uPlot objects are window.dipacoCharts[NAME] (the browser tests read them).
+(function () {
+  "use strict";
+
+  // Tableau 10: distinct in colour and in lightness; the routed mean is black and dashed.
+  const PALETTE = ["#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f",
+                   "#edc948", "#b07aa1", "#ff9da7", "#9c755f", "#bab0ac"];
+  const HEIGHT = 240;
+  const charts = {};
+  window.dipacoCharts = charts;
+  let drawn = null; // the JSON text last drawn: polls that bring nothing new redraw nothing
+
+  function formatBytes(value) {
+    if (value == null) return "—";
+    const units = ["B", "kB", "MB", "GB", "TB", "PB"];
+    let i = 0;
+    while (Math.abs(value) >= 1000 && i < units.length - 1) { value /= 1000; i++; }
+    return Number(value.toPrecision(3)) + " " + units[i];
+  }
+
+  function formatNumber(value) {
+    return value == null ? "—" : Number(value.toPrecision(4)).toString();
+  }
+
+  function seriesOptions(series, index, unit) {
+    const routed = series.label === "routed mean";
+    return {
+      label: series.label,
+      stroke: routed ? "#1b1b1b" : PALETTE[index % PALETTE.length],
+      width: routed ? 2.5 : 1.5,
+      dash: routed ? [6, 4] : undefined,
+      spanGaps: true, // a path not evaluated in some round keeps one line
+      points: { show: true, size: 5 },
+      value: (u, v) => (unit === "bytes" ? formatBytes(v) : formatNumber(v)),
+    };
+  }
+
+  // On a log axis, ticks and grid lines at powers of ten only.
+  function decades(u, splits) {
+    return splits.map((v) => (Math.abs(Math.log10(v) % 1) < 1e-9 ? v : null));
+  }
+
+  function yAxis(log, format) {
+    const axis = { size: 64, values: (u, ticks) => ticks.map((v) => (v == null ? "" : format(v))) };
+    if (log) {
+      axis.filter = decades;
+      axis.grid = { filter: decades };
+      axis.ticks = { filter: decades };
+    }
+    return axis;
+  }
+
+  function options(box, chart) {
+    const unit = box.dataset.unit;
+    const positive = chart.series.every((s) => s.values.every((v) => v == null || v > 0));
+    const log = unit === "bytes" && positive;
+    const format = unit === "bytes" ? formatBytes : formatNumber;
+    return {
+      width: box.clientWidth,
+      height: HEIGHT,
+      scales: {
+        x: { time: false },
+        y: log ? { distr: 3 } : {},
+      },
+      axes: [
+        { label: "outer round", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] },
+        yAxis(log, format),
+      ],
+      series: [{ label: "round" }, ...chart.series.map((s, i) => seriesOptions(s, i, unit))],
+    };
+  }
+
+  function sameSeries(plot, chart) {
+    const labels = plot.series.slice(1).map((s) => s.label);
+    return labels.join("\n") === chart.series.map((s) => s.label).join("\n");
+  }
+
+  function draw() {
+    const source = document.getElementById("run-charts");
+    if (!source || source.textContent === drawn || typeof uPlot === "undefined") return;
+    drawn = source.textContent;
+    const all = JSON.parse(drawn);
+    document.querySelectorAll("[data-chart]").forEach((box) => {
+      const name = box.dataset.chart;
+      const chart = all[name] || { x: [], series: [] };
+      const data = [chart.x, ...chart.series.map((s) => s.values)];
+      const plot = charts[name];
+      if (plot && chart.x.length && sameSeries(plot, chart)) {
+        plot.setData(data);
+        return;
+      }
+      if (plot) plot.destroy();
+      delete charts[name];
+      box.replaceChildren();
+      box.classList.toggle("empty", !chart.x.length);
+      if (!chart.x.length) {
+        box.textContent = "No points yet: they appear as rounds are evaluated.";
+        return;
+      }
+      charts[name] = new uPlot(options(box, chart), data, box);
+    });
+  }
+
+  function resize() {
+    document.querySelectorAll("[data-chart]").forEach((box) => {
+      const plot = charts[box.dataset.chart];
+      if (plot) plot.setSize({ width: box.clientWidth, height: HEIGHT });
+    });
+  }
+
+  // A button with data-confirm asks first (cancelling a run is final).
+  document.addEventListener("submit", (event) => {
+    const button = event.submitter;
+    if (button && button.dataset.confirm && !window.confirm(button.dataset.confirm)) {
+      event.preventDefault();
+    }
+  });
+  document.addEventListener("DOMContentLoaded", draw);
+  document.addEventListener("htmx:oobAfterSwap", draw);
+  document.addEventListener("htmx:afterSettle", draw);
+  let pending = null;
+  window.addEventListener("resize", () => {
+    clearTimeout(pending);
+    pending = setTimeout(resize, 100);
+  });
+})();

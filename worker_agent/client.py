@@ -1,0 +1,396 @@
+"""The control plane's worker API over HTTP: the one module that knows its URLs and JSON.
+
+Everything the rest of the agent sees is a dataclass defined here, so a change of a
+request or response shape is a change of this file alone. Every call goes through
+`worker_agent.retry`: transient failures are retried with backoff and jitter, the
+server's 4xx refusals are raised at once as `ServerError` with their stable code,
+and a server that never answers becomes `ServerUnreachable` naming the URL.
+
+Routes (under ``/api/v1``): ``GET health``; ``POST worker/register``,
+``worker/heartbeat``, ``worker/lease``; ``GET worker/lease/<id>/manifest``;
+``POST worker/lease/<id>/upload-urls``, ``.../complete``, ``.../release``. The lease's
+secret travels in the ``X-Lease-Secret`` header, the worker token as a bearer token.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from dipaco import __version__
+from worker_agent.errors import (
+    TOKEN_REFUSED,
+    AuthFailed,
+    IncompatibleServer,
+    ServerError,
+    ServerUnreachable,
+)
+from worker_agent.retry import Backoff, RetryAttempt, retry
+
+__all__ = [
+    "BlobRef",
+    "Client",
+    "Contribution",
+    "DataWindow",
+    "Heartbeat",
+    "LeaseGrant",
+    "Manifest",
+    "Registration",
+    "UploadTarget",
+    "compatible",
+    "parse_error",
+]
+
+API = "/api/v1"
+SECRET_HEADER = "X-Lease-Secret"
+USER_AGENT = f"dipaco-worker/{__version__}"
+
+
+@dataclass(frozen=True)
+class Registration:
+    worker_id: int
+    name: str
+    token: str
+    heartbeat_interval_s: float
+
+
+@dataclass(frozen=True)
+class DataWindow:
+    offset_tokens: int
+    length_tokens: int
+    dtype: str  # numpy dtype string of the token file, e.g. "<u2"
+
+
+@dataclass(frozen=True)
+class LeaseGrant:
+    """One work unit: train `steps` inner steps of path `path` from the modules' base versions."""
+
+    lease_id: int
+    secret: str
+    deadline: str  # ISO 8601, as the server sent it
+    heartbeat_interval_s: float
+    run_id: int
+    run_name: str
+    round: int
+    unit_id: int
+    path: int
+    modules: list[str]
+    base_versions: dict[str, int]
+    steps: int
+    codec: str
+    config: dict[str, Any]  # the whole RunConfig as JSON
+    data: DataWindow
+    raw: dict[str, Any] = field(repr=False)  # the answer as received, kept for resuming
+
+
+@dataclass(frozen=True)
+class BlobRef:
+    module_id: str
+    version: int
+    key: str
+    sha256: str
+    size: int
+    url: str
+
+
+@dataclass(frozen=True)
+class ShardRef:
+    url: str
+    dtype: str
+    offset_tokens: int
+    length_tokens: int
+    byte_start: int
+    byte_end: int  # exclusive
+
+
+@dataclass(frozen=True)
+class Manifest:
+    modules: list[BlobRef]
+    data: ShardRef
+
+
+@dataclass(frozen=True)
+class UploadTarget:
+    """Where one module's Δ goes: a raw PUT to `put_url`, or a form POST (`post_url`)."""
+
+    module_id: str
+    key: str
+    max_bytes: int
+    put_url: str
+    post_url: str
+    post_fields: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Contribution:
+    module_id: str
+    sha256: str
+    size: int
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    server_time: str
+    heartbeat_interval_s: float
+    lease_state: str | None  # "active", ... or None without a lease
+    lease_deadline: str | None
+    instructions: list[str]  # "release": the unit's work is no longer needed
+
+
+def compatible(server_version: str, agent_version: str = __version__) -> bool:
+    """Same major version, and the same minor while the major is 0 (semver's rule)."""
+    server, agent = server_version.split("."), agent_version.split(".")
+    if len(server) < 2 or server[0] != agent[0]:
+        return False
+    return server[0] != "0" or server[1] == agent[1]
+
+
+def parse_error(response: httpx.Response) -> ServerError:
+    """The answer's ``{"error": {"code", "message"}}``, or a stand-in for a non-JSON answer."""
+    status = response.status_code
+    try:
+        body = response.json()
+        error = body["error"]
+        server_error = ServerError(
+            status, str(error["code"]), str(error["message"]), dict(error.get("details") or {})
+        )
+    except (ValueError, KeyError, TypeError):
+        text = response.text[:200].strip() if not response.is_stream_consumed else ""
+        server_error = ServerError(status, f"http_{status}", text or response.reason_phrase)
+    if "Retry-After" in response.headers:
+        server_error.details.setdefault("retry_after", response.headers["Retry-After"])
+    return server_error
+
+
+class Client:
+    """One server, one worker token. Thread-safe: the heartbeat thread shares it."""
+
+    def __init__(
+        self,
+        server: str,
+        token: str | None = None,
+        *,
+        policy: Backoff | None = None,
+        stop: threading.Event | None = None,
+        on_retry: Callable[[RetryAttempt], None] | None = None,
+        timeout_s: float = 30.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.server = server.rstrip("/")
+        self.token = token
+        self.policy = policy or Backoff()
+        self.stop = stop
+        self.on_retry = on_retry
+        self.http = httpx.Client(
+            timeout=httpx.Timeout(timeout_s, connect=10.0),
+            headers={"User-Agent": USER_AGENT},
+            transport=transport,
+            follow_redirects=False,
+        )
+
+    def close(self) -> None:
+        self.http.close()
+
+    # --- the one request path ---------------------------------------------------------
+
+    def _call(
+        self,
+        method: str,
+        route: str,
+        *,
+        json: Mapping[str, Any] | None = None,
+        secret: str | None = None,
+        policy: Backoff | None = None,
+        auth: bool = True,
+        accept: tuple[int, ...] = (),
+    ) -> httpx.Response:
+        url = f"{self.server}{API}/{route}"
+        headers = {}
+        if auth and self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        if secret is not None:
+            headers[SECRET_HEADER] = secret
+
+        def attempt() -> httpx.Response:
+            response = self.http.request(method, url, json=json, headers=headers)
+            if response.status_code >= 400 and response.status_code not in accept:
+                raise parse_error(response)
+            return response
+
+        try:
+            return retry(
+                attempt,
+                policy or self.policy,
+                what=f"{method} {route}",
+                stop=self.stop,
+                on_retry=self.on_retry,
+            )
+        except ServerError as exc:
+            if exc.code in TOKEN_REFUSED:
+                raise AuthFailed(
+                    f"the server refused this worker's token ({exc.code}: {exc.message}); "
+                    f"enroll again: dipaco-worker --server {self.server} --enroll TOKEN"
+                ) from exc
+            if exc.transient:
+                raise ServerUnreachable(
+                    f"{self.server} kept failing ({exc.status} {exc.code}: {exc.message}); "
+                    "the server is overloaded or broken: try later or tell its operator"
+                ) from exc
+            raise
+        except httpx.TransportError as exc:
+            raise ServerUnreachable(
+                f"cannot reach the dipaco server at {self.server} ({type(exc).__name__}: "
+                f"{exc}) after {(policy or self.policy).attempts} tries; check the URL "
+                "(--server), your network or proxy, and that the server is running "
+                f"({self.server}{API}/health should answer)"
+            ) from exc
+
+    # --- routes -----------------------------------------------------------------------
+
+    def check_version(self) -> str:
+        """The server's version; IncompatibleServer if this agent cannot talk to it."""
+        try:
+            # 503 is "degraded" (its broker is down): it still says its version.
+            body = self._call("GET", "health", auth=False, accept=(503,)).json()
+        except (ServerError, ValueError) as exc:
+            raise IncompatibleServer(
+                f"{self.server}{API}/health gave no dipaco answer ({exc}); "
+                "is this a dipaco server? check --server"
+            ) from exc
+        version = str(body.get("version", "")) if isinstance(body, dict) else ""
+        if not version or not compatible(version):
+            raise IncompatibleServer(
+                f"the server at {self.server} runs dipaco {version or '(unknown)'}, this agent "
+                f"{__version__}; install a matching agent: pip install 'dipaco=={version}'"
+                if version
+                else f"{self.server}{API}/health did not say its version; check --server"
+            )
+        return version
+
+    def register(self, enrollment_token: str, name: str, device: Mapping[str, Any]) -> Registration:
+        body = {"enrollment_token": enrollment_token, "name": name, "device": dict(device)}
+        try:
+            data = self._call("POST", "worker/register", json=body, auth=False).json()
+        except ServerError as exc:
+            if exc.code in ("enrollment_refused", "worker_invalid"):
+                raise AuthFailed(f"registration refused: {exc.message}") from exc
+            raise
+        return Registration(
+            int(data["worker_id"]),
+            str(data["name"]),
+            str(data["token"]),
+            float(data["heartbeat_interval_s"]),
+        )
+
+    def heartbeat(
+        self, lease_id: int | None = None, secret: str | None = None, policy: Backoff | None = None
+    ) -> Heartbeat:
+        body = {"lease_id": lease_id}
+        data = self._call("POST", "worker/heartbeat", json=body, secret=secret, policy=policy)
+        answer = data.json()
+        lease = answer.get("lease") or {}
+        return Heartbeat(
+            server_time=str(answer["server_time"]),
+            heartbeat_interval_s=float(answer["heartbeat_interval_s"]),
+            lease_state=lease.get("state"),
+            lease_deadline=lease.get("deadline"),
+            instructions=[str(i) for i in answer.get("instructions", [])],
+        )
+
+    def lease(self) -> LeaseGrant | None:
+        """A work unit, or None when nothing is queued (HTTP 204)."""
+        response = self._call("POST", "worker/lease")
+        if response.status_code == 204:
+            return None
+        return lease_from_json(response.json())
+
+    def manifest(self, lease_id: int, secret: str) -> Manifest:
+        data = self._call("GET", f"worker/lease/{lease_id}/manifest", secret=secret).json()
+        shard = data["data"]
+        return Manifest(
+            modules=[
+                BlobRef(
+                    str(m["module_id"]),
+                    int(m["version"]),
+                    str(m["key"]),
+                    str(m["sha256"]),
+                    int(m["size"]),
+                    str(m["url"]),
+                )
+                for m in data["modules"]
+            ],
+            data=ShardRef(
+                str(shard["url"]),
+                str(shard["dtype"]),
+                int(shard["offset_tokens"]),
+                int(shard["length_tokens"]),
+                int(shard["byte_start"]),
+                int(shard["byte_end"]),
+            ),
+        )
+
+    def upload_urls(self, lease_id: int, secret: str) -> dict[str, UploadTarget]:
+        data = self._call("POST", f"worker/lease/{lease_id}/upload-urls", secret=secret).json()
+        return {
+            str(u["module_id"]): UploadTarget(
+                str(u["module_id"]),
+                str(u["key"]),
+                int(u["max_bytes"]),
+                str(u["put_url"]),
+                str(u["post"]["url"]),
+                {str(k): str(v) for k, v in u["post"]["fields"].items()},
+            )
+            for u in data["uploads"]
+        }
+
+    def complete(
+        self,
+        lease_id: int,
+        secret: str,
+        contributions: list[Contribution],
+        tokens: int,
+        metrics: Mapping[str, float],
+    ) -> dict[str, Any]:
+        body = {
+            "contributions": [
+                {"module_id": c.module_id, "sha256": c.sha256, "size": c.size}
+                for c in contributions
+            ],
+            "tokens": tokens,
+            "metrics": dict(metrics),
+        }
+        route = f"worker/lease/{lease_id}/complete"
+        answer: dict[str, Any] = self._call("POST", route, json=body, secret=secret).json()
+        return answer
+
+    def release(self, lease_id: int, secret: str, policy: Backoff | None = None) -> None:
+        self._call("POST", f"worker/lease/{lease_id}/release", secret=secret, policy=policy)
+
+
+def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
+    """A lease answer (or the copy saved for resuming) as a LeaseGrant."""
+    window = data["data"]
+    return LeaseGrant(
+        lease_id=int(data["lease_id"]),
+        secret=str(data["lease_secret"]),
+        deadline=str(data["deadline"]),
+        heartbeat_interval_s=float(data["heartbeat_interval_s"]),
+        run_id=int(data["run_id"]),
+        run_name=str(data["run_name"]),
+        round=int(data["round"]),
+        unit_id=int(data["unit_id"]),
+        path=int(data["path"]),
+        modules=[str(m) for m in data["modules"]],
+        base_versions={str(k): int(v) for k, v in data["base_versions"].items()},
+        steps=int(data["steps"]),
+        codec=str(data["codec"]),
+        config=dict(data["config"]),
+        data=DataWindow(
+            int(window["offset_tokens"]), int(window["length_tokens"]), str(window["dtype"])
+        ),
+        raw=dict(data),
+    )

@@ -1,0 +1,96 @@
+"""What a unit moves: module weights in (fp32 safetensors), encoded pseudo-gradients out.
+
+Module files are read with ``safetensors`` only (never pickle; DESIGN §7), and every
+tensor's name and shape is checked against the run's module spec before it is used:
+a blob for another layout is refused with the module it belongs to. The server writes
+plain fp32 safetensors (rounds.outer's ModuleWriter); a dipaco codec container is read
+too, so the two formats stay interchangeable.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from dipaco import codecs
+from dipaco.config import RunConfig
+from dipaco.modular import module_spec
+from worker_agent.transfer import sha256_of
+
+__all__ = ["EncodedDelta", "ModuleFileInvalid", "encode_deltas", "load_module"]
+
+MAX_HEADER_BYTES = 64 << 20
+
+
+class ModuleFileInvalid(ValueError):
+    """A module blob that does not fit the run (names, shapes, format)."""
+
+
+@dataclass(frozen=True)
+class EncodedDelta:
+    module_id: str
+    path: Path
+    sha256: str
+    size: int
+
+
+def _metadata(path: Path) -> dict[str, str]:
+    with open(path, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise ModuleFileInvalid(f"{path} is not a safetensors file (too short)")
+        (length,) = struct.unpack("<Q", prefix)
+        if length > MAX_HEADER_BYTES:
+            raise ModuleFileInvalid(f"{path} declares a {length}-byte header; refusing it")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as exc:
+            raise ModuleFileInvalid(f"{path} is not a safetensors file ({exc})") from exc
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    return meta if isinstance(meta, dict) else {}
+
+
+def load_module(path: Path, config: RunConfig, module_id: str) -> dict[str, Tensor]:
+    """The module's fp32 tensors, checked against ``module_spec(config, module_id)``."""
+    spec = module_spec(config, module_id)
+    if _metadata(path).get("format") == codecs.FORMAT:
+        try:
+            return codecs.decode(path, expected=spec)
+        except codecs.CodecError as exc:
+            raise ModuleFileInvalid(f"module {module_id}: {exc}") from exc
+    tensors = load_file(str(path))
+    missing, extra = sorted(set(spec) - set(tensors)), sorted(set(tensors) - set(spec))
+    if missing or extra:
+        raise ModuleFileInvalid(
+            f"module {module_id}: the blob lacks {missing[:3]} and/or has unexpected "
+            f"{extra[:3]}; the server sent weights of another model layout"
+        )
+    for name, (shape, _) in spec.items():
+        if tuple(tensors[name].shape) != tuple(shape):
+            raise ModuleFileInvalid(
+                f"module {module_id} tensor {name}: shape {tuple(tensors[name].shape)}, "
+                f"expected {tuple(shape)}"
+            )
+    return {name: t.to(torch.float32) for name, t in tensors.items()}
+
+
+def encode_deltas(
+    deltas: Mapping[str, Mapping[str, Tensor]], config: RunConfig, directory: Path
+) -> list[EncodedDelta]:
+    """Each module's Δ encoded with the run's codec into ``<directory>/<module>.safetensors``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    encoded = []
+    for module_id, tensors in deltas.items():
+        path = directory / f"delta-{module_id}.safetensors"
+        size = codecs.encode_to_file(
+            tensors, config.comm.codec, path, block_size=config.comm.block_size
+        )
+        encoded.append(EncodedDelta(module_id, path, sha256_of(path), size))
+    return encoded
