@@ -42,6 +42,7 @@ KNOWN_VARIABLES = frozenset(
         "DEBUG",
         "ALLOWED_HOSTS",
         "DIPACO_PUBLIC_DASHBOARD",
+        "DIPACO_PUBLIC_READ",
     }
 )
 

@@ -92,6 +92,8 @@ STATIC_URL = "static/"
 # Runs and workers pages for anyone (default), or only for signed-in users when
 # false; the run buttons are for staff either way.
 DIPACO_PUBLIC_DASHBOARD = env.env_bool("DIPACO_PUBLIC_DASHBOARD", True, os.environ)
+# Whether path downloads, manifests and routing answer without a staff token.
+DIPACO_PUBLIC_READ = env.env_bool("DIPACO_PUBLIC_READ", True, os.environ)
 
 # --- Celery (read by dipaco_server.celery through the CELERY_ namespace) -----
 _celery = env.celery_transport(DIPACO_DATA_DIR, REDIS_URL)

@@ -12,6 +12,7 @@ anyone while the setting DIPACO_PUBLIC_READ is true (the default), else by staff
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from django.conf import settings
@@ -35,7 +36,7 @@ class PublicReadOrStaff(StaffToken):
     """Anyone while settings.DIPACO_PUBLIC_READ is true; otherwise a staff token."""
 
     def __call__(self, request: HttpRequest) -> Any:
-        if getattr(settings, "DIPACO_PUBLIC_READ", True):
+        if settings.DIPACO_PUBLIC_READ:
             return "public"
         return super().__call__(request)
 
@@ -96,7 +97,7 @@ class RouteOut(Schema):
     scores: list[float] = Field(description="Score per path; the path is the highest.")
 
 
-def _file_url(run_id: int, path_index: int, round: int) -> Any:
+def _file_url(run_id: int, path_index: int, round: int) -> Callable[[str], str]:
     def url(name: str) -> str:
         relative = reverse(
             "api-v1:inference-file",
