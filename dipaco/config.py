@@ -348,6 +348,21 @@ class RouterConfig(_Section):
     seed: int = Field(default=0, ge=0, description="Seed of the clustering.")
 
 
+class EvalConfig(_Section):
+    """Held-out evaluation after every round, and per-path early stopping (DiPaCo §4)."""
+
+    batches: int = Field(default=4, ge=1, le=1024, description="Validation batches per path.")
+    batch_size: int = Field(default=8, ge=1, le=4096, description="Windows per validation batch.")
+    patience: int | None = Field(
+        default=None,
+        ge=1,
+        description="Rounds without improvement before a path stops training; null: never.",
+    )
+    min_delta: float = Field(
+        default=0.0, ge=0.0, description="A loss improvement smaller than this does not count."
+    )
+
+
 class LimitsConfig(_Section):
     """Refuse configs that cannot fit, before anything is allocated."""
 
@@ -446,6 +461,7 @@ class RunConfig(_Section):
     comm: CommConfig = Field(default_factory=lambda: CommConfig())
     data: DataConfig = Field(default_factory=lambda: DataConfig())
     router: RouterConfig = Field(default_factory=lambda: RouterConfig())
+    eval: EvalConfig = Field(default_factory=lambda: EvalConfig())
     limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
 
     @model_validator(mode="before")

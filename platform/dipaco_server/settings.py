@@ -117,6 +117,11 @@ CELERY_BEAT_SCHEDULE_FILENAME = str(DIPACO_DATA_DIR / "celerybeat-schedule")
 # Periodic tasks: expired leases go back to the queue (DESIGN §4).
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0},
+    # Rounds whose quorum is in and whose deadline has passed (or whose close was lost).
+    "close-ready-rounds": {
+        "task": "dipaco_server.rounds.tasks.close_ready_rounds",
+        "schedule": 30.0,
+    },
 }
 
 LOGGING = {

@@ -4,33 +4,32 @@
 each streamed from the object store to a temporary file, one at a time:
 
 1. **verify** each upload before anything uses it (DESIGN §7; S3 test servers enforce
-   neither size nor signature): its size and sha256 against what the worker declared at
-   completion, hashed while it downloads; then `dipaco.codecs.verify` against the
-   module's spec (header, names, shapes, dtypes, finite values) for its norm. Norms
-   above ``outer.reject_norm_factor`` x the median of the verified ones are outliers.
+   neither size nor signature): size and sha256 against what the worker declared,
+   hashed as it downloads; then `codecs.verify` against the module's spec (header,
+   names, shapes, dtypes, finite values) for its norm. Norms above
+   ``outer.reject_norm_factor`` x the median of the verified ones are outliers.
 2. **aggregate** the accepted ones into one fp32 sum (`codecs.accumulate`, token weights,
-   the configured robust rule), then the √(paths) rescale, then the Nesterov step chunk by
-   chunk, streaming version `base` and its momentum in and version t + 1 out.
+   the robust rule), the √(paths) rescale, then Nesterov chunk by chunk, streaming
+   version `base` and its momentum (module files, runs.prepare) in and t + 1 out.
 
-Memory: the fp32 sum (1x the module) plus one contribution's encoded bytes (<= 1x with
-fp32 uploads) plus chunk-sized temporaries, whatever the number of contributions; the
-trimmed mean, which needs every Δ per value, decodes them to disk and works in chunks.
+Memory, whatever the number of contributions: pass 1 holds one upload (<= 1x the fp32
+module); pass 2 the fp32 sum plus one upload plus chunks; the trimmed mean, which needs
+every Δ per value, decodes them to disk and works in chunks. Uploads wait between the
+passes in the data dir's tmp/ (not a RAM-backed /tmp). Measured: docs/benchmarks.md.
 
 Crash safety: nothing in the database changes until one transaction, under a lock on the
 module row, uploads both blobs under their deterministic keys (runs.keys), publishes the
 ModuleVersion, settles every contribution and writes the OuterStep row. A crash before
 the commit leaves at most an unreferenced blob, which the retry overwrites; an OuterStep
 row makes any later delivery a no-op, and the lock makes a concurrent duplicate wait and
-then find it.
-
-A version's weights and momentum are module files (runs.prepare: plain fp32
-safetensors), streamed in and out in chunks.
+then find it. Tests arm a `Fault` at that point through ``$DIPACO_FAULTS_DIR``.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
+import io
 import logging
 import math
 import os
@@ -53,6 +52,7 @@ from django.utils import timezone
 from torch import Tensor
 
 from dipaco import codecs
+from dipaco.codecs import CodecError
 from dipaco.config import OuterConfig
 from dipaco.outer import clip_threshold, norm_outliers, outer_step, trimmed_mean
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
@@ -140,15 +140,6 @@ class BaseVersion:
     momentum_key: str
 
 
-@dataclass(frozen=True)
-class BaseFiles:
-    """Version `base` downloaded: its weights (checked against sha256) and momentum."""
-
-    weights: Path
-    sha256: str
-    momentum: Path | None
-
-
 @dataclass
 class StepResult:
     verdicts: list[Verdict]
@@ -163,38 +154,54 @@ class StepResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-class Rejection(Exception):
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+def fetch(store: BlobStore, upload: Upload, directory: Path) -> tuple[Path, bytearray]:
+    """Download one upload to a file and to memory (for pass 1, which then drops it),
+    refusing it unless its size and sha256 are the ones declared.
 
-
-def fetch(store: BlobStore, upload: Upload, directory: Path) -> Path:
-    """Download one upload to a file, refusing it unless size and sha256 are as declared."""
+    The declared size is bounded by the completion check (an fp32 module plus a header),
+    and a larger upload is refused as soon as it passes that size.
+    """
     path = directory / f"contribution-{upload.contribution_id}.safetensors"
-    digest, size = hashlib.sha256(), 0
+    digest, size, data = hashlib.sha256(), 0, bytearray(upload.size)
     try:
         stream: BinaryIO = store.open(upload.key)
     except BlobNotFound:
-        raise Rejection("missing", "nothing was uploaded under its key") from None
+        raise CodecError("missing", "nothing was uploaded under its key") from None
     complete = False
     try:
         with stream, open(path, "wb") as out:
             while chunk := stream.read(DOWNLOAD_CHUNK):
+                if size + len(chunk) > upload.size:
+                    raise CodecError("size_mismatch", f"larger than the {upload.size} B declared")
+                data[size : size + len(chunk)] = chunk
                 size += len(chunk)
-                if size > upload.size:  # stop early: never store more than was declared
-                    raise Rejection("size_mismatch", f"larger than the {upload.size} B declared")
                 digest.update(chunk)
                 out.write(chunk)
         if size != upload.size:
-            raise Rejection("size_mismatch", f"{size} B uploaded, {upload.size} B declared")
+            raise CodecError("size_mismatch", f"{size} B uploaded, {upload.size} B declared")
         if digest.hexdigest() != upload.sha256:
-            raise Rejection("checksum_mismatch", "its sha256 differs from the one declared")
+            raise CodecError("checksum_mismatch", "its sha256 differs from the one declared")
         complete = True
     finally:
         if not complete:
             path.unlink(missing_ok=True)
-    return path
+    return path, data
+
+
+def check_upload(store: BlobStore, upload: Upload, spec: Spec, work: Path) -> tuple[Path, float]:
+    """Fetch one upload and check it completely: (its file, its norm), or CodecError."""
+    path, data = fetch(store, upload, work)
+    try:
+        # The whole blob's sha256 was checked while it downloaded; the per-tensor digests
+        # inside come from the same worker and would add nothing.
+        stats = codecs.verify(data, spec, verify_checksum=False)
+    except CodecError:
+        path.unlink()
+        raise
+    if not math.isfinite(stats.norm):
+        path.unlink()
+        raise CodecError("norm_overflow", "its norm overflows fp32")
+    return path, stats.norm
 
 
 def verify_uploads(
@@ -205,16 +212,8 @@ def verify_uploads(
     for upload in uploads:
         verdict = Verdict(upload)
         try:
-            verdict.file = fetch(store, upload, work)
-            # The whole blob's sha256 was checked while it downloaded; the per-tensor
-            # digests inside come from the same worker and would add nothing.
-            stats = codecs.verify(verdict.file, spec, verify_checksum=False)
-            if not math.isfinite(stats.norm):
-                raise Rejection("norm_overflow", "its norm overflows fp32")
-            verdict.norm = stats.norm
-        except Rejection as exc:
-            verdict.reject(exc.code, str(exc))
-        except codecs.CodecError as exc:
+            verdict.file, verdict.norm = check_upload(store, upload, spec, work)
+        except CodecError as exc:  # the codec's refusals and ours share one shape
             verdict.reject(exc.code, str(exc))
         verdicts.append(verdict)
     verified = [v for v in verdicts if v.accepted]
@@ -290,21 +289,32 @@ def _trimmed_mean(
     return result
 
 
-def _read_floats(handle: BinaryIO, count: int) -> Tensor:
+def _read_floats(handle: io.BufferedReader, count: int) -> Tensor:
     values = torch.empty(count, dtype=torch.float32)
-    if handle.readinto(values.view(torch.uint8).numpy()) != 4 * count:  # type: ignore[attr-defined]
+    if handle.readinto(values.view(torch.uint8).numpy().data) != 4 * count:
         raise OSError(f"{handle.name} ended early; the work directory was changed under us")
     return values
 
 
 def apply_step(
-    base: BaseFiles, grad: Mapping[str, Tensor], spec: Spec, cfg: OuterConfig, work: Path
+    store: BlobStore,
+    base: BaseVersion,
+    grad: Mapping[str, Tensor],
+    spec: Spec,
+    cfg: OuterConfig,
+    work: Path,
 ) -> tuple[Path, str, int, Path | None]:
-    """dipaco.outer.outer_step chunk by chunk: (weights file, sha256, size, momentum file)."""
+    """dipaco.outer.outer_step chunk by chunk, streaming version `base` and its momentum in:
+    (weights file, its sha256, its size, momentum file)."""
+    base_path, base_momentum = work / "base.safetensors", None
+    store.download_to(base.key, base_path)
+    if base.momentum_key and cfg.momentum:
+        base_momentum = work / "base-momentum.safetensors"
+        store.download_to(base.momentum_key, base_momentum)
     weights_path, momentum_path = work / "weights.safetensors", work / "momentum.safetensors"
     with (
-        ModuleReader(base.weights, spec, base.sha256) as params,
-        ModuleReader(base.momentum, spec) if base.momentum else nullcontext() as buffer,
+        ModuleReader(base_path, spec, base.sha256) as params,
+        ModuleReader(base_momentum, spec) if base_momentum else nullcontext() as buffer,
         ModuleWriter(weights_path, spec) as weights_out,
         ModuleWriter(momentum_path, spec) if cfg.momentum else nullcontext() as momentum_out,
     ):
@@ -355,12 +365,7 @@ def compute_step(
         result.update_norm = math.sqrt(
             sum(float(torch.linalg.vector_norm(t)) ** 2 for t in grad.values())
         )
-        files = BaseFiles(work / "base.safetensors", base.sha256, None)
-        store.download_to(base.key, files.weights)
-        if base.momentum_key and cfg.momentum:
-            files = BaseFiles(files.weights, base.sha256, work / "base-momentum.safetensors")
-            store.download_to(base.momentum_key, files.momentum)  # type: ignore[arg-type]
-        weights, digest, size, momentum = apply_step(files, grad, spec, cfg, work)
+        weights, digest, size, momentum = apply_step(store, base, grad, spec, cfg, work)
         result.weights, result.weights_sha256, result.weights_size = weights, digest, size
         result.momentum = momentum
         result.tokens = sum(v.upload.tokens for v in accepted)
@@ -487,8 +492,13 @@ def _commit(
         )
     where = f"run {run_id} round {t} module {module_id}"
     for v in rejected:
-        logger.warning("%s: rejected contribution %d of worker %d: %s", where,
-                       v.upload.contribution_id, v.upload.worker_id, v.reason)  # fmt: skip
+        logger.warning(
+            "%s: rejected contribution %d of worker %d: %s",
+            where,
+            v.upload.contribution_id,
+            v.upload.worker_id,
+            v.reason,
+        )
     if version is None:
         kept = base.version if base is not None else module.current_version
         logger.warning("%s: no accepted contribution; it keeps version %s", where, kept)

@@ -8,7 +8,8 @@ from beat through `close_ready_rounds`): it does nothing until every unit is in,
 quorum is in and the deadline passed, and of concurrent calls only one closes the round.
 Sending it again for a round that is already closing launches the chord again, which is
 safe: every outer step is idempotent (rounds.outer), so use that to resume a round whose
-steps were lost. Tasks started here go to the queue their parent came from.
+steps were lost or failed (`fail_round` leaves the reason in ``Run.error``). Tasks started
+here go to the queue their parent came from.
 
 Beat (settings.CELERY_BEAT_SCHEDULE), e.g. every 30 s:
 ``{"sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0},
@@ -140,6 +141,7 @@ def finish_round(self: Task, run_id: int, t: int) -> str:
     """After every module stepped: close the round, evaluate the paths, then go on."""
     round_ = Round.objects.select_related("run").get(run_id=run_id, t=t)
     mark_round_closed(round_)
+    Run.objects.filter(pk=run_id).exclude(state__in=TERMINAL).update(error="")
     run = round_.run
     try:
         from dipaco_server.runs.evaluate import evaluate_run
@@ -154,12 +156,16 @@ def finish_round(self: Task, run_id: int, t: int) -> str:
 
 @shared_task(name="dipaco_server.rounds.tasks.fail_round")
 def fail_round(run_id: int, t: int) -> None:
-    """A module's outer step failed for good (not a bad contribution: those are rejected)."""
-    run = Run.objects.get(pk=run_id)
-    message = f"the outer step of round {t} failed; see the Celery worker log, then resume"
+    """A module's outer step failed for good (a bug, or the store down through every retry;
+    bad contributions are rejected, not failures). The round stays closing and the run keeps
+    its state, with the reason in ``Run.error``: sending close_round again resumes the round,
+    and the steps already done are not redone."""
+    message = (
+        f"the outer step of round {t} failed; see the Celery worker log, fix the cause, "
+        f"then send close_round({run_id}, {t}) again"
+    )
     logger.error("run %s: %s", run_id, message)
-    if run.state not in TERMINAL:
-        transition(run, Run.State.FAILED, error=message)
+    Run.objects.filter(pk=run_id).exclude(state__in=TERMINAL).update(error=message)
 
 
 def advance_run(run: Run, t: int) -> str:

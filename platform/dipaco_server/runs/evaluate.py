@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from django.db import transaction
 from torch import Tensor
 
-from dipaco.config import RunConfig
+from dipaco.config import EvalConfig, RunConfig
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
@@ -39,33 +39,13 @@ from dipaco_server.storage import BlobStore, get_blob_store
 
 logger = logging.getLogger(__name__)
 
-# Defaults while the run config has no evaluation section: 4 x 8 windows of seq_len + 1
-# tokens per path keeps a round's evaluation to seconds on a CPU for the tiny configs.
-EVAL_BATCHES = 4
-EVAL_BATCH_SIZE = 8
 LOSS = "val_loss"
 PERPLEXITY = "val_perplexity"
 
 
-@dataclass(frozen=True)
-class EvalSettings:
-    batches: int = EVAL_BATCHES
-    batch_size: int = EVAL_BATCH_SIZE
-    patience: int | None = None  # rounds without improvement before a path stops; None: never
-    min_delta: float = 0.0  # an improvement smaller than this does not count
-
-
-def eval_settings(config: RunConfig) -> EvalSettings:
-    """The run's evaluation settings: ``config.eval`` (or a top-level ``patience``) if the
-    schema has them, else the defaults above."""
-    section: Any = getattr(config, "eval", None)
-    defaults = EvalSettings()
-    return EvalSettings(
-        batches=getattr(section, "batches", defaults.batches),
-        batch_size=getattr(section, "batch_size", defaults.batch_size),
-        patience=getattr(section, "patience", getattr(config, "patience", None)),
-        min_delta=getattr(section, "min_delta", defaults.min_delta),
-    )
+def eval_settings(config: RunConfig) -> EvalConfig:
+    """The run's evaluation settings (``config.eval``)."""
+    return config.eval
 
 
 @dataclass(frozen=True)
@@ -172,6 +152,8 @@ def _record(
     """The path's points and its early-stopping decision, in one transaction."""
     with transaction.atomic():
         path = RunPath.objects.select_for_update().get(pk=path.pk)
+        if MetricPoint.objects.filter(path=path, round=t, name=LOSS).exists():
+            return PathEval(path.index, loss, tokens, False)  # a concurrent evaluation won
         record_metric(run, LOSS, loss, path=path, round=t)
         record_metric(run, PERPLEXITY, math.exp(min(loss, 700.0)), path=path, round=t)
         improved = path.best_val_loss is None or loss < path.best_val_loss - min_delta
@@ -183,10 +165,14 @@ def _record(
             path.state = RunPath.State.FINISHED
         path.save(update_fields=["best_val_loss", "best_round", "state"])
     if finished:
+        best = f"{path.best_val_loss:.4f} (round {path.best_round})"
         logger.info(
-            "run %s path %d stops early: no improvement on %.4f (round %s) for %d rounds",
-            run.pk, path.index, path.best_val_loss, path.best_round, stale,
-        )  # fmt: skip
+            "run %s path %d stops early: %d rounds without beating %s",
+            run.pk,
+            path.index,
+            stale,
+            best,
+        )
     return PathEval(path.index, loss, tokens, finished)
 
 

@@ -99,6 +99,11 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     store = store or get_blob_store()
     config = run.run_config
     paths = config.num_paths
+    if paths > 1 and config.router.featurizer != "tfidf":
+        raise ValueError(
+            f"router.featurizer = {config.router.featurizer!r} needs a trained base model, "
+            "which a new run does not have; use 'tfidf'"
+        )
     corpus = run.dataset.source if run.dataset is not None else config.data.corpus
     steps = len(RUN_STAGES)
     work = Path(tempfile.mkdtemp(prefix=f"prepare-{run.pk}-", dir=work_root()))
@@ -119,11 +124,6 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
         router = None
         if paths > 1:
             report_progress(run, "router", 3, steps, f"fitting a {config.router.method} router")
-            if config.router.featurizer != "tfidf":
-                raise ValueError(
-                    f"router.featurizer = {config.router.featurizer!r} needs a trained base "
-                    "model, which a new run does not have; use 'tfidf'"
-                )
             router = Router.fit(
                 [doc.text for doc in split.train],
                 tokenizer,
@@ -277,7 +277,7 @@ class ModuleWriter:
     def write(self, values: Tensor) -> None:
         """The next values of the current tensor (flat, any length, cast to fp32)."""
         flat = values.detach().to(torch.float32).contiguous().view(-1)
-        self._put(memoryview(flat.view(torch.uint8).numpy()))
+        self._put(flat.view(torch.uint8).numpy().data)
 
     def close(self) -> tuple[str, int]:
         """(sha256, size) of the complete file; raises if fewer or more values came."""
@@ -306,15 +306,18 @@ class ModuleReader:
         self._digest = hashlib.sha256()
         if self._left + len(header) != module_bytes(spec) or self._file.read(len(header)) != header:
             self._file.close()
-            raise CorruptModule(f"{path} is not a module file of this spec (size or header)")
+            raise CorruptModule(
+                f"{path} is not a module file of this spec (size or header); module versions "
+                "are written by runs.prepare.write_module (plain fp32 safetensors)"
+            )
         self._digest.update(header)
 
     def read(self, count: int) -> Tensor:
         values = torch.empty(count, dtype=torch.float32)  # (count,)
-        view = values.view(torch.uint8).numpy()
-        if 4 * count > self._left or self._file.readinto(view) != 4 * count:  # type: ignore[attr-defined]
+        view = values.view(torch.uint8).numpy().data  # the tensor's bytes, written in place
+        if 4 * count > self._left or self._file.readinto(view) != 4 * count:
             raise CorruptModule(f"{self.path} ended early")
-        self._digest.update(memoryview(view))
+        self._digest.update(view)
         self._left -= 4 * count
         return values
 

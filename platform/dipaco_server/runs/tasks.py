@@ -15,7 +15,7 @@ from celery import Task, shared_task
 
 from dipaco_server.rounds.tasks import TRANSIENT
 from dipaco_server.runs.models import Dataset, Run
-from dipaco_server.runs.services import TERMINAL, transition
+from dipaco_server.runs.services import transition
 
 logger = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def prepare_run(self: Task, run_id: int, max_files: int | None = None) -> str:
         _retry_or_raise(self, exc)
         logger.exception("run %s: preparation failed", run_id)
         run.refresh_from_db()
-        if run.state not in TERMINAL:
+        if run.state == Run.State.PREPARING:  # not if it was cancelled meanwhile
             transition(run, Run.State.FAILED, error=f"preparation failed: {exc}")
         raise
     return str(run.state)
