@@ -3,8 +3,9 @@
 The server is Django's live server on the session's database (PostgreSQL when it
 answers) with the local blob store, so every byte goes through presigned URLs as in
 production. Each test starts real `dipaco-worker` processes and reads their
-``--json-logs`` lines: one unit from enrollment to recorded contributions; SIGTERM
-during training (release, exit 0); ``kill -9`` then a restart that resumes the lease.
+``--json-logs`` lines: one unit from enrollment to recorded contributions; ``kill -9``
+mid-unit, then a restart that resumes the same lease from its checkpoint, then SIGTERM
+during training (the lease is released, exit 0).
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import hashlib
 import json
 import math
 import os
+import queue
 import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,7 +80,7 @@ def running_run(store: BlobStore, steps: int) -> Run:
 
 
 class WorkerProcess:
-    """A `dipaco-worker --json-logs` process and the events it printed so far."""
+    """A `dipaco-worker --json-logs` process; a thread collects the events it prints."""
 
     def __init__(self, server: str, data_dir: Path, *args: str) -> None:
         command = [
@@ -90,36 +93,49 @@ class WorkerProcess:
         )  # fmt: skip
         self.events: list[dict[str, Any]] = []
         self.lines: list[str] = []
+        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        threading.Thread(target=self._collect, daemon=True).start()
 
-    def _read(self) -> Iterator[dict[str, Any]]:
+    def _collect(self) -> None:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             self.lines.append(line)
             try:
                 event = json.loads(line)
             except ValueError:
-                continue  # a traceback or a warning from a library
+                continue  # a traceback or a library's warning: kept in `lines`
             self.events.append(event)
-            yield event
+            self._queue.put(event)
+        self._queue.put(None)  # end of output
+
+    def output(self) -> str:
+        return "".join(self.lines[-40:])
 
     def wait_for(self, name: str, **fields: Any) -> dict[str, Any]:
+        """The next event called `name` whose fields have at least the given values."""
         deadline = time.monotonic() + EVENT_TIMEOUT_S
-        for event in self._read():
-            if event.get("event") == name and all(event.get(k) == v for k, v in fields.items()):
-                return event
-            if time.monotonic() > deadline:
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                event = self._queue.get(timeout=left)
+            except queue.Empty:
                 break
-        raise AssertionError(f"no {name} event {fields}; output:\n{''.join(self.lines[-40:])}")
+            if event is None:
+                break
+            if event.get("event") == name and all(
+                event.get(k) == v if not callable(v) else v(event.get(k)) for k, v in fields.items()
+            ):
+                return event
+        raise AssertionError(f"no {name} event {fields}; output:\n{self.output()}")
 
     def wait_for_step(self, at_least: int) -> dict[str, Any]:
-        for event in self._read():
-            if event.get("event") == "step" and event["step"] >= at_least:
-                return event
-        raise AssertionError(f"no step >= {at_least}; output:\n{''.join(self.lines[-40:])}")
+        return self.wait_for("step", step=lambda step: step >= at_least)
 
-    def finish(self, timeout: float = EVENT_TIMEOUT_S) -> int:
-        list(self._read())
-        return self.process.wait(timeout=timeout)
+    def finish(self) -> int:
+        try:
+            return self.process.wait(timeout=EVENT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the worker did not exit; output:\n{self.output()}") from None
 
     def kill(self) -> None:
         if self.process.poll() is None:
@@ -159,7 +175,7 @@ def test_one_worker_enrolls_trains_a_unit_and_its_contributions_decode_to_finite
     run = running_run(store, steps=3)
     worker = WorkerProcess(live_server.url, tmp_path / "agent", "--enroll", enrollment(), "--once")
     workers.append(worker)
-    assert worker.finish() == 0, "".join(worker.lines[-40:])
+    assert worker.finish() == 0, worker.output()
 
     names = [e["event"] for e in worker.events]
     assert names.index("enrolled") < names.index("lease") < names.index("completed")
@@ -185,28 +201,10 @@ def test_one_worker_enrolls_trains_a_unit_and_its_contributions_decode_to_finite
     assert not (tmp_path / "agent" / "lease.json").exists(), "a completed unit leaves no state"
 
 
-def test_sigterm_during_training_releases_the_lease_and_exits_zero(
+def test_after_kill_9_a_restart_resumes_the_lease_and_sigterm_then_releases_it(
     store: BlobStore, live_server: Any, tmp_path: Path, workers: list[WorkerProcess]
 ) -> None:
     running_run(store, steps=400)
-    worker = WorkerProcess(live_server.url, tmp_path / "agent", "--enroll", enrollment())
-    workers.append(worker)
-    worker.wait_for_step(1)
-    worker.process.send_signal(signal.SIGTERM)
-    assert worker.finish() == 0, "".join(worker.lines[-40:])
-
-    names = [e["event"] for e in worker.events]
-    assert "stopping" in names and "released" in names
-    lease = Lease.objects.select_related("unit").get()
-    assert lease.state == Lease.State.RELEASED
-    assert lease.unit.state == WorkUnit.State.QUEUED, "the unit goes back to the queue"
-    assert not (tmp_path / "agent" / "lease.json").exists()
-
-
-def test_after_kill_9_a_restarted_worker_resumes_the_same_lease_from_its_checkpoint(
-    store: BlobStore, live_server: Any, tmp_path: Path, workers: list[WorkerProcess]
-) -> None:
-    running_run(store, steps=100)
     data_dir = tmp_path / "agent"
     first = WorkerProcess(
         live_server.url, data_dir, "--enroll", enrollment(), "--checkpoint-every", "2"
@@ -216,11 +214,18 @@ def test_after_kill_9_a_restarted_worker_resumes_the_same_lease_from_its_checkpo
     saved = wait_for_saved_step(data_dir / "lease.json", at_least=2)
     first.kill()
 
-    second = WorkerProcess(live_server.url, data_dir, "--once", "--checkpoint-every", "100")
+    second = WorkerProcess(live_server.url, data_dir, "--checkpoint-every", "100")
     workers.append(second)
     resumed = second.wait_for("resume")
     assert resumed["lease_id"] == saved["lease"]["lease_id"]
     assert second.wait_for_step(1)["step"] > saved["step"], "training went on from the checkpoint"
-    assert second.finish() == 0, "".join(second.lines[-40:])
-    lease = Lease.objects.get()
-    assert lease.pk == saved["lease"]["lease_id"] and lease.state == Lease.State.COMPLETED
+    second.process.send_signal(signal.SIGTERM)  # mid-training: 400 steps take far longer
+    assert second.finish() == 0, second.output()
+
+    names = [e["event"] for e in second.events]
+    assert names.index("stopping") < names.index("released")
+    lease = Lease.objects.select_related("unit").get()
+    assert lease.pk == saved["lease"]["lease_id"] and lease.state == Lease.State.RELEASED
+    assert lease.unit.state == WorkUnit.State.QUEUED, "the unit goes back to the queue"
+    assert not (data_dir / "lease.json").exists()
+    assert not (data_dir / "work").exists() or not any((data_dir / "work").iterdir())

@@ -104,9 +104,7 @@ def test_the_same_path_coming_back_continues_its_adamw_state(
     cold, _ = train_unit(unit(config, window_file(tmp_path, config, seed=1), round_index=1),
                          device=cpu, work_dir=tmp_path / "c", optimizer_states=None)  # fmt: skip
     assert adam_steps(tmp_path / "c" / CHECKPOINT_NAME) == STEPS
-    differs = any(
-        not torch.allclose(second.delta[name], cold.delta[name]) for name in cold.delta
-    )
+    differs = any(not torch.allclose(second.delta[name], cold.delta[name]) for name in cold.delta)
     assert differs, "warm and cold AdamW state must train differently"
 
 

@@ -22,7 +22,14 @@ from dipaco.config import GiB, InnerConfig, RunConfig
 from dipaco.inner import InnerResult, StepMetrics
 from worker_agent.client import Client, Contribution, LeaseGrant, lease_from_json
 from worker_agent.device import DeviceInfo
-from worker_agent.errors import LEASE_GONE, AgentError, Interrupted, ServerError
+from worker_agent.errors import (
+    LEASE_GONE,
+    AgentError,
+    DiskFull,
+    Interrupted,
+    OutOfMemory,
+    ServerError,
+)
 from worker_agent.heartbeat import HeartbeatThread
 from worker_agent.payload import encode_deltas, load_module
 from worker_agent.progress import Reporter
@@ -43,7 +50,7 @@ class AgentOptions:
     max_units: int | None = None  # --once is 1; None: until stopped
     checkpoint_every: int | None = 50  # inner steps between checkpoints
     memory_budget_bytes: int | None = None  # --memory-cap, or the GPU's memory
-    idle_wait_s: tuple[float, float] = (5.0, 60.0)  # first and longest wait when no work
+    idle_wait_s: tuple[float, float] = (1.0, 30.0)  # first and longest wait when no work
     cache_max_bytes: int = 20 * GiB
     policy: Backoff = field(default_factory=Backoff)
 
@@ -105,9 +112,9 @@ class Agent:
                 grant = None
             if grant is not None:
                 return grant
-            self.reporter.event("idle", f"no work queued; asking again in {wait:.0f} s")
+            self.reporter.event("idle", f"no work queued; asking again in {wait:.1f} s")
             self.stop.wait(wait)
-            wait = min(longest, wait * 2)
+            wait = min(longest, wait * 1.5)  # gently: a round often reopens within seconds
         return None
 
     def _saved_lease(self) -> LeaseGrant | None:
@@ -159,6 +166,9 @@ class Agent:
             self._discard(grant.lease_id)
         except Interrupted:
             self._release(grant)
+        except (DiskFull, OutOfMemory):
+            self._release(grant)  # this machine cannot do the unit: let another one have it
+            raise
         finally:
             self.heartbeats.untrack()
 

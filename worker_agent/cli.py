@@ -17,6 +17,8 @@ import signal
 import socket
 import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
@@ -78,6 +80,20 @@ def _reporter(json_logs: bool) -> Reporter:
     return reporter
 
 
+@contextmanager
+def _process_state() -> Iterator[None]:
+    """Restore logging and signal handlers afterwards (main() may run inside another program)."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        root.handlers[:], root.level = handlers, level
+        for number, handler in signals.items():
+            signal.signal(number, handler)
+
+
 def _install_signals(stop: threading.Event, reporter: Reporter) -> None:
     def handle(signum: int, frame: FrameType | None) -> None:
         if stop.is_set():
@@ -98,6 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.once:
         args.max_units = 1
+    with _process_state():
+        return _main(args)
+
+
+def _main(args: argparse.Namespace) -> int:
     reporter = _reporter(args.json_logs)
     stop = threading.Event()
     _install_signals(stop, reporter)

@@ -167,7 +167,7 @@ def parse_error(response: httpx.Response) -> ServerError:
 
 
 class Client:
-    """One server, one worker token. Thread-safe: the heartbeat thread shares it."""
+    """One server, one worker token (the heartbeat thread has its own Client)."""
 
     def __init__(
         self,

@@ -96,9 +96,11 @@ def _why_no_cuda() -> str:
 
 
 def apply_memory_cap(info: DeviceInfo, cap_bytes: int | None) -> int | None:
-    """Limit this process to `cap_bytes` of accelerator memory; returns the usable budget."""
+    """Limit this process to `cap_bytes` of accelerator memory; returns the budget to plan
+    micro-batches with (None without a cap: the out-of-memory fallback finds the size, since
+    the library's memory estimate is a deliberately rough upper bound)."""
     if cap_bytes is None:
-        return info.memory_bytes
+        return None
     if info.device.type == "cuda" and info.memory_bytes:
         fraction = min(1.0, cap_bytes / info.memory_bytes)
         torch.cuda.set_per_process_memory_fraction(fraction, info.device)

@@ -50,7 +50,8 @@ class Reporter:
     def __init__(self) -> None:
         self.fields: dict[str, Any] = {"units_done": 0}
         self.meter: TransferMeter | None = None
-        self._lock = threading.Lock()
+        # Re-entrant: the signal handler reports from the main thread, maybe mid-report.
+        self._lock = threading.RLock()
 
     def event(self, name: str, message: str, **fields: Any) -> None:
         with self._lock:
@@ -125,7 +126,7 @@ class RichReporter(Reporter):
             self.live.start()
 
     def event(self, name: str, message: str, **fields: Any) -> None:
-        super().event(name, message, state=message)
+        super().event(name, message, **{**fields, "state": message})
         self.console.log(Text(message))
 
     def status(self, **fields: Any) -> None:

@@ -34,8 +34,11 @@ def run_agent(args: argparse.Namespace, reporter: Reporter, stop: threading.Even
         raise UsageError(f"--max-units {args.max_units}: give at least 1")
     if args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every {args.checkpoint_every}: give at least 1 step")
+    if args.enroll is not None and not args.server:
+        raise UsageError("--enroll needs --server URL: the server that issued the token")
     data_dir = (args.data_dir or default_data_dir()).expanduser().resolve()
     data_dir.mkdir(parents=True, exist_ok=True)
+    saved = None if args.enroll is not None else _saved_identity(args, data_dir)  # fail fast
     select_gpus(args.gpus)
     if args.threads is not None:
         if args.threads < 1:
@@ -48,7 +51,7 @@ def run_agent(args: argparse.Namespace, reporter: Reporter, stop: threading.Even
         "device", f"training on {device.name}: probe {device.probe_tokens_per_second:,.0f} "
         "tokens/s", device=device.describe(),
     )  # fmt: skip
-    identity = _identity(args, data_dir, device.describe(), reporter, stop)
+    identity = saved or _enroll(args, data_dir, device.describe(), reporter, stop)
     reporter.status(worker=identity.name, server=identity.server)
     client = Client(identity.server, identity.token, stop=stop, on_retry=_retry_reporter(reporter))
     heartbeats = HeartbeatThread(
@@ -71,23 +74,23 @@ def run_agent(args: argparse.Namespace, reporter: Reporter, stop: threading.Even
         heartbeats.client.close()
 
 
-def _identity(
+def _saved_identity(args: argparse.Namespace, data_dir: Path) -> WorkerIdentity:
+    identity = load_identity(data_dir)
+    if args.server and args.server.rstrip("/") != identity.server:
+        raise UsageError(
+            f"this machine is enrolled with {identity.server}, not {args.server}; "
+            "to switch servers enroll again with --server URL --enroll TOKEN"
+        )
+    return identity
+
+
+def _enroll(
     args: argparse.Namespace,
     data_dir: Path,
     device: dict[str, object],
     reporter: Reporter,
     stop: threading.Event,
 ) -> WorkerIdentity:
-    if args.enroll is None:
-        identity = load_identity(data_dir)
-        if args.server and args.server.rstrip("/") != identity.server:
-            raise UsageError(
-                f"this machine is enrolled with {identity.server}, not {args.server}; "
-                "to switch servers enroll again with --server URL --enroll TOKEN"
-            )
-        return identity
-    if not args.server:
-        raise UsageError("--enroll needs --server URL: the server that issued the token")
     server = args.server.rstrip("/")
     client = Client(server, stop=stop, on_retry=_retry_reporter(reporter))
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ import torch
 from torch import Tensor
 
 from dipaco.config import GiB, InnerConfig, RunConfig, estimate_path_memory
-from dipaco.inner import InnerResult, StepMetrics, train_path
+from dipaco.inner import CheckpointMismatch, InnerResult, StepMetrics, train_path
 from dipaco.modular import assemble_path_state
 from worker_agent.errors import OutOfMemory
 from worker_agent.warm_start import (
@@ -50,8 +51,11 @@ class WindowSource:
         self.shard = TokenShard(path, np.dtype(dtype))
 
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
-        # Sequence i starts at token i x T; TokenShard.batch takes a token offset.
-        return self.shard.batch(position * seq_len, batch_size, seq_len)  # (B, T + 1)
+        # Sequence i starts at token i x T; TokenShard.batch takes a token offset. Its rows
+        # view the read-only memory map, which torch warns about; they are only read.
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            return self.shard.batch(position * seq_len, batch_size, seq_len)  # (B, T + 1)
 
 
 @dataclass
@@ -135,6 +139,7 @@ def train_unit(
                 checkpoint, _parameters(work), adam, inner_identity(config, work.round_index)
             )
             log.info("path %d: continuing its AdamW state from the last unit", work.path)
+    restarted = False
     while True:
         config = work.config.model_copy(update={"inner": current})
         step_hook = on_step
@@ -146,6 +151,14 @@ def train_unit(
                 round_index=work.round_index, device=device, checkpoint_path=checkpoint,
                 checkpoint_every=checkpoint_every, should_stop=should_stop, on_step=step_hook,
             )  # fmt: skip
+        except CheckpointMismatch as mismatch:
+            if restarted:
+                raise
+            # Written with other settings (another --memory-cap, an older agent): start over.
+            log.warning("discarding the unit's checkpoint and starting it over: %s", mismatch)
+            checkpoint.unlink()
+            restarted = True
+            continue
         except Exception as error:
             if not is_out_of_memory(error):
                 raise

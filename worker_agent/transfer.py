@@ -71,13 +71,15 @@ def sha256_of(path: Path) -> str:
 
 @contextmanager
 def disk_errors(data_dir: Path) -> Iterator[None]:
-    """ENOSPC (and EDQUOT) as DiskFull naming the directory; other OSErrors pass."""
+    """ENOSPC (and EDQUOT) as DiskFull naming the directory; other errors pass."""
     try:
         yield
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+    except Exception as exc:
+        # safetensors reports a full disk as its own error type, with the OS's message.
+        full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        if full or "No space left on device" in str(exc):
             raise DiskFull(
-                f"the disk holding {data_dir} is full ({exc.strerror}); free some space "
+                f"the disk holding {data_dir} is full ({exc}); free some space "
                 "or point --data-dir at a larger disk"
             ) from exc
         raise
@@ -193,7 +195,7 @@ class Transfers:
                 part.unlink(missing_ok=True)
             remaining = None if wanted is None else wanted - have
             with open(part, "ab") as out:
-                for chunk in response.iter_bytes(CHUNK):
+                for chunk in response.iter_bytes():  # as received: a cut keeps what came
                     if self.stop is not None and self.stop.is_set():
                         raise Interrupted("stopped during a download")
                     if skip:

@@ -1,0 +1,91 @@
+"""The agent's client and heartbeats against the live worker API (real HTTP, real database)."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from dipaco_server.rounds.models import Lease, Round
+from dipaco_server.rounds.scheduler import expire_leases
+from dipaco_server.rounds.services import mark_round_closing
+from dipaco_server.storage import BlobStore
+from dipaco_server.workers.models import Worker
+from dipaco_server.workers.services import create_enrollment_token, revoke_worker
+from tests.test_worker_agent_e2e import running_run
+from tests.test_worker_agent_e2e import store as store
+from worker_agent.client import Client
+from worker_agent.errors import AuthFailed, ExitCode
+from worker_agent.heartbeat import HeartbeatThread
+from worker_agent.retry import Backoff
+
+pytestmark = pytest.mark.django_db(transaction=True)
+FAST = Backoff(attempts=2, initial_s=0.01, max_s=0.02)
+
+
+def enrolled(server: str) -> Client:
+    _, enrollment = create_enrollment_token(max_uses=1)
+    registration = Client(server, policy=FAST).register(enrollment, "box", {"kind": "cpu"})
+    return Client(server, registration.token, policy=FAST)
+
+
+def test_a_revoked_worker_is_told_to_enroll_again(live_server: Any, db: None) -> None:
+    client = enrolled(live_server.url)
+    assert client.lease() is None, "nothing is queued: 204 means no work, not an error"
+    revoke_worker(Worker.objects.get())
+    with pytest.raises(AuthFailed, match="--enroll") as refused:
+        client.lease()
+    assert refused.value.exit_code == ExitCode.AUTH
+    client.close()
+
+
+def test_a_used_up_enrollment_token_is_refused_with_the_reason(live_server: Any) -> None:
+    _, enrollment = create_enrollment_token(max_uses=1)
+    client = Client(live_server.url, policy=FAST)
+    client.register(enrollment, "first", {})
+    with pytest.raises(AuthFailed, match="used 1 of 1 times"):
+        client.register(enrollment, "second", {})
+    client.close()
+
+
+def test_heartbeats_extend_a_lease_and_notice_when_it_expires(
+    store: BlobStore,
+    live_server: Any,
+) -> None:
+    running_run(store, steps=3)
+    client = enrolled(live_server.url)
+    grant = client.lease()
+    assert grant is not None
+    beats = HeartbeatThread(client, interval_s=60)
+    beats.track(grant.lease_id, grant.secret)
+    before = Lease.objects.get(pk=grant.lease_id).deadline
+    beats.beat()
+    lease = Lease.objects.get(pk=grant.lease_id)
+    assert lease.heartbeat_at is not None and lease.deadline >= before
+    assert not beats.lease_lost.is_set()
+
+    expire_leases(now=timezone.now() + timedelta(days=1))  # as if heartbeats had stopped
+    beats.beat()
+    assert beats.lease_lost.is_set() and "lease_expired" in beats.lost_reason
+    assert not beats.release_requested
+    client.close()
+
+
+def test_a_closing_round_makes_the_heartbeat_ask_for_a_release(
+    store: BlobStore,
+    live_server: Any,
+) -> None:
+    running_run(store, steps=3)
+    client = enrolled(live_server.url)
+    grant = client.lease()
+    assert grant is not None
+    beats = HeartbeatThread(client, interval_s=0.05)
+    beats.start()
+    beats.track(grant.lease_id, grant.secret)
+    mark_round_closing(Round.objects.get())
+    assert beats.lease_lost.wait(timeout=30), "the heartbeat thread never noticed"
+    beats.stop()
+    assert beats.release_requested, beats.lost_reason
+    client.close()
