@@ -22,9 +22,9 @@ $(VENV)/.installed: pyproject.toml package-lock.json
 	else echo "warning: npm not found: the dashboard will have no charts; install Node.js and rerun 'make setup'"; fi
 	touch $@
 
-# Until `dipaco demo` lands, the main job is the control plane on the embedded default.
+# The main job: a whole DiPaCo run on this machine (server, workers, summary).
 demo: setup
-	$(BIN)/dipaco server
+	$(BIN)/dipaco demo
 
 test: setup
 	$(BIN)/ruff check .

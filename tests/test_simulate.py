@@ -14,7 +14,7 @@ from dipaco.cli import main as dipaco_main
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.model import build_model
 from dipaco.simulate import DataBudget, SimulateOptions, SimulationResult, prepare_data, simulate
-from dipaco.simulate.base import train_base
+from dipaco.simulate.base import cache_path, train_base
 from dipaco.simulate.evaluate import evaluate_model
 
 BUDGET = DataBudget(max_docs=60, tokenizer_chars=300_000)
@@ -165,7 +165,7 @@ def test_a_base_phase_gives_every_path_the_same_trained_start(
     result = simulate(config, options)
     start = result.run.rounds[0]
     assert start.routed_loss < dipaco_run.run.rounds[0].routed_loss - 0.3
-    assert list(result.data.directory.glob("base-*.safetensors"))  # cached for the next run
+    assert cache_path(config, result.data, 15).is_file()  # cached for the next run
     # Before round 1 every path is the base model itself.
     base = build_model(config.model, config.seed)
     base.load_state_dict(train_base(config, result.data, 15))  # from the cache

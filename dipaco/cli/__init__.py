@@ -15,7 +15,7 @@ import sys
 from dipaco import __version__
 
 # Module names under dipaco.cli, in the order --help lists them.
-SUBCOMMANDS = ["server", "admin", "download", "route", "generate"]
+SUBCOMMANDS = ["demo", "server", "simulate", "admin", "download", "route", "generate"]
 
 
 def build_parser() -> argparse.ArgumentParser:

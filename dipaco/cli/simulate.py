@@ -252,7 +252,8 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as error:
         err.print(f"[red]error:[/] {error}")
         return 1
-    render(result, Console())
+    # Piped output gets a fixed width that fits the tables, not rich's default 80.
+    render(result, Console(width=None if sys.stdout.isatty() else 110))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result.to_json(), indent=2) + "\n", "utf-8")

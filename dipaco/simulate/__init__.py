@@ -6,9 +6,10 @@
     result = simulate(RunConfig.tiny(), SimulateOptions())
     print(result.perplexity, result.perplexity_ratio("dense"))
 
-Stages: `prepare` (corpus, tokenizer, router, per-path token streams, cached in a work
-dir), `train` (the outer rounds), `baselines` (data-parallel and dense on the same tokens),
-`evaluate` (fixed validation windows, routed), `report` (JSON and tables).
+Stages: `prepare` (corpus sample, tokenizer, router, per-path shards, cached in a work
+dir), `base` (an optional dense warm-up everything starts from), `train` (the outer
+rounds), `baselines` (data-parallel and dense on the same tokens), `evaluate` (fixed
+validation windows, routed), `report` (JSON and tables).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ and DiLoCo's experiments start from a pretrained checkpoint (arXiv 2311.08105): 
 replicas that left one random initialisation 50 steps ago loses much of what they learnt,
 which at simulation scale (a few rounds) dominates every comparison. The base model trains
 `steps` AdamW steps at the inner batch size on the stream of every document (its own
-warm-up and cosine), and is cached next to the prepared data.
+warm-up and cosine), and is cached in the work dir.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -24,20 +25,23 @@ from dipaco.inner import StepMetrics, run_inner_loop
 from dipaco.model import build_model
 from dipaco.simulate.prepare import PreparedData
 
-__all__ = ["BASE_SEED_OFFSET", "train_base"]
+__all__ = ["BASE_SEED_OFFSET", "cache_path", "train_base"]
 
 BASE_SEED_OFFSET = 7919  # the base reads its own shuffle of the windows, not the methods'
 
 
-def _cache_name(config: RunConfig, steps: int) -> str:
+def cache_path(config: RunConfig, data: PreparedData, steps: int) -> Path:
+    """Keyed by the token stream itself, so the 1-path and the P-path preparations of one
+    corpus (the same documents in the same order) share one base model."""
     inputs = {
+        "stream": data.everything.info(0, "train").sha256,
         "model": config.model.model_dump(mode="json"),
         "inner": config.inner.model_dump(mode="json", exclude={"steps"}),
         "seed": config.seed,
         "steps": steps,
     }
     digest = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
-    return f"base-{digest}.safetensors"
+    return data.directory.parent / "bases" / f"base-{digest}.safetensors"
 
 
 def train_base(
@@ -51,7 +55,7 @@ def train_base(
     """The base model's state dict (fp32, CPU), trained once per (model, inner, seed, steps)."""
     if steps < 1:
         raise ValueError(f"base steps = {steps}: need at least 1 (or no base phase at all)")
-    path = data.directory / _cache_name(config, steps)
+    path = cache_path(config, data, steps)
     if path.is_file():
         return load_file(str(path))
     model = build_model(config.model, config.seed)
@@ -66,6 +70,7 @@ def train_base(
     }
     if config.model.tie_embeddings:  # safetensors refuses shared tensors; assembly re-ties
         state["lm_head.weight"] = state["lm_head.weight"].clone()
+    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     save_file(state, str(tmp))
     os.replace(tmp, path)

@@ -146,11 +146,14 @@ def _fmt(value: float | None, digits: int = 3) -> str:
 
 
 def _bytes(n: int) -> str:
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    raise AssertionError("unreachable")
+    if n < 1000:
+        return f"{n} B"
+    value = float(n)
+    for unit in ("kB", "MB", "GB", "TB"):
+        value /= 1000
+        if value < 1000 or unit == "TB":
+            break
+    return f"{value:.1f} {unit}"
 
 
 def _path_table(result: SimulationResult) -> Table:
