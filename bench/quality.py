@@ -1,7 +1,7 @@
 """Quality of DiLoCo, DiPaCo and pseudo-gradient codecs against their baselines (issue 4).
 
-    .venv/bin/python bench/quality.py                   # the full run, ~15-20 min on 2 cores
-    .venv/bin/python bench/quality.py --quick           # a smoke run, ~2 min
+    .venv/bin/python bench/quality.py                   # the full run, ~13 min on 2 cores
+    .venv/bin/python bench/quality.py --quick           # a smoke run, ~1.5 min
     .venv/bin/python bench/quality.py --json quality.json
 
 (a) DiLoCo, R=4 replicas, H=50, vs synchronous data-parallel at equal tokens: perplexity
@@ -12,7 +12,8 @@
     (goal <= 1.01).
 
 Everything runs on the stdlib corpus with RunConfig.tiny()'s 2.84M-parameter paths through
-`dipaco.simulate`, the code behind `dipaco simulate`. Each method and each baseline is one
+`dipaco.simulate`, the code behind `dipaco simulate`, and starts from one dense base model
+(--base-steps) whose tokens are not counted. Each method and each baseline is one
 job; jobs run in --jobs processes of --threads torch threads each (on 2 cores, two
 one-thread processes finish ~1.7x sooner than one two-thread process). The script prints
 ratios and the goals beside them, not verdicts. Figures and the command: docs/benchmarks.md.

@@ -34,7 +34,9 @@ examples:
   dipaco simulate --diloco --replicas 4 --inner-steps 50 --rounds 4 --codec int8
       DiLoCo with 4 replicas and int8 pseudo-gradients
   dipaco simulate --paths 2x4 --max-docs 4000 --out run.json
-      8 paths on a larger sample; the JSON has every figure of the tables
+      16 paths on a larger sample; the JSON has every figure of the tables
+  dipaco simulate --base-steps 300 --inner-steps 50 --rounds 4 --threads 1
+      DiPaCo's protocol: modules start from a dense model trained 300 steps
   dipaco simulate --config run.json --rounds 2 --no-baselines
       a platform run config (its model, layout, optimisers), two rounds only
 

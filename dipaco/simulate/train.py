@@ -9,8 +9,9 @@ One outer round, as the server runs it (DESIGN §4):
    √(paths) rescale, and the Nesterov outer step (dipaco.outer).
 
 Inner AdamW state does not persist across rounds: train_path starts a fresh optimiser per
-unit, as a volunteer that may be handed another path next round would. The inner lr
-schedule is still run-long (warm-up once, cosine over T·H steps).
+unit (the library has no way to hand AdamW state from one unit to the next), as a volunteer
+handed another path would. The inner lr schedule is still run-long (warm-up once, cosine
+over T·H steps). docs/benchmarks.md ("Quality") measures what the fresh state costs.
 """
 
 from __future__ import annotations
