@@ -144,11 +144,6 @@ def test_a_short_demo_trains_and_its_summary_shows_routed_validation_loss_fallin
     assert port_is_free("127.0.0.1", port)
 
 
-@pytest.mark.xfail(
-    reason="known bug: a SIGINT that arrives while the demo starts its workers can be lost, "
-    "and the demo then trains to the end (seen once on a loaded machine); see the issue 9 note",
-    strict=False,
-)
 def test_ctrl_c_during_training_cancels_the_run_and_stops_every_process(tmp_path: Path) -> None:
     port = free_port()
     demo = DemoProcess([*SHORT, "--inner-steps", "400", "--port", str(port)], tmp_path / "d")

@@ -132,6 +132,9 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)  # the workers have a core each; the baseline shares them
     previous = signal.signal(signal.SIGTERM, _interrupt)
+    # A shell that starts us in the background hands SIGINT down as ignored, and Python then
+    # installs no KeyboardInterrupt handler: Ctrl+C (or `kill -INT`) would be lost.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     demo = Demo(options, console)
     try:
         return demo.run()
@@ -145,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
 
 
 def main(argv: list[str] | None = None) -> int:
