@@ -87,6 +87,9 @@ def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+WEB_THREADS = 4  # per gunicorn worker process; each thread holds its own database connection
+
+
 def child_commands(
     host: str, port: int, web_workers: int, task_concurrency: int
 ) -> dict[str, list[str]]:
@@ -97,6 +100,11 @@ def child_commands(
             python, "-m", "gunicorn", "dipaco_server.wsgi:application",
             "--bind", _bind_address(host, port),
             "--workers", str(web_workers),
+            # Threads, not gunicorn's default sync worker: a sync worker serves one
+            # connection at a time and, since gunicorn 25, lingers up to 2 s after each
+            # response for the peer to close, so a few slow volunteers stall it. gthread
+            # also keeps connections alive between a worker's calls. See bench/control_plane.py.
+            "--worker-class", "gthread", "--threads", str(WEB_THREADS),
             "--access-logfile", "-",
             # gunicorn >= 25.1 otherwise opens ~/.gunicorn/gunicorn.ctl, which two
             # servers on one machine (or a test beside a dev server) would share.

@@ -17,8 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import connection, transaction
-from django.db.models import Case, Count, F, OuterRef, Q, QuerySet, Subquery, Value, When
-from django.db.models.functions import Coalesce
+from django.db.models import Count, F, Q
 from django.utils import timezone
 
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
@@ -77,10 +76,7 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
             if locked is None or locked.revoked:
                 raise WorkerRevoked(f"worker {worker.pk} was revoked; it gets no more work")
             _check_lease_limit(locked, policy, now)
-            candidates = _candidates(warm_path)
-            if connection.features.has_select_for_update_skip_locked:
-                candidates = candidates.select_for_update(skip_locked=True, of=("self",))
-            unit = candidates.first()
+            unit = _next_queued_unit(warm_path)
             if unit is None:
                 return None
             claimed = WorkUnit.objects.filter(pk=unit.pk, state=WorkUnit.State.QUEUED).update(
@@ -132,30 +128,50 @@ def _last_path_id(worker: Worker) -> int | None:
     return last
 
 
-def _candidates(warm_path: int | None) -> QuerySet[WorkUnit]:
-    covered = (
+def _next_queued_unit(warm_path: int | None) -> WorkUnit | None:
+    """The queued unit to grant next, in the order of DESIGN §4.2, or None.
+
+    Two cheap queries instead of one that ranks every queued unit: first the
+    (round, path) groups of the open rounds with their queued and covered (leased
+    or done) counts, one grouped scan of the units index; then, group by group in
+    preference order, the first queued unit by the partial index
+    ``unit_queued_next_idx``, locked with SKIP LOCKED where the database has it (no
+    join here: joined rows would be sorted in full before the LIMIT). A correlated per-unit coverage subquery made a grant cost
+    O(queued units²): 3.3 s with 5,000 units queued in one path.
+    """
+    groups = (
         WorkUnit.objects.filter(
-            round=OuterRef("round"),
-            path=OuterRef("path"),
-            state__in=[WorkUnit.State.LEASED, WorkUnit.State.DONE],
-        )
-        .order_by()
-        .values("round")
-        .annotate(n=Count("pk"))
-        .values("n")
-    )
-    warm = Case(When(path_id=warm_path, then=Value(0)), default=Value(1)) if warm_path else Value(1)
-    return (
-        WorkUnit.objects.filter(
-            state=WorkUnit.State.QUEUED,
             round__state=Round.State.OPEN,
             round__run__state=Run.State.RUNNING,
             path__state=Path.State.ACTIVE,
         )
-        .select_related("round__run")
-        .annotate(warm=warm, coverage=Coalesce(Subquery(covered), Value(0)))
-        .order_by("warm", "coverage", "round_id", "path__index", "replica", "pk")
+        .values("round_id", "path_id", "path__index")
+        .annotate(
+            queued=Count("pk", filter=Q(state=WorkUnit.State.QUEUED)),
+            covered=Count("pk", filter=Q(state__in=[WorkUnit.State.LEASED, WorkUnit.State.DONE])),
+        )
+        .filter(queued__gt=0)
+        .order_by()
     )
+    ranked = sorted(
+        groups,
+        key=lambda g: (
+            g["path_id"] != warm_path,
+            g["covered"],
+            g["round_id"],
+            g["path__index"],
+        ),
+    )
+    for group in ranked:
+        candidates = WorkUnit.objects.filter(
+            state=WorkUnit.State.QUEUED, round_id=group["round_id"], path_id=group["path_id"]
+        ).order_by("replica")  # unique within a (round, path): the partial index's order
+        if connection.features.has_select_for_update_skip_locked:
+            candidates = candidates.select_for_update(skip_locked=True)
+        unit = candidates.first()
+        if unit is not None:
+            return unit
+    return None
 
 
 def fetch_lease(lease_id: int) -> Lease | None:

@@ -138,20 +138,36 @@ def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, obj
 
 @shared_task(bind=True, name="dipaco_server.rounds.tasks.finish_round", **RETRY)
 def finish_round(self: Task, run_id: int, t: int) -> str:
-    """After every module stepped: close the round, evaluate the paths, then go on."""
+    """After every module stepped: close the round, evaluate the paths, then go on.
+
+    Workers wait for the next round while this runs, so when nothing depends on the
+    evaluation (no early stopping, not the last round) the next round opens first and
+    the evaluation, which then only draws the curves, runs while they train. With
+    ``eval.patience`` set, its decision shapes the next round, so it comes first; after
+    the last round it comes first too, so a finished run has its final scores.
+    """
+    from dipaco_server.runs.evaluate import eval_settings
+
     round_ = Round.objects.select_related("run").get(run_id=run_id, t=t)
     mark_round_closed(round_)
     Run.objects.filter(pk=run_id).exclude(state__in=TERMINAL).update(error="")
     run = round_.run
+    config = run.run_config
+    if t + 1 < config.rounds and eval_settings(config).patience is None:
+        outcome = advance_run(run, t)
+        _evaluate(run, t)
+        return outcome
+    _evaluate(run, t)
+    return advance_run(run, t)
+
+
+def _evaluate(run: Run, t: int) -> None:
     try:
         from dipaco_server.runs.evaluate import evaluate_run
 
         evaluate_run(run, t)
     except Exception:  # evaluation is for curves and early stopping; training goes on
-        logger.exception(
-            "run %s: evaluation after round %d failed; opening the next round", run_id, t
-        )
-    return advance_run(run, t)
+        logger.exception("run %s: evaluation after round %d failed; training goes on", run.pk, t)
 
 
 @shared_task(name="dipaco_server.rounds.tasks.fail_round")
