@@ -29,6 +29,7 @@ import logging
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -36,6 +37,7 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
@@ -47,6 +49,10 @@ IDLE_WAIT_S = 5.0  # worker_agent.agent: the first wait after a 204
 PAYLOAD_BYTES = 256
 REQUEST_TIMEOUT_S = 30.0
 CLOSE_AT = 0.95  # share of a round's units done before the bench closes it
+# gunicorn's access log, with the time each request took in the server (%(M)s, ms): the
+# server-side latency, without the client's own queueing when it is short of CPU.
+ACCESS_FORMAT = 'bench-access %(t)s "%(m)s %(U)s" %(s)s %(M)s'
+ACCESS_RE = re.compile(r'^bench-access \[([^\]]+)\] "(\S+) (\S+)" (\d+) (\d+)$')
 
 
 # --- services and the server ------------------------------------------------------------
@@ -78,6 +84,8 @@ def server_environ(database: str, redis: str, data_dir: Path, url: str) -> dict[
     environ.update(
         DATABASE_URL=database, REDIS_URL=redis, DIPACO_DATA_DIR=str(data_dir),
         DIPACO_PUBLIC_URL=url, DJANGO_SETTINGS_MODULE="dipaco_server.settings",
+        # Every simulated volunteer calls from 127.0.0.1: no per-address limit here.
+        DIPACO_RATE_LIMIT_ADDRESS="off",
     )  # fmt: skip
     return environ
 
@@ -275,6 +283,36 @@ def summarize(stats: Stats, start: float, end: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def request_kind(method: str, path: str) -> str | None:
+    if method == "PUT" and path.startswith("/blobs/"):
+        return "put"
+    tail = path.rstrip("/").rsplit("/", 1)[-1]
+    if path.startswith("/api/v1/worker/") and tail in ("heartbeat", "lease", "upload-urls",
+                                                       "complete"):  # fmt: skip
+        return tail
+    return None
+
+
+def server_side(log: Path, start: float, end: float) -> dict[str, Any]:
+    """Per-kind latency as gunicorn measured it, over the same window (wall-clock times)."""
+    kinds: dict[str, list[float]] = defaultdict(list)
+    for line in log.read_text(errors="replace").splitlines():
+        match = ACCESS_RE.match(line)
+        if match is None:
+            continue
+        stamp, method, path, _status, millis = match.groups()
+        at = datetime.strptime(stamp, "%d/%b/%Y:%H:%M:%S %z").timestamp()
+        kind = request_kind(method, path)
+        if kind is not None and start <= at < end:
+            kinds[kind].append(int(millis) / 1e3)
+            kinds["all"].append(int(millis) / 1e3)
+    return {
+        kind: {"requests": len(v), "p50_ms": 1e3 * percentile(v, 0.5),
+               "p99_ms": 1e3 * percentile(v, 0.99)}
+        for kind, v in sorted(kinds.items())
+    }  # fmt: skip
+
+
 def verify(run_id: int, stats: Stats) -> dict[str, int]:
     """Lost and duplicated units, from the database against what the clients were told."""
     from django.db.models import Count
@@ -307,10 +345,14 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['volunteers']} volunteers, {result['duration_s']:.0f} s measured, "
           f"unit {result['unit_seconds']:.0f} s, {result['web_workers']} gunicorn workers, "
           f"load {result['load_average']}")  # fmt: skip
-    print(f"{'kind':<12}{'requests':>9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}")
+    print(f"{'':<12}{'client side':>45}{'in the server':>20}")
+    print(f"{'kind':<12}{'requests':>9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
+          f"{'p50 ms':>10}{'p99 ms':>10}")  # fmt: skip
     for kind, row in result["latency"].items():
+        server = result.get("server_latency", {}).get(kind, {})
         print(f"{kind:<12}{row['requests']:>9}{row['per_s']:>9.1f}{row['p50_ms']:>9.1f}"
-              f"{row['p99_ms']:>9.1f}{row['max_ms']:>9.0f}")  # fmt: skip
+              f"{row['p99_ms']:>9.1f}{row['max_ms']:>9.0f}"
+              f"{server.get('p50_ms', math.nan):>10.1f}{server.get('p99_ms', math.nan):>10.1f}")  # fmt: skip
     print(f"errors: {dict(result['errors']) or 'none'}")
     print(f"units: {result['units']}")
 
@@ -363,6 +405,7 @@ def main() -> int:
         turner = RoundTurner(run_id)
         turner.start()
         command = child_commands("127.0.0.1", port, args.web_workers, 1)["web"]
+        command += ["--access-logformat", ACCESS_FORMAT]
         log = (work / "web.log").open("ab")
         server = subprocess.Popen(command, env=environ, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
@@ -374,6 +417,7 @@ def main() -> int:
                 time.sleep(0.3)
         print(f"{args.volunteers} volunteers for {args.warmup:.0f} + {args.duration:.0f} s ...",
               flush=True)  # fmt: skip
+        wall_offset = time.time() - time.monotonic()
         stats, start, end = asyncio.run(load(url, tokens, args))
         turner.stop.set()
         turner.join()
@@ -382,6 +426,8 @@ def main() -> int:
             "unit_seconds": args.unit_seconds, "web_workers": args.web_workers,
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "latency": summarize(stats, start, end), "errors": dict(stats.errors),
+            "server_latency": server_side(work / "web.log", start + wall_offset,
+                                          end + wall_offset),
             "units": {**verify(run_id, stats), "units_per_round": units,
                       "rounds_closed": turner.closed, "idle_polls": stats.idle},
         }  # fmt: skip
@@ -397,7 +443,8 @@ def main() -> int:
         connections.close_all()
         drop_database(args.postgres, name)
         redis.Redis.from_url(args.redis).flushdb()
-        shutil.rmtree(work, ignore_errors=True)
+        if not os.environ.get("DIPACO_BENCH_KEEP"):
+            shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

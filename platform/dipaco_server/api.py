@@ -4,7 +4,7 @@ The OpenAPI schema is at /api/v1/openapi.json and its browsable docs at
 /api/v1/docs (swagger-ui served from the ``ninja`` package's static files).
 
 - admin API (staff bearer tokens, accounts.auth.StaffToken): /datasets, /runs,
-  /runs/{id}/metrics, /enrollment-tokens, /workers
+  /runs/{id}/metrics, /enrollment-tokens, /workers, /audit-log (read-only)
 - worker API (worker bearer tokens): /worker/register, /worker/heartbeat,
   /worker/lease, /worker/lease/{id}/manifest|upload-urls|complete|release
 - /health (no auth)
@@ -21,6 +21,7 @@ from ninja.openapi.schema import OpenAPISchema
 
 from dipaco import __version__
 from dipaco_server import errors
+from dipaco_server.audit.api import router as audit_router
 from dipaco_server.core.api import router as core_router
 from dipaco_server.inference.api import router as inference_router
 from dipaco_server.rounds.api import router as lease_router
@@ -67,5 +68,6 @@ api.add_router("/", core_router)
 api.add_router("/", runs_router)
 api.add_router("/", workers_router)
 api.add_router("/", inference_router)
+api.add_router("/", audit_router)
 api.add_router("/worker", registration_router)
 api.add_router("/worker", lease_router)

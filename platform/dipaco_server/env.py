@@ -43,6 +43,8 @@ KNOWN_VARIABLES = frozenset(
         "ALLOWED_HOSTS",
         "DIPACO_PUBLIC_DASHBOARD",
         "DIPACO_PUBLIC_READ",
+        "DIPACO_RATE_LIMIT_WORKER",
+        "DIPACO_RATE_LIMIT_ADDRESS",
     }
 )
 
@@ -347,3 +349,50 @@ def allowed_hosts(environ: Environ, public: str) -> list[str]:
                 "list bare host names, comma-separated, e.g. dipaco.example.org,localhost",
             )
     return hosts
+
+
+_RATE_RE = re.compile(r"^(\d+)\s*/\s*(\d*)\s*(s|sec|second|m|min|minute|h|hour)s?$", re.IGNORECASE)
+_RATE_UNITS = {"s": 1, "sec": 1, "second": 1, "m": 60, "min": 60, "minute": 60}
+_RATE_UNITS.update(h=3600, hour=3600)
+
+
+def rate_limit(name: str, default: str, environ: Environ = os.environ) -> tuple[int, int] | None:
+    """A rate like ``600/min`` as (requests, seconds); None for ``0`` or ``off`` (no limit).
+
+    The period is ``s``, ``min`` or ``h``, optionally with a count (``100/10s``).
+    """
+    value = _get(environ, name) or default
+    if value.lower() in _FALSE:
+        return None
+    match = _RATE_RE.match(value)
+    fix = "use e.g. 600/min, 20/s, 100/10s or 5000/h, or off to disable the limit"
+    if match is None:
+        raise refuse(name, value, "not a rate", fix)
+    count, periods, unit = int(match[1]), int(match[2] or 1), match[3].lower()
+    if count == 0:
+        return None
+    seconds = periods * _RATE_UNITS[unit]
+    if seconds == 0 or seconds > 24 * 3600:
+        raise refuse(name, value, "the period must be between 1 s and 24 h", fix)
+    return count, seconds
+
+
+def rate_limit_cache(redis: str | None) -> dict[str, Any]:
+    """The cache the rate limiter counts in: Redis when given (shared by every web process),
+    else this process's memory (the embedded server: one machine, counted per process).
+
+    Short socket timeouts: the limiter fails open when Redis is away
+    (dipaco_server.ratelimit), and must not hold a worker's request while it finds out.
+    """
+    if redis is None:
+        return {
+            "BACKEND": "django.core.cache.backends.locmem.LocMemCache",
+            "LOCATION": "dipaco-rate-limits",
+            "OPTIONS": {"MAX_ENTRIES": 100_000},
+        }
+    return {
+        "BACKEND": "django.core.cache.backends.redis.RedisCache",
+        "LOCATION": redis,
+        "KEY_PREFIX": "dipaco:ratelimit",
+        "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+    }

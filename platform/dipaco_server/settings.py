@@ -47,11 +47,14 @@ INSTALLED_APPS = [
     "dipaco_server.rounds",
     "dipaco_server.accounts",
     "dipaco_server.inference",
+    "dipaco_server.audit",
     "dipaco_web",
 ]
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Before sessions and auth: a refused worker request costs one cache round trip.
+    "dipaco_server.ratelimit.RateLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
     "django.middleware.csrf.CsrfViewMiddleware",
@@ -94,6 +97,17 @@ STATIC_URL = "static/"
 DIPACO_PUBLIC_DASHBOARD = env.env_bool("DIPACO_PUBLIC_DASHBOARD", True, os.environ)
 # Whether path downloads, manifests and routing answer without a staff token.
 DIPACO_PUBLIC_READ = env.env_bool("DIPACO_PUBLIC_READ", True, os.environ)
+
+# --- rate limits on the worker API (dipaco_server.ratelimit) -------------------
+# Per worker token and per client address, as (requests, seconds); None: no limit. A
+# worker makes about 2 heartbeats and a few calls per unit a minute, so 600/min per
+# token only stops a runaway client; the address limit is for one host's many workers.
+DIPACO_RATE_LIMIT_WORKER = env.rate_limit("DIPACO_RATE_LIMIT_WORKER", "600/min", os.environ)
+DIPACO_RATE_LIMIT_ADDRESS = env.rate_limit("DIPACO_RATE_LIMIT_ADDRESS", "6000/min", os.environ)
+CACHES = {
+    "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
+    "ratelimit": env.rate_limit_cache(REDIS_URL),
+}
 
 # --- Celery (read by dipaco_server.celery through the CELERY_ namespace) -----
 _celery = env.celery_transport(DIPACO_DATA_DIR, REDIS_URL)

@@ -27,6 +27,7 @@ from django.urls import reverse, reverse_lazy
 from django.views.decorators.http import require_GET, require_POST
 
 from dipaco import __version__
+from dipaco_server.audit.services import record
 from dipaco_server.runs.errors import ServiceError
 from dipaco_server.runs.models import Run
 from dipaco_web import actions, curves, queries
@@ -129,11 +130,20 @@ def run_action(request: HttpRequest, run_id: int, action: str) -> HttpResponse:
     if action not in actions.ACTIONS:
         raise Http404(f"no action {action!r}; use one of {', '.join(actions.ACTIONS)}")
     run = get_object_or_404(Run, pk=run_id)
+    audit: dict[str, Any] = {
+        "channel": "dashboard",
+        "user": request.user,
+        "target_type": "run",
+        "target_id": run.pk,
+    }
     try:
         actions.perform(run, action)
     except ServiceError as exc:
+        record(request, f"run.{action}", status=exc.status, error_code=exc.code,
+               message=exc.message, **audit)  # fmt: skip
         messages.error(request, exc.message)
     else:
+        record(request, f"run.{action}", **audit)
         messages.success(request, f"{action}: run {run.name} is now {run.state}")
     return redirect("dipaco_web:run", run_id=run.pk)
 

@@ -19,6 +19,7 @@ from ninja import Field, Query, Router, Schema, Status
 from ninja.pagination import LimitOffsetPagination, paginate
 
 from dipaco_server.accounts.auth import staff_auth
+from dipaco_server.audit.services import audited
 from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
 from dipaco_server.rounds.models import Lease
@@ -154,6 +155,7 @@ class MetricOut(Schema):
 
 
 @router.post("/datasets", response={201: DatasetOut})
+@audited("dataset.create", "dataset")
 def create_dataset(request: HttpRequest, body: DatasetIn) -> Status[Dataset]:
     """Record a corpus to prepare: the built-in "stdlib" one, a directory or a .jsonl file."""
     if not _NAME.match(body.name):
@@ -222,6 +224,7 @@ def _run_out(run: Run) -> dict[str, Any]:
 
 
 @router.post("/runs", response={201: RunOut})
+@audited("run.create", "run")
 def create_run(request: HttpRequest, body: RunIn) -> Status[Run]:
     """Create a draft run from a config; a bad config is 400 with one problem per field."""
     dataset = None
@@ -292,6 +295,7 @@ def get_run(request: HttpRequest, run_id: int) -> dict[str, Any]:
 
 
 @router.post("/runs/{run_id}/start", response=RunOut)
+@audited("run.start", "run")
 def start_run(request: HttpRequest, run_id: int) -> Run:
     """draft → preparing (a task prepares data and modules, then the run is ready), or
     ready → running with its first round open."""
@@ -312,18 +316,21 @@ def start_run(request: HttpRequest, run_id: int) -> Run:
 
 
 @router.post("/runs/{run_id}/pause", response=RunOut)
+@audited("run.pause", "run")
 def pause_run(request: HttpRequest, run_id: int) -> Run:
     """running → paused: no new leases; units already leased may still complete."""
     return services.transition(_run(run_id), Run.State.PAUSED)
 
 
 @router.post("/runs/{run_id}/resume", response=RunOut)
+@audited("run.resume", "run")
 def resume_run(request: HttpRequest, run_id: int) -> Run:
     """paused → running."""
     return services.transition(_run(run_id), Run.State.RUNNING)
 
 
 @router.post("/runs/{run_id}/cancel", response=RunOut)
+@audited("run.cancel", "run")
 def cancel_run(request: HttpRequest, run_id: int) -> Run:
     """Any live state → cancelled (final): workers are told to drop its units."""
     return services.transition(_run(run_id), Run.State.CANCELLED)

@@ -14,6 +14,7 @@ from ninja import Field, Router, Schema, Status
 from ninja.pagination import LimitOffsetPagination, paginate
 
 from dipaco_server.accounts.auth import staff_auth
+from dipaco_server.audit.services import audited
 from dipaco_server.errors import ApiError
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.workers import services
@@ -30,7 +31,9 @@ MAX_EXPIRY_S = 365 * 24 * 3600
 
 class EnrollmentIn(Schema):
     label: str = Field("", max_length=100, description="Who or what it is for.")
-    max_uses: int | None = Field(1, ge=1, description="Workers it may register; null: unlimited.")
+    max_uses: int | None = Field(
+        1, ge=1, le=2**31 - 1, description="Workers it may register; null: unlimited."
+    )
     expires_in_s: int | None = Field(
         None, ge=60, le=MAX_EXPIRY_S, description="Seconds until it expires; null: never."
     )
@@ -92,6 +95,7 @@ class RegisterOut(Schema):
 
 
 @router.post("/enrollment-tokens", response={201: EnrollmentCreatedOut})
+@audited("enrollment_token.create", "enrollment_token")
 def create_enrollment_token(request: HttpRequest, body: EnrollmentIn) -> Status[EnrollmentToken]:
     """A token volunteers register workers with; its plaintext appears only in this answer."""
     expires = timedelta(seconds=body.expires_in_s) if body.expires_in_s is not None else None
@@ -109,6 +113,7 @@ def list_enrollment_tokens(request: HttpRequest) -> QuerySet[EnrollmentToken]:
 
 
 @router.post("/enrollment-tokens/{token_id}/revoke", response=EnrollmentOut)
+@audited("enrollment_token.revoke", "enrollment_token", id_parameter="token_id")
 def revoke_enrollment_token(request: HttpRequest, token_id: int) -> EnrollmentToken:
     """Refuse the token from now on; workers it already registered keep working."""
     row = EnrollmentToken.objects.filter(pk=token_id).first()
@@ -142,6 +147,7 @@ def get_worker(request: HttpRequest, worker_id: int) -> Worker:
 
 
 @router.post("/workers/{worker_id}/revoke", response=WorkerOut)
+@audited("worker.revoke", "worker")
 def revoke_worker(request: HttpRequest, worker_id: int) -> Worker:
     """Refuse the worker's token from now on; the lease sweep takes its units back."""
     worker = _worker(worker_id)

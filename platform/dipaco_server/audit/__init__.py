@@ -1,0 +1,1 @@
+"""An append-only log of what staff did through the admin API and the dashboard."""

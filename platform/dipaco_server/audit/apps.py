@@ -1,0 +1,7 @@
+from django.apps import AppConfig
+
+
+class AuditConfig(AppConfig):
+    name = "dipaco_server.audit"
+    label = "audit"
+    verbose_name = "dipaco audit log"
