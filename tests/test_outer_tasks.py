@@ -19,11 +19,13 @@ import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from django.utils import timezone
 from torch import Tensor
 
 from dipaco import codecs
@@ -312,6 +314,29 @@ def test_the_beat_sweep_closes_the_rounds_that_are_ready_and_only_those(
     assert send(on_s3, "close_ready_rounds").get(timeout=30) == [[done.pk, 0]]
     wait_for(lambda: Round.objects.filter(run=done, t=1).exists(), on_s3)
     assert Round.objects.get(run=waiting, t=0).state == Round.State.OPEN
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_round_whose_outer_steps_the_broker_lost_is_closed_by_the_beat_sweep(
+    on_s3: CeleryWorker,
+) -> None:
+    run = running_run(DILOCO, replicas=1)
+    contribute(run, good, seed=41)
+    # Closing, with no close_round in the broker: as after Redis lost the round's chord.
+    stalled = closing_round(run)
+    Round.objects.filter(pk=stalled.pk).update(closing_at=timezone.now() - timedelta(hours=1))
+
+    assert send(on_s3, "close_ready_rounds").get(timeout=30) == []  # nothing open is ready
+    wait_for(lambda: Round.objects.filter(run=run, t=1).exists(), on_s3)
+
+    stalled.refresh_from_db()
+    assert stalled.state == Round.State.CLOSED
+    assert sorted(
+        ModuleVersion.objects.filter(module__run=run, version=1).values_list(
+            "module__module_id", flat=True
+        )
+    ) == ["0.0", "shared"]
+    assert OuterStep.objects.filter(round=stalled).count() == 2
 
 
 @pytest.mark.django_db(transaction=True)

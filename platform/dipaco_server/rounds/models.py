@@ -27,6 +27,8 @@ class Round(models.Model):
     opened_at = models.DateTimeField(default=timezone.now)
     deadline = models.DateTimeField(null=True, blank=True)  # quorum closes it after this
     closed_at = models.DateTimeField(null=True, blank=True)
+    # When close_round last sent the outer steps: a round closing for long lost them.
+    closing_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = (models.UniqueConstraint(fields=["run", "t"], name="round_unique_per_run"),)

@@ -32,6 +32,10 @@ DEFAULTS: dict[str, float] = {
     "DIPACO_ROUND_DEADLINE_S": 3600,
     # The quorum: this share of a round's units done (DiLoCo tolerates missing replicas).
     "DIPACO_ROUND_QUORUM": 0.5,
+    # A round still closing this long after close_round sent its outer steps lost them (the
+    # broker's state went with a Redis restart, say): the beat sweep sends close_round again.
+    # Steps already done are not redone, so a slow step sent twice costs time, not weights.
+    "DIPACO_ROUND_CLOSE_RETRY_S": 900,
 }
 
 
@@ -46,6 +50,7 @@ class SchedulerPolicy:
     unit_max_attempts: int
     round_deadline_s: float
     round_quorum: float
+    round_close_retry_s: float
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -84,6 +89,7 @@ def current_policy() -> SchedulerPolicy:
         unit_max_attempts=_number("DIPACO_UNIT_MAX_ATTEMPTS", integer=True),
         round_deadline_s=_number("DIPACO_ROUND_DEADLINE_S"),
         round_quorum=_number("DIPACO_ROUND_QUORUM", high=1.0),
+        round_close_retry_s=_number("DIPACO_ROUND_CLOSE_RETRY_S"),
     )
     if policy.lease_min_s > policy.lease_max_s:
         raise ImproperlyConfigured(

@@ -20,14 +20,17 @@ from __future__ import annotations
 
 import importlib
 import logging
+from datetime import timedelta
 from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 from celery import Task, chord, shared_task
 from celery.signals import worker_init
 from django.db import InterfaceError, OperationalError
+from django.utils import timezone
 
 from dipaco_server.rounds.models import Round
+from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.scheduler import expire_leases
 from dipaco_server.rounds.services import (
     mark_round_closed,
@@ -93,7 +96,34 @@ def close_ready_rounds(self: Task) -> list[tuple[int, int]]:
     ]
     for run_id, t in ready:
         close_round.apply_async((run_id, t), **same_queue(self))
+    resend_stalled_rounds(self)
     return ready
+
+
+def resend_stalled_rounds(task: Task) -> list[tuple[int, int]]:
+    """Send close_round again for rounds closing longer than DIPACO_ROUND_CLOSE_RETRY_S.
+
+    The outer steps of a closing round live in the broker as a chord; if Redis loses them
+    (restarted without persistence), nothing would ever finish the round. The steps are
+    idempotent (an OuterStep row per module and round), so sending them again is safe; the
+    conditional UPDATE of ``closing_at`` makes one sweep, of several, the sender.
+    """
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=current_policy().round_close_retry_s)
+    closing = Round.objects.filter(
+        state=Round.State.CLOSING, run__state__in=[Run.State.RUNNING, Run.State.PAUSED]
+    )
+    closing.filter(closing_at__isnull=True).update(closing_at=now)  # start the clock
+    resent = []
+    for round_ in closing.filter(closing_at__lt=cutoff):
+        if Round.objects.filter(pk=round_.pk, closing_at=round_.closing_at).update(closing_at=now):
+            logger.warning(
+                "run %s round %d: still closing since %s; sending its outer steps again",
+                round_.run_id, round_.t, round_.closing_at.isoformat(),
+            )  # fmt: skip
+            close_round.apply_async((round_.run_id, round_.t), **same_queue(task))
+            resent.append((round_.run_id, round_.t))
+    return resent
 
 
 @shared_task(bind=True, name="dipaco_server.rounds.tasks.close_round", **RETRY)
