@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 __all__ = [
     "MAX_PATHS",
+    "MAX_UNITS_PER_ROUND",
     "CommConfig",
     "ConfigProblem",
     "DataConfig",
@@ -109,6 +110,8 @@ class ModelConfig(_Section):
 
 PathPart = Literal["embeddings", "final_norm", "lm_head"]
 MAX_PATHS = 65536  # a sanity bound: the server queues R units per path per round
+# Units the server builds (in one transaction) when it opens a round: paths x replicas.
+MAX_UNITS_PER_ROUND = 65536
 
 
 class Level(_Section):
@@ -493,6 +496,20 @@ class RunConfig(_Section):
                 list(self.layout.path_specific),
                 "with model.tie_embeddings, embeddings and lm_head are one tensor: "
                 "list both or neither",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_units(self) -> RunConfig:
+        """Opening a round builds paths x replicas units at once: bound it before it is tried."""
+        units = self.layout.num_paths * self.replicas_per_path
+        if units > MAX_UNITS_PER_ROUND:
+            raise refuse(
+                "replicas_per_path",
+                self.replicas_per_path,
+                f"{self.layout.num_paths} paths x {self.replicas_per_path} replicas = {units} "
+                f"work units per round exceed {MAX_UNITS_PER_ROUND}; lower replicas_per_path "
+                "or layout.levels[*].modules",
             )
         return self
 

@@ -38,12 +38,20 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import hypothesis
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 VENV_BIN = Path(sys.executable).parent
 CI = os.environ.get("CI", "").lower() == "true"
+
+# The fuzz tests (hypothesis, and schemathesis on top of it) explore new examples on every
+# developer run; under CI they replay the same derandomised examples, so a submission
+# cannot fail on a bug it did not touch. Either way a failure prints how to reproduce it.
+hypothesis.settings.register_profile("ci", derandomize=True, print_blob=True)
+if CI:
+    hypothesis.settings.load_profile("ci")
 DEFAULT_POSTGRES_URL = "postgres://postgres@127.0.0.1:5432/dipaco"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
 REDIS_TEST_DB = 15

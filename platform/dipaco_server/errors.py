@@ -22,6 +22,7 @@ from typing import Any
 
 from django.core.exceptions import RequestDataTooBig
 from django.core.serializers.json import DjangoJSONEncoder
+from django.db import DataError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
@@ -155,6 +156,35 @@ def _too_big(request: HttpRequest, exc: RequestDataTooBig) -> HttpResponse:
     return _api_error(request, _too_large())
 
 
+def _out_of_range(request: HttpRequest, exc: DataError) -> HttpResponse:
+    # The database refused a value the schema let through: a number past its column's range
+    # (an id or offset of 10**20) or text past its length. The client sent it, so a 422 that
+    # names the problem; logged, in case a value the server computed is ever the cause.
+    logger.warning(
+        "%s %s: the database refused a value", request.method, request.path, exc_info=exc
+    )
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else "a value is out of range"
+    return error_response(
+        422,
+        "value_out_of_range",
+        f"a value in the request is beyond what the server stores ({reason}); "
+        "send smaller numbers or shorter text",
+    )
+
+
+def _database_down(request: HttpRequest, exc: Exception) -> HttpResponse:
+    # The database is unreachable (restarting, failing over): not a bug and not the client's
+    # fault, so a 503 with Retry-After that agents and scripts retry, never a 500 (issue 11).
+    logger.warning("%s %s: the database is unreachable: %s", request.method, request.path, exc)
+    response = error_response(
+        503,
+        "database_unavailable",
+        "the server cannot reach its database right now; retry in a few seconds",
+    )
+    response["Retry-After"] = "5"
+    return response
+
+
 def _not_found(request: HttpRequest, exc: Http404) -> HttpResponse:
     return not_found(request)
 
@@ -173,6 +203,9 @@ def install(api: NinjaAPI) -> None:
     api.add_exception_handler(HttpError, _http_error)
     api.add_exception_handler(ValidationError, _validation_error)
     api.add_exception_handler(RequestDataTooBig, _too_big)
+    api.add_exception_handler(DataError, _out_of_range)
+    api.add_exception_handler(OperationalError, _database_down)
+    api.add_exception_handler(InterfaceError, _database_down)
     api.add_exception_handler(Http404, _not_found)
     api.add_exception_handler(Exception, _bug)
 
