@@ -206,10 +206,14 @@ def test_a_prepared_run_closes_its_first_round_and_scores_each_path_on_its_shard
 
     reply = celery_worker_redis.call("dipaco_server.rounds.tasks.close_round", run.pk, 0)
     assert reply == "closing"
-    wait_for(lambda: Round.objects.filter(run=run, t=1).exists(), celery_worker_redis)
-
     scored = set(run.paths.filter(val_tokens__gt=1).values_list("index", flat=True))
     points = MetricPoint.objects.filter(run=run, round=0, name="val_loss")
+    # Round 1 opens first; round 0's evaluation follows (no early stopping is configured).
+    wait_for(
+        lambda: Round.objects.filter(run=run, t=1).exists() and points.count() >= len(scored),
+        celery_worker_redis,
+    )
+
     assert scored and {p.path.index for p in points} == scored
     assert all(0 < p.value < 2 * math.log(MODEL["vocab_size"]) for p in points)
     assert set(ModuleVersion.objects.filter(module__run=run).values_list("version", flat=True)) == {

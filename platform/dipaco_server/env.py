@@ -212,7 +212,12 @@ def celery_transport(data: Path, redis: str | None) -> dict[str, Any]:
     process consumes like any broker; results go to Celery's ``file://`` backend.
     """
     if redis is not None:
-        return {"broker_url": redis, "result_backend": redis, "broker_transport_options": {}}
+        # A task taken by a worker that then died whole (kill -9, a lost machine) is handed
+        # out again after the visibility timeout: kombu's default is an hour. 30 min is well
+        # over an outer step of a large module; a round closing longer than that is also
+        # resent by the beat sweep (DIPACO_ROUND_CLOSE_RETRY_S).
+        options = {"visibility_timeout": 1800}
+        return {"broker_url": redis, "result_backend": redis, "broker_transport_options": options}
     queue, control, results = (
         data / "broker" / "queue",
         data / "broker" / "control",

@@ -6,10 +6,11 @@
 Call `close_round` whenever a round may have become ready (after each completion, and
 from beat through `close_ready_rounds`): it does nothing until every unit is in, or a
 quorum is in and the deadline passed, and of concurrent calls only one closes the round.
-Sending it again for a round that is already closing launches the chord again, which is
-safe: every outer step is idempotent (rounds.outer), so use that to resume a round whose
-steps were lost or failed (`fail_round` leaves the reason in ``Run.error``). Tasks started
-here go to the queue their parent came from.
+A round already closing is left alone, unless `force`: then the chord is launched again,
+which is safe since every outer step is idempotent (rounds.outer). Beat does that for a
+round closing longer than DIPACO_ROUND_CLOSE_RETRY_S (its steps were lost with the broker),
+and an operator does it to resume a round whose steps failed (`fail_round` leaves the
+reason in ``Run.error``). Tasks started here go to the queue their parent came from.
 
 Beat (settings.CELERY_BEAT_SCHEDULE), e.g. every 30 s:
 ``{"sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0},
@@ -121,14 +122,20 @@ def resend_stalled_rounds(task: Task) -> list[tuple[int, int]]:
                 "run %s round %d: still closing since %s; sending its outer steps again",
                 round_.run_id, round_.t, round_.closing_at.isoformat(),
             )  # fmt: skip
-            close_round.apply_async((round_.run_id, round_.t), **same_queue(task))
+            close_round.apply_async((round_.run_id, round_.t), {"force": True}, **same_queue(task))
             resent.append((round_.run_id, round_.t))
     return resent
 
 
 @shared_task(bind=True, name="dipaco_server.rounds.tasks.close_round", **RETRY)
 def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
-    """Close round t once it is ready (or now, with `force`) and step every module."""
+    """Close round t once it is ready (or now, with `force`) and step every module.
+
+    A round already closing is left to the outer steps sent for it: completions that
+    raced to make the round ready each send close_round, and only the one that moved it
+    to closing sends the steps. ``force`` sends them again (the stalled-round sweep, or
+    an operator after fail_round); steps already done are not redone.
+    """
     round_ = Round.objects.select_related("run").filter(run_id=run_id, t=t).first()
     if round_ is None:
         return "missing"
@@ -141,6 +148,8 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
             return "not ready"
         if not mark_round_closing(round_):
             return "closing elsewhere"  # a concurrent call won and launched the chord
+    elif not force:
+        return "closing elsewhere"  # its steps are in the queue already
     modules = (
         Module.objects.filter(run_id=run_id).order_by("pk").values_list("module_id", flat=True)
     )
@@ -204,11 +213,11 @@ def _evaluate(run: Run, t: int) -> None:
 def fail_round(run_id: int, t: int) -> None:
     """A module's outer step failed for good (a bug, or the store down through every retry;
     bad contributions are rejected, not failures). The round stays closing and the run keeps
-    its state, with the reason in ``Run.error``: sending close_round again resumes the round,
+    its state, with the reason in ``Run.error``: close_round with force resumes the round,
     and the steps already done are not redone."""
     message = (
         f"the outer step of round {t} failed; see the Celery worker log, fix the cause, "
-        f"then send close_round({run_id}, {t}) again"
+        f"then send close_round({run_id}, {t}, force=True) again"
     )
     logger.error("run %s: %s", run_id, message)
     Run.objects.filter(pk=run_id).exclude(state__in=TERMINAL).update(error=message)
