@@ -1,7 +1,8 @@
 """Control-plane load: N simulated volunteers against gunicorn + PostgreSQL + Redis (issue 9).
 
     .venv/bin/python bench/control_plane.py --volunteers 500 --duration 120
-    .venv/bin/python bench/control_plane.py --volunteers 5000 --duration 180 --json cp.json
+    .venv/bin/python bench/control_plane.py --volunteers 2000 --unit-seconds 300 --ramp 120 \
+        --warmup 150 --duration 300 --json cp.json
 
 Each volunteer is a coroutine with its own worker token running what `dipaco-worker`
 does, without the training: heartbeat every 30 s (with its lease while it holds one),
@@ -15,8 +16,10 @@ that fill a round send a task there), and the local blob store behind the same g
 Reported over the measured window (after --warmup): requests/s, p50/p99/max latency per
 request kind and overall, errors; then, from the database, units lost (a completion the
 client got 200 for that is not recorded) or duplicated (a unit completed under two
-leases). Latencies are measured in the client: when the client process is short of CPU,
-its own queueing shows up in them too. Figures and the command: docs/benchmarks.md.
+leases). Latencies are measured twice: in the client (when the client process is short
+of CPU, or the server's accept queue is long, that waiting shows up there) and in the
+server, from gunicorn's access log (%(M)s: from the parsed request to the response).
+Figures and the command: docs/benchmarks.md.
 """
 
 from __future__ import annotations
