@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import socket
 import statistics
@@ -226,10 +227,11 @@ def _stamp(event: dict[str, Any]) -> float:
     return datetime.fromisoformat(str(event["time"]).replace("Z", "+00:00")).timestamp()
 
 
-def end_to_end(rounds: int, steps: int, threads: int) -> dict[str, Any]:
+def end_to_end(rounds: int, steps: int, threads: int, keep: Path | None = None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="agent-e2e-") as tmp:
         root = Path(tmp)
         server, url, environ = _start_server(root)
+        worker: subprocess.CompletedProcess[str] | None = None
         try:
             run_id, enrollment, units = _prepared_run(environ, rounds, steps)
             command = [str(Path(sys.executable).with_name("dipaco-worker")), "--server", url,
@@ -247,6 +249,11 @@ def end_to_end(rounds: int, steps: int, threads: int) -> dict[str, Any]:
                 server.wait(timeout=60)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
+            if keep is not None:  # the server's log and the worker's JSON events, for a look
+                keep.mkdir(parents=True, exist_ok=True)
+                shutil.copy(root / "server.log", keep / "server.log")
+                if worker is not None:
+                    (keep / "worker.jsonl").write_text(worker.stdout)
     leases = [e for e in events if e["event"] == "lease"]
     fetched = [e for e in events if e["event"] == "fetched"]
     done = [e for e in events if e["event"] == "completed"]
@@ -273,6 +280,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, help="also write the figures here")
     parser.add_argument("--e2e", action="store_true", help="also measure utilisation (minutes)")
     parser.add_argument("--rounds", type=int, default=3, help="--e2e: outer rounds")
+    parser.add_argument(
+        "--keep", type=Path, help="--e2e: copy the server log and the worker's events here"
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -342,7 +352,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{figures['threads']}; load {figures['load']}"
     )
     if args.e2e:
-        figures["e2e"] = e2e = end_to_end(args.rounds, args.steps, args.threads or 1)
+        figures["e2e"] = e2e = end_to_end(args.rounds, args.steps, args.threads or 1, args.keep)
         console.print(
             f"end to end: {e2e['units']} units over {e2e['rounds']} rounds, training "
             f"{e2e['train_s']:.1f} s of {e2e['wall_s']:.1f} s wall: utilisation "
