@@ -6,7 +6,9 @@
 
 Each volunteer is a coroutine with its own worker token running what `dipaco-worker`
 does, without the training: heartbeat every 30 s (with its lease while it holds one),
-lease a unit, "train" for --unit-seconds (± 20%), ask for upload URLs, PUT a small
+lease a unit (when none is queued, wait as the agent does: 1 s, then 1.5x longer up to
+30 s, or the server's Retry-After when longer), "train" for --unit-seconds (± 20%), ask
+for upload URLs, PUT a small
 payload per module to each presigned URL (the server checks each blob's size at
 completion; content is the outer step's business, and no Celery worker runs here), then
 complete. All volunteers share one httpx.AsyncClient. The server is `dipaco server`'s
@@ -48,7 +50,7 @@ from urllib.parse import urlsplit, urlunsplit
 import httpx
 
 HEARTBEAT_S = 30.0  # worker_agent.run: HeartbeatThread(interval_s=30.0)
-IDLE_WAIT_S = 5.0  # worker_agent.agent: the first wait after a 204
+IDLE_WAIT_S = (1.0, 30.0)  # worker_agent.agent: first and longest wait after a 204 (x1.5)
 PAYLOAD_BYTES = 256
 REQUEST_TIMEOUT_S = 30.0
 CLOSE_AT = 0.95  # share of a round's units done before the bench closes it
@@ -212,13 +214,19 @@ async def volunteer(client: httpx.AsyncClient, token: str, stats: Stats, args: a
         await call(client, stats, "heartbeat", "POST", "/api/v1/worker/heartbeat",
                    json=body, headers=headers)  # fmt: skip
 
+    idle_wait = IDLE_WAIT_S[0]
     while not stop.is_set():
         await beat(None)
         response = await call(client, stats, "lease", "POST", "/api/v1/worker/lease", headers=auth)
         if response is None or response.status_code == 204:
+            # As the agent does: back off 1 s, x1.5, up to 30 s, or the server's
+            # Retry-After when that is longer (it grows with the idle crowd).
+            hint = float(response.headers.get("Retry-After", 0)) if response is not None else 0
             stats.idle += response is not None
-            await asyncio.sleep(IDLE_WAIT_S * rng.uniform(0.8, 1.2))
+            await asyncio.sleep(max(idle_wait, hint))
+            idle_wait = min(IDLE_WAIT_S[1], idle_wait * 1.5)
             continue
+        idle_wait = IDLE_WAIT_S[0]
         lease = response.json()
         stats.granted.add(lease["lease_id"])
         headers = {**auth, "X-Lease-Secret": lease["lease_secret"]}

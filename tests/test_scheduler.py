@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 from django.db import connection, transaction
@@ -512,3 +513,25 @@ def test_a_cancelled_runs_round_never_closes_and_its_leases_stop(round0: Round) 
         heartbeat(worker, held.lease.pk, held.secret, now=T0)
     with pytest.raises(RunNotActive):
         complete(worker, held.lease.pk, held.secret, complete_later, now=T0)
+
+
+def test_the_idle_retry_after_grows_with_the_workers_seen_lately(
+    db: None, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dipaco_server.rounds import scheduler
+
+    def fresh() -> int:
+        monkeypatch.setattr(scheduler, "_active_workers", (float("-inf"), 0))
+        return scheduler.idle_retry_after_s(now=T0)
+
+    seen = [make_worker() for _ in range(5)]
+    Worker.objects.filter(pk__in=[w.pk for w in seen]).update(last_seen=T0 - MINUTE)
+    gone, revoked = make_worker(), make_worker()
+    Worker.objects.filter(pk=gone.pk).update(last_seen=T0 - 10 * MINUTE)
+    Worker.objects.filter(pk=revoked.pk).update(last_seen=T0, revoked=True)
+    settings.DIPACO_IDLE_POLL_RATE = 1
+    assert fresh() == 5, "five live workers at one poll per second: every 5 s each"
+    settings.DIPACO_IDLE_POLL_RATE = 100
+    assert fresh() == 1, "a handful of workers asks again after a second"
+    settings.DIPACO_IDLE_POLL_RATE = 0.001
+    assert fresh() == 60, "never more than a minute"

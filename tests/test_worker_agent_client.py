@@ -89,3 +89,41 @@ def test_a_closing_round_makes_the_heartbeat_ask_for_a_release(
     beats.stop()
     assert beats.release_requested, beats.lost_reason
     client.close()
+
+
+def test_an_idle_agent_waits_as_long_as_the_servers_retry_after_says(
+    live_server: Any, db: None, settings: Any, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing queued: the 204 carries Retry-After (workers seen / DIPACO_IDLE_POLL_RATE), and
+    the agent waits that long when it is longer than its own backoff."""
+    import io
+    import json
+    import threading
+
+    from dipaco_server.rounds import scheduler
+    from worker_agent.agent import Agent, AgentOptions
+    from worker_agent.device import detect_device
+    from worker_agent.progress import JsonReporter
+
+    settings.DIPACO_IDLE_POLL_RATE = 0.25  # one worker seen: ask again in 4 s
+    monkeypatch.setattr(scheduler, "_active_workers", (float("-inf"), 0))
+    client = enrolled(live_server.url)
+    assert client.lease() is None
+    assert client.idle_retry_after_s == 4.0
+
+    out, stop = io.StringIO(), threading.Event()
+    options = AgentOptions(data_dir=tmp_path, idle_wait_s=(0.5, 30.0))
+    agent = Agent(client, HeartbeatThread(client, 30.0), detect_device("cpu"), options,
+                  JsonReporter(out), stop)  # fmt: skip
+    waiting = threading.Thread(target=agent._next_lease)
+    waiting.start()
+    for _ in range(100):  # bounded: the first idle event comes after one request
+        if '"idle"' in out.getvalue():
+            break
+        stop.wait(0.05)
+    stop.set()
+    waiting.join(timeout=10)
+    assert not waiting.is_alive(), "a stop ends the idle wait at once"
+    idle = [json.loads(line) for line in out.getvalue().splitlines() if '"idle"' in line]
+    assert idle and "asking again in 4.0 s" in idle[0]["message"], idle
+    client.close()

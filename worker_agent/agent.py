@@ -112,8 +112,11 @@ class Agent:
                 grant = None
             if grant is not None:
                 return grant
-            self.reporter.event("idle", f"no work queued; asking again in {wait:.1f} s")
-            self.stop.wait(wait)
+            # The server's Retry-After, when longer, wins: it grows with the idle crowd.
+            hint = self.client.idle_retry_after_s
+            pause = wait if hint is None else max(wait, min(hint, 2 * longest))
+            self.reporter.event("idle", f"no work queued; asking again in {pause:.1f} s")
+            self.stop.wait(pause)
             wait = min(longest, wait * 1.5)  # gently: a round often reopens within seconds
         return None
 

@@ -185,6 +185,7 @@ class Client:
         self.policy = policy or Backoff()
         self.stop = stop
         self.on_retry = on_retry
+        self.idle_retry_after_s: float | None = None
         self.http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             headers={"User-Agent": USER_AGENT},
@@ -302,9 +303,15 @@ class Client:
         )
 
     def lease(self) -> LeaseGrant | None:
-        """A work unit, or None when nothing is queued (HTTP 204)."""
+        """A work unit, or None when nothing is queued (HTTP 204).
+
+        After a 204, `idle_retry_after_s` holds the server's Retry-After (seconds before
+        asking again; it grows with the number of idle workers), or None without one.
+        """
         response = self._call("POST", "worker/lease")
+        self.idle_retry_after_s = None
         if response.status_code == 204:
+            self.idle_retry_after_s = _seconds(response.headers.get("Retry-After"))
             return None
         return lease_from_json(response.json())
 
@@ -369,6 +376,15 @@ class Client:
 
     def release(self, lease_id: int, secret: str, policy: Backoff | None = None) -> None:
         self._call("POST", f"worker/lease/{lease_id}/release", secret=secret, policy=policy)
+
+
+def _seconds(header: str | None) -> float | None:
+    """A Retry-After in seconds (the delay form; an HTTP date or garbage gives None)."""
+    try:
+        value = float(header) if header is not None else None
+    except ValueError:
+        return None
+    return value if value is not None and 0 <= value <= 3600 else None
 
 
 def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:

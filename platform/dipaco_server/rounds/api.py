@@ -15,7 +15,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from django.db import transaction
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from kombu.exceptions import KombuError
 from ninja import Field, Header, Router, Schema, Status
@@ -229,11 +229,13 @@ def heartbeat(
 
 
 @router.post("/lease", response={200: LeaseOut, 204: None})
-def lease(request: HttpRequest) -> Status[dict[str, Any] | None]:
-    """Take one queued work unit; 204 when nothing is queued (ask again later)."""
+def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any] | None]:
+    """Take one queued work unit; 204 when nothing is queued: ask again after Retry-After
+    seconds (more when many workers are idle; DIPACO_IDLE_POLL_RATE)."""
     worker = current_worker(request)
     grant = scheduler.grant_lease(worker)
     if grant is None:
+        response["Retry-After"] = str(scheduler.idle_retry_after_s())
         return Status(204, None)
     lease, unit = grant.lease, grant.unit
     run, config = unit.round.run, unit.round.run.run_config
@@ -358,7 +360,7 @@ def complete_lease(
         ContributionReport(c.module_id, c.size, c.sha256, body.tokens, body.metrics)
         for c in body.contributions
     ]
-    rows = complete(worker, lease_id, lease_secret, reports)
+    rows = complete(worker, lease_id, lease_secret, reports, lease=lease)
     if fresh:
         unit = lease.unit
         for name, value in body.metrics.items():

@@ -84,10 +84,16 @@ def complete(
     reports: Sequence[ContributionReport],
     *,
     now: datetime | None = None,
+    lease: Lease | None = None,
 ) -> list[Contribution]:
-    """Record the unit as done and its contributions as pending verification."""
+    """Record the unit as done and its contributions as pending verification.
+
+    `lease`: the lease as `load_own_lease(worker, lease_id, secret)` just returned it, when
+    the caller has it (the API view does), to save reading it again.
+    """
     now = now or timezone.now()
-    lease = load_own_lease(worker, lease_id, secret)
+    if lease is None or lease.pk != lease_id or lease.worker_id != worker.pk:
+        lease = load_own_lease(worker, lease_id, secret)
     if lease.state == Lease.State.COMPLETED:
         return _replay(lease, reports)
     check_lease_live(lease, now)
@@ -126,25 +132,25 @@ def complete(
             units_completed=F("units_completed") + 1,
             tokens_processed=F("tokens_processed") + tokens,
             last_seen=now,
+            measured_speed=_smoothed_speed(worker, clean),
         )
-        _record_speed(worker, clean)
     lease.state, lease.ended_at = Lease.State.COMPLETED, now
     logger.info("lease %s completed: %d contribution(s)", lease.pk, len(rows))
     return rows
 
 
-def _record_speed(worker: Worker, clean: Mapping[str, ContributionReport]) -> None:
-    """Smooth the worker's reported speed (tokens/s) into the lease budget's estimate.
+def _smoothed_speed(worker: Worker, clean: Mapping[str, ContributionReport]) -> float | None:
+    """The worker's reported speed (tokens/s) smoothed into the lease budget's estimate.
 
     It is the worker's own claim, so it only ever sizes that worker's own leases,
-    within DIPACO_LEASE_MIN_S..DIPACO_LEASE_MAX_S.
+    within DIPACO_LEASE_MIN_S..DIPACO_LEASE_MAX_S. Without a (positive) report, the
+    estimate stays as it was.
     """
     speed = next(iter(clean.values())).metrics.get(SPEED_METRIC)
-    if speed is None or speed <= 0:
-        return
     previous = worker.measured_speed
-    worker.measured_speed = speed if previous is None else 0.5 * previous + 0.5 * speed
-    Worker.objects.filter(pk=worker.pk).update(measured_speed=worker.measured_speed)
+    if speed is not None and speed > 0:
+        worker.measured_speed = speed if previous is None else 0.5 * previous + 0.5 * speed
+    return worker.measured_speed
 
 
 def _replay(lease: Lease, reports: Sequence[ContributionReport]) -> list[Contribution]:

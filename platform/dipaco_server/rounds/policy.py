@@ -36,6 +36,11 @@ DEFAULTS: dict[str, float] = {
     # broker's state went with a Redis restart, say): the beat sweep sends close_round again.
     # Steps already done are not redone, so a slow step sent twice costs time, not weights.
     "DIPACO_ROUND_CLOSE_RETRY_S": 900,
+    # Idle lease polls per second the server aims for, all workers together: a lease
+    # request that finds nothing queued answers 204 with Retry-After = workers seen in the
+    # last minutes / this (1 s to 60 s), so 5,000 idle volunteers at a round boundary
+    # do not ask a thousand times a second, and a handful still notice a new round at once.
+    "DIPACO_IDLE_POLL_RATE": 100,
 }
 
 
@@ -51,6 +56,7 @@ class SchedulerPolicy:
     round_deadline_s: float
     round_quorum: float
     round_close_retry_s: float
+    idle_poll_rate: float
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -90,6 +96,7 @@ def current_policy() -> SchedulerPolicy:
         round_deadline_s=_number("DIPACO_ROUND_DEADLINE_S"),
         round_quorum=_number("DIPACO_ROUND_QUORUM", high=1.0),
         round_close_retry_s=_number("DIPACO_ROUND_CLOSE_RETRY_S"),
+        idle_poll_rate=_number("DIPACO_IDLE_POLL_RATE"),
     )
     if policy.lease_min_s > policy.lease_max_s:
         raise ImproperlyConfigured(

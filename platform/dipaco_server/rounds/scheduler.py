@@ -13,11 +13,14 @@ Completion is in rounds.completion.
 from __future__ import annotations
 
 import logging
+import math
+import time
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from django.db import connection, transaction
-from django.db.models import Count, F, Q
+from django.db.models import Count, F, Q, Value
+from django.db.models.functions import Least
 from django.utils import timezone
 
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
@@ -68,15 +71,23 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
     """
     now = now or timezone.now()
     policy = current_policy()
+    # Idle polls are common at round boundaries: when nothing is queued (one look at the
+    # partial index of queued units), answer without a transaction.
+    groups = _open_groups() if _anything_queued() else []
+    if not groups:
+        _check_lease_limit(worker, policy, now)  # a worker at its limit hears so even then
+        return None
     warm_path = _last_path_id(worker)
-    for _ in range(CLAIM_ATTEMPTS):
+    for attempt in range(CLAIM_ATTEMPTS):
         with transaction.atomic():
             # Locking the worker row serialises one worker's grants, so its lease limit holds.
             locked = Worker.objects.select_for_update().filter(pk=worker.pk).first()
             if locked is None or locked.revoked:
                 raise WorkerRevoked(f"worker {worker.pk} was revoked; it gets no more work")
             _check_lease_limit(locked, policy, now)
-            unit = _next_queued_unit(warm_path)
+            if attempt:
+                groups = _open_groups()  # the last claim lost a race: look again
+            unit = _next_queued_unit(groups, warm_path)
             if unit is None:
                 return None
             claimed = WorkUnit.objects.filter(pk=unit.pk, state=WorkUnit.State.QUEUED).update(
@@ -84,7 +95,8 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
             )
             if not claimed:
                 continue
-            unit.refresh_from_db(fields=["state", "attempts", "updated_at"])
+            # The claimed unit with what the lease answer needs, in one read.
+            unit = WorkUnit.objects.select_related("round__run", "path").get(pk=unit.pk)
             secret = tokens.generate_token(tokens.LEASE_PREFIX)
             budget = policy.lease_budget_s(
                 unit_tokens(unit.round.run.run_config), locked.measured_speed
@@ -128,18 +140,40 @@ def _last_path_id(worker: Worker) -> int | None:
     return last
 
 
-def _next_queued_unit(warm_path: int | None) -> WorkUnit | None:
-    """The queued unit to grant next, in the order of DESIGN §4.2, or None.
+def _anything_queued() -> bool:
+    return WorkUnit.objects.filter(
+        state=WorkUnit.State.QUEUED,
+        round__state=Round.State.OPEN,
+        round__run__state=Run.State.RUNNING,
+    ).exists()
 
-    Two cheap queries instead of one that ranks every queued unit: first the
-    (round, path) groups of the open rounds with their queued and covered (leased
-    or done) counts, one grouped scan of the units index; then, group by group in
-    preference order, the first queued unit by the partial index
-    ``unit_queued_next_idx``, locked with SKIP LOCKED where the database has it (no
-    join here: joined rows would be sorted in full before the LIMIT). A correlated per-unit coverage subquery made a grant cost
-    O(queued units²): 3.3 s with 5,000 units queued in one path.
+
+# Workers seen lately, counted at most every ACTIVE_WORKERS_TTL_S per process: (when, n).
+_active_workers: tuple[float, int] = (-math.inf, 0)
+ACTIVE_WORKERS_TTL_S = 15.0
+ACTIVE_WORKERS_WINDOW = timedelta(minutes=2)  # four heartbeats of a live worker
+
+
+def idle_retry_after_s(*, now: datetime | None = None) -> int:
+    """How long a worker that found nothing queued should wait before asking again.
+
+    Workers seen in the last ACTIVE_WORKERS_WINDOW / DIPACO_IDLE_POLL_RATE seconds,
+    between 1 and 60: idle polls then add up to about that rate, whatever the crowd.
     """
-    groups = (
+    global _active_workers
+    counted_at, active = _active_workers
+    clock = time.monotonic()
+    if clock - counted_at > ACTIVE_WORKERS_TTL_S:
+        since = (now or timezone.now()) - ACTIVE_WORKERS_WINDOW
+        active = Worker.objects.filter(last_seen__gte=since, revoked=False).count()
+        _active_workers = (clock, active)
+    return int(min(60, max(1, math.ceil(active / current_policy().idle_poll_rate))))
+
+
+def _open_groups() -> list[dict[str, int]]:
+    """The (round, path) groups of open rounds with queued units, with their queued and
+    covered (leased or done) counts: one grouped scan of the units index."""
+    return list(
         WorkUnit.objects.filter(
             round__state=Round.State.OPEN,
             round__run__state=Run.State.RUNNING,
@@ -153,6 +187,18 @@ def _next_queued_unit(warm_path: int | None) -> WorkUnit | None:
         .filter(queued__gt=0)
         .order_by()
     )
+
+
+def _next_queued_unit(groups: list[dict[str, int]], warm_path: int | None) -> WorkUnit | None:
+    """The queued unit to grant next, in the order of DESIGN §4.2, or None.
+
+    Two cheap queries instead of one that ranks every queued unit: first the groups
+    (`_open_groups`); then, group by group in preference order, the first queued unit
+    by the partial index ``unit_queued_next_idx``, locked with SKIP LOCKED where the
+    database has it (no join here: joined rows would be sorted in full before the
+    LIMIT). A correlated per-unit coverage subquery made a grant cost O(queued units²):
+    3.3 s with 5,000 units queued in one path.
+    """
     ranked = sorted(
         groups,
         key=lambda g: (
@@ -223,17 +269,99 @@ def authorize_lease(
 
 
 def heartbeat(worker: Worker, lease_id: int, secret: str, *, now: datetime | None = None) -> Lease:
-    """Extend a live lease to now + the heartbeat timeout, never past its hard deadline."""
+    """Extend a live lease to now + the heartbeat timeout, never past its hard deadline.
+
+    Heartbeats are most of the worker API's traffic (every worker, every 30 s), so the
+    usual case is one conditional UPDATE that checks everything `authorize_lease` checks
+    (owner, secret, active and in time, round open, run live) and one narrow read of the
+    new deadline. Only when it matches no row is the lease loaded in full, to raise the
+    error that says why.
+    """
     now = now or timezone.now()
-    lease = authorize_lease(worker, lease_id, secret, now=now)
-    deadline = min(lease.hard_deadline, now + timedelta(seconds=current_policy().lease_timeout_s))
-    live = Lease.objects.filter(pk=lease.pk, state=Lease.State.ACTIVE, deadline__gte=now)
-    if not live.update(deadline=deadline, heartbeat_at=now):
-        current = fetch_lease(lease.pk) or lease
-        check_lease_live(current, now)  # raises: it ended or ran out meanwhile
-        raise LeaseNotActive(f"lease {lease.pk} is {current.state}", state=current.state)
-    lease.deadline, lease.heartbeat_at = deadline, now
-    return lease
+    if worker.revoked:
+        raise WorkerRevoked(f"worker {worker.pk} was revoked")
+    timeout = timedelta(seconds=current_policy().lease_timeout_s)
+    if connection.vendor == "postgresql":
+        row = _renew_on_postgres(worker.pk, lease_id, secret, now, now + timeout)
+        if row is not None:
+            return Lease(
+                pk=lease_id,
+                worker_id=worker.pk,
+                state=Lease.State.ACTIVE,
+                heartbeat_at=now,
+                deadline=row[0],
+                hard_deadline=row[1],
+            )
+        lease = authorize_lease(worker, lease_id, secret, now=now)  # raises: says why
+        raise LeaseNotActive(f"lease {lease.pk} is {lease.state}", state=lease.state)
+    renewed = (
+        Lease.objects.filter(
+            pk=lease_id,
+            worker_id=worker.pk,
+            secret_hash=tokens.hash_token(secret),
+            state=Lease.State.ACTIVE,
+            deadline__gte=now,
+            unit__round__state=Round.State.OPEN,
+        )
+        .exclude(unit__round__run__state__in=TERMINAL)
+        .update(deadline=Least(F("hard_deadline"), Value(now + timeout)), heartbeat_at=now)
+    )
+    if renewed:
+        row = Lease.objects.filter(pk=lease_id).values("deadline", "hard_deadline").first()
+        if row is not None:
+            return Lease(
+                pk=lease_id,
+                worker_id=worker.pk,
+                state=Lease.State.ACTIVE,
+                heartbeat_at=now,
+                **row,
+            )
+    lease = authorize_lease(worker, lease_id, secret, now=now)  # raises: says why
+    raise LeaseNotActive(f"lease {lease.pk} is {lease.state}", state=lease.state)
+
+
+def _renew_sql() -> str:
+    """The heartbeat's UPDATE, written once from the models' own table and column names."""
+    lease, unit, round_, run = (m._meta.db_table for m in (Lease, WorkUnit, Round, Run))
+    return f"""
+        UPDATE {lease} SET deadline = LEAST(hard_deadline, %(until)s), heartbeat_at = %(now)s
+        WHERE id = %(lease)s AND worker_id = %(worker)s AND secret_hash = %(secret)s
+          AND state = %(active)s AND deadline >= %(now)s
+          AND unit_id IN (
+            SELECT u.id FROM {unit} u
+            JOIN {round_} r ON r.id = u.round_id JOIN {run} run ON run.id = r.run_id
+            WHERE u.id = {lease}.unit_id AND r.state = %(open)s
+              AND NOT (run.state = ANY(%(terminal)s)))
+        RETURNING deadline, hard_deadline
+    """
+
+
+def _renew_on_postgres(
+    worker_id: int, lease_id: int, secret: str, now: datetime, until: datetime
+) -> tuple[datetime, datetime] | None:
+    """One statement for a heartbeat on PostgreSQL: (deadline, hard deadline), or None if
+    the lease is not this worker's live lease under `secret` in an open round of a live run.
+
+    Heartbeats are most of the worker API's traffic; building the ORM's UPDATE with its
+    joined filter cost more CPU than the database spent running it.
+    """
+    params = {
+        "until": until,
+        "now": now,
+        "lease": lease_id,
+        "worker": worker_id,
+        "secret": tokens.hash_token(secret),
+        "active": Lease.State.ACTIVE.value,
+        "open": Round.State.OPEN.value,
+        "terminal": sorted(str(state) for state in TERMINAL),
+    }
+    with connection.cursor() as cursor:
+        cursor.execute(_RENEW_SQL, params)
+        row = cursor.fetchone()
+    return None if row is None else (row[0], row[1])
+
+
+_RENEW_SQL = _renew_sql()
 
 
 def release(worker: Worker, lease_id: int, secret: str, *, now: datetime | None = None) -> Lease:

@@ -146,6 +146,12 @@ def _default_deadline(now: datetime) -> datetime:
 def round_ready_to_close(round_: Round, *, now: datetime | None = None) -> bool:
     """True when every unit is settled, or a quorum is done and the deadline has passed."""
     now = now or timezone.now()
+    # Mid-round, the usual answer after a completion: units still out and the deadline
+    # (as loaded) ahead. One indexed query instead of counting every unit of the round.
+    before_deadline = round_.deadline is None or now < round_.deadline
+    unsettled = round_.units.filter(state__in=[WorkUnit.State.QUEUED, WorkUnit.State.LEASED])
+    if before_deadline and unsettled.exists():
+        return False
     round_.refresh_from_db(fields=["state", "deadline"])
     run_state = Run.objects.filter(pk=round_.run_id).values_list("state", flat=True).first()
     if round_.state != Round.State.OPEN or run_state in TERMINAL:

@@ -142,6 +142,11 @@ def _clean_device(device: Any) -> dict[str, Any]:
     return parsed
 
 
+# How stale Worker.last_seen may be: finer than the dashboard's "online" test and the
+# 30 s heartbeat, so a heartbeat always writes it.
+LAST_SEEN_RESOLUTION = timedelta(seconds=10)
+
+
 def authenticate_worker(token: str, *, now: datetime | None = None) -> Worker:
     """The worker holding `token`; TokenInvalid if none, WorkerRevoked if revoked."""
     if not isinstance(token, str) or not token or len(token) > tokens.MAX_TOKEN_LENGTH:
@@ -156,8 +161,12 @@ def authenticate_worker(token: str, *, now: datetime | None = None) -> Worker:
             worker=worker.pk,
         )
     now = now or timezone.now()
-    Worker.objects.filter(pk=worker.pk).update(last_seen=now)
-    worker.last_seen = now
+    seen = worker.last_seen
+    # Every worker request authenticates; writing last_seen once per LAST_SEEN_RESOLUTION
+    # saves a write on the lease calls that follow one another within seconds.
+    if seen is None or not (now - LAST_SEEN_RESOLUTION < seen <= now):
+        Worker.objects.filter(pk=worker.pk).update(last_seen=now)
+        worker.last_seen = now
     return worker
 
 
