@@ -11,7 +11,7 @@ lease a unit (when none is queued, wait as the agent does: 1 s, then 1.5x longer
 for upload URLs, PUT a small
 payload per module to each presigned URL (the server checks each blob's size at
 completion; content is the outer step's business, and no Celery worker runs here), then
-complete. All volunteers share one httpx.AsyncClient. The server is `dipaco server`'s
+complete. Every request opens its own connection (aiohttp), as volunteers 30 s apart would. The server is `dipaco server`'s
 gunicorn command on a fresh PostgreSQL database, with Redis as the broker (completions
 that fill a round send a task there), and the local blob store behind the same gunicorn.
 
@@ -42,11 +42,14 @@ import tempfile
 import threading
 import time
 from collections import Counter, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+import aiohttp
 import httpx
 
 HEARTBEAT_S = 30.0  # worker_agent.run: HeartbeatThread(interval_s=30.0)
@@ -176,12 +179,51 @@ class Stats:
         self.idle = 0  # lease answers 204: nothing queued (the round is closing)
 
 
-async def call(client: httpx.AsyncClient, stats: Stats, kind: str, method: str, url: str,
-               **kwargs: Any) -> httpx.Response | None:  # fmt: skip
+@dataclass
+class Reply:
+    status_code: int
+    body: bytes
+    headers: Mapping[str, str]
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class Session:
+    """The volunteers' HTTP client: aiohttp, a new connection per request.
+
+    A real volunteer talks to the server every 30 s from its own machine, far apart for
+    gunicorn's 2 s keep-alive, so every request opens a connection; so do these. aiohttp
+    rather than httpx: httpx's connection pool spends CPU per request that grows with the
+    number of connections in flight, and at 5,000 volunteers the client alone filled a
+    core, measuring its own queue instead of the server.
+    """
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.http = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
+            timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S),
+        )
+
+    async def request(self, method: str, url: str, *, json: Any = None,
+                      content: bytes | None = None, headers: Mapping[str, str] | None = None,
+                      ) -> Reply:  # fmt: skip
+        absolute = url if "://" in url else self.base_url + url
+        async with self.http.request(method, absolute, json=json, data=content,
+                                     headers=headers) as response:  # fmt: skip
+            return Reply(response.status, await response.read(), response.headers)
+
+    async def close(self) -> None:
+        await self.http.close()
+
+
+async def call(client: Session, stats: Stats, kind: str, method: str, url: str,
+               **kwargs: Any) -> Reply | None:  # fmt: skip
     started = time.monotonic()
     try:
         response = await client.request(method, url, **kwargs)
-    except httpx.HTTPError as exc:
+    except (aiohttp.ClientError, TimeoutError) as exc:
         stats.errors[f"{kind} {type(exc).__name__}"] += 1
         return None
     stats.samples.append((started, kind, time.monotonic() - started))
@@ -195,7 +237,7 @@ async def call(client: httpx.AsyncClient, stats: Stats, kind: str, method: str, 
     return response
 
 
-async def volunteer(client: httpx.AsyncClient, token: str, stats: Stats, args: argparse.Namespace,
+async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Namespace,
                     stop: asyncio.Event) -> None:  # fmt: skip
     auth = {"Authorization": f"Bearer {token}"}
     rng = random.Random(token)
@@ -259,8 +301,8 @@ async def volunteer(client: httpx.AsyncClient, token: str, stats: Stats, args: a
 
 async def load(url: str, tokens: list[str], args: argparse.Namespace) -> tuple[Stats, float, float]:
     stats, stop = Stats(), asyncio.Event()
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as client:
+    client = Session(url)
+    try:
         tasks = [asyncio.create_task(volunteer(client, t, stats, args, stop)) for t in tokens]
         started = time.monotonic()
         window = (started + args.warmup, started + args.warmup + args.duration)
@@ -269,6 +311,8 @@ async def load(url: str, tokens: list[str], args: argparse.Namespace) -> tuple[S
         await asyncio.wait(tasks, timeout=REQUEST_TIMEOUT_S + 5)
         for task in tasks:
             task.cancel()
+    finally:
+        await client.close()
     return stats, *window
 
 

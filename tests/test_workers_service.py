@@ -125,6 +125,11 @@ def test_authentication_records_when_the_worker_was_last_seen(db: None) -> None:
     later = timezone.now() + timedelta(minutes=5)
     authenticate_worker(token, now=later)
     assert Worker.objects.get(pk=worker.pk).last_seen == later
+    # Within LAST_SEEN_RESOLUTION a request writes nothing; after it, it writes again.
+    authenticate_worker(token, now=later + timedelta(seconds=10))
+    assert Worker.objects.get(pk=worker.pk).last_seen == later
+    authenticate_worker(token, now=later + timedelta(minutes=2))
+    assert Worker.objects.get(pk=worker.pk).last_seen == later + timedelta(minutes=2)
 
 
 @pytest.mark.parametrize(
