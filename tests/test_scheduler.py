@@ -535,3 +535,26 @@ def test_the_idle_retry_after_grows_with_the_workers_seen_lately(
     assert fresh() == 1, "a handful of workers asks again after a second"
     settings.DIPACO_IDLE_POLL_RATE = 0.001
     assert fresh() == 60, "never more than a minute"
+
+
+def test_grants_from_cached_groups_skip_a_path_stopped_meanwhile(round0: Round) -> None:
+    """The (round, path) counts are cached for a second per process; a unit of a path
+    that finished within that second is still never granted."""
+    from dipaco_server.runs.models import Path
+
+    first = grant(make_worker("first"))  # counts the groups and caches them
+    stopped = first.unit.path_id
+    Path.objects.filter(pk=stopped).update(state=Path.State.FINISHED)
+    granted = [grant(make_worker(f"w{i}")) for i in range(6)]
+    paths = {g.unit.path_id for g in granted if g is not None}
+    assert stopped not in paths and len(paths) == 3, paths
+    assert WorkUnit.objects.filter(path_id=stopped, state=WorkUnit.State.QUEUED).count() == 1
+
+
+def test_a_round_opened_within_the_cache_second_is_granted_at_once(db: None) -> None:
+    from dipaco_server.rounds import scheduler
+
+    assert grant_lease(make_worker("early"), now=T0) is None  # nothing queued yet
+    scheduler._cached_groups(refresh=True)  # caches "no groups"
+    start_run(prepare_run(make_run(replicas_per_path=1)), now=T0)
+    assert grant_lease(make_worker("prompt"), now=T0) is not None

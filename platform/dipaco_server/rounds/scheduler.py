@@ -73,44 +73,55 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
     policy = current_policy()
     # Idle polls are common at round boundaries: when nothing is queued (one look at the
     # partial index of queued units), answer without a transaction.
-    groups = _open_groups() if _anything_queued() else []
-    if not groups:
+    if not _anything_queued():
         _check_lease_limit(worker, policy, now)  # a worker at its limit hears so even then
         return None
+    groups, fresh = _cached_groups()
     warm_path = _last_path_id(worker)
-    for attempt in range(CLAIM_ATTEMPTS):
+    for _ in range(CLAIM_ATTEMPTS):
         with transaction.atomic():
             # Locking the worker row serialises one worker's grants, so its lease limit holds.
             locked = Worker.objects.select_for_update().filter(pk=worker.pk).first()
             if locked is None or locked.revoked:
                 raise WorkerRevoked(f"worker {worker.pk} was revoked; it gets no more work")
             _check_lease_limit(locked, policy, now)
-            if attempt:
-                groups = _open_groups()  # the last claim lost a race: look again
             unit = _next_queued_unit(groups, warm_path)
+            if unit is None and not fresh:  # the cached groups ran dry: count again
+                groups, fresh = _cached_groups(refresh=True)
+                unit = _next_queued_unit(groups, warm_path)
             if unit is None:
                 return None
             claimed = WorkUnit.objects.filter(pk=unit.pk, state=WorkUnit.State.QUEUED).update(
                 state=WorkUnit.State.LEASED, attempts=F("attempts") + 1, updated_at=now
             )
-            if not claimed:
+            if not claimed:  # another grant took it: count again before the next try
+                groups, fresh = _cached_groups(refresh=True)
                 continue
+            _count_grant(groups, unit)
             # The claimed unit with what the lease answer needs, in one read.
             unit = WorkUnit.objects.select_related("round__run", "path").get(pk=unit.pk)
-            secret = tokens.generate_token(tokens.LEASE_PREFIX)
-            budget = policy.lease_budget_s(
-                unit_tokens(unit.round.run.run_config), locked.measured_speed
-            )
-            hard_deadline = now + timedelta(seconds=budget)
-            lease = Lease.objects.create(
-                unit=unit,
-                worker=locked,
-                secret_hash=tokens.hash_token(secret),
-                attempt=unit.attempts,
-                granted_at=now,
-                deadline=min(hard_deadline, now + timedelta(seconds=policy.lease_timeout_s)),
-                hard_deadline=hard_deadline,
-            )
+            stale = not _grantable(unit)  # cached groups of a round, run or path stopped
+            if stale:
+                transaction.set_rollback(True)  # the claim is undone as the block ends
+            else:
+                secret = tokens.generate_token(tokens.LEASE_PREFIX)
+                budget = policy.lease_budget_s(
+                    unit_tokens(unit.round.run.run_config), locked.measured_speed
+                )
+                hard_deadline = now + timedelta(seconds=budget)
+                timeout = timedelta(seconds=policy.lease_timeout_s)
+                lease = Lease.objects.create(
+                    unit=unit,
+                    worker=locked,
+                    secret_hash=tokens.hash_token(secret),
+                    attempt=unit.attempts,
+                    granted_at=now,
+                    deadline=min(hard_deadline, now + timeout),
+                    hard_deadline=hard_deadline,
+                )
+        if stale:
+            groups, fresh = _cached_groups(refresh=True)
+            continue
         logger.info("lease %s: unit %s to worker %s", lease.pk, unit.pk, worker.pk)
         return LeaseGrant(lease=lease, secret=secret)
     return None
@@ -168,6 +179,41 @@ def idle_retry_after_s(*, now: datetime | None = None) -> int:
         active = Worker.objects.filter(last_seen__gte=since, revoked=False).count()
         _active_workers = (clock, active)
     return int(min(60, max(1, math.ceil(active / current_policy().idle_poll_rate))))
+
+
+# The groups, counted at most every GROUPS_TTL_S per process. When a round opens, every
+# volunteer asks for a unit within a minute; counting every unit of the round for each
+# grant made that O(units) per grant and O(units²) per round. Between counts, each grant
+# updates the cached counts itself, so paths stay balanced; a stale group only costs an
+# empty look, after which the groups are counted again.
+GROUPS_TTL_S = 1.0
+_groups: tuple[float, list[dict[str, int]]] = (-math.inf, [])
+
+
+def _cached_groups(*, refresh: bool = False) -> tuple[list[dict[str, int]], bool]:
+    """(groups, whether they were just counted)."""
+    global _groups
+    counted_at, groups = _groups
+    if refresh or time.monotonic() - counted_at > GROUPS_TTL_S:
+        groups = _open_groups()
+        _groups = (time.monotonic(), groups)
+        return groups, True
+    return groups, False
+
+
+def _grantable(unit: WorkUnit) -> bool:
+    return (
+        unit.round.state == Round.State.OPEN
+        and unit.round.run.state == Run.State.RUNNING
+        and unit.path.state == Path.State.ACTIVE
+    )
+
+
+def _count_grant(groups: list[dict[str, int]], unit: WorkUnit) -> None:
+    for group in groups:
+        if group["round_id"] == unit.round_id and group["path_id"] == unit.path_id:
+            group["queued"] -= 1
+            group["covered"] += 1
 
 
 def _open_groups() -> list[dict[str, int]]:
