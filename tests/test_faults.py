@@ -178,9 +178,9 @@ def wait_healthy(stack: Stack) -> None:
     raise AssertionError(f"the web never became healthy:\n{stack.tails()}")
 
 
-def start_run(stack: Stack, name: str) -> int:
+def start_run(stack: Stack, name: str, inner_steps: int = 5) -> int:
     """A micro run of ROUNDS rounds, prepared and started: its round 0 is open."""
-    plan = DemoPlan(model_size="micro", rounds=ROUNDS, inner_steps=5, workers=2)
+    plan = DemoPlan(model_size="micro", rounds=ROUNDS, inner_steps=inner_steps, workers=2)
     with stack.admin() as client:
         config = plan.config(name, stack.logs / "corpus").model_dump(mode="json")
         run_id = int(client.create_run(name, config, stack.dataset_id)["id"])
@@ -249,7 +249,9 @@ def held_lease(worker: WorkerProcess, phase: str) -> int | None:
 def test_workers_killed_mid_training_and_mid_upload_and_the_celery_worker_mid_outer_step_lose_nothing(
     stack: Stack, tmp_path: Path
 ) -> None:
-    run_id = start_run(stack, "kill-9")
+    # Units long enough (40 steps, a second or two) for the test to see one in training
+    # between two of its polls even on a loaded machine; 5 steps could slip past.
+    run_id = start_run(stack, "kill-9", inner_steps=40)
     armed = stack.faults / "kill-after-blob-write"  # outer.Fault.KILL_AFTER_BLOB_WRITE
     armed.touch()
     pool = WorkerPool(tmp_path / "agents", tmp_path, 3)
