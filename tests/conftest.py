@@ -425,3 +425,13 @@ def celery_worker_redis(
     yield worker
     stop_process(worker.process)
     worker.app.close()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_scheduler_caches() -> None:
+    """The scheduler's per-process caches (group counts, workers seen) start empty in every
+    test: SQLite reuses the ids of rolled-back rows, so another test's counts could match."""
+    from dipaco_server.rounds import scheduler
+
+    scheduler._groups = (float("-inf"), [])
+    scheduler._active_workers = (float("-inf"), 0)

@@ -327,43 +327,40 @@ def heartbeat(worker: Worker, lease_id: int, secret: str, *, now: datetime | Non
     if worker.revoked:
         raise WorkerRevoked(f"worker {worker.pk} was revoked")
     timeout = timedelta(seconds=current_policy().lease_timeout_s)
-    if connection.vendor == "postgresql":
-        row = _renew_on_postgres(worker.pk, lease_id, secret, now, now + timeout)
-        if row is not None:
-            return Lease(
-                pk=lease_id,
-                worker_id=worker.pk,
-                state=Lease.State.ACTIVE,
-                heartbeat_at=now,
-                deadline=row[0],
-                hard_deadline=row[1],
-            )
-        lease = authorize_lease(worker, lease_id, secret, now=now)  # raises: says why
-        raise LeaseNotActive(f"lease {lease.pk} is {lease.state}", state=lease.state)
+    renew = _renew_on_postgres if connection.vendor == "postgresql" else _renew_with_orm
+    row = renew(worker.pk, lease_id, secret, now, now + timeout)
+    if row is not None:
+        return Lease(
+            pk=lease_id,
+            worker_id=worker.pk,
+            state=Lease.State.ACTIVE,
+            heartbeat_at=now,
+            deadline=row[0],
+            hard_deadline=row[1],
+        )
+    lease = authorize_lease(worker, lease_id, secret, now=now)  # raises: says why
+    raise LeaseNotActive(f"lease {lease.pk} is {lease.state}", state=lease.state)
+
+
+def _renew_with_orm(
+    worker_id: int, lease_id: int, secret: str, now: datetime, until: datetime
+) -> tuple[datetime, datetime] | None:
+    """`_renew_on_postgres` for the other databases (SQLite: the embedded server)."""
     renewed = (
         Lease.objects.filter(
             pk=lease_id,
-            worker_id=worker.pk,
+            worker_id=worker_id,
             secret_hash=tokens.hash_token(secret),
             state=Lease.State.ACTIVE,
             deadline__gte=now,
             unit__round__state=Round.State.OPEN,
         )
         .exclude(unit__round__run__state__in=TERMINAL)
-        .update(deadline=Least(F("hard_deadline"), Value(now + timeout)), heartbeat_at=now)
+        .update(deadline=Least(F("hard_deadline"), Value(until)), heartbeat_at=now)
     )
-    if renewed:
-        row = Lease.objects.filter(pk=lease_id).values("deadline", "hard_deadline").first()
-        if row is not None:
-            return Lease(
-                pk=lease_id,
-                worker_id=worker.pk,
-                state=Lease.State.ACTIVE,
-                heartbeat_at=now,
-                **row,
-            )
-    lease = authorize_lease(worker, lease_id, secret, now=now)  # raises: says why
-    raise LeaseNotActive(f"lease {lease.pk} is {lease.state}", state=lease.state)
+    if not renewed:
+        return None
+    return Lease.objects.filter(pk=lease_id).values_list("deadline", "hard_deadline").first()
 
 
 def _renew_sql() -> str:
