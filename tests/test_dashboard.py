@@ -11,6 +11,7 @@ import math
 import re
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,9 +32,11 @@ from dipaco_server.rounds.services import (
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import publish_module_version, record_metric, transition
+from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.models import Worker
 from dipaco_web import queries
 from tests.test_models import SHARD_TOKENS, make_run, make_worker
+from tests.test_worker_api import call, new_worker, running_run, take_lease, upload_fake_deltas
 
 ROUTING_SHARES = (0.4, 0.3, 0.2, 0.1)  # path p's share of documents
 VAL_TOKENS = (4000, 3000, 2000, 1000)
@@ -117,6 +120,9 @@ def build_short_run(name: str = "short-run", rounds_done: int = 3) -> ShortRun:
                 reports,
                 now=opened + timedelta(minutes=i, seconds=50),
             )
+            # What the worker API records from the completion's metrics (rounds.api).
+            path = grant.unit.path
+            record_metric(run, "loss", train_loss_of(path.index, t), path=path, round=t)
         # The outer step's verdicts (its Celery task decides them for real).
         verdicts = Contribution.objects.filter(unit__round=round_)
         verdicts.update(status=Contribution.Status.ACCEPTED, verified_at=timezone.now())
@@ -134,7 +140,6 @@ def build_short_run(name: str = "short-run", rounds_done: int = 3) -> ShortRun:
         routed = 0.0
         for path in run.paths.order_by("index"):
             record_metric(run, "val_loss", val_loss_of(path.index, t), path=path, round=t)
-            record_metric(run, "train_loss", train_loss_of(path.index, t), path=path, round=t)
             routed += VAL_TOKENS[path.index] * val_loss_of(path.index, t) / sum(VAL_TOKENS)
         record_metric(run, "routed_val_loss", routed, round=t)
     open_round(run, rounds_done)
@@ -216,6 +221,36 @@ def test_the_run_page_draws_every_path_and_the_routed_mean(
     )
     dipaco, data_parallel = (s["values"] for s in charts["communication"]["series"])
     assert len(dipaco) == 3 and all(a < b for a, b in zip(dipaco, data_parallel, strict=True))
+
+
+def test_the_training_loss_chart_shows_the_losses_workers_report_when_they_complete(
+    client: Client, settings: Any, tmp_path: Path, db: None
+) -> None:
+    settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
+    store = get_blob_store()
+    run = running_run(store)
+    reported: dict[int, list[float]] = {}
+    for i, loss in enumerate((7.25, 6.5, 7.0)):
+        _, token = new_worker(f"box-{i}")
+        lease = take_lease(client, token)
+        # The metrics worker_agent.agent sends with its completion.
+        metrics = {"loss": loss, "tokens_per_second": 900.0, "train_seconds": 12.0}
+        body = {
+            "contributions": upload_fake_deltas(store, lease),
+            "tokens": unit_tokens(run.run_config),
+            "metrics": metrics,
+        }
+        action = f"/lease/{lease['lease_id']}/complete"
+        done = call(client, "POST", action, token, body, lease["lease_secret"])
+        assert done.status_code == 200, done.content
+        reported.setdefault(lease["path"], []).append(loss)
+
+    training = chart_data(client.get(f"/runs/{run.pk}/").content.decode())["train_loss"]
+    assert training["x"] == [0]
+    shown = {s["label"]: s["values"] for s in training["series"]}
+    assert shown == {
+        f"path {p}": [pytest.approx(sum(losses) / len(losses))] for p, losses in reported.items()
+    }
 
 
 def test_the_run_page_shows_rounds_modules_paths_and_active_workers(

@@ -46,12 +46,18 @@ def _chart(by_label: dict[str, dict[int, float]]) -> Chart:
 def loss_charts(run: Run) -> dict[str, Chart]:
     """Validation loss and perplexity per path with the routed mean; training loss."""
     series: dict[str, dict[Any, dict[int, float]]] = {VAL_LOSS: {}, TRAIN_LOSS: {}}
+    reported: dict[Any, dict[int, list[float]]] = {}  # training: every unit's point
     for name, path_index, t, value in (
         MetricPoint.objects.filter(run=run, name__in=list(series), round__isnull=False)
         .order_by("path__index", "round", "pk")
         .values_list("name", "path__index", "round", "value")
     ):
-        series[name].setdefault(path_index, {})[t] = value  # the last point of a round wins
+        if name == TRAIN_LOSS:
+            reported.setdefault(path_index, {}).setdefault(t, []).append(value)
+        else:
+            series[name].setdefault(path_index, {})[t] = value  # the last point of a round wins
+    for path_index, rounds in reported.items():  # a path's replicas: the mean of their units
+        series[TRAIN_LOSS][path_index] = {t: sum(v) / len(v) for t, v in rounds.items()}
     validation = {_label(p): v for p, v in series[VAL_LOSS].items() if p is not None}
     routed = routed_val_losses(run)
     if routed:

@@ -26,7 +26,10 @@ from dipaco_server.workers.models import Worker
 # Metric series the evaluation and outer-step tasks record (MetricPoint.name).
 VAL_LOSS = "val_loss"  # per path (path set), after round t's outer step
 ROUTED_VAL_LOSS = "routed_val_loss"  # per run (no path): token-weighted mean over paths
-TRAIN_LOSS = "train_loss"  # per path or per run: the round's mean last inner-step loss
+# The training loss is what workers report: rounds.api.complete_lease records each metric
+# of a completion under the name the worker sent, one point per unit (path and round set),
+# and worker_agent sends "loss", the mean of the unit's last tenth of inner-step losses.
+TRAIN_LOSS = "loss"
 
 ACCEPTED, REJECTED = Contribution.Status.ACCEPTED, Contribution.Status.REJECTED
 PENDING = Contribution.Status.PENDING
