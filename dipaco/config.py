@@ -276,7 +276,15 @@ class OuterConfig(_Section):
     nesterov: bool = Field(default=True, description="Nesterov momentum, as torch.optim.SGD.")
     token_weighting: bool = Field(default=True, description="Weight each Δ by the tokens it saw.")
     sqrt_paths_rescale: bool = Field(
-        default=True, description="Multiply a module's mean Δ by √(paths through it) (DiPaCo)."
+        default=True,
+        description="Multiply a module's mean Δ by √(paths that contributed to it this round) "
+        "(DiPaCo).",
+    )
+    warmup_rounds: int = Field(
+        default=0,
+        ge=0,
+        description="Outer lr ramps linearly over the first rounds: round t (0-based) "
+        "steps with lr x (t + 1) / (warmup_rounds + 1); 0: full lr from the first round.",
     )
     robust: Literal["mean", "clipped-mean", "trimmed-mean"] = Field(
         default="mean", description="Aggregation rule for the Δs of one module."

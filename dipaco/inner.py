@@ -4,6 +4,13 @@ Linear warm-up then cosine decay, global-norm clipping, gradient accumulation to
 batch of micro_batch_size x grad_accum_steps sequences, bf16 autocast on CUDA only.
 Checkpoints (weights, θ_old, AdamW state, step, data position, RNG) are one safetensors
 file with a JSON header, written atomically; resuming one on the CPU continues bit for bit.
+
+DiLoCo keeps each replica's inner AdamW state from one outer round to the next and never
+sends it. `train_path` takes that state (an `InnerState`, or None for a fresh optimiser)
+and returns the new one in `InnerResult.state`; the worker agent keeps one per (run, path)
+on disk and the simulator one per (path, replica) in memory, through the same calls.
+`InnerState` follows torchtitan's `Stateful` pattern (`state_dict` / `load_state_dict`)
+and is keyed by parameter name, so it survives a change of micro-batch or device.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
@@ -31,6 +38,7 @@ __all__ = [
     "CheckpointMismatch",
     "InMemoryTokenSource",
     "InnerResult",
+    "InnerState",
     "StepMetrics",
     "TokenSource",
     "lr_at",
@@ -39,6 +47,7 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = "dipaco-inner-checkpoint/1"
+STATE_FORMAT = "dipaco-inner-state/1"
 
 
 class TokenSource(Protocol):
@@ -87,6 +96,8 @@ class InnerResult:
     position: int  # data position after the last micro-batch
     completed: bool  # False when should_stop ended the loop early (the checkpoint is saved)
     module_deltas: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # by train_path
+    adam: dict[str, Tensor] = field(default_factory=dict)  # AdamW state by parameter name
+    state: InnerState | None = None  # by train_path: the state to hand the path's next unit
 
     @property
     def tokens_per_second(self) -> float:
@@ -95,6 +106,69 @@ class InnerResult:
 
 class CheckpointMismatch(ValueError):
     """A checkpoint exists but belongs to other work; it is never silently reused."""
+
+
+def state_fingerprint(config: RunConfig) -> str:
+    """What must match for saved AdamW moments to fit: the model's shapes and AdamW's betas."""
+    return json.dumps(
+        {"model": config.model.model_dump(mode="json"), "betas": list(config.inner.betas)},
+        sort_keys=True,
+    )
+
+
+@dataclass
+class InnerState:
+    """One path's inner-optimiser state between work units (a torchtitan-style Stateful).
+
+    ``adam`` maps ``<parameter name>/<key>`` (key: step, exp_avg, exp_avg_sq) to CPU
+    tensors; ``residual`` maps ``<module id>/<tensor name>`` to the pseudo-gradient's
+    quantisation error kept for error feedback (dipaco.codecs.encode_with_feedback).
+    ``fingerprint`` names the model and betas the moments were made with; `load` returns
+    None for a file made with others, so a changed run never reuses moments that do not fit.
+    """
+
+    adam: dict[str, Tensor] = field(default_factory=dict)
+    residual: dict[str, Tensor] = field(default_factory=dict)
+    fingerprint: str = ""
+
+    def state_dict(self) -> dict[str, Tensor]:
+        tensors = {f"adam/{k}": v for k, v in self.adam.items()}
+        tensors.update({f"residual/{k}": v for k, v in self.residual.items()})
+        return tensors
+
+    def load_state_dict(self, tensors: Mapping[str, Tensor]) -> None:
+        self.adam = {k[5:]: v for k, v in tensors.items() if k.startswith("adam/")}
+        self.residual = {k[9:]: v for k, v in tensors.items() if k.startswith("residual/")}
+
+    def save(self, path: str | Path) -> None:
+        """Atomically, as safetensors with the fingerprint in the header."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        meta = {"format": STATE_FORMAT, "fingerprint": self.fingerprint}
+        save_file(tensors, str(tmp), metadata={"dipaco": json.dumps(meta)})
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str | Path, fingerprint: str | None = None) -> InnerState | None:
+        """The saved state, or None when absent, unreadable or made for another model."""
+        path = Path(path)
+        if not path.is_file():
+            return None
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                meta = json.loads((handle.metadata() or {}).get("dipaco", "{}"))
+                if meta.get("format") != STATE_FORMAT:
+                    return None
+                if fingerprint is not None and meta.get("fingerprint") != fingerprint:
+                    return None
+                tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        except (OSError, ValueError, SafetensorError):
+            return None  # a torn or foreign file: start with fresh moments, never crash
+        state = cls(fingerprint=str(meta.get("fingerprint", "")))
+        state.load_state_dict(tensors)
+        return state
 
 
 def lr_at(cfg: InnerConfig, step: int, total_steps: int) -> float:
@@ -115,6 +189,37 @@ def _make_optimizer(model: nn.Module, cfg: InnerConfig) -> torch.optim.AdamW:
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def _adam_by_name(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Tensor]:
+    """The optimiser's per-parameter state as ``<parameter name>/<key>`` CPU tensors."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    out = {}
+    for param, state in optimizer.state.items():
+        for key, value in state.items():
+            tensor = value if isinstance(value, Tensor) else torch.tensor(value)
+            out[f"{names[id(param)]}/{key}"] = tensor.detach().to("cpu", copy=True)
+    return out
+
+
+def _load_adam_by_name(
+    model: nn.Module, optimizer: torch.optim.Optimizer, adam: Mapping[str, Tensor]
+) -> None:
+    """Put saved moments back on the parameters they belong to (on the model's device)."""
+    for name, param in model.named_parameters():
+        keys = {k.rsplit("/", 1)[1]: v for k, v in adam.items() if k.rsplit("/", 1)[0] == name}
+        if not keys:
+            continue
+        state = {}
+        for key, value in keys.items():
+            if key != "step" and tuple(value.shape) != tuple(param.shape):
+                raise CheckpointMismatch(
+                    f"AdamW state {name}/{key} has shape {tuple(value.shape)}, the parameter "
+                    f"{tuple(param.shape)}: the state belongs to another model"
+                )
+            # step stays on the CPU (torch's default for non-capturable AdamW)
+            state[key] = value.clone() if key == "step" else value.to(param.device, copy=True)
+        optimizer.state[param] = state
 
 
 def _cpu_params(model: nn.Module) -> dict[str, Tensor]:
@@ -223,8 +328,12 @@ def run_inner_loop(
     resume: bool = True,
     on_step: Callable[[StepMetrics], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    adam: Mapping[str, Tensor] | None = None,
 ) -> InnerResult:
     """Train `model` (a causal LM whose weights are θ_old) for cfg.steps AdamW steps.
+
+    `adam` (``<parameter name>/<key>`` tensors, as InnerResult.adam returns them) starts
+    the optimiser warm instead of fresh; a checkpoint being resumed takes precedence.
 
     The schedule runs over global steps first_step .. first_step + cfg.steps - 1 of a
     `total_steps`-long schedule (default: this loop alone); DiLoCo's run-long schedule is
@@ -251,6 +360,8 @@ def run_inner_loop(
     progress = _Progress(position=start_position)
     if path is not None and resume and path.exists():
         progress = _load_checkpoint(path, model, optimizer, theta_old, identity)
+    elif adam:
+        _load_adam_by_name(model, optimizer, adam)
 
     def save() -> None:
         if path is not None:
@@ -263,7 +374,7 @@ def run_inner_loop(
     while progress.step < cfg.steps:
         if should_stop is not None and should_stop():
             save()
-            return _result(progress, {}, completed=False)
+            return _result(progress, {}, completed=False, adam=_adam_by_name(model, optimizer))
         started = time.perf_counter()
         lr = lr_at(cfg, first_step + progress.step, total)
         for group in optimizer.param_groups:
@@ -304,7 +415,8 @@ def run_inner_loop(
         if periodic and progress.step < cfg.steps:  # the last step is saved below
             save()
     save()  # a crash between here and the upload loses nothing: a rerun returns at once
-    return _result(progress, _delta(model, theta_old), completed=True)
+    adam_state = _adam_by_name(model, optimizer)
+    return _result(progress, _delta(model, theta_old), completed=True, adam=adam_state)
 
 
 def _check_window(window: Tensor, batch: int, seq_len: int, vocab: int) -> None:
@@ -317,7 +429,13 @@ def _check_window(window: Tensor, batch: int, seq_len: int, vocab: int) -> None:
         raise ValueError(f"token ids must lie in [0, {vocab}); check model.vocab_size")
 
 
-def _result(progress: _Progress, delta: dict[str, Tensor], *, completed: bool) -> InnerResult:
+def _result(
+    progress: _Progress,
+    delta: dict[str, Tensor],
+    *,
+    completed: bool,
+    adam: dict[str, Tensor] | None = None,
+) -> InnerResult:
     return InnerResult(
         delta=delta,
         losses=list(progress.losses),
@@ -327,6 +445,7 @@ def _result(progress: _Progress, delta: dict[str, Tensor], *, completed: bool) -
         seconds=progress.seconds,
         position=progress.position,
         completed=completed,
+        adam=adam or {},
     )
 
 
@@ -344,8 +463,17 @@ def train_path(
     resume: bool = True,
     on_step: Callable[[StepMetrics], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
+    state: InnerState | None = None,
 ) -> InnerResult:
-    """One work unit: assemble path p from `modules`, train H steps, Δ split per module."""
+    """One work unit: assemble path p from `modules`, train H steps, Δ split per module.
+
+    `state` is the path's inner state from its previous unit on this worker (None: fresh
+    AdamW); moments made for another model or other betas are ignored, not misapplied.
+    The result's `state` carries the new moments (and `state`'s error-feedback residual,
+    which dipaco.codecs.encode_with_feedback updates) to the path's next unit.
+    """
+    fingerprint = state_fingerprint(config)
+    warm = state.adam if state is not None and state.fingerprint == fingerprint else None
     model = build_model(config.model, config.seed)
     model.load_state_dict(assemble_path_state(config, p, modules))
     h = config.inner.steps
@@ -363,7 +491,10 @@ def train_path(
         resume=resume,
         on_step=on_step,
         should_stop=should_stop,
+        adam=warm,
     )
+    residual = state.residual if state is not None and warm is not None else {}
+    result.state = InnerState(adam=result.adam, residual=dict(residual), fingerprint=fingerprint)
     if result.completed:
         result.module_deltas = split_path_state(config, p, result.delta)
     return result

@@ -30,7 +30,9 @@ __all__ = [
     "clip_threshold",
     "delta_norm",
     "norm_outliers",
+    "outer_lr",
     "outer_step",
+    "rescale_factor",
     "trimmed_mean",
 ]
 
@@ -127,6 +129,25 @@ def trimmed_mean(
     return result
 
 
+def rescale_factor(cfg: OuterConfig, contributing_paths: int) -> float:
+    """DiPaCo's √n on a module's mean Δ, n = the paths that contributed to it this round.
+
+    Counting contributors, not the layout's paths through the module: a stopped path, or
+    one whose units all failed, adds no independent Δ to the average, so it must not
+    scale it up either.
+    """
+    if not cfg.sqrt_paths_rescale or contributing_paths <= 1:
+        return 1.0
+    return math.sqrt(contributing_paths)
+
+
+def outer_lr(cfg: OuterConfig, round_index: int) -> float:
+    """The outer learning rate of 0-based round `round_index` (linear warm-up, then cfg.lr)."""
+    if round_index < 0:
+        raise ValueError(f"round_index = {round_index}: rounds count from 0")
+    return cfg.lr * min(1.0, (round_index + 1) / (cfg.warmup_rounds + 1))
+
+
 def aggregate(
     contributions: Iterable[tuple[Tensors, int]],
     cfg: OuterConfig,
@@ -135,8 +156,9 @@ def aggregate(
     spec: Mapping[str, tuple[tuple[int, ...], torch.dtype]] | None = None,
 ) -> dict[str, Tensor]:
     """One module's outer gradient from (Δ, tokens) pairs under cfg.robust, then the
-    √(paths through the module) rescale: averaging n paths' roughly independent Δs
-    shrinks the norm by up to √n, and DiPaCo restores it so shared modules keep pace.
+    √(contributing paths) rescale (`rescale_factor`): averaging n paths' roughly
+    independent Δs shrinks the norm by up to √n, and DiPaCo restores it so shared modules
+    keep pace. `paths_through` is the number of distinct paths among the contributions.
     "mean" streams `contributions`; the robust rules hold them all.
     """
     if cfg.robust == "mean":
@@ -163,15 +185,23 @@ def aggregate(
                 cfg.trim_fraction,
                 token_weighting=cfg.token_weighting,
             )
-    if cfg.sqrt_paths_rescale and paths_through > 1:
-        result = {name: t * math.sqrt(paths_through) for name, t in result.items()}
+    factor = rescale_factor(cfg, paths_through)
+    if factor != 1.0:
+        result = {name: t * factor for name, t in result.items()}
     return result
 
 
 def outer_step(
-    params: Tensors, delta: Tensors, momentum: Tensors | None, cfg: OuterConfig
+    params: Tensors,
+    delta: Tensors,
+    momentum: Tensors | None,
+    cfg: OuterConfig,
+    *,
+    lr: float | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """New (params, momentum) after one SGD step with `delta` as the gradient.
+
+    `lr` overrides cfg.lr (`outer_lr(cfg, t)` gives round t's under the warm-up).
 
     The arithmetic of torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0):
     buf = μ·buf + g (buf = g on the first step, when `momentum` is None or empty);
@@ -188,5 +218,7 @@ def outer_step(
                 buf = grad.clone()
             new_momentum[name] = buf
             update = grad.add(buf, alpha=cfg.momentum) if cfg.nesterov else buf
-        new_params[name] = param.to(torch.float32).add(update, alpha=-cfg.lr)
+        new_params[name] = param.to(torch.float32).add(
+            update, alpha=-(cfg.lr if lr is None else lr)
+        )
     return new_params, new_momentum

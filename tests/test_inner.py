@@ -23,6 +23,7 @@ from dipaco.inner import (
     CheckpointMismatch,
     InMemoryTokenSource,
     InnerResult,
+    InnerState,
     StepMetrics,
     lr_at,
     run_inner_loop,
@@ -213,3 +214,53 @@ def test_the_first_losses_of_a_fixed_seed_match_the_stored_ones() -> None:
     stored = json.loads(LOSSES_FILE.read_text())
     assert stored["config"] == CFG.model_dump(mode="json"), "config changed: regenerate"
     assert losses == pytest.approx(stored["losses"], rel=1e-5, abs=0)
+
+
+def test_a_warm_unit_continues_the_adamw_moments_of_the_previous_one() -> None:
+    cfg = CFG.model_copy(update={"inner": CFG.inner.model_copy(update={"steps": 3})})
+    modules = init_modules(CFG)
+    first = train_path(cfg, 0, modules, SOURCE)
+    assert first.state is not None and first.state.adam
+    steps = {k: v for k, v in first.state.adam.items() if k.endswith("/step")}
+    assert steps and all(float(v) == 3.0 for v in steps.values())
+    warm = train_path(cfg, 0, modules, SOURCE, round_index=1, state=first.state)
+    cold = train_path(cfg, 0, modules, SOURCE, round_index=1)
+    assert warm.state is not None
+    assert all(float(v) == 6.0 for k, v in warm.state.adam.items() if k.endswith("/step"))
+    # Same weights, data and lr: only the moments differ, so the deltas must too.
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(warm.delta[name], cold.delta[name])
+
+
+def test_inner_state_round_trips_bit_identically_through_a_file(tmp_path: Path) -> None:
+    cfg = CFG.model_copy(update={"inner": CFG.inner.model_copy(update={"steps": 2})})
+    modules = init_modules(CFG)
+    first = train_path(cfg, 1, modules, SOURCE)
+    assert first.state is not None
+    first.state.residual["0.1/w"] = torch.randn(3, 5)
+    first.state.save(tmp_path / "state.safetensors")
+    loaded = InnerState.load(tmp_path / "state.safetensors", first.state.fingerprint)
+    assert loaded is not None and loaded.fingerprint == first.state.fingerprint
+    assert loaded.state_dict().keys() == first.state.state_dict().keys()
+    for key, tensor in first.state.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], tensor), key
+    # The next unit from the file is bit-identical to the next unit from memory.
+    from_memory = train_path(cfg, 1, modules, SOURCE, round_index=1, state=first.state)
+    from_file = train_path(cfg, 1, modules, SOURCE, round_index=1, state=loaded)
+    for name, tensor in from_memory.delta.items():
+        assert torch.equal(from_file.delta[name], tensor), name
+    assert InnerState.load(tmp_path / "state.safetensors", "another model") is None
+    (tmp_path / "torn.safetensors").write_bytes(b"\x10\x00")
+    assert InnerState.load(tmp_path / "torn.safetensors") is None
+
+
+def test_moments_of_another_model_are_ignored_not_misapplied() -> None:
+    cfg = CFG.model_copy(update={"inner": CFG.inner.model_copy(update={"steps": 2})})
+    modules = init_modules(CFG)
+    first = train_path(cfg, 0, modules, SOURCE)
+    assert first.state is not None
+    foreign = InnerState(adam=first.state.adam, fingerprint="another model")
+    warm = train_path(cfg, 0, modules, SOURCE, state=foreign)
+    cold = train_path(cfg, 0, modules, SOURCE)
+    for name, tensor in cold.delta.items():
+        assert torch.equal(warm.delta[name], tensor), name

@@ -14,7 +14,9 @@ from dipaco.outer import (
     clip_threshold,
     delta_norm,
     norm_outliers,
+    outer_lr,
     outer_step,
+    rescale_factor,
     trimmed_mean,
 )
 
@@ -133,3 +135,23 @@ def test_the_accumulator_refuses_malformed_deltas(delta: dict, message: str) -> 
 def test_a_module_without_contributions_is_refused() -> None:
     with pytest.raises(ValueError, match="no contribution"):
         aggregate([], OuterConfig())
+
+
+def test_the_rescale_counts_the_paths_that_contributed() -> None:
+    cfg = OuterConfig()
+    assert rescale_factor(cfg, 4) == 2.0
+    assert rescale_factor(cfg, 1) == 1.0  # a lone contributor is not scaled up
+    assert rescale_factor(cfg.model_copy(update={"sqrt_paths_rescale": False}), 4) == 1.0
+    # aggregate takes the contributing count: two contributions of one path are not √2 x.
+    deltas = [({"w": torch.ones(2)}, 1), ({"w": torch.ones(2)}, 1)]
+    assert torch.equal(aggregate(deltas, cfg, paths_through=1)["w"], torch.ones(2))
+    assert torch.allclose(aggregate(deltas, cfg, paths_through=2)["w"], torch.ones(2) * 2**0.5)
+
+
+def test_the_outer_lr_warms_up_linearly_to_its_peak() -> None:
+    cfg = OuterConfig(lr=0.7, warmup_rounds=3)
+    assert [outer_lr(cfg, t) for t in range(5)] == pytest.approx([0.175, 0.35, 0.525, 0.7, 0.7])
+    assert outer_lr(OuterConfig(lr=0.7), 0) == 0.7
+    params, delta = {"w": torch.ones(2)}, {"w": torch.ones(2)}
+    new, _ = outer_step(params, delta, None, cfg.model_copy(update={"momentum": 0.0}), lr=0.25)
+    assert torch.equal(new["w"], torch.full((2,), 0.75))

@@ -132,6 +132,36 @@ def encode(tensors: Mapping[str, torch.Tensor], codec: str, *, block_size: int =
     return b"".join([header, *(_bytes_of(array) for _, array in ordered)])
 
 
+def encode_with_feedback(
+    tensors: Mapping[str, torch.Tensor],
+    codec: str,
+    residual: Mapping[str, torch.Tensor] | None,
+    *,
+    block_size: int = 64,
+) -> tuple[bytes, dict[str, torch.Tensor]]:
+    """Error feedback (1-bit SGD, Seide et al. 2014; EF21): encode Δ + e, keep the new error.
+
+    The sender adds the rounding error it kept from its previous Δ (`residual`, by tensor
+    name; None or missing names: zero) before quantising, and returns the error of this
+    encoding as the residual for next time, so quantisation errors cancel over rounds
+    instead of accumulating. For the exact codecs (fp32) the residual stays zero.
+    Returns (container bytes, new residual: fp32 CPU tensors).
+    """
+    residual = residual or {}
+    corrected = {}
+    for name, tensor in tensors.items():
+        value = tensor.detach().to("cpu", torch.float32)
+        previous = residual.get(name)
+        if previous is not None and tuple(previous.shape) == tuple(value.shape):
+            value = value + previous.to(torch.float32)
+        corrected[name] = value
+    data = encode(corrected, codec, block_size=block_size)
+    if codec == "fp32":
+        return data, {}
+    sent = decode(data)
+    return data, {name: corrected[name] - sent[name] for name in corrected}
+
+
 def encode_to_file(
     tensors: Mapping[str, torch.Tensor],
     codec: str,

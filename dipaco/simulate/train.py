@@ -8,10 +8,10 @@ One outer round, as the server runs it (DESIGN §4):
 3. per module, the token-weighted aggregate over every unit of every path through it, the
    √(paths) rescale, and the Nesterov outer step (dipaco.outer).
 
-Inner AdamW state does not persist across rounds: train_path starts a fresh optimiser per
-unit (the library has no way to hand AdamW state from one unit to the next), as a volunteer
-handed another path would. The inner lr schedule is still run-long (warm-up once, cosine
-over T·H steps). docs/benchmarks.md ("Quality") measures what the fresh state costs.
+Each (path, replica) keeps its inner AdamW state from round to round (train_path takes
+and returns it, as the worker agent keeps one per (run, path)), and with it the codec's
+error-feedback residual. The inner lr schedule is run-long (warm-up once, cosine over
+T·H steps); the outer lr follows dipaco.outer.outer_lr (its warm-up rounds).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from torch import Tensor
 
 from dipaco import codecs
 from dipaco.config import RunConfig
-from dipaco.inner import StepMetrics, train_path
+from dipaco.inner import InnerState, StepMetrics, train_path
 from dipaco.model import build_model
 from dipaco.modular import (
     assemble_path_state,
@@ -35,9 +35,8 @@ from dipaco.modular import (
     module_ids,
     module_spec,
     modules_of_path,
-    paths_through,
 )
-from dipaco.outer import aggregate, outer_step
+from dipaco.outer import aggregate, outer_lr, outer_step
 from dipaco.simulate.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
 from dipaco.simulate.prepare import PreparedData, ShardSource
 
@@ -104,23 +103,25 @@ def _outer_round(
     config: RunConfig,
     modules: Modules,
     momentum: Modules,
-    contributions: dict[str, list[tuple[bytes, int]]],
+    contributions: dict[str, list[tuple[int, bytes, int]]],
+    round_index: int,
 ) -> None:
-    """Aggregate each module's encoded Δs and take its outer step (in place)."""
+    """Aggregate each module's encoded (path, Δ, tokens) and take its outer step (in place)."""
+    lr = outer_lr(config.outer, round_index)
     for module_id in module_ids(config):
         encoded = contributions.get(module_id)
         if not encoded:
             continue  # no unit trained a path through it: the module keeps its weights
         spec = module_spec(config, module_id)
-        decoded = ((codecs.decode(data, spec), tokens) for data, tokens in encoded)  # streamed
+        decoded = ((codecs.decode(data, spec), tokens) for _, data, tokens in encoded)  # streamed
         delta = aggregate(
             decoded,
             config.outer,
-            paths_through=len(paths_through(config, module_id)),
+            paths_through=len({p for p, _, _ in encoded}),  # the paths that contributed
             spec=spec,
         )
         modules[module_id], momentum[module_id] = outer_step(
-            modules[module_id], delta, momentum.get(module_id), config.outer
+            modules[module_id], delta, momentum.get(module_id), config.outer, lr=lr
         )
 
 
@@ -148,9 +149,10 @@ def train_dipaco(
     run = DipacoRun(rounds=[RoundRecord(0, losses, routed_mean(losses))])
     h, reps = config.inner.steps, config.replicas_per_path
     windows_per_unit = h * config.inner.batch_size
+    states: dict[tuple[int, int], InnerState] = {}  # warm AdamW (+ residual) per replica
     for t in range(config.rounds):
         round_started = time.perf_counter()
-        contributions: dict[str, list[tuple[bytes, int]]] = defaultdict(list)
+        contributions: dict[str, list[tuple[int, bytes, int]]] = defaultdict(list)
         record = RoundRecord(t + 1, [], 0.0)
         last_losses = []
         for p in range(config.num_paths):
@@ -167,19 +169,28 @@ def train_dipaco(
                     # Distinct windows per (round, replica); a path's stream wraps at its end.
                     start_position=(t * reps + r) * windows_per_unit,
                     on_step=step_hook,
+                    state=states.get((p, r)),
                 )
                 last_losses.append(result.losses[-1])
+                state = result.state or InnerState()
                 for module_id, delta in result.module_deltas.items():
-                    encoded = codecs.encode(
-                        delta, config.comm.codec, block_size=config.comm.block_size
+                    residual = {
+                        k.split("/", 1)[1]: v
+                        for k, v in state.residual.items()
+                        if k.split("/", 1)[0] == module_id
+                    }
+                    encoded, residual = codecs.encode_with_feedback(
+                        delta, config.comm.codec, residual, block_size=config.comm.block_size
                     )
-                    contributions[module_id].append((encoded, result.tokens))
+                    state.residual.update({f"{module_id}/{k}": v for k, v in residual.items()})
+                    contributions[module_id].append((p, encoded, result.tokens))
                     record.upload_bytes += len(encoded)
+                states[(p, r)] = state
                 # The unit first downloaded the path's modules, in fp32.
                 record.download_bytes += _fp32_bytes(modules, modules_of_path(config, p))
                 run.tokens += result.tokens
                 run.units += 1
-        _outer_round(config, modules, momentum, contributions)
+        _outer_round(config, modules, momentum, contributions, t)
         record.paths = evaluate_paths(config, modules, windows)
         record.routed_loss = routed_mean(record.paths)
         record.train_loss = sum(last_losses) / len(last_losses)
