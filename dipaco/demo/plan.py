@@ -47,14 +47,6 @@ MAX_FILE_BYTES = 32 * 1024
 # memorised them rather than how well it models code.
 SKIPPED_DIRS = frozenset({"encodings"})
 VAL_FRACTION = 0.1  # of the sample's files; DataConfig's 0.01 is for whole corpora
-# The outer step is plain averaging of the paths' modules (lr 1, no momentum, no √P
-# rescale). The papers' Nesterov (lr 0.7, momentum 0.9) and √P rescale assume a
-# pretrained start; from random weights they overshoot the first rounds. Measured with
-# dipaco simulate, tiny model, 2x2 paths, H = 30, routed validation loss from 9.05:
-#   after rounds 1..5   Nesterov + √P: 10.57, 7.27, 6.90 (3 rounds)
-#                       Nesterov:       7.42, 7.67, 6.94, 6.76, 6.67
-#                       averaging:      7.05, 7.05, 6.74, 6.59, 6.49
-OUTER = {"lr": 1.0, "momentum": 0.0, "sqrt_paths_rescale": False}
 
 DEFAULT_PATHS = (2, 2)
 DEFAULT_WORKERS = 2
@@ -106,7 +98,6 @@ class DemoPlan:
             model=model,
             layout=LayoutConfig.grid(model["num_layers"], levels, modules).model_dump(),
             inner={"steps": self.inner_steps, "warmup_steps": warmup},
-            outer=OUTER,
             data={"corpus": str(corpus), "val_fraction": VAL_FRACTION},
         )
 
