@@ -62,8 +62,7 @@ from dipaco.inner import StepMetrics, lr_at
 from dipaco.model import build_model
 from dipaco.modular import init_modules
 from worker_agent.progress import Reporter
-from worker_agent.trainer import UnitWork, WindowSource, train_unit
-from worker_agent.warm_start import OptimizerStates
+from worker_agent.trainer import InnerStates, UnitWork, WindowSource, train_unit
 
 
 def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
@@ -139,7 +138,7 @@ def bare_loop(config: RunConfig, window: torch.Tensor, device: torch.device) -> 
 
 
 def agent_unit(
-    config: RunConfig, window: Path, device: torch.device, work: Path, states: OptimizerStates
+    config: RunConfig, window: Path, device: torch.device, work: Path, states: InnerStates
 ) -> tuple[Rates, float]:
     """(inner tokens/s over steps 2..H, whole-unit tokens/s) of the agent's train_unit."""
     reporter, stamps = Reporter(), []
@@ -151,9 +150,11 @@ def agent_unit(
     unit = UnitWork(config, 1, 0, 1, init_modules(config), WindowSource(window, _dtype(config)))
     started = time.perf_counter()
     result, _ = train_unit(
-        unit, device=device, work_dir=work, optimizer_states=states,
+        unit, device=device, work_dir=work, state=states.load(1, 0, config),
         checkpoint_every=50, on_step=on_step,
     )  # fmt: skip
+    if result.state is not None:  # what the agent keeps for the path's next unit
+        states.save(1, 0, result.state)
     sync(device)
     wall = time.perf_counter() - started
     for file in work.iterdir():  # each unit starts clean, as the agent's work dir does
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         window_path = root / "window.bin"
         write_window(config, window_path)
         window = torch.from_numpy(np.fromfile(window_path, dtype=_dtype(config)).astype(np.int64))
-        states, work = OptimizerStates(root / "optim"), root / "work"
+        states, work = InnerStates(root / "inner"), root / "work"
         bare_loop(config, window, device)  # warm-up: allocator, kernels, thread pools
         agent_unit(config, window_path, device, work, states)  # also makes the AdamW state warm
         bare: list[Rates] = []

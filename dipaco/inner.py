@@ -41,8 +41,10 @@ __all__ = [
     "InnerState",
     "StepMetrics",
     "TokenSource",
+    "checkpoint_identity",
     "lr_at",
     "run_inner_loop",
+    "state_fingerprint",
     "train_path",
 ]
 
@@ -139,6 +141,17 @@ class InnerState:
     def load_state_dict(self, tensors: Mapping[str, Tensor]) -> None:
         self.adam = {k[5:]: v for k, v in tensors.items() if k.startswith("adam/")}
         self.residual = {k[9:]: v for k, v in tensors.items() if k.startswith("residual/")}
+
+    def module_residual(self, module_id: str) -> dict[str, Tensor]:
+        """The error-feedback residual of one module's Δ, by tensor name (empty: none yet)."""
+        prefix = f"{module_id}/"
+        return {k[len(prefix) :]: v for k, v in self.residual.items() if k.startswith(prefix)}
+
+    def set_module_residual(self, module_id: str, tensors: Mapping[str, Tensor]) -> None:
+        """Replace one module's residual (encode_with_feedback's second result)."""
+        prefix = f"{module_id}/"
+        self.residual = {k: v for k, v in self.residual.items() if not k.startswith(prefix)}
+        self.residual.update({prefix + name: t for name, t in tensors.items()})
 
     def save(self, path: str | Path) -> None:
         """Atomically, as safetensors with the fingerprint in the header."""
@@ -305,6 +318,27 @@ def _load_checkpoint(
     return _Progress(**meta["progress"])
 
 
+def checkpoint_identity(
+    cfg: InnerConfig, *, seq_len: int, start_position: int, first_step: int, total: int
+) -> dict[str, Any]:
+    """What a checkpoint must have been written with to be resumed: the work, not its split.
+
+    The micro-batch split (micro_batch_size x grad_accum_steps) is left out, the batch it
+    makes kept: checkpoints fall on step boundaries, where the data position is
+    step x batch_size sequences and the AdamW state is per parameter whatever the split,
+    so a unit resumes under another split of the same batch (the worker agent's
+    out-of-memory fallback halves the micro-batch and resumes its last checkpoint).
+    """
+    inner = cfg.model_dump(mode="json", exclude={"micro_batch_size", "grad_accum_steps"})
+    return {
+        "inner": {**inner, "batch_size": cfg.batch_size},
+        "seq_len": seq_len,
+        "start_position": start_position,
+        "first_step": first_step,
+        "total_steps": total,
+    }
+
+
 def _delta(model: nn.Module, theta_old: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """θ_old − θ_new for every state-dict name; a tied tensor appears under both names."""
     new = _cpu_params(model)
@@ -349,13 +383,9 @@ def run_inner_loop(
     theta_old = _cpu_params(model)
     optimizer = _make_optimizer(model, cfg)
     total = cfg.steps if total_steps is None else total_steps
-    identity = {
-        "inner": cfg.model_dump(mode="json"),
-        "seq_len": seq_len,
-        "start_position": start_position,
-        "first_step": first_step,
-        "total_steps": total,
-    }
+    identity = checkpoint_identity(
+        cfg, seq_len=seq_len, start_position=start_position, first_step=first_step, total=total
+    )
     path = Path(checkpoint_path) if checkpoint_path is not None else None
     progress = _Progress(position=start_position)
     if path is not None and resume and path.exists():

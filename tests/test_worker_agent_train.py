@@ -1,4 +1,4 @@
-"""The agent's training of one unit: data window, warm AdamW state, out-of-memory fallback.
+"""The agent's training of one unit: data window, warm inner state, out-of-memory fallback.
 
 Tiny CPU models with fixed seeds; the library's inner loop does the training, these
 tests check what the agent adds around it.
@@ -13,19 +13,21 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from dipaco import codecs
 from dipaco.config import GiB, RunConfig, estimate_path_memory
-from dipaco.inner import StepMetrics
+from dipaco.inner import InnerState, StepMetrics, state_fingerprint
 from dipaco.modular import init_modules
 from worker_agent.errors import OutOfMemory
+from worker_agent.payload import encode_deltas
 from worker_agent.trainer import (
     CHECKPOINT_NAME,
+    InnerStates,
     UnitWork,
     WindowSource,
     fit_micro_batch,
     smaller_micro_batch,
     train_unit,
 )
-from worker_agent.warm_start import OptimizerStates
 
 STEPS = 3
 # Smaller than RunConfig.tiny's model, so a unit takes a fraction of a second on a busy CPU.
@@ -77,7 +79,7 @@ def test_a_unit_trains_and_returns_a_finite_delta_per_module(
 ) -> None:
     result, inner = train_unit(
         unit(config, window_file(tmp_path, config)), device=torch.device("cpu"),
-        work_dir=tmp_path / "work", optimizer_states=None,
+        work_dir=tmp_path / "work",
     )  # fmt: skip
     assert result.completed and inner == config.inner
     assert sorted(result.module_deltas) == ["0.0", "1.0", "shared"]
@@ -89,28 +91,79 @@ def test_a_unit_trains_and_returns_a_finite_delta_per_module(
 def test_the_same_path_coming_back_continues_its_adamw_state(
     tmp_path: Path, config: RunConfig
 ) -> None:
-    states = OptimizerStates(tmp_path / "optim")
+    states = InnerStates(tmp_path / "inner")
     cpu = torch.device("cpu")
     first, _ = train_unit(unit(config, window_file(tmp_path, config)), device=cpu,
-                          work_dir=tmp_path / "a", optimizer_states=states)  # fmt: skip
-    assert first.completed and adam_steps(tmp_path / "a" / CHECKPOINT_NAME) == STEPS
+                          work_dir=tmp_path / "a")  # fmt: skip
+    assert first.completed and first.state is not None
+    assert adam_steps(tmp_path / "a" / CHECKPOINT_NAME) == STEPS
+    states.save(1, 0, first.state)
     assert states.path_for(1, 0).exists()
 
     second, _ = train_unit(unit(config, window_file(tmp_path, config, seed=1), round_index=1),
-                           device=cpu, work_dir=tmp_path / "b", optimizer_states=states)  # fmt: skip
+                           device=cpu, work_dir=tmp_path / "b",
+                           state=states.load(1, 0, config))  # fmt: skip
     assert second.completed
     assert adam_steps(tmp_path / "b" / CHECKPOINT_NAME) == 2 * STEPS, "the moments carried over"
 
     cold, _ = train_unit(unit(config, window_file(tmp_path, config, seed=1), round_index=1),
-                         device=cpu, work_dir=tmp_path / "c", optimizer_states=None)  # fmt: skip
+                         device=cpu, work_dir=tmp_path / "c")  # fmt: skip
     assert adam_steps(tmp_path / "c" / CHECKPOINT_NAME) == STEPS
     differs = any(not torch.allclose(second.delta[name], cold.delta[name]) for name in cold.delta)
     assert differs, "warm and cold AdamW state must train differently"
 
 
+def test_inner_state_kept_in_the_agents_cache_gives_the_delta_that_keeping_it_in_memory_gives(
+    tmp_path: Path,
+) -> None:
+    # int8: the state carries an error-feedback residual as well as the AdamW moments.
+    config = RunConfig.tiny(model=SMALL_MODEL, inner={"steps": STEPS, "micro_batch_size": 4,
+                            "grad_accum_steps": 1}, comm={"codec": "int8"})  # fmt: skip
+    cpu, states = torch.device("cpu"), InnerStates(tmp_path / "inner")
+    first, _ = train_unit(unit(config, window_file(tmp_path, config)), device=cpu,
+                          work_dir=tmp_path / "first")  # fmt: skip
+    _, in_memory = encode_deltas(first.module_deltas, config, tmp_path / "d1", first.state)
+    assert in_memory.adam and in_memory.residual, "moments and a residual to carry over"
+    states.save(1, 0, in_memory)
+    from_cache = states.load(1, 0, config)
+    assert from_cache is not None
+
+    def second_unit(state: InnerState, name: str) -> tuple[dict[str, torch.Tensor], list[bytes]]:
+        work = unit(config, window_file(tmp_path, config, seed=1), round_index=1)
+        result, _ = train_unit(work, device=cpu, work_dir=tmp_path / name, state=state)
+        directory = tmp_path / f"{name}-deltas"
+        encoded, _ = encode_deltas(result.module_deltas, config, directory, result.state)
+        return result.delta, [e.path.read_bytes() for e in encoded]
+
+    cached_delta, cached_bytes = second_unit(from_cache, "cached")
+    memory_delta, memory_bytes = second_unit(in_memory, "memory")
+    assert cached_delta.keys() == memory_delta.keys()
+    for name, delta in memory_delta.items():
+        assert torch.equal(cached_delta[name], delta), name
+    assert cached_bytes == memory_bytes, "the same residual went into the same encoding"
+    cold_delta, _ = second_unit(InnerState(), "cold")
+    assert any(not torch.equal(cold_delta[n], memory_delta[n]) for n in memory_delta)
+
+
+def test_the_residual_feeds_back_the_last_encodings_rounding_error(tmp_path: Path) -> None:
+    config = RunConfig.tiny(model=SMALL_MODEL, comm={"codec": "int8"})
+    generator = torch.Generator().manual_seed(0)
+    deltas = {"0.0": {"w": torch.randn(64, 64, generator=generator) * 1e-3}}
+    encoded, state = encode_deltas(deltas, config, tmp_path / "d")
+    sent = codecs.decode(encoded[0].path.read_bytes())["w"]
+    assert torch.equal(state.residual["0.0/w"], deltas["0.0"]["w"] - sent)
+    again, after = encode_deltas(deltas, config, tmp_path / "e", state)
+    resent = codecs.decode(again[0].path.read_bytes())["w"]
+    assert torch.equal(
+        after.residual["0.0/w"], deltas["0.0"]["w"] + state.residual["0.0/w"] - resent
+    )
+    assert "0.0/w" in state.residual and state.residual["0.0/w"] is not after.residual["0.0/w"]
+
+
 def test_moments_of_another_model_are_not_reused(tmp_path: Path, config: RunConfig) -> None:
-    states = OptimizerStates(tmp_path / "optim")
-    states.save(1, 0, config, {"adam/0/step": torch.tensor(5.0)})
+    states = InnerStates(tmp_path / "inner")
+    saved = InnerState({"x/step": torch.tensor(5.0)}, {}, state_fingerprint(config))
+    states.save(1, 0, saved)
     wider = RunConfig.tiny(model={**SMALL_MODEL, "hidden_size": 64})
     assert states.load(1, 0, wider) is None
     assert states.load(1, 0, config) is not None
@@ -120,8 +173,7 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(
     tmp_path: Path, config: RunConfig
 ) -> None:
     cpu, window = torch.device("cpu"), window_file(tmp_path, config)
-    reference, _ = train_unit(unit(config, window), device=cpu, work_dir=tmp_path / "ref",
-                              optimizer_states=None)  # fmt: skip
+    reference, _ = train_unit(unit(config, window), device=cpu, work_dir=tmp_path / "ref")
     seen: list[tuple[int, int]] = []
 
     def oom_on_big_batches(metrics: StepMetrics, inner: object) -> None:
@@ -131,8 +183,8 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     result, inner = train_unit(
-        unit(config, window), device=cpu, work_dir=tmp_path / "oom", optimizer_states=None,
-        checkpoint_every=1, fault=oom_on_big_batches,
+        unit(config, window), device=cpu, work_dir=tmp_path / "oom", checkpoint_every=1,
+        fault=oom_on_big_batches,
     )  # fmt: skip
     assert (inner.micro_batch_size, inner.grad_accum_steps) == (2, 2)
     assert inner.batch_size == config.inner.batch_size
@@ -152,7 +204,7 @@ def test_out_of_memory_at_one_sequence_per_micro_batch_gives_up_with_advice(
 
     with pytest.raises(OutOfMemory, match="bigger device"):
         train_unit(unit(config, window_file(tmp_path, config)), device=torch.device("cpu"),
-                   work_dir=tmp_path / "w", optimizer_states=None, fault=always)  # fmt: skip
+                   work_dir=tmp_path / "w", fault=always)  # fmt: skip
 
 
 def test_a_memory_budget_shrinks_the_micro_batch_before_training(config: RunConfig) -> None:

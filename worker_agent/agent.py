@@ -35,9 +35,8 @@ from worker_agent.payload import encode_deltas, load_module
 from worker_agent.progress import Reporter
 from worker_agent.retry import Backoff
 from worker_agent.state import LeaseRecord, LeaseStateFile
-from worker_agent.trainer import UnitWork, WindowSource, fit_micro_batch, train_unit
+from worker_agent.trainer import InnerStates, UnitWork, WindowSource, fit_micro_batch, train_unit
 from worker_agent.transfer import BlobCache, Transfers, disk_errors
-from worker_agent.warm_start import OptimizerStates
 
 __all__ = ["Agent", "AgentOptions"]
 
@@ -74,7 +73,8 @@ class Agent:
         reporter.meter = self.transfers.meter
         self.upload_transfers.meter = self.transfers.meter
         self.cache = BlobCache(root / "cache" / "blobs", self.transfers)
-        self.optimizer_states = OptimizerStates(root / "optim")
+        # Warm inner AdamW state (and error-feedback residual) per (run, path).
+        self.inner_states = InnerStates(root / "cache" / "inner")
         self.state = LeaseStateFile(root)
         self.units_done = 0
 
@@ -204,7 +204,9 @@ class Agent:
                 return
             record.phase, record.step = "uploading", grant.steps
             self.state.save(record)
-            encoded = encode_deltas(result.module_deltas, config, work / "deltas")
+            encoded, state = encode_deltas(
+                result.module_deltas, config, work / "deltas", result.state
+            )
         targets = self.client.upload_urls(grant.lease_id, grant.secret)
         for delta in encoded:
             self.upload_transfers.upload(targets[delta.module_id], delta.path)
@@ -216,6 +218,8 @@ class Agent:
         }
         contributions = [Contribution(d.module_id, d.sha256, d.size) for d in encoded]
         self.client.complete(grant.lease_id, grant.secret, contributions, result.tokens, metrics)
+        # Only now: the server holds these Δs, so their moments and residual are the path's.
+        self.inner_states.save(grant.run_id, grant.path, state)
         self.units_done += 1
         self.reporter.event(
             "completed", f"lease {grant.lease_id} completed: loss {metrics['loss']:.4f}, "
@@ -268,9 +272,10 @@ class Agent:
         stop, lost = self.stop, self.heartbeats.lease_lost
         unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules,
                         WindowSource(window, grant.data.dtype))  # fmt: skip
+        state = self.inner_states.load(grant.run_id, grant.path, config)
         return train_unit(
             unit, device=self.device.device, work_dir=work, inner=inner,
-            optimizer_states=self.optimizer_states, checkpoint_every=every,
+            state=state, checkpoint_every=every,
             should_stop=lambda: stop.is_set() or lost.is_set(),
             on_step=on_step, on_fallback=on_fallback,
         )  # fmt: skip

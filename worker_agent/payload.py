@@ -21,6 +21,7 @@ from torch import Tensor
 
 from dipaco import codecs
 from dipaco.config import RunConfig
+from dipaco.inner import InnerState, state_fingerprint
 from dipaco.modular import module_spec
 from worker_agent.transfer import sha256_of
 
@@ -82,15 +83,34 @@ def load_module(path: Path, config: RunConfig, module_id: str) -> dict[str, Tens
 
 
 def encode_deltas(
-    deltas: Mapping[str, Mapping[str, Tensor]], config: RunConfig, directory: Path
-) -> list[EncodedDelta]:
-    """Each module's Δ encoded with the run's codec into ``<directory>/<module>.safetensors``."""
+    deltas: Mapping[str, Mapping[str, Tensor]],
+    config: RunConfig,
+    directory: Path,
+    state: InnerState | None = None,
+) -> tuple[list[EncodedDelta], InnerState]:
+    """Each module's Δ encoded with the run's codec into ``<directory>/delta-<module>...``,
+    with error feedback (`codecs.encode_with_feedback`) from the residual kept in `state`.
+
+    Returns the encoded files and a copy of `state` whose residual is the error of these
+    encodings: the path's state to keep once the server has accepted them (not before: a
+    Δ it never received must not leave its rounding error behind as if it had).
+    """
     directory.mkdir(parents=True, exist_ok=True)
+    after = InnerState(fingerprint=state_fingerprint(config))
+    if state is not None:
+        after = InnerState(dict(state.adam), dict(state.residual), state.fingerprint)
     encoded = []
     for module_id, tensors in deltas.items():
         path = directory / f"delta-{module_id}.safetensors"
-        size = codecs.encode_to_file(
-            tensors, config.comm.codec, path, block_size=config.comm.block_size
+        data, residual = codecs.encode_with_feedback(
+            tensors,
+            config.comm.codec,
+            after.module_residual(module_id),
+            block_size=config.comm.block_size,
         )
-        encoded.append(EncodedDelta(module_id, path, sha256_of(path), size))
-    return encoded
+        tmp = path.with_name(f"{path.name}.tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+        after.set_module_residual(module_id, residual)
+        encoded.append(EncodedDelta(module_id, path, sha256_of(path), len(data)))
+    return encoded, after

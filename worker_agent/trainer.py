@@ -2,11 +2,21 @@
 
 `train_unit` wraps `dipaco.inner.train_path` with
 - a token source over the downloaded data window (`WindowSource`);
-- warm AdamW state per (run, path) (worker_agent.warm_start);
-- a checkpoint every N steps in the unit's work directory, resumed after a crash;
+- warm inner state per (run, path): `InnerStates` keeps the `dipaco.inner.InnerState`
+  that `train_path` returns (AdamW moments by parameter name, and the codec's
+  error-feedback residual) in the agent's cache, and hands it to the path's next unit;
+- a checkpoint every N steps in the unit's work directory, resumed after a crash (the
+  library's own `checkpoint_path`, which takes precedence over the warm state);
 - the out-of-memory fallback: half the micro-batch, twice the accumulation, so the
   effective batch (and the Δ's meaning) is unchanged; it resumes from the last
-  checkpoint and logs why. At one sequence per micro-batch it gives up (OutOfMemory).
+  checkpoint (whose identity names the batch, not its split) and logs why. At one
+  sequence per micro-batch it gives up (OutOfMemory).
+
+The agent saves a path's new state only once the unit's completion was accepted
+(worker_agent.agent): an abandoned unit (stopped, lease lost, refused) leaves the path's
+state as the last accepted unit left it. Its moments then never saw gradients whose Δ
+the server did not apply, and the residual stays the error of the last Δ the server
+received; keeping the abandoned unit's residual would drop that error for good.
 """
 
 from __future__ import annotations
@@ -24,18 +34,24 @@ import torch
 from torch import Tensor
 
 from dipaco.config import GiB, InnerConfig, RunConfig, estimate_path_memory
-from dipaco.inner import CheckpointMismatch, InnerResult, StepMetrics, train_path
-from dipaco.modular import assemble_path_state
-from worker_agent.errors import OutOfMemory
-from worker_agent.warm_start import (
-    OptimizerStates,
-    inner_identity,
-    read_adam_state,
-    retarget,
-    write_seed,
+from dipaco.inner import (
+    CheckpointMismatch,
+    InnerResult,
+    InnerState,
+    StepMetrics,
+    state_fingerprint,
+    train_path,
 )
+from worker_agent.errors import OutOfMemory
 
-__all__ = ["UnitWork", "WindowSource", "fit_micro_batch", "is_out_of_memory", "train_unit"]
+__all__ = [
+    "InnerStates",
+    "UnitWork",
+    "WindowSource",
+    "fit_micro_batch",
+    "is_out_of_memory",
+    "train_unit",
+]
 
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = "inner.safetensors"
@@ -56,6 +72,28 @@ class WindowSource:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "The given NumPy array is not writable")
             return self.shard.batch(position * seq_len, batch_size, seq_len)  # (B, T + 1)
+
+
+class InnerStates:
+    """The warm `InnerState` of each (run, path) under ``<root>/run-<id>/path-<p>.safetensors``.
+
+    Written with `InnerState.save` (atomic) and read with `InnerState.load`, which returns
+    None for a missing, torn or foreign file, or one made for another model or other betas
+    (`dipaco.inner.state_fingerprint`): the unit then starts with fresh moments.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def path_for(self, run_id: int, path: int) -> Path:
+        return self.root / f"run-{int(run_id)}" / f"path-{int(path)}.safetensors"
+
+    def load(self, run_id: int, path: int, config: RunConfig) -> InnerState | None:
+        return InnerState.load(self.path_for(run_id, path), state_fingerprint(config))
+
+    def save(self, run_id: int, path: int, state: InnerState) -> None:
+        if state.adam:  # a unit that never stepped has nothing worth keeping
+            state.save(self.path_for(run_id, path))
 
 
 @dataclass
@@ -118,7 +156,7 @@ def train_unit(
     *,
     device: torch.device,
     work_dir: Path,
-    optimizer_states: OptimizerStates | None,
+    state: InnerState | None = None,
     inner: InnerConfig | None = None,
     checkpoint_every: int | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -126,19 +164,14 @@ def train_unit(
     on_fallback: Callable[[InnerConfig, InnerConfig], None] | None = None,
     fault: Fault | None = None,
 ) -> tuple[InnerResult, InnerConfig]:
-    """Train the unit (resuming its checkpoint if any); returns the result and the inner
+    """Train the unit (resuming its checkpoint if any) from the path's warm `state` (None:
+    fresh AdamW); returns the result, whose `state` is the path's next one, and the inner
     config it finished with (the micro-batch may have shrunk)."""
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / CHECKPOINT_NAME
     current = inner or work.config.inner
-    if not checkpoint.exists() and optimizer_states is not None:
-        adam = optimizer_states.load(work.run_id, work.path, work.config)
-        if adam is not None:
-            config = work.config.model_copy(update={"inner": current})
-            write_seed(
-                checkpoint, _parameters(work), adam, inner_identity(config, work.round_index)
-            )
-            log.info("path %d: continuing its AdamW state from the last unit", work.path)
+    if state is not None and not checkpoint.exists():
+        log.info("path %d: continuing its inner state from its last unit", work.path)
     restarted = False
     while True:
         config = work.config.model_copy(update={"inner": current})
@@ -150,11 +183,12 @@ def train_unit(
                 config, work.path, work.modules, work.source,
                 round_index=work.round_index, device=device, checkpoint_path=checkpoint,
                 checkpoint_every=checkpoint_every, should_stop=should_stop, on_step=step_hook,
+                state=state,
             )  # fmt: skip
         except CheckpointMismatch as mismatch:
             if restarted:
                 raise
-            # Written with other settings (another --memory-cap, an older agent): start over.
+            # Written with other settings (an older agent, another run config): start over.
             log.warning("discarding the unit's checkpoint and starting it over: %s", mismatch)
             checkpoint.unlink()
             restarted = True
@@ -177,21 +211,8 @@ def train_unit(
                     current.grad_accum_steps, smaller.grad_accum_steps)  # fmt: skip
         if on_fallback is not None:
             on_fallback(current, smaller)
-        if checkpoint.exists():
-            smaller_config = work.config.model_copy(update={"inner": smaller})
-            retarget(checkpoint, inner_identity(smaller_config, work.round_index))
-        current = smaller
-    if result.completed and optimizer_states is not None:
-        optimizer_states.save(work.run_id, work.path, work.config, read_adam_state(checkpoint))
+        current = smaller  # the checkpoint names the batch, not its split: it resumes as is
     return result, current
-
-
-def _parameters(work: UnitWork) -> dict[str, Tensor]:
-    """The path's named parameters (a tied LM head is the embedding: not a parameter)."""
-    state = assemble_path_state(work.config, work.path, work.modules)
-    if work.config.model.tie_embeddings:
-        state.pop("lm_head.weight", None)
-    return state
 
 
 def _with_fault(
