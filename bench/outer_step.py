@@ -124,9 +124,8 @@ def measure(codec: str, args: argparse.Namespace, root: Path) -> dict[str, float
     for i in range(args.contributions):
         data = encode(random_tensors(spec, 10 + i, 1e-3), codec, block_size=64)
         store.put_bytes(f"delta/{i}", data)
-        uploads.append(
-            Upload(i, 0, f"delta/{i}", len(data), hashlib.sha256(data).hexdigest(), 1000)
-        )
+        digest = hashlib.sha256(data).hexdigest()  # the Δs spread over --paths paths
+        uploads.append(Upload(i, 0, f"delta/{i}", len(data), digest, 1000, i % args.paths))
         encoded += len(data)
         del data
     version = BaseVersion(0, "base", sha, "momentum")
@@ -145,7 +144,7 @@ def measure(codec: str, args: argparse.Namespace, root: Path) -> dict[str, float
         exact = reset_peak()
         before = rss_kib("VmRSS:") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         start = time.perf_counter()
-        result = compute_step(store, uploads, version, spec, cfg, args.paths, work)
+        result = compute_step(store, uploads, version, spec, cfg, work, round_index=0)
         step_s = time.perf_counter() - start
         after = rss_kib("VmHWM:") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         assert result.weights is not None and all(v.accepted for v in result.verdicts)
@@ -220,7 +219,9 @@ def main() -> None:
     parser.add_argument("--params", type=float, default=50e6, help="module values (default 50M)")
     parser.add_argument("--contributions", type=int, default=8, help="Δs in the round (default 8)")
     parser.add_argument("--codecs", nargs="+", default=["fp32", "bf16", "fp16", "int8", "int4"])
-    parser.add_argument("--paths", type=int, default=2, help="paths through the module (√ rescale)")
+    parser.add_argument(
+        "--paths", type=int, default=2, help="paths the contributions come from (√ rescale)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="best of this many steps")
     parser.add_argument(
         "--threads",

@@ -31,7 +31,7 @@ from torch import Tensor
 from dipaco import codecs
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.modular import init_modules, module_spec, paths_through
-from dipaco.outer import aggregate, outer_step
+from dipaco.outer import aggregate, outer_lr, outer_step
 from dipaco_server.env import blob_store as blob_store_config
 from dipaco_server.env import celery_transport
 from dipaco_server.rounds.completion import ContributionReport, complete, upload_key
@@ -175,15 +175,17 @@ def stored_version(run: Run, module_id: str, version: int) -> dict[str, Tensor]:
         file.unlink()
 
 
-def library_step(run: Run, module_id: str, uploads: list[bytes]) -> dict[str, Tensor]:
-    """What dipaco.outer computes from version 0 and these uploads (the reference)."""
+def library_step(
+    run: Run, module_id: str, uploads: list[bytes], paths: int = 1
+) -> dict[str, Tensor]:
+    """What dipaco.outer computes from version 0 and these uploads of `paths` distinct
+    paths in round 0 (the reference)."""
     config = run.run_config
     spec = module_spec(config, module_id)
     deltas = [(codecs.decode(data, spec), TOKENS) for data in uploads]
-    grad = aggregate(
-        deltas, config.outer, paths_through=len(paths_through(config, module_id)), spec=spec
-    )
-    params, _ = outer_step(stored_version(run, module_id, 0), grad, None, config.outer)
+    grad = aggregate(deltas, config.outer, paths_through=paths, spec=spec)
+    lr = outer_lr(config.outer, 0)
+    params, _ = outer_step(stored_version(run, module_id, 0), grad, None, config.outer, lr=lr)
     return params
 
 
@@ -469,7 +471,8 @@ def test_the_robust_rules_match_the_library_while_streaming(db: None, tmp_path: 
         data = codecs.encode(random_delta(run, "0.0", 30 + i, scale), "fp32")
         key = f"runs/{run.pk}/scratch/{i}.safetensors"
         store.put_bytes(key, data)
-        uploads.append(Upload(i, 0, key, len(data), hashlib.sha256(data).hexdigest(), 100 + i))
+        digest = hashlib.sha256(data).hexdigest()
+        uploads.append(Upload(i, 0, key, len(data), digest, 100 + i, path=i % 2))  # 2 paths
         deltas.append((codecs.decode(data), 100 + i))
     version = ModuleVersion.objects.get(module__run=run, module__module_id="0.0", version=0)
     base = BaseVersion(0, version.blob_key, version.sha256, "")
@@ -477,7 +480,7 @@ def test_the_robust_rules_match_the_library_while_streaming(db: None, tmp_path: 
         cfg = run.run_config.outer.model_copy(update={"robust": rule, "trim_fraction": 0.2})
         work = tmp_path / rule
         work.mkdir()
-        result = compute_step(store, uploads, base, spec, cfg, 2, work)
+        result = compute_step(store, uploads, base, spec, cfg, work, round_index=0)
         assert result.weights is not None
         expected, _ = outer_step(
             stored_version(run, "0.0", 0), aggregate(deltas, cfg, paths_through=2), None, cfg
@@ -485,6 +488,53 @@ def test_the_robust_rules_match_the_library_while_streaming(db: None, tmp_path: 
         got = read_module(result.weights, spec, result.weights_sha256)
         for name in spec:
             torch.testing.assert_close(got[name], expected[name], rtol=1e-6, atol=1e-7)
+
+
+def test_the_sqrt_rescale_counts_the_paths_that_contributed_not_the_layouts(db: None) -> None:
+    run = running_run(GRID, replicas=1)  # 4 paths, one unit each; "shared" is in all 4
+    uploads: dict[str, list[bytes]] = {}
+    for seed in range(3):  # three paths contribute, the fourth's unit never comes back
+        _, uploaded = contribute(run, good, seed=60 + seed)
+        for module_id, data in uploaded.items():
+            uploads.setdefault(module_id, []).append(data)
+    closing_round(run)
+    done = {c.unit.path.index for c in Contribution.objects.filter(unit__round__run=run)}
+    assert len(done) == 3
+
+    for module_id in module_ids_of(run):
+        report = step_module(run.pk, module_id, 0)
+        contributed = [
+            p for p in done if module_id in run.paths.get(index=p).modules
+        ]  # the distinct paths whose uploads reached this module
+        if not contributed:
+            assert report["outcome"] == "kept"
+            continue
+        expected = library_step(run, module_id, uploads[module_id], paths=len(contributed))
+        assert_same(stored_version(run, module_id, 1), expected)
+    assert len(paths_through(run.run_config, "shared")) == 4
+    as_if_four = library_step(run, "shared", uploads["shared"], paths=4)
+    shared = stored_version(run, "shared", 1)
+    assert any(not torch.equal(shared[n], as_if_four[n]) for n in shared), "√3, not √4"
+
+
+def test_a_warm_up_round_steps_with_its_share_of_the_outer_learning_rate(db: None) -> None:
+    run = running_run(DILOCO, replicas=1, outer={"warmup_rounds": 3})
+    _, uploaded = contribute(run, good, seed=70)
+    closing_round(run)
+
+    step_module(run.pk, "0.0", 0)
+
+    config = run.run_config.outer
+    assert outer_lr(config, 0) == pytest.approx(config.lr / 4)
+    spec = module_spec(run.run_config, "0.0")
+    grad = aggregate([(codecs.decode(uploaded["0.0"], spec), TOKENS)], config, spec=spec)
+    base = stored_version(run, "0.0", 0)
+    expected, _ = outer_step(base, grad, None, config, lr=config.lr / 4)
+    assert_same(stored_version(run, "0.0", 1), expected)
+
+
+def module_ids_of(run: Run) -> list[str]:
+    return list(run.modules.order_by("pk").values_list("module_id", flat=True))
 
 
 def test_a_step_that_fails_for_good_leaves_the_reason_and_the_round_resumable(db: None) -> None:
@@ -533,7 +583,7 @@ def run(case):
     uploads = [Upload(i, 0, *u) for i, u in enumerate(case["uploads"])]
     base = BaseVersion(0, case["base"], case["base_sha"], "")
     work = pathlib.Path(tempfile.mkdtemp(dir=args["root"]))
-    result = compute_step(store, uploads, base, spec, cfg, 1, work)
+    result = compute_step(store, uploads, base, spec, cfg, work, round_index=0)
     assert result.weights is not None and all(v.accepted for v in result.verdicts)
 run(args["warmup"])  # the same code path once, so the measured one loads no new code
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak to the current RSS

@@ -9,8 +9,11 @@ each streamed from the object store to a temporary file, one at a time:
    names, shapes, dtypes, finite values) for its norm. Norms above
    ``outer.reject_norm_factor`` x the median of the verified ones are outliers.
 2. **aggregate** the accepted ones into one fp32 sum (`codecs.accumulate`, token weights,
-   the robust rule), the √(paths) rescale, then Nesterov chunk by chunk, streaming
-   version `base` and its momentum (module files, runs.prepare) in and t + 1 out.
+   the robust rule), the √(contributing paths) rescale, then Nesterov at round t's outer
+   lr chunk by chunk, streaming version `base` and its momentum (module files,
+   runs.prepare) in and t + 1 out. The arithmetic is dipaco.outer's (`rescale_factor`,
+   `outer_lr`, `outer_step`, `clip_threshold`, `trimmed_mean`); only the weighted sum is
+   the server's own, streamed from the encoded uploads instead of decoded Δs.
 
 Memory, whatever the number of contributions: pass 1 holds one upload (<= 1x the fp32
 module); pass 2 the fp32 sum plus one upload plus chunks; the trimmed mean, which needs
@@ -54,7 +57,14 @@ from torch import Tensor
 from dipaco import codecs
 from dipaco.codecs import CodecError
 from dipaco.config import OuterConfig
-from dipaco.outer import clip_threshold, norm_outliers, outer_step, trimmed_mean
+from dipaco.outer import (
+    clip_threshold,
+    norm_outliers,
+    outer_lr,
+    outer_step,
+    rescale_factor,
+    trimmed_mean,
+)
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
@@ -110,6 +120,7 @@ class Upload:
     size: int
     sha256: str
     tokens: int
+    path: int = 0  # the index of the path its unit trained: the √ rescale counts these
 
 
 @dataclass
@@ -232,10 +243,18 @@ def verify_uploads(
     return verdicts
 
 
+def contributing_paths(accepted: Sequence[Verdict]) -> int:
+    """The distinct paths among the accepted contributions: what DiPaCo's √ rescale counts
+    (dipaco.outer.rescale_factor), not the layout's paths through the module; a path that
+    is stopped, or whose uploads were all refused, adds no Δ to the mean."""
+    return len({v.upload.path for v in accepted})
+
+
 def aggregate(
-    accepted: Sequence[Verdict], spec: Spec, cfg: OuterConfig, paths: int, work: Path
+    accepted: Sequence[Verdict], spec: Spec, cfg: OuterConfig, work: Path
 ) -> dict[str, Tensor]:
-    """Pass 2: the module's outer gradient in fp32, as dipaco.outer.aggregate computes it."""
+    """Pass 2: the module's outer gradient in fp32, as dipaco.outer.aggregate computes it
+    with ``paths_through=contributing_paths(accepted)``."""
     weights = [float(v.upload.tokens) if cfg.token_weighting else 1.0 for v in accepted]
     if cfg.robust == "trimmed-mean":
         grad = _trimmed_mean(accepted, spec, cfg, work)
@@ -251,9 +270,10 @@ def aggregate(
         total = sum(weights)
         for tensor in grad.values():
             tensor.div_(total)
-    if cfg.sqrt_paths_rescale and paths > 1:
+    factor = rescale_factor(cfg, contributing_paths(accepted))
+    if factor != 1.0:
         for tensor in grad.values():
-            tensor.mul_(math.sqrt(paths))
+            tensor.mul_(factor)
     return grad
 
 
@@ -303,9 +323,10 @@ def apply_step(
     spec: Spec,
     cfg: OuterConfig,
     work: Path,
+    lr: float,
 ) -> tuple[Path, str, int, Path | None]:
-    """dipaco.outer.outer_step chunk by chunk, streaming version `base` and its momentum in:
-    (weights file, its sha256, its size, momentum file)."""
+    """dipaco.outer.outer_step at outer learning rate `lr`, chunk by chunk, streaming version
+    `base` and its momentum in: (weights file, its sha256, its size, momentum file)."""
     base_path, base_momentum = work / "base.safetensors", None
     store.download_to(base.key, base_path)
     if base.momentum_key and cfg.momentum:
@@ -324,7 +345,7 @@ def apply_step(
                 g = flat[start : start + STEP_CHUNK]  # (c,)
                 p = params.read(g.numel())  # (c,)
                 m = {name: buffer.read(g.numel())} if buffer is not None else None  # (c,)
-                new_p, new_m = outer_step({name: p}, {name: g}, m, cfg)
+                new_p, new_m = outer_step({name: p}, {name: g}, m, cfg, lr=lr)
                 weights_out.write(new_p[name])
                 if momentum_out is not None:
                     momentum_out.write(new_m[name])
@@ -343,10 +364,15 @@ def compute_step(
     base: BaseVersion | None,
     spec: Spec,
     cfg: OuterConfig,
-    paths: int,
     work: Path,
+    *,
+    round_index: int,
 ) -> StepResult:
-    """Verify, aggregate and step in `work`; the outputs stay there for the caller."""
+    """Verify, aggregate and step in `work`; the outputs stay there for the caller.
+
+    `round_index` is the 0-based round of the run's config whose step this is: it sets
+    the outer learning rate (dipaco.outer.outer_lr, cfg.warmup_rounds).
+    """
     clock = time.perf_counter()
     result = StepResult(verify_uploads(store, uploads, spec, cfg.reject_norm_factor, work))
     result.timings["verify"] = time.perf_counter() - clock
@@ -356,7 +382,7 @@ def compute_step(
     if accepted:
         if base is None:
             raise ValueError("contributions without a base version: the round has no units")
-        grad = aggregate(accepted, spec, cfg, paths, work)
+        grad = aggregate(accepted, spec, cfg, work)
         result.timings["aggregate"] = time.perf_counter() - clock
         for verdict in accepted:  # done with them: free the disk before the step
             if verdict.file is not None:
@@ -365,7 +391,8 @@ def compute_step(
         result.update_norm = math.sqrt(
             sum(float(torch.linalg.vector_norm(t)) ** 2 for t in grad.values())
         )
-        weights, digest, size, momentum = apply_step(store, base, grad, spec, cfg, work)
+        lr = outer_lr(cfg, round_index)
+        weights, digest, size, momentum = apply_step(store, base, grad, spec, cfg, work, lr)
         result.weights, result.weights_sha256, result.weights_size = weights, digest, size
         result.momentum = momentum
         result.tokens = sum(v.upload.tokens for v in accepted)
@@ -386,7 +413,7 @@ def step_module(
     run_id: int, module_id: str, t: int, *, store: BlobStore | None = None
 ) -> dict[str, Any]:
     """Apply round t's outer step to one module once, however often it is called."""
-    from dipaco.modular import module_spec, paths_through  # transformers: seconds to import
+    from dipaco.modular import module_spec  # transformers: seconds to import
 
     module = Module.objects.select_related("run").get(run_id=run_id, module_id=module_id)
     round_ = Round.objects.get(run_id=run_id, t=t)
@@ -401,14 +428,14 @@ def step_module(
         module=module, unit__round=round_, status=Contribution.Status.PENDING
     )
     uploads = [
-        Upload(c.pk, c.lease.worker_id, c.blob_key, c.size, c.sha256, c.tokens)
-        for c in pending.select_related("lease").order_by("pk")
+        Upload(c.pk, c.lease.worker_id, c.blob_key, c.size, c.sha256, c.tokens, c.unit.path.index)
+        for c in pending.select_related("lease", "unit__path").order_by("pk")
     ]
     base = _base_version(round_, module)
-    spec, paths = module_spec(config, module_id), len(paths_through(config, module_id))
+    spec = module_spec(config, module_id)
     work = Path(tempfile.mkdtemp(prefix=f"outer-{run_id}-{module_id}-{t}-", dir=work_root()))
     try:
-        result = compute_step(store, uploads, base, spec, config.outer, paths, work)
+        result = compute_step(store, uploads, base, spec, config.outer, work, round_index=t)
         report = _commit(store, module, round_, base, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
