@@ -11,6 +11,7 @@ so a reader sees every setting of a run together.
 from __future__ import annotations
 
 import itertools
+from functools import cached_property
 from typing import Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -22,6 +23,7 @@ __all__ = [
     "CommConfig",
     "ConfigProblem",
     "DataConfig",
+    "DensePhaseConfig",
     "GiB",
     "InnerConfig",
     "LayoutConfig",
@@ -359,6 +361,26 @@ class RouterConfig(_Section):
     seed: int = Field(default=0, ge=0, description="Seed of the clustering.")
 
 
+class DensePhaseConfig(_Section):
+    """Phase 1 of the DiPaCo recipe (DESIGN §1): one dense, path-size model trained with DiLoCo.
+
+    Its features route the documents (router.featurizer "base-lm") and its layers start
+    every module of phase 2; `RunConfig.dense_phase` is the plain DiLoCo config it runs as.
+    """
+
+    rounds: int = Field(gt=0, description="Outer rounds of the dense DiLoCo phase.")
+    replicas: int = Field(
+        default=4,
+        gt=0,
+        le=MAX_UNITS_PER_ROUND,
+        description="Work units per round (DiLoCo replicas), each on its own window of the "
+        "one shard of all training documents.",
+    )
+    inner_steps: int | None = Field(
+        default=None, gt=0, description="H of phase 1; null: the run's inner.steps."
+    )
+
+
 class EvalConfig(_Section):
     """Held-out evaluation after every round, and per-path early stopping (DiPaCo §4)."""
 
@@ -460,7 +482,7 @@ class RunConfig(_Section):
         default="run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Label."
     )
     seed: int = Field(default=0, ge=0, description="Seed of module initialisation and data order.")
-    rounds: int = Field(default=100, gt=0, description="T: outer rounds.")
+    rounds: int = Field(default=100, gt=0, description="T: outer rounds (of DiPaCo, after phase1).")
     replicas_per_path: int = Field(default=1, gt=0, description="R: work units per path per round.")
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     layout: LayoutConfig = Field(
@@ -474,6 +496,12 @@ class RunConfig(_Section):
     router: RouterConfig = Field(default_factory=lambda: RouterConfig())
     eval: EvalConfig = Field(default_factory=lambda: EvalConfig())
     limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
+    phase1: DensePhaseConfig | None = Field(
+        default=None,
+        description="A dense DiLoCo phase before the DiPaCo rounds (the paper's recipe); "
+        "null: phase 2 starts from the seeded init with the tf-idf router, or from an "
+        "uploaded dense checkpoint when router.featurizer is 'base-lm'.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -504,6 +532,28 @@ class RunConfig(_Section):
                 list(self.layout.path_specific),
                 "with model.tie_embeddings, embeddings and lm_head are one tensor: "
                 "list both or neither",
+            )
+        return self
+
+    @model_validator(mode="before")
+    @classmethod
+    def _phase1_routes_with_base_lm(cls, data: Any) -> Any:
+        """With phase 1 and no featurizer named, route with the phase-1 model's features."""
+        if isinstance(data, dict) and data.get("phase1") is not None:
+            router = data.get("router", {})
+            raw = router.model_dump() if isinstance(router, BaseModel) else router
+            if isinstance(raw, dict) and "featurizer" not in raw:
+                data = {**data, "router": {**raw, "featurizer": "base-lm"}}
+        return data
+
+    @model_validator(mode="after")
+    def _check_phase1(self) -> RunConfig:
+        if self.phase1 is not None and self.router.featurizer != "base-lm":
+            raise refuse(
+                "router.featurizer",
+                self.router.featurizer,
+                "phase1 trains the base model whose features route the documents: use "
+                "'base-lm' (or leave router.featurizer out), or drop phase1",
             )
         return self
 
@@ -546,6 +596,30 @@ class RunConfig(_Section):
                 "or shrink the model",
             )
         return self
+
+    @property
+    def total_rounds(self) -> int:
+        """Outer rounds of the whole run: phase 1's, then `rounds` of DiPaCo (phase 2)."""
+        return self.rounds + (self.phase1.rounds if self.phase1 is not None else 0)
+
+    @cached_property
+    def dense_phase(self) -> RunConfig:
+        """Phase 1 as the plain DiLoCo config workers train it with: one level of one module
+        (LayoutConfig.diloco), phase1.replicas units per round, phase1.rounds rounds."""
+        if self.phase1 is None:
+            raise ValueError("this run has no phase 1 (phase1 is null)")
+        inner = self.inner.model_dump()
+        if self.phase1.inner_steps is not None:
+            inner["steps"] = self.phase1.inner_steps
+        return RunConfig.model_validate(
+            {
+                **self.model_dump(exclude={"phase1", "router"}),
+                "rounds": self.phase1.rounds,
+                "replicas_per_path": self.phase1.replicas,
+                "layout": LayoutConfig.diloco(self.model.num_layers),
+                "inner": inner,
+            }
+        )
 
     def module_param_counts(self) -> dict[str, int]:
         """Parameters per module id (see dipaco.modular), computed without allocation."""

@@ -15,7 +15,7 @@ of 256 as alone.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -160,3 +160,34 @@ class BaseLMFeaturizer:
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         return {}  # the base model is stored with the run, not inside the router
+
+
+class PrecomputedFeaturizer:
+    """Features computed ahead (e.g. in chunks, by several processes), looked up by prefix.
+
+    A prefix not in ``table`` is featurised by ``fallback``, the featurizer that made the
+    table, so the result never depends on what was precomputed.
+    """
+
+    def __init__(self, fallback: Featurizer, table: Mapping[tuple[int, ...], torch.Tensor]):
+        self.fallback = fallback
+        self.name = fallback.name
+        self.table = table
+
+    @property
+    def dim(self) -> int:
+        return self.fallback.dim
+
+    def features(self, prefixes: Sequence[Sequence[int]]) -> torch.Tensor:
+        keys = [tuple(p) for p in prefixes]
+        missing = [k for k in dict.fromkeys(keys) if k not in self.table]
+        computed = (
+            dict(zip(missing, self.fallback.features(missing), strict=True)) if missing else {}
+        )
+        rows = [self.table[k] if k in self.table else computed[k] for k in keys]
+        if not rows:
+            return torch.zeros((0, self.dim), dtype=torch.float64)
+        return torch.stack(rows).double()  # (N, dim)
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        return self.fallback.state_tensors()

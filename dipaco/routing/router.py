@@ -72,6 +72,15 @@ def modules_to_path(modules: Sequence[int], factors: Sequence[int]) -> int:
     return path
 
 
+def prefix_ids(
+    tokenizer: RunTokenizer, texts: Sequence[str], prefix_tokens: int
+) -> list[list[int]]:
+    """The first ``prefix_tokens`` token ids of each text, cut as routing cuts them."""
+    limit = prefix_tokens * CHARS_PER_PREFIX_TOKEN
+    ids = tokenizer.encode_batch([t[:limit] for t in texts])
+    return [row[:prefix_tokens] for row in ids]
+
+
 @dataclass(frozen=True)
 class RouterSpec:
     featurizer: str
@@ -129,9 +138,7 @@ class Router:
 
     def prefix_ids(self, texts: Sequence[str]) -> list[list[int]]:
         """The first ``prefix_tokens`` token ids of each text."""
-        limit = self.spec.prefix_tokens * CHARS_PER_PREFIX_TOKEN
-        ids = self.tokenizer.encode_batch([t[:limit] for t in texts])
-        return [row[: self.spec.prefix_tokens] for row in ids]
+        return prefix_ids(self.tokenizer, texts, self.spec.prefix_tokens)
 
     def features(self, texts: Sequence[str]) -> torch.Tensor:
         return self.featurizer.features(self.prefix_ids(texts))  # (N, D)
@@ -186,6 +193,7 @@ class Router:
         tfidf_dim: int = DEFAULT_TFIDF_DIM,
         max_kmeans_docs: int = 50_000,
         progress: bool = False,
+        features: Featurizer | None = None,
     ) -> Router:
         """Fit centroids on (a sample of) ``texts`` and biases on all of them.
 
@@ -193,6 +201,8 @@ class Router:
         ``model``: the base LM, required for ``featurizer="base-lm"``.
         ``max_kmeans_docs``: k-means runs on at most this many documents
         (an evenly spaced, deterministic subset); the biases see every document.
+        ``features``: a featurizer of kind ``featurizer`` to use as it is, e.g. a
+        `PrecomputedFeaturizer` holding features computed ahead in chunks.
         """
         factors = tuple(int(k) for k in factors)
         if featurizer not in FEATURIZERS or method not in METHODS:
@@ -207,7 +217,11 @@ class Router:
                 f"{len(texts)} documents cannot fill {math.prod(factors)} paths; "
                 "use more data or fewer modules per level"
             )
-        feat = _make_featurizer(featurizer, tokenizer, prefix_tokens, model, tfidf_dim, None)
+        if features is not None and features.name != featurizer:
+            raise ValueError(f"features are {features.name!r}, not {featurizer!r}")
+        feat = features or _make_featurizer(
+            featurizer, tokenizer, prefix_tokens, model, tfidf_dim, None
+        )
         draft = cls(
             RouterSpec(
                 featurizer=featurizer,

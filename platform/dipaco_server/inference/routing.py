@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 from dipaco_server.inference.services import (
     RunNotPrepared,
+    base_model_bytes,
     get_run,
     router_bytes,
     tokenizer_blob,
 )
 from dipaco_server.runs.errors import ServiceError
+from dipaco_server.runs.models import Run
 
 if TYPE_CHECKING:
     from dipaco.routing.router import Router  # imports torch: loaded on the first route call
@@ -36,34 +38,53 @@ class TextInvalid(ServiceError):
     code, status = "text_invalid", 422
 
 
-def _load(tokenizer_json: bytes, router_file: bytes) -> Router:
+def _load(run: Run, tokenizer_json: bytes, router_file: bytes) -> Router:
+    from safetensors import safe_open
     from tokenizers import Tokenizer
 
     from dipaco.data.tokenizer import RunTokenizer
-    from dipaco.routing.router import Router
+    from dipaco.routing.router import METADATA_KEY, Router, RouterSpec
 
     tokenizer = RunTokenizer(Tokenizer.from_str(tokenizer_json.decode("utf-8")))
     with tempfile.TemporaryDirectory(prefix="dipaco-router-") as tmp:
         file = FsPath(tmp) / "router.safetensors"
         file.write_bytes(router_file)
+        model = None
+        with safe_open(str(file), framework="pt") as handle:
+            spec_json = (handle.metadata() or {}).get(METADATA_KEY)
+        if spec_json and RouterSpec.from_json(spec_json).featurizer == "base-lm":
+            model = _base_model(run, FsPath(tmp))  # the model that embedded the training data
         try:
-            return Router.load(file, tokenizer)
-        except ValueError as exc:  # a base-LM router needs a model the server does not keep
+            return Router.load(file, tokenizer, model=model)
+        except ValueError as exc:
             raise RunNotPrepared(f"the run's router cannot be served: {exc}") from None
+
+
+def _base_model(run: Run, tmp: FsPath) -> Any:
+    from dipaco_server.runs.checkpoint import base_model, verify_checkpoint
+
+    file = tmp / "base-model.safetensors"
+    file.write_bytes(base_model_bytes(run))
+    state = verify_checkpoint(file, run.run_config)
+    if run.run_config.model.tie_embeddings:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return base_model(state, run.run_config)
 
 
 def run_router(run_id: int) -> Router:
     run = get_run(run_id)
     _, tokenizer_json = tokenizer_blob(run)
     router_file = router_bytes(run)
-    digest = hashlib.sha256(tokenizer_json + b"\0" + router_file).hexdigest()
+    # The base model is written once per run, before its router: router bytes name it.
+    digest = hashlib.sha256(f"{run.pk}".encode() + tokenizer_json + b"\0" + router_file)
+    key = digest.hexdigest()
     with _lock:
-        if digest in _routers:
-            _routers.move_to_end(digest)
-            return _routers[digest]
-    router = _load(tokenizer_json, router_file)
+        if key in _routers:
+            _routers.move_to_end(key)
+            return _routers[key]
+    router = _load(run, tokenizer_json, router_file)
     with _lock:
-        _routers[digest] = router
+        _routers[key] = router
         while len(_routers) > _CACHE_SIZE:
             _routers.popitem(last=False)
     return router

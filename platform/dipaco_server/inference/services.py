@@ -38,6 +38,7 @@ from dipaco_server.inference import card
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RunNotFound, ServiceError
 from dipaco_server.runs.models import ModuleVersion, Path, Run
+from dipaco_server.runs.phases import PATHS
 from dipaco_server.storage import BlobStore, get_blob_store, validate_key
 
 if TYPE_CHECKING:
@@ -108,13 +109,16 @@ def select(run_id: int, path_index: int, round: int | None = None) -> Selection:
     the initial weights, is never served: nothing has trained it.
     """
     run = get_run(run_id)
-    path = run.paths.filter(index=path_index).first()
+    paths = run.paths.filter(phase=PATHS)  # the DiPaCo paths; phase 1's model is not served
+    path = paths.filter(index=path_index).first()
     if path is None:
         raise PathNotFound(
-            f"run {run.name!r} has no path {path_index}; its paths are 0..{run.paths.count() - 1}",
-            paths=run.paths.count(),
+            f"run {run.name!r} has no path {path_index}; its paths are 0..{paths.count() - 1}",
+            paths=paths.count(),
         )
-    rows = ModuleVersion.objects.filter(module__run=run, module__module_id__in=path.modules)
+    rows = ModuleVersion.objects.filter(
+        module__run=run, module__phase=PATHS, module__module_id__in=path.modules
+    )
     newest = rows.aggregate(v=Max("version"))["v"]
     if not newest:  # None: not prepared; 0: only the initial weights
         raise PathNotTrained(
@@ -159,6 +163,18 @@ def tokenizer_blob(run: Run) -> tuple[str, bytes]:
     dataset_key = run.dataset.tokenizer_key if run.dataset else ""
     key = _run_blob(run, keys.tokenizer_key(run.pk), dataset_key, "tokenizer")
     return key, get_blob_store().get_bytes(key)
+
+
+def base_model_bytes(run: Run) -> bytes:
+    """The run's base model (runs.checkpoint), which a "base-lm" router reads features with."""
+    key = keys.base_model_key(run.pk)
+    store = get_blob_store()
+    if not store.exists(key):
+        raise RunNotPrepared(
+            f"run {run.name!r} routes with its base model's features, and it has none yet "
+            f"(expected at {key}); it is written after phase 1, or uploaded before the start"
+        )
+    return store.get_bytes(key)
 
 
 def router_bytes(run: Run) -> bytes:

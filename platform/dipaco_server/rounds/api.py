@@ -36,6 +36,7 @@ from dipaco_server.rounds.services import round_ready_to_close
 from dipaco_server.runs.errors import ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.keys import data_key
 from dipaco_server.runs.models import ModuleVersion
+from dipaco_server.runs.phases import local_round, phase_config
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import BlobNotFound, get_blob_store
 
@@ -238,7 +239,10 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
         response["Retry-After"] = str(scheduler.idle_retry_after_s())
         return Status(204, None)
     lease, unit = grant.lease, grant.unit
-    run, config = unit.round.run, unit.round.run.run_config
+    # Each phase is a run of its own to a worker: its config (phase 1: the dense DiLoCo
+    # one), and the round's index within it, which the worker's lr schedule counts.
+    run, run_config = unit.round.run, unit.round.run.run_config
+    config = phase_config(run_config, unit.path.phase)
     return Status(
         200,
         {
@@ -250,7 +254,7 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
             "heartbeat_interval_s": current_policy().heartbeat_interval_s,
             "run_id": run.pk,
             "run_name": run.name,
-            "round": unit.round.t,
+            "round": local_round(run_config, unit.round.t),
             "unit_id": unit.pk,
             "replica": unit.replica,
             "path": unit.path.index,
@@ -258,7 +262,7 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
             "base_versions": dict(unit.base_versions),
             "steps": config.inner.steps,
             "codec": config.comm.codec,
-            "config": run.config,
+            "config": run.config if config is run_config else config.model_dump(mode="json"),
             "data": {
                 "offset_tokens": unit.data_offset,
                 "length_tokens": unit.data_length,
@@ -278,7 +282,7 @@ def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[
     rows = {
         v.module.module_id: v
         for v in ModuleVersion.objects.select_related("module").filter(
-            module__run=run, module__module_id__in=list(wanted)
+            module__run=run, module__phase=unit.path.phase, module__module_id__in=list(wanted)
         )
         if v.version == wanted[v.module.module_id]
     }
@@ -291,7 +295,7 @@ def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[
     itemsize = int(dtype[-1])
     start = unit.data_offset * itemsize
     end = (unit.data_offset + unit.data_length) * itemsize
-    key = data_key(run.pk, unit.path.index, "train")
+    key = data_key(run.pk, unit.path.index, "train", unit.path.phase)
     return {
         "lease_id": lease.pk,
         "expires_in_s": DOWNLOAD_URL_EXPIRES_S,
@@ -323,7 +327,8 @@ def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[
 def upload_urls(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[str, Any]:
     """One presigned PUT (and form POST) per module, scoped to this unit and lease."""
     lease = scheduler.authorize_lease(current_worker(request), lease_id, lease_secret)
-    store, config = get_blob_store(), lease.unit.round.run.run_config
+    store = get_blob_store()
+    config = phase_config(lease.unit.round.run.run_config, lease.unit.path.phase)
     uploads = []
     for module_id in lease.unit.path.modules:
         key, limit = upload_key(lease, module_id), max_upload_bytes(config, module_id)

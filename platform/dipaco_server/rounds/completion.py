@@ -33,6 +33,7 @@ from dipaco_server.rounds.services import unit_tokens
 from dipaco_server.runs.errors import ContributionConflict, ContributionInvalid, LeaseNotActive
 from dipaco_server.runs.keys import contribution_key
 from dipaco_server.runs.models import Module
+from dipaco_server.runs.phases import phase_config
 from dipaco_server.workers.models import Worker
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,9 @@ def complete(
     clean = _validated(lease, reports)
     modules = {
         m.module_id: m
-        for m in Module.objects.filter(run_id=lease.unit.round.run_id, module_id__in=list(clean))
+        for m in Module.objects.filter(
+            run_id=lease.unit.round.run_id, phase=lease.unit.path.phase, module_id__in=list(clean)
+        )
     }
     with transaction.atomic():
         live = Lease.objects.filter(pk=lease.pk, state=Lease.State.ACTIVE, deadline__gte=now)
@@ -194,7 +197,7 @@ def _validated(
             missing=missing,
             unexpected=[str(e) for e in extra],
         )
-    config = lease.unit.round.run.run_config
+    config = phase_config(lease.unit.round.run.run_config, path.phase)
     most_tokens = unit_tokens(config)
     clean = {}
     for report in reports:

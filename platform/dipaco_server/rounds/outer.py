@@ -69,6 +69,7 @@ from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
 from dipaco_server.runs.models import Module, ModuleVersion
+from dipaco_server.runs.phases import local_round, round_config
 from dipaco_server.runs.prepare import ModuleReader, ModuleWriter, Spec, work_root
 from dipaco_server.runs.services import publish_module_version
 from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
@@ -415,15 +416,18 @@ def step_module(
     """Apply round t's outer step to one module once, however often it is called."""
     from dipaco.modular import module_spec  # transformers: seconds to import
 
-    module = Module.objects.select_related("run").get(run_id=run_id, module_id=module_id)
-    round_ = Round.objects.get(run_id=run_id, t=t)
+    round_ = Round.objects.select_related("run").get(run_id=run_id, t=t)
+    # Round t trains the modules of its phase, with that phase's config (runs.phases).
+    phase, config = round_config(round_.run.run_config, t)
+    module = Module.objects.select_related("run").get(
+        run_id=run_id, phase=phase, module_id=module_id
+    )
     if round_.state == Round.State.OPEN:
         raise RoundClosed(f"round {t} of run {run_id} is still open; close it before stepping")
     done = OuterStep.objects.filter(round=round_, module=module).first()
     if done is not None:
         return _report(done, module_id, t, replayed=True)
     store = store or get_blob_store()
-    config = module.run.run_config
     pending = Contribution.objects.filter(
         module=module, unit__round=round_, status=Contribution.Status.PENDING
     )
@@ -435,7 +439,15 @@ def step_module(
     spec = module_spec(config, module_id)
     work = Path(tempfile.mkdtemp(prefix=f"outer-{run_id}-{module_id}-{t}-", dir=work_root()))
     try:
-        result = compute_step(store, uploads, base, spec, config.outer, work, round_index=t)
+        result = compute_step(
+            store,
+            uploads,
+            base,
+            spec,
+            config.outer,
+            work,
+            round_index=local_round(round_.run.run_config, t),
+        )
         report = _commit(store, module, round_, base, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -481,9 +493,11 @@ def _commit(
         version = None
         if result.weights is not None:
             version = t + 1
-            weights_key, momentum_key = keys.module_key(run_id, module_id, version), ""
+            phase = module.phase
+            weights_key = keys.module_key(run_id, module_id, version, phase)
+            momentum_key = ""
             if result.momentum is not None:
-                momentum_key = keys.momentum_key(run_id, module_id, version)
+                momentum_key = keys.momentum_key(run_id, module_id, version, phase)
                 store.put_file(momentum_key, result.momentum)
             store.put_file(weights_key, result.weights)
             inject(Fault.KILL_AFTER_BLOB_WRITE)

@@ -38,6 +38,7 @@ from dipaco_server.runs.errors import (
     WorkerRevoked,
 )
 from dipaco_server.runs.models import Path, Run
+from dipaco_server.runs.phases import phase_config
 from dipaco_server.runs.services import TERMINAL
 from dipaco_server.workers import tokens
 from dipaco_server.workers.models import Worker
@@ -106,7 +107,8 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
             else:
                 secret = tokens.generate_token(tokens.LEASE_PREFIX)
                 budget = policy.lease_budget_s(
-                    unit_tokens(unit.round.run.run_config), locked.measured_speed
+                    unit_tokens(phase_config(unit.round.run.run_config, unit.path.phase)),
+                    locked.measured_speed,
                 )
                 hard_deadline = now + timedelta(seconds=budget)
                 timeout = timedelta(seconds=policy.lease_timeout_s)

@@ -22,6 +22,7 @@ from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RunNotActive
 from dipaco_server.runs.models import Path, Run
+from dipaco_server.runs.phases import PATHS, first_round, round_config
 from dipaco_server.runs.services import TERMINAL, current_versions, transition
 
 logger = logging.getLogger(__name__)
@@ -68,20 +69,25 @@ def open_round(
     existing = Round.objects.filter(run=run, t=t).first()
     if existing is not None:
         return existing  # a retried task: never a second set of units
-    run.refresh_from_db(fields=["state", "current_round"])
-    config = run.run_config
+    run.refresh_from_db(fields=["state", "current_round", "phase"])
     if run.state not in OPENABLE:
         raise RunNotActive(f"run {run.name!r} is {run.state}; start or resume it first")
-    if t >= config.rounds:
-        raise RunNotActive(
-            f"round {t} is past the run's last round ({config.rounds - 1}); finish the run"
-        )
+    if t >= run.run_config.total_rounds:
+        last = run.run_config.total_rounds - 1
+        raise RunNotActive(f"round {t} is past the run's last round ({last}); finish the run")
     if t > 0 and not Round.objects.filter(run=run, t=t - 1, state=Round.State.CLOSED).exists():
         raise RunNotActive(f"round {t - 1} of run {run.name!r} is not closed; close it first")
-    paths = list(run.paths.filter(state=Path.State.ACTIVE).order_by("index"))
+    # Each phase has its own config, paths and modules (runs.phases).
+    phase, config = round_config(run.run_config, t)
+    if phase == PATHS and run.phase != Run.Phase.PATHS:
+        raise RunNotActive(
+            f"run {run.name!r} is preparing phase 2 (phase {run.phase}); its first DiPaCo "
+            "round opens when the preparation is done"
+        )
+    paths = list(run.paths.filter(phase=phase, state=Path.State.ACTIVE).order_by("index"))
     if not paths:
         raise RunNotActive(f"every path of run {run.name!r} has finished; finish the run")
-    versions = current_versions(run)
+    versions = current_versions(run, phase)
     missing = sorted({m for p in paths for m in p.modules if versions.get(m) is None})
     if missing:
         raise ModulesNotReady(
@@ -102,7 +108,9 @@ def open_round(
             )
         base = {m: versions[m] for m in path.modules}
         for r in range(replicas):
-            offset, length = data_window(shard, window, t, r, replicas)
+            offset, length = data_window(
+                shard, window, t - first_round(run.run_config, phase), r, replicas
+            )
             units.append(
                 WorkUnit(
                     round=round_,

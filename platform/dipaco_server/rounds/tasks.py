@@ -42,9 +42,11 @@ from dipaco_server.rounds.services import (
 from dipaco_server.runs.errors import ServiceError
 from dipaco_server.runs.models import Module, Run
 from dipaco_server.runs.models import Path as RunPath
+from dipaco_server.runs.phases import DENSE, round_phase
 from dipaco_server.runs.services import TERMINAL, transition
 
 logger = logging.getLogger(__name__)
+PREPARING_PHASE2 = "preparing phase 2"
 
 # Errors worth retrying with backoff: the database or the object store was unreachable.
 TRANSIENT = (
@@ -150,8 +152,11 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
             return "closing elsewhere"  # a concurrent call won and launched the chord
     elif not force:
         return "closing elsewhere"  # its steps are in the queue already
+    phase = round_phase(round_.run.run_config, t)  # the modules of the round's phase
     modules = (
-        Module.objects.filter(run_id=run_id).order_by("pk").values_list("module_id", flat=True)
+        Module.objects.filter(run_id=run_id, phase=phase)
+        .order_by("pk")
+        .values_list("module_id", flat=True)
     )
     options = same_queue(self)
     steps = [outer_step.si(run_id, module_id, t).set(**options) for module_id in modules]
@@ -192,12 +197,18 @@ def finish_round(self: Task, run_id: int, t: int) -> str:
     Run.objects.filter(pk=run_id).exclude(state__in=TERMINAL).update(error="")
     run = round_.run
     config = run.run_config
-    if t + 1 < config.rounds and eval_settings(config).patience is None:
+    boundary = config.phase1 is not None and t + 1 == config.phase1.rounds
+    if t + 1 < config.total_rounds and eval_settings(config).patience is None and not boundary:
         outcome = advance_run(run, t)
         _evaluate(run, t)
         return outcome
     _evaluate(run, t)
-    return advance_run(run, t)
+    outcome = advance_run(run, t)
+    if outcome == PREPARING_PHASE2:
+        self.app.send_task(
+            "dipaco_server.runs.tasks.prepare_phase2", args=[run_id], **same_queue(self)
+        )
+    return outcome
 
 
 def _evaluate(run: Run, t: int) -> None:
@@ -224,11 +235,24 @@ def fail_round(run_id: int, t: int) -> None:
 
 
 def advance_run(run: Run, t: int) -> str:
-    """Open round t + 1, or finish the run after its last round or when every path stopped."""
+    """Open round t + 1, or finish the run after its last round or when every path stopped.
+
+    After phase 1's last round (or when its dense path stopped early) the run enters
+    "preparing phase 2" instead, and the caller sends runs.tasks.prepare_phase2
+    (`PREPARING_PHASE2` is returned to the one caller that moved it there).
+    """
     run.refresh_from_db()
     if run.state in TERMINAL:
         return run.state
-    if t + 1 < run.run_config.rounds and run.paths.filter(state=RunPath.State.ACTIVE).exists():
+    config = run.run_config
+    phase = round_phase(config, t)
+    active = run.paths.filter(phase=phase, state=RunPath.State.ACTIVE)
+    if phase == DENSE and (round_phase(config, t + 1) != DENSE or not active.exists()):
+        active.update(state=RunPath.State.FINISHED)
+        from dipaco_server.runs.between import enter_preparing
+
+        return PREPARING_PHASE2 if enter_preparing(run) else "preparing elsewhere"
+    if t + 1 < config.total_rounds and active.exists():
         try:
             open_round(run, t + 1)
         except ServiceError as exc:

@@ -8,14 +8,18 @@ allowed moves.
 
 import logging
 import re
+import shutil
+import tempfile
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from django.db import IntegrityError, transaction
 from django.db.models import Count, F, QuerySet
 from django.http import HttpRequest
 from kombu.exceptions import KombuError
-from ninja import Field, Query, Router, Schema, Status
+from ninja import Field, Query, Router, Schema, Status, UploadedFile
+from ninja import File as NinjaFile
 from ninja.pagination import LimitOffsetPagination, paginate
 
 from dipaco_server.accounts.auth import staff_auth
@@ -24,9 +28,10 @@ from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
 from dipaco_server.rounds.models import Lease
 from dipaco_server.rounds.services import open_round
-from dipaco_server.runs import services
-from dipaco_server.runs.errors import ConfigInvalid, RunNotFound
+from dipaco_server.runs import keys, services
+from dipaco_server.runs.errors import ConfigInvalid, RunNotFound, ServiceError
 from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
+from dipaco_server.storage import get_blob_store
 
 logger = logging.getLogger(__name__)
 router = Router(tags=["admin: runs"], auth=staff_auth)
@@ -77,14 +82,37 @@ class RunOut(Schema):
     started_at: datetime | None
     finished_at: datetime | None
     allowed_moves: list[str] = Field(description="States this run may move to next.")
+    phase: str = Field(
+        description='"1": the dense DiLoCo phase; "preparing": routing and module '
+        'initialisation from its model; "2": DiPaCo rounds (a run without phase1 starts here).'
+    )
+    phase1_rounds: int = Field(description="Rounds of the dense phase (0: no phase 1).")
+    phase1_rounds_done: int = Field(description="Rounds of the dense phase closed so far.")
 
     @staticmethod
     def resolve_allowed_moves(obj: Run | dict[str, Any]) -> list[str]:
         state = obj.state if isinstance(obj, Run) else obj["state"]
         return list(services.allowed_moves(state))
 
+    @staticmethod
+    def resolve_phase1_rounds(obj: Run | dict[str, Any]) -> int:
+        phase1 = _run_of(obj).run_config.phase1
+        return 0 if phase1 is None else phase1.rounds
+
+    @staticmethod
+    def resolve_phase1_rounds_done(obj: Run | dict[str, Any]) -> int:
+        run = _run_of(obj)
+        total = RunOut.resolve_phase1_rounds(run)
+        # Rounds open one at a time, in order: in phase 1 the current round is the first open.
+        return min(run.current_round, total) if run.phase == Run.Phase.DENSE else total
+
+
+def _run_of(obj: Run | dict[str, Any]) -> Run:
+    return obj if isinstance(obj, Run) else obj["run"]
+
 
 class ModuleOut(Schema):
+    phase: int = Field(description="1: a module of the dense phase-1 model; 2: a DiPaCo module.")
     module_id: str
     level: int | None
     index: int
@@ -95,6 +123,7 @@ class ModuleOut(Schema):
 
 
 class PathOut(Schema):
+    phase: int = Field(description="1: the dense phase-1 model's one path; 2: a DiPaCo path.")
     index: int
     choices: list[int]
     modules: list[str]
@@ -219,8 +248,12 @@ def _run(run_id: int) -> Run:
     return run
 
 
+_RESOLVED = ("allowed_moves", "phase1_rounds", "phase1_rounds_done")
+
+
 def _run_out(run: Run) -> dict[str, Any]:
-    return {f: getattr(run, f) for f in RunOut.model_fields if f != "allowed_moves"}
+    out = {f: getattr(run, f) for f in RunOut.model_fields if f not in _RESOLVED}
+    return {**out, "run": run}
 
 
 @router.post("/runs", response={201: RunOut})
@@ -266,13 +299,14 @@ def get_run(request: HttpRequest, run_id: int) -> dict[str, Any]:
             "closed_at": round_.closed_at,
             "units": units,
         }
-    out["paths"] = list(run.paths.order_by("index"))
+    out["paths"] = list(run.paths.order_by("phase", "index"))
     current = {
         v.module_id: v
         for v in ModuleVersion.objects.filter(module__run=run, version=F("module__current_version"))
     }
     out["modules"] = [
         {
+            "phase": m.phase,
             "module_id": m.module_id,
             "level": m.level,
             "index": m.index,
@@ -301,6 +335,7 @@ def start_run(request: HttpRequest, run_id: int) -> Run:
     ready → running with its first round open."""
     run = _run(run_id)
     if run.state == Run.State.DRAFT:
+        _check_base_model(run)
         # The conditional transition lets one of concurrent starts win, and only it sends
         # the preparation task (runs.tasks.prepare_run moves the run on to ready).
         services.transition(run, Run.State.PREPARING)
@@ -313,6 +348,73 @@ def start_run(request: HttpRequest, run_id: int) -> Run:
         open_round(run, run.current_round)
     run.refresh_from_db()
     return run
+
+
+def _check_base_model(run: Run) -> None:
+    """A "base-lm" router without phase 1 reads an uploaded checkpoint: refuse to start
+    without one, before preparation spends minutes on the corpus."""
+    config = run.run_config
+    if config.phase1 is not None or config.router.featurizer != "base-lm":
+        return
+    if config.num_paths > 1 and not get_blob_store().exists(keys.base_model_key(run.pk)):
+        raise ApiError(
+            409,
+            "base_model_missing",
+            f"router.featurizer = 'base-lm' routes run {run.name!r} with a dense base model, and "
+            f"it has none: upload one (POST /api/v1/runs/{run.pk}/checkpoint), or create the "
+            "run with phase1 to train one, or with router.featurizer 'tfidf'",
+            field="router.featurizer",
+        )
+
+
+class CheckpointOut(Schema):
+    key: str = Field(description="Where the base model is stored (runs/<run>/base/...).")
+    tensors: int
+    params: int
+
+
+@router.post("/runs/{run_id}/checkpoint", response={201: CheckpointOut})
+@audited("run.checkpoint", "run")
+def upload_checkpoint(
+    request: HttpRequest, run_id: int, file: NinjaFile[UploadedFile]
+) -> Status[dict[str, Any]]:
+    """Upload a dense checkpoint (safetensors: a path-size LlamaForCausalLM state dict) to a
+    draft run: preparation initialises every module from it, and routes with its features
+    when router.featurizer is 'base-lm'. Names and shapes must be the run's model's; a
+    refusal (422) names the tensor that does not fit in details.field. Never unpickled."""
+    from dipaco_server.runs.checkpoint import verify_checkpoint, write_base_model
+    from dipaco_server.runs.prepare import work_root
+
+    run = _run(run_id)
+    if run.state != Run.State.DRAFT:
+        raise ApiError(
+            409,
+            "run_not_draft",
+            f"run {run.name!r} is {run.state}; a checkpoint is uploaded before the run starts",
+        )
+    if run.run_config.phase1 is not None:
+        raise ApiError(
+            409,
+            "run_has_phase1",
+            f"run {run.name!r} trains its base model in phase 1 (phase1 is set); create a "
+            "run without phase1 to start from an uploaded checkpoint",
+            field="phase1",
+        )
+    work = Path(tempfile.mkdtemp(prefix=f"checkpoint-{run.pk}-", dir=work_root()))
+    try:
+        upload = work / "upload.safetensors"
+        with open(upload, "wb") as out:
+            for chunk in file.chunks():
+                out.write(chunk)
+        try:
+            state = verify_checkpoint(upload, run.run_config)
+        except ServiceError as exc:
+            raise ApiError(exc.status, exc.code, exc.message, **exc.details) from None
+        key = write_base_model(get_blob_store(), run.pk, state, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    params = sum(t.numel() for t in state.values())
+    return Status(201, {"key": key, "tensors": len(state), "params": params})
 
 
 @router.post("/runs/{run_id}/pause", response=RunOut)

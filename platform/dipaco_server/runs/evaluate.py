@@ -33,6 +33,7 @@ from dipaco.config import EvalConfig, RunConfig
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
+from dipaco_server.runs.phases import round_config
 from dipaco_server.runs.prepare import data_index_key, read_module, work_root
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import BlobStore, get_blob_store
@@ -91,7 +92,8 @@ def evaluate_run(
     from dipaco.model import build_model
     from dipaco.modular import assemble_path_state
 
-    config = run.run_config
+    # Round t scores the paths of its phase, with that phase's config (runs.phases).
+    phase, config = round_config(run.run_config, t)
     settings = eval_settings(config)
     patience = settings.patience if patience is None else patience
     done = set(
@@ -99,7 +101,7 @@ def evaluate_run(
     )
     paths = [
         p
-        for p in run.paths.filter(state=RunPath.State.ACTIVE).order_by("index")
+        for p in run.paths.filter(phase=phase, state=RunPath.State.ACTIVE).order_by("index")
         if p.pk not in done and p.val_tokens > 1
     ]
     if not paths:
@@ -107,15 +109,15 @@ def evaluate_run(
     store = store or get_blob_store()
     work = Path(tempfile.mkdtemp(prefix=f"evaluate-{run.pk}-{t}-", dir=work_root()))
     try:
-        store.download_to(data_index_key(run.pk), work / "index.json")
+        store.download_to(data_index_key(run.pk, phase), work / "index.json")
         index = ShardIndex.load(work)
-        modules = _ModuleCache(run, t, store, work)
+        modules = _ModuleCache(run, t, store, work, phase, config)
         model = build_model(config.model, config.seed)
         results = []
         for path in paths:
             model.load_state_dict(assemble_path_state(config, path.index, modules.of(path)))
             val = work / f"val-{path.index}.bin"
-            store.download_to(keys.data_key(run.pk, path.index, "val"), val)
+            store.download_to(keys.data_key(run.pk, path.index, "val", phase), val)
             windows = val_windows(
                 TokenShard(val, index.dtype),
                 config.model.seq_len,
@@ -179,8 +181,11 @@ def _record(
 class _ModuleCache:
     """Each module's weights after round t, downloaded and checked once per evaluation."""
 
-    def __init__(self, run: Run, t: int, store: BlobStore, work: Path) -> None:
+    def __init__(
+        self, run: Run, t: int, store: BlobStore, work: Path, phase: int, config: RunConfig
+    ) -> None:
         self.run, self.t, self.store, self.work = run, t, store, work
+        self.phase, self.config = phase, config
         self.tensors: dict[str, dict[str, Tensor]] = {}
 
     def of(self, path: RunPath) -> dict[str, dict[str, Tensor]]:
@@ -191,7 +196,7 @@ class _ModuleCache:
                 continue
             version = (
                 ModuleVersion.objects.filter(
-                    module=Module.objects.get(run=self.run, module_id=module_id),
+                    module=Module.objects.get(run=self.run, phase=self.phase, module_id=module_id),
                     version__lte=self.t + 1,
                 )
                 .order_by("-version")
@@ -201,7 +206,7 @@ class _ModuleCache:
                 raise ValueError(f"module {module_id} of run {self.run.pk} has no version yet")
             file = self.work / f"{module_id}.safetensors"
             self.store.download_to(version.blob_key, file)
-            spec = module_spec(self.run.run_config, module_id)
+            spec = module_spec(self.config, module_id)
             self.tensors[module_id] = read_module(file, spec, version.sha256)
             file.unlink()
         return {m: self.tensors[m] for m in path.modules}

@@ -35,19 +35,28 @@ def run_prefix(run_id: int) -> str:
     return f"runs/{_id(run_id, 'run id')}"
 
 
-def module_key(run_id: int, module_id: str, version: int) -> str:
-    """runs/<run>/modules/<module>/v<t>.safetensors: fp32 weights after outer step t."""
+def phase_prefix(run_id: int, phase: int) -> str:
+    """runs/<run> for phase 2 (DESIGN §5 as it is), runs/<run>/phase1 for the dense phase:
+    the phase-1 modules and shard have phase 2's ids and indices (runs.phases)."""
+    if phase not in (1, 2):
+        raise ValueError(f"phase must be 1 or 2, got {phase!r}")
+    return run_prefix(run_id) + ("/phase1" if phase == 1 else "")
+
+
+def module_key(run_id: int, module_id: str, version: int, phase: int = 2) -> str:
+    """<phase prefix>/modules/<module>/v<t>.safetensors: fp32 weights after outer step t."""
     module = check_module_id(module_id)
     return validate_key(
-        f"{run_prefix(run_id)}/modules/{module}/v{_id(version, 'version')}.safetensors"
+        f"{phase_prefix(run_id, phase)}/modules/{module}/v{_id(version, 'version')}.safetensors"
     )
 
 
-def momentum_key(run_id: int, module_id: str, version: int) -> str:
-    """runs/<run>/modules/<module>/momentum/v<t>.safetensors: the outer Nesterov buffer."""
+def momentum_key(run_id: int, module_id: str, version: int, phase: int = 2) -> str:
+    """<phase prefix>/modules/<module>/momentum/v<t>.safetensors: the outer Nesterov buffer."""
     module = check_module_id(module_id)
     version = _id(version, "version")
-    return validate_key(f"{run_prefix(run_id)}/modules/{module}/momentum/v{version}.safetensors")
+    prefix = phase_prefix(run_id, phase)
+    return validate_key(f"{prefix}/modules/{module}/momentum/v{version}.safetensors")
 
 
 def contribution_key(run_id: int, t: int, unit_id: int, lease_id: int, module_id: str) -> str:
@@ -59,11 +68,33 @@ def contribution_key(run_id: int, t: int, unit_id: int, lease_id: int, module_id
     )
 
 
-def data_key(run_id: int, path_index: int, split: Literal["train", "val"]) -> str:
-    """runs/<run>/data/<path>/{train,val}.bin: the path's token ids."""
+def data_key(run_id: int, path_index: int, split: Literal["train", "val"], phase: int = 2) -> str:
+    """<phase prefix>/data/<path>/{train,val}.bin: the path's token ids."""
     if split not in ("train", "val"):
         raise ValueError(f"split must be 'train' or 'val', got {split!r}")
-    return validate_key(f"{run_prefix(run_id)}/data/{_id(path_index, 'path index')}/{split}.bin")
+    prefix = phase_prefix(run_id, phase)
+    return validate_key(f"{prefix}/data/{_id(path_index, 'path index')}/{split}.bin")
+
+
+def data_index_key(run_id: int, phase: int = 2) -> str:
+    """<phase prefix>/data/index.json: the shard index (dtype, tokens and sha256 per file)."""
+    return validate_key(f"{phase_prefix(run_id, phase)}/data/index.json")
+
+
+def base_model_key(run_id: int) -> str:
+    """runs/<run>/base/model.safetensors: the dense path-size model phase 2 starts from
+    (phase 1's last weights, or an uploaded checkpoint) and whose features route."""
+    return validate_key(f"{run_prefix(run_id)}/base/model.safetensors")
+
+
+def documents_key(run_id: int, chunk: int) -> str:
+    """runs/<run>/phase1/documents/<i>.jsonl: chunk i of the corpus split, kept for routing."""
+    return validate_key(f"{phase_prefix(run_id, 1)}/documents/{_id(chunk, 'chunk')}.jsonl")
+
+
+def features_key(run_id: int, chunk: int) -> str:
+    """runs/<run>/phase1/features/<i>.safetensors: base-LM features of document chunk i."""
+    return validate_key(f"{phase_prefix(run_id, 1)}/features/{_id(chunk, 'chunk')}.safetensors")
 
 
 def tokenizer_key(run_id: int) -> str:

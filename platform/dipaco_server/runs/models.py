@@ -52,6 +52,13 @@ class Run(models.Model):
         FAILED = "failed"
         CANCELLED = "cancelled"
 
+    class Phase(models.TextChoices):
+        """DESIGN §1: a dense DiLoCo phase, the Celery tasks between, then DiPaCo rounds."""
+
+        DENSE = "1"  # phase 1: one dense path-size model, config.phase1.rounds rounds
+        PREPARING = "preparing"  # routing and module initialisation from the phase-1 model
+        PATHS = "2"  # phase 2: DiPaCo rounds (a run without phase1 starts here)
+
     name = models.CharField(max_length=64, unique=True)
     # RunConfig.model_dump(mode="json"), defaults filled in: stored whole (STYLE: config).
     config = models.JSONField()
@@ -60,6 +67,11 @@ class Run(models.Model):
     )
     state = models.CharField(max_length=16, choices=State.choices, default=State.DRAFT)
     current_round = models.PositiveIntegerField(default=0)
+    # Rounds are numbered across both phases: 0 .. phase1.rounds - 1 train the dense model,
+    # the rest are DiPaCo rounds (runs.phases).
+    phase = models.CharField(max_length=16, choices=Phase.choices, default=Phase.PATHS)
+    # Document chunks written for routing after phase 1, one embedding task each.
+    phase_chunks = models.PositiveIntegerField(default=0)
     error = models.TextField(blank=True)
     # What prepare_run is doing now: {"stage", "step", "steps", "detail", "updated_at"}.
     progress = models.JSONField(default=dict, blank=True)
@@ -81,9 +93,15 @@ class Run(models.Model):
 
 
 class Module(models.Model):
-    """One module of a run (dipaco.modular ids: "<level>.<k>", "shared", "path.<p>")."""
+    """One module of a run (dipaco.modular ids: "<level>.<k>", "shared", "path.<p>").
+
+    Phase-1 modules are those of the run's dense DiLoCo config (``RunConfig.dense_phase``:
+    "0.0" and "shared"), so their ids repeat phase 2's; ``phase`` tells them apart, and
+    their blobs live under ``runs/<run>/phase1/`` (runs.keys).
+    """
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="modules")
+    phase = models.PositiveSmallIntegerField(default=2)  # 1: the dense phase, 2: DiPaCo
     module_id = models.CharField(max_length=32)
     level = models.PositiveSmallIntegerField(null=True, blank=True)  # None: shared, path.<p>
     index = models.PositiveIntegerField(default=0)  # k in its level, p for path.<p>
@@ -92,7 +110,9 @@ class Module(models.Model):
 
     class Meta:
         constraints = (
-            models.UniqueConstraint(fields=["run", "module_id"], name="module_unique_per_run"),
+            models.UniqueConstraint(
+                fields=["run", "phase", "module_id"], name="module_unique_per_run_phase"
+            ),
         )
 
     def __str__(self) -> str:
@@ -127,6 +147,7 @@ class Path(models.Model):
         FINISHED = "finished"  # early-stopped or out of rounds: gets no more work units
 
     run = models.ForeignKey(Run, on_delete=models.CASCADE, related_name="paths")
+    phase = models.PositiveSmallIntegerField(default=2)  # 1: the dense model's one path
     index = models.PositiveIntegerField()
     choices = models.JSONField()  # module index per level, e.g. [1, 0]
     modules = models.JSONField()  # module ids, e.g. ["0.1", "1.0", "shared"]
@@ -139,7 +160,9 @@ class Path(models.Model):
 
     class Meta:
         constraints = (
-            models.UniqueConstraint(fields=["run", "index"], name="path_unique_per_run"),
+            models.UniqueConstraint(
+                fields=["run", "phase", "index"], name="path_unique_per_run_phase"
+            ),
         )
 
     def __str__(self) -> str:

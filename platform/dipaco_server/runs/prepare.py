@@ -36,7 +36,7 @@ import os
 import shutil
 import struct
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,22 +45,25 @@ from django.conf import settings
 from django.utils import timezone
 from torch import Tensor
 
-from dipaco_server.runs import keys
+from dipaco_server.runs import keys, phases
+from dipaco_server.runs.checkpoint import base_model, load_base_state
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.services import publish_module_version, transition
-from dipaco_server.storage import BlobStore, get_blob_store, validate_key
+from dipaco_server.storage import BlobStore, get_blob_store
 
 logger = logging.getLogger(__name__)
 
 RUN_STAGES = ("corpus", "tokenizer", "router", "shards", "modules")
+# Documents per embedding task after phase 1: at most MAX_CHUNKS tasks, none tiny.
+MIN_CHUNK_DOCS, MAX_CHUNKS = 256, 64
 DATASET_PROGRESS_EVERY = 1000  # documents between two progress updates of prepare_dataset
 Spec = Mapping[str, tuple[tuple[int, ...], torch.dtype]]  # dipaco.modular.module_spec
 
 
-def data_index_key(run_id: int) -> str:
+def data_index_key(run_id: int, phase: int = 2) -> str:
     """runs/<run>/data/index.json: the shard index (dtype, tokens and sha256 per file)."""
-    return validate_key(f"{keys.run_prefix(run_id)}/data/index.json")
+    return keys.data_index_key(run_id, phase)
 
 
 def report_progress(target: Run | Dataset, stage: str, step: int, steps: int, detail: str) -> None:
@@ -83,11 +86,16 @@ def report_progress(target: Run | Dataset, stage: str, step: int, steps: int, de
 def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | None = None) -> Run:
     """Data, tokenizer, router and version 0 of every module; then the run is ready.
 
+    With ``phase1`` the data is one shard of every document (plus the documents in chunks,
+    for routing after phase 1) and the modules are the dense phase's (runs.phases); with
+    an uploaded dense checkpoint (runs.checkpoint) it routes with the checkpoint's features
+    when ``router.featurizer`` is "base-lm", and every module starts from its layers.
     `max_files` reads only the first files of the corpus (sorted), for demos and tests.
     """
     from dipaco.data.corpus import load_corpus
     from dipaco.data.shards import build_shards
     from dipaco.data.tokenizer import train_tokenizer
+    from dipaco.modular import init_modules, init_modules_from_base
     from dipaco.routing.router import Router
 
     run.refresh_from_db()
@@ -99,10 +107,13 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     store = store or get_blob_store()
     config = run.run_config
     paths = config.num_paths
-    if paths > 1 and config.router.featurizer != "tfidf":
+    dense = config.phase1 is not None
+    has_base = not dense and store.exists(keys.base_model_key(run.pk))
+    if paths > 1 and config.router.featurizer == "base-lm" and not (dense or has_base):
         raise ValueError(
-            f"router.featurizer = {config.router.featurizer!r} needs a trained base model, "
-            "which a new run does not have; use 'tfidf'"
+            "router.featurizer = 'base-lm' routes with a base model, and this run has none: "
+            "set phase1 to train one first, upload a dense checkpoint (POST "
+            "/api/v1/runs/<id>/checkpoint), or use 'tfidf'"
         )
     corpus = run.dataset.source if run.dataset is not None else config.data.corpus
     steps = len(RUN_STAGES)
@@ -121,30 +132,46 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
         store.put_file(
             keys.tokenizer_key(run.pk), tokenizer.save(work / "tokenizer") / "tokenizer.json"
         )
+        base_state = load_base_state(store, run.pk, config, work) if has_base else None
         router = None
-        if paths > 1:
+        if dense:
+            report_progress(run, "router", 3, steps, "phase 1 first: its model will route")
+        elif paths > 1:
             report_progress(run, "router", 3, steps, f"fitting a {config.router.method} router")
+            lm = config.router.featurizer == "base-lm"
             router = Router.fit(
                 [doc.text for doc in split.train],
                 tokenizer,
                 factors=config.layout.modules_per_level,
-                featurizer="tfidf",
+                featurizer=config.router.featurizer,
                 method=config.router.method,
                 prefix_tokens=config.router.prefix_tokens,
                 max_imbalance=config.router.max_imbalance,
                 seed=config.router.seed,
+                model=base_model(base_state, config) if lm and base_state else None,
             )
             store.put_file(keys.router_key(run.pk), router.save(work / "router"))
         else:
             report_progress(run, "router", 3, steps, "one path: no router")
         report_progress(run, "shards", 4, steps, f"tokenising and routing {counts}")
         shard_dir = work / "data"
+        phase = phases.DENSE if dense else phases.PATHS
+        shard_paths = 1 if dense else paths
         index = build_shards(
-            split.train, split.val, tokenizer, router, shard_dir, num_paths=paths, progress=False
-        )
-        _upload_shards(run, store, index, shard_dir)
+            split.train, split.val, tokenizer, router, shard_dir, num_paths=shard_paths,
+            progress=False,
+        )  # fmt: skip
+        _upload_shards(run, store, index, shard_dir, phase)
+        if dense:
+            write_document_chunks(run, store, split.train, split.val, work)
         report_progress(run, "modules", 5, steps, "initialising modules as version 0")
-        _init_modules(run, store, work)
+        if dense:
+            modules = init_modules(config.dense_phase)
+        elif base_state is not None:
+            modules = init_modules_from_base(config, base_state)
+        else:
+            modules = init_modules(config)
+        init_module_versions(run, store, work, modules, phase)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     transition(run, Run.State.READY)
@@ -160,31 +187,51 @@ def work_root() -> Path:
     return root
 
 
-def _upload_shards(run: Run, store: BlobStore, index: Any, shard_dir: Path) -> None:
+def _upload_shards(run: Run, store: BlobStore, index: Any, shard_dir: Path, phase: int) -> None:
     total_docs = sum(entry["train"].docs for entry in index.paths) or 1
     for p, entry in enumerate(index.paths):
         for split in ("train", "val"):
-            store.put_file(keys.data_key(run.pk, p, split), shard_dir / entry[split].file)
-        RunPath.objects.filter(run=run, index=p).update(
+            key = keys.data_key(run.pk, p, split, phase)
+            store.put_file(key, shard_dir / entry[split].file)
+        RunPath.objects.filter(run=run, phase=phase, index=p).update(
             train_tokens=entry["train"].tokens,
             val_tokens=entry["val"].tokens,
             routing_share=entry["train"].docs / total_docs,
         )
         if entry["val"].tokens <= 1:
             logger.warning("run %s path %d has no validation text: it cannot stop early", run.pk, p)
-    store.put_file(data_index_key(run.pk), shard_dir / "index.json")
+    store.put_file(data_index_key(run.pk, phase), shard_dir / "index.json")
 
 
-def _init_modules(run: Run, store: BlobStore, work: Path) -> None:
-    from dipaco.modular import init_modules
+def write_document_chunks(
+    run: Run, store: BlobStore, train: Sequence[Any], val: Sequence[Any], work: Path
+) -> int:
+    """The corpus split as JSONL chunks (runs.keys.documents_key), for the router fitted
+    after phase 1: each chunk is embedded by its own task. Returns the number of chunks."""
+    docs = [("train", d.text) for d in train] + [("val", d.text) for d in val]
+    size = max(MIN_CHUNK_DOCS, math.ceil(len(docs) / MAX_CHUNKS))
+    chunks = max(1, math.ceil(len(docs) / size))
+    for i in range(chunks):
+        file = work / f"documents-{i}.jsonl"
+        with open(file, "w", encoding="utf-8") as out:
+            for split, text in docs[i * size : (i + 1) * size]:
+                out.write(json.dumps({"split": split, "text": text}) + "\n")
+        store.put_file(keys.documents_key(run.pk, i), file)
+        file.unlink()
+    Run.objects.filter(pk=run.pk).update(phase_chunks=chunks)
+    return chunks
 
-    modules = init_modules(run.run_config)
-    for module in Module.objects.filter(run=run).order_by("pk"):
+
+def init_module_versions(
+    run: Run, store: BlobStore, work: Path, modules: dict[str, dict[str, Tensor]], phase: int
+) -> None:
+    """Version 0 of every module of one phase, from `modules` (module id -> tensors)."""
+    for module in Module.objects.filter(run=run, phase=phase).order_by("pk"):
         if ModuleVersion.objects.filter(module=module, version=0).exists():
             continue  # a retried preparation: version 0 is immutable
         file = work / f"{module.module_id}.safetensors"
         sha256, size = write_module(file, modules.pop(module.module_id))
-        key = keys.module_key(run.pk, module.module_id, 0)
+        key = keys.module_key(run.pk, module.module_id, 0, phase)
         store.put_file(key, file)
         publish_module_version(module, 0, blob_key=key, sha256=sha256, size=size)
         file.unlink()

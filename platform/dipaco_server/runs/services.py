@@ -104,21 +104,29 @@ def create_run(name: str, config: Mapping[str, Any], *, dataset: Dataset | None 
 
     if Run.objects.filter(name=name).exists():
         raise RunNameTaken(f"a run named {name!r} exists; choose another name", name=name)
+    # The dense phase's rows (phase 1) carry the ids of its own DiLoCo config (runs.phases).
+    phases = [(1, spec.dense_phase)] if spec.phase1 is not None else []
+    phases.append((2, spec))
     try:
         with transaction.atomic():
             run = Run.objects.create(
-                name=name, config=spec.model_dump(mode="json"), dataset=dataset
+                name=name,
+                config=spec.model_dump(mode="json"),
+                dataset=dataset,
+                phase=Run.Phase.DENSE if spec.phase1 is not None else Run.Phase.PATHS,
             )
-            Module.objects.bulk_create(_module_row(run, m) for m in module_ids(spec))
-            Path.objects.bulk_create(
-                Path(
-                    run=run,
-                    index=p,
-                    choices=list(spec.path_modules(p)),
-                    modules=modules_of_path(spec, p),
+            for phase, config in phases:
+                Module.objects.bulk_create(_module_row(run, m, phase) for m in module_ids(config))
+                Path.objects.bulk_create(
+                    Path(
+                        run=run,
+                        phase=phase,
+                        index=p,
+                        choices=list(config.path_modules(p)),
+                        modules=modules_of_path(config, p),
+                    )
+                    for p in range(config.num_paths)
                 )
-                for p in range(spec.num_paths)
-            )
     except IntegrityError:
         # Lost a race with a concurrent create of the same name.
         raise RunNameTaken(f"a run named {name!r} exists; choose another name", name=name) from None
@@ -126,13 +134,14 @@ def create_run(name: str, config: Mapping[str, Any], *, dataset: Dataset | None 
     return run
 
 
-def _module_row(run: Run, module_id: str) -> Module:
+def _module_row(run: Run, module_id: str, phase: int = 2) -> Module:
     if module_id.startswith("path."):
-        return Module(run=run, module_id=module_id, index=int(module_id.removeprefix("path.")))
+        index = int(module_id.removeprefix("path."))
+        return Module(run=run, phase=phase, module_id=module_id, index=index)
     if "." in module_id:
         level, k = module_id.split(".")
-        return Module(run=run, module_id=module_id, level=int(level), index=int(k))
-    return Module(run=run, module_id=module_id)  # "shared"
+        return Module(run=run, phase=phase, module_id=module_id, level=int(level), index=int(k))
+    return Module(run=run, phase=phase, module_id=module_id)  # "shared"
 
 
 def transition(run: Run, to: str, *, error: str = "", now: datetime | None = None) -> Run:
@@ -216,9 +225,10 @@ def publish_module_version(
     return row
 
 
-def current_versions(run: Run) -> dict[str, int | None]:
-    """module id -> its current version (None before version 0 exists)."""
-    return dict(run.modules.order_by("pk").values_list("module_id", "current_version"))
+def current_versions(run: Run, phase: int = 2) -> dict[str, int | None]:
+    """module id -> its current version (None before version 0 exists), in one phase."""
+    modules = run.modules.filter(phase=phase).order_by("pk")
+    return dict(modules.values_list("module_id", "current_version"))
 
 
 def record_metric(

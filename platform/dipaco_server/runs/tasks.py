@@ -5,17 +5,23 @@ it reports each stage in ``Run.progress`` and ends with the run ``ready``, or ``
 with the reason in ``Run.error``. A transient failure (database or object store
 unreachable) is retried with backoff first. `evaluate` is what finish_round runs after
 each round; send it yourself to re-score a round (it skips paths already scored).
+
+Between the phases of a run with ``phase1`` (runs.between), finish_round sends
+`prepare_phase2`, which writes the base model and runs a chord of `embed_chunk` tasks, one
+per document chunk, then `finish_phase2` (router, shards, modules, first DiPaCo round). If
+one fails for good, ``Run.error`` says so; sending prepare_phase2 again resumes (every step
+is idempotent).
 """
 
 from __future__ import annotations
 
 import logging
 
-from celery import Task, shared_task
+from celery import Task, chord, shared_task
 
-from dipaco_server.rounds.tasks import TRANSIENT
+from dipaco_server.rounds.tasks import RETRY, TRANSIENT, same_queue
 from dipaco_server.runs.models import Dataset, Run
-from dipaco_server.runs.services import transition
+from dipaco_server.runs.services import TERMINAL, transition
 
 logger = logging.getLogger(__name__)
 
@@ -79,3 +85,55 @@ def evaluate(self: Task, run_id: int, t: int) -> list[dict[str, object]]:
         {"path": r.path, "loss": r.loss, "perplexity": r.perplexity, "finished": r.finished}
         for r in results
     ]
+
+
+@shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_phase2", **RETRY)
+def prepare_phase2(self: Task, run_id: int) -> int:
+    """After phase 1: the base model, then one embed_chunk per chunk, then finish_phase2."""
+    from dipaco_server.runs.between import begin
+
+    run = Run.objects.get(pk=run_id)
+    if run.state in TERMINAL:
+        return 0
+    chunks = begin(run)
+    options = same_queue(self)
+    embed = [embed_chunk.si(run_id, i).set(**options) for i in range(chunks)]
+    done = finish_phase2.si(run_id).set(**options)
+    chord(embed)(done.on_error(fail_phase2.si(run_id).set(**options)))
+    logger.info("run %s: preparing phase 2, %d chunks to embed", run_id, chunks)
+    return chunks
+
+
+@shared_task(
+    bind=True,
+    name="dipaco_server.runs.tasks.embed_chunk",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    **RETRY,
+)
+def embed_chunk(self: Task, run_id: int, chunk: int) -> int:
+    """Base-LM features of one chunk of documents (runs.between.embed_chunk)."""
+    from dipaco_server.runs.between import embed_chunk as embed
+
+    run = Run.objects.get(pk=run_id)
+    return 0 if run.state in TERMINAL else embed(run, chunk)
+
+
+@shared_task(bind=True, name="dipaco_server.runs.tasks.finish_phase2", **RETRY)
+def finish_phase2(self: Task, run_id: int) -> str:
+    """Router, shards and phase-2 modules from the features; opens phase 2's first round."""
+    from dipaco_server.runs.between import finish
+
+    return finish(Run.objects.get(pk=run_id))
+
+
+@shared_task(name="dipaco_server.runs.tasks.fail_phase2")
+def fail_phase2(run_id: int) -> None:
+    """A step between the phases failed for good: the run keeps its state, the reason is in
+    ``Run.error``, and sending prepare_phase2 again resumes (finished steps are kept)."""
+    message = (
+        "preparing phase 2 failed; see the Celery worker log, fix the cause, then send "
+        f"prepare_phase2({run_id}) again"
+    )
+    logger.error("run %s: %s", run_id, message)
+    Run.objects.filter(pk=run_id).exclude(state__in=TERMINAL).update(error=message)

@@ -1,0 +1,301 @@
+"""A DiPaCo run's two phases (DESIGN §1) as one run: dense DiLoCo on the volunteers, then
+routing and module initialisation from that model, then DiPaCo rounds; or an uploaded
+dense checkpoint instead of phase 1.
+
+The end-to-end test runs on the session's real Celery worker (Redis, the test database,
+the local blob store) and speaks the worker protocol over HTTP as an agent does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from django.core.files.uploadedfile import SimpleUploadedFile
+from django.test import Client
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dipaco import codecs
+from dipaco.config import LayoutConfig, RunConfig
+from dipaco.data.tokenizer import RunTokenizer
+from dipaco.inference import load_module_file
+from dipaco.model import build_model
+from dipaco.modular import module_spec
+from dipaco.routing.router import METADATA_KEY, RouterSpec
+from dipaco_server.accounts.services import create_api_token, create_user
+from dipaco_server.inference.routing import route_text
+from dipaco_server.rounds.models import Round, WorkUnit
+from dipaco_server.rounds.services import start_run
+from dipaco_server.runs import keys
+from dipaco_server.runs.models import ModuleVersion, Run
+from dipaco_server.runs.prepare import prepare_run, read_module
+from dipaco_server.runs.services import create_run
+from dipaco_server.storage import get_blob_store
+from tests.conftest import CeleryWorker
+from tests.test_worker_api import call, new_worker, sent_tasks, take_lease
+
+MODEL = {
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "intermediate_size": 64,
+    "vocab_size": 400,
+    "seq_len": 16,
+}
+FILES = 40  # standard-library files: a few hundred documents, seconds to prepare
+TOKENS = 1000  # tokens each fake unit reports (at most the unit's 20 x 4 x 16)
+
+
+@pytest.fixture(autouse=True)
+def one_torch_thread() -> Iterator[None]:
+    """One thread: on a shared, loaded machine torch's thread pool stalls tiny ops 10-70x."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def wait_for(condition: Callable[[], bool], worker: CeleryWorker, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            log = worker.log_path.read_text(errors="replace")[-4000:]
+            raise AssertionError(f"timed out; worker log:\n{log}")
+        time.sleep(0.2)
+
+
+def config(**sections: Any) -> dict[str, Any]:
+    sections = {"layout": LayoutConfig.grid(2, levels=2, modules=2), "rounds": 1, **sections}
+    spec = RunConfig.tiny(model=MODEL, data={"val_fraction": 0.2}, **sections)
+    raw = spec.model_dump(mode="json")
+    del raw["name"]
+    return raw
+
+
+def new_run(**sections: Any) -> Run:
+    return create_run(f"phases-{uuid.uuid4().hex[:8]}", config(**sections))
+
+
+def stored(run: Run, phase: int, module_id: str, version: int, tmp: Path) -> dict[str, Any]:
+    row = ModuleVersion.objects.get(
+        module__run=run, module__phase=phase, module__module_id=module_id, version=version
+    )
+    file = tmp / f"{phase}-{module_id}-{version}.safetensors"
+    get_blob_store().download_to(row.blob_key, file)
+    spec = module_spec(run.run_config.dense_phase if phase == 1 else run.run_config, module_id)
+    return read_module(file, spec, row.sha256)
+
+
+def train_unit_over_http(client: Client, tmp: Path, seed: int) -> dict[str, Any]:
+    """What an agent does with one lease: lease, fetch its modules with the lease's config,
+    upload a Δ per module, complete. Returns the lease."""
+    _, token = new_worker(f"w{seed}")
+    lease = take_lease(client, token)
+    lease_config = RunConfig.model_validate(lease["config"])
+    secret, lid = lease["lease_secret"], lease["lease_id"]
+    manifest = call(client, "GET", f"/lease/{lid}/manifest", token, secret=secret).json()
+    for ref in manifest["modules"]:
+        file = tmp / f"{lid}-{ref['module_id']}.safetensors"
+        get_blob_store().download_to(ref["key"], file)
+        load_module_file(file, lease_config, ref["module_id"])  # the worker's own check
+    targets = call(client, "POST", f"/lease/{lid}/upload-urls", token, secret=secret).json()
+    generator = torch.Generator().manual_seed(seed)
+    reports = []
+    for target in targets["uploads"]:
+        spec = module_spec(lease_config, target["module_id"])
+        delta = {n: torch.randn(s, generator=generator) * 1e-2 for n, (s, _) in spec.items()}
+        data = codecs.encode(delta, "fp16")
+        get_blob_store().put_bytes(target["key"], data)
+        digest = hashlib.sha256(data).hexdigest()
+        reports.append({"module_id": target["module_id"], "sha256": digest, "size": len(data)})
+    body = {"contributions": reports, "tokens": TOKENS, "metrics": {"loss": 5.0}}
+    done = call(client, "POST", f"/lease/{lid}/complete", token, body, secret=secret)
+    assert done.status_code == 200, done.content
+    return lease
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_two_phase_run_trains_a_dense_model_then_starts_every_module_from_it(
+    celery_worker_redis: CeleryWorker, client: Client, tmp_path: Path
+) -> None:
+    run = new_run(phase1={"rounds": 1, "replicas": 2})
+    assert run.config["router"]["featurizer"] == "base-lm", "phase 1 routes with its model"
+    prepare_run(run, max_files=FILES)
+    run.refresh_from_db()
+    assert (run.state, run.phase) == ("ready", "1")
+    assert not ModuleVersion.objects.filter(module__run=run, module__phase=2).exists()
+    start_run(run)
+
+    # Phase 1 on the volunteers: a plain DiLoCo run to a worker, through the same protocol.
+    leases = [train_unit_over_http(client, tmp_path, seed) for seed in range(2)]
+    dense = LayoutConfig.diloco(MODEL["num_layers"]).model_dump(mode="json")
+    for lease in leases:
+        assert lease["config"]["layout"] == dense and lease["config"]["phase1"] is None
+        assert (lease["round"], lease["path"], lease["modules"]) == (0, 0, ["0.0", "shared"])
+    assert (
+        celery_worker_redis.call("dipaco_server.rounds.tasks.close_round", run.pk, 0) == "closing"
+    )
+
+    # The tasks between the phases run on their own and open phase 2's first round.
+    wait_for(lambda: Round.objects.filter(run=run, t=1).exists(), celery_worker_redis, 120)
+    run.refresh_from_db()
+    assert run.phase == "2" and run.current_round == 1
+    assert run.progress["stage"] == "done" and run.phase_chunks >= 1
+    units = WorkUnit.objects.filter(round__run=run, round__t=1)
+    assert {u.path.phase for u in units} == {2} and units.count() == 4
+    assert all(set(u.base_versions.values()) == {0} for u in units)
+
+    # Every phase-2 module is the matching layers of the dense model after its round.
+    trained = {m: stored(run, 1, m, 1, tmp_path) for m in ("0.0", "shared")}
+    initial = stored(run, 1, "0.0", 0, tmp_path)
+    assert any(not torch.equal(trained["0.0"][n], initial[n]) for n in initial), "it trained"
+    dense_state = {**trained["0.0"], **trained["shared"]}
+    for module_id in ("0.0", "0.1", "1.0", "1.1", "shared"):
+        module = stored(run, 2, module_id, 0, tmp_path)
+        assert module.keys() <= dense_state.keys()
+        assert all(torch.equal(module[n], dense_state[n]) for n in module), module_id
+
+    # A phase-2 lease is the run's own config, its rounds counted from 0.
+    lease = take_lease(client, new_worker("late")[1])
+    assert lease["round"] == 0 and lease["config"]["layout"] == run.config["layout"]
+
+    # Routing at inference uses the phase-1 features and agrees with the sharding.
+    store = get_blob_store()
+    tokenizer_file = tmp_path / "tokenizer.json"
+    store.download_to(keys.tokenizer_key(run.pk), tokenizer_file)
+    tokenizer = RunTokenizer.load(tokenizer_file)
+    shards = {p: store.get_bytes(keys.data_key(run.pk, p, "train")) for p in range(4)}
+    documents = store.get_bytes(keys.documents_key(run.pk, 0)).decode().splitlines()
+    texts = [row["text"] for row in map(json.loads, documents) if row["split"] == "train"]
+    routed = set()
+    for text in texts[:: max(1, len(texts) // 12)][:12]:
+        path = route_text(run.pk, text)["path"]
+        ids = np.asarray(tokenizer.encode_batch([text])[0], dtype="<u2").tobytes()
+        assert ids in shards[path], f"a training document routed to path {path} is not there"
+        routed.add(path)
+    assert len(routed) > 1, "the sample should reach more than one path"
+    assert router_spec(run, tmp_path).featurizer == "base-lm"
+    sent_tasks()  # completions queued close_round on the in-process broker: drain them
+
+
+def test_a_run_without_phase1_starts_at_phase_2_with_the_tfidf_router(
+    db: None, settings: Any, tmp_path: Path
+) -> None:
+    settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
+    run = new_run()
+    assert run.config["phase1"] is None and run.config["router"]["featurizer"] == "tfidf"
+    assert not run.modules.filter(phase=1).exists() and not run.paths.filter(phase=1).exists()
+    prepare_run(run, max_files=FILES)
+    run.refresh_from_db()
+    assert (run.state, run.phase) == ("ready", "2")
+    round_ = start_run(run)
+    assert round_.t == 0 and {u.path.phase for u in round_.units.all()} == {2}
+    assert route_text(run.pk, "def main():\n    return 0")["path"] in range(4)
+    assert not get_blob_store().exists(keys.base_model_key(run.pk))
+
+
+# --- the admin API ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def staff(db: None, settings: Any) -> dict[str, str]:
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    user, _ = create_user("ops", staff=True)
+    return {"Authorization": f"Bearer {create_api_token(user, name='tests')[1]}"}
+
+
+def test_a_phase1_of_zero_rounds_is_refused_at_the_api_naming_the_field(
+    client: Client, staff: dict[str, str]
+) -> None:
+    body = {"name": "zero", "config": {**config(), "phase1": {"rounds": 0}}}
+    response = client.post("/api/v1/runs", body, "application/json", headers=staff)
+    assert response.status_code == 400, response.content
+    error = response.json()["error"]
+    assert [p["field"] for p in error["details"]["problems"]] == ["phase1.rounds"]
+    assert "phase1.rounds" in error["message"]
+    both = {**config(), "phase1": {"rounds": 2}, "router": {"featurizer": "tfidf"}}
+    tfidf = {
+        "name": "tfidf",
+        "config": both,
+    }
+    refused = client.post("/api/v1/runs", tfidf, "application/json", headers=staff).json()
+    assert refused["error"]["details"]["problems"][0]["field"] == "router.featurizer"
+    assert not Run.objects.exists()
+
+
+def test_the_run_shows_its_phase_and_phase1_rounds(client: Client, staff: dict[str, str]) -> None:
+    body = {"name": "shown", "config": config(phase1={"rounds": 3})}
+    created = client.post("/api/v1/runs", body, "application/json", headers=staff).json()
+    shown = client.get(f"/api/v1/runs/{created['id']}", headers=staff).json()
+    assert (shown["phase"], shown["phase1_rounds"], shown["phase1_rounds_done"]) == ("1", 3, 0)
+    assert {(m["phase"], m["module_id"]) for m in shown["modules"] if m["phase"] == 1} == {
+        (1, "0.0"),
+        (1, "shared"),
+    }
+    assert [(p["phase"], p["index"]) for p in shown["paths"]][:2] == [(1, 0), (2, 0)]
+
+
+def checkpoint_bytes(state: dict[str, torch.Tensor], tmp: Path) -> bytes:
+    file = tmp / "upload.safetensors"
+    save_file({n: t.contiguous() for n, t in state.items()}, str(file))
+    return file.read_bytes()
+
+
+def upload(client: Client, staff: dict[str, str], run: Run, data: bytes) -> Any:
+    file = SimpleUploadedFile("model.safetensors", data)
+    return client.post(f"/api/v1/runs/{run.pk}/checkpoint", {"file": file}, headers=staff)
+
+
+def test_a_checkpoint_that_does_not_fit_the_model_is_refused_naming_the_tensor(
+    client: Client, staff: dict[str, str], settings: Any, tmp_path: Path
+) -> None:
+    settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
+    run = new_run(router={"featurizer": "base-lm"})
+    good = dict(build_model(run.run_config.model, 1).state_dict())
+    narrow = {**good, "model.norm.weight": torch.ones(MODEL["hidden_size"] + 1)}
+    response = upload(client, staff, run, checkpoint_bytes(narrow, tmp_path))
+    assert response.status_code == 422, response.content
+    error = response.json()["error"]
+    assert error["code"] == "checkpoint_invalid"
+    assert error["details"]["field"] == "model.norm.weight" and "[33]" in error["message"]
+    pickled = upload(client, staff, run, b"\x80\x04\x95" + b"\x00" * 64)
+    assert pickled.status_code == 422 and pickled.json()["error"]["details"]["field"] == "file"
+    assert not get_blob_store().exists(keys.base_model_key(run.pk))
+    start = client.post(f"/api/v1/runs/{run.pk}/start", headers=staff)
+    assert start.status_code == 409 and "checkpoint" in start.json()["error"]["message"]
+
+
+def test_an_uploaded_checkpoint_routes_and_initialises_every_module(
+    client: Client, staff: dict[str, str], settings: Any, tmp_path: Path
+) -> None:
+    settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
+    run = new_run(router={"featurizer": "base-lm"})
+    dense = dict(build_model(run.run_config.model, 7).state_dict())
+    response = upload(client, staff, run, checkpoint_bytes(dense, tmp_path))
+    assert response.status_code == 201, response.content
+    prepare_run(run, max_files=FILES)
+    for module_id in ("0.0", "0.1", "1.0", "1.1", "shared"):
+        module = stored(run, 2, module_id, 0, tmp_path)
+        assert all(torch.equal(module[n], dense[n]) for n in module), module_id
+    route = client.post(
+        f"/api/v1/runs/{run.pk}/route", {"text": "import os"}, "application/json", headers=staff
+    )
+    assert route.status_code == 200, route.content
+    assert router_spec(run, tmp_path).featurizer == "base-lm"
+
+
+def router_spec(run: Run, tmp: Path) -> RouterSpec:
+    file = tmp / "router.safetensors"
+    get_blob_store().download_to(keys.router_key(run.pk), file)
+    with safe_open(str(file), framework="pt") as handle:
+        return RouterSpec.from_json((handle.metadata() or {})[METADATA_KEY])
