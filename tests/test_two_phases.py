@@ -32,15 +32,18 @@ from dipaco.model import build_model
 from dipaco.modular import module_spec
 from dipaco.routing.router import METADATA_KEY, RouterSpec
 from dipaco_server.accounts.services import create_api_token, create_user
+from dipaco_server.inference.card import model_card
 from dipaco_server.inference.routing import route_text
+from dipaco_server.inference.services import Selection
 from dipaco_server.rounds.models import Round, WorkUnit
 from dipaco_server.rounds.services import start_run
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import ModuleVersion, Run
-from dipaco_server.runs.prepare import prepare_run, read_module
-from dipaco_server.runs.services import create_run
+from dipaco_server.runs.prepare import prepare_run, read_module, report_progress
+from dipaco_server.runs.services import create_run, record_metric
 from dipaco_server.storage import get_blob_store
 from tests.conftest import CeleryWorker
+from tests.test_dashboard import chart_data
 from tests.test_worker_api import call, new_worker, sent_tasks, take_lease
 
 MODEL = {
@@ -185,6 +188,13 @@ def test_a_two_phase_run_trains_a_dense_model_then_starts_every_module_from_it(
         routed.add(path)
     assert len(routed) > 1, "the sample should reach more than one path"
     assert router_spec(run, tmp_path).featurizer == "base-lm"
+
+    # Visible: the API's phase, the dashboard's boundary, the model card's two phases.
+    path = run.paths.get(phase=2, index=0)
+    rows = ModuleVersion.objects.filter(module__run=run, module__phase=2).select_related("module")
+    by_id = {v.module.module_id: v for v in rows}
+    card = model_card(Selection(run, path, 1, tuple(by_id[m] for m in path.modules)))
+    assert "Trained in two phases" in card and "for 1 outer rounds (2 replicas" in card
     sent_tasks()  # completions queued close_round on the in-process broker: drain them
 
 
@@ -299,3 +309,26 @@ def router_spec(run: Run, tmp: Path) -> RouterSpec:
     get_blob_store().download_to(keys.router_key(run.pk), file)
     with safe_open(str(file), framework="pt") as handle:
         return RouterSpec.from_json((handle.metadata() or {})[METADATA_KEY])
+
+
+def test_the_dashboard_marks_the_phase_boundary_on_every_curve(client: Client, db: None) -> None:
+    run = new_run(phase1={"rounds": 2})
+    dense, first = run.paths.get(phase=1), run.paths.get(phase=2, index=0)
+    for t, path in ((0, dense), (1, dense), (2, first)):
+        record_metric(run, "val_loss", 5.0 - t, path=path, round=t)
+    Run.objects.filter(pk=run.pk).update(phase=Run.Phase.PREPARING, current_round=1)
+    run.refresh_from_db()
+    report_progress(run, "embed", 3, 8, "preparing phase 2: 3/8 chunks embedded")
+    html = client.get(f"/runs/{run.pk}/").content.decode()
+    charts = chart_data(html)
+    assert {name: chart.get("phase_boundary") for name, chart in charts.items()} == {
+        name: 2 for name in charts
+    }
+    labels = [s["label"] for s in charts["val_loss"]["series"]]
+    assert labels[:2] == ["dense model (phase 1)", "path 0"]
+    assert 'data-phase="preparing"' in html and "3/8 chunks embedded" in html
+    plain = new_run()
+    assert all(
+        "phase_boundary" not in c
+        for c in chart_data(client.get(f"/runs/{plain.pk}/").content.decode()).values()
+    )

@@ -16,10 +16,12 @@ from django.db.models import Sum
 
 from dipaco_server.rounds.models import Contribution, Lease
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Run
+from dipaco_server.runs.phases import DENSE
 from dipaco_web.queries import TRAIN_LOSS, VAL_LOSS, perplexity, routed_val_losses
 
 FP32_BYTES = 4
 ROUTED = "routed mean"
+DENSE_LABEL = "dense model (phase 1)"
 
 
 class Series(TypedDict):
@@ -27,9 +29,11 @@ class Series(TypedDict):
     values: list[float | None]
 
 
-class Chart(TypedDict):
+class Chart(TypedDict, total=False):
     x: list[int]
     series: list[Series]
+    # The first DiPaCo round of a run with a dense phase 1 (runs.phases): every chart marks it.
+    phase_boundary: int
 
 
 def _chart(by_label: dict[str, dict[int, float]]) -> Chart:
@@ -47,11 +51,13 @@ def loss_charts(run: Run) -> dict[str, Chart]:
     """Validation loss and perplexity per path with the routed mean; training loss."""
     series: dict[str, dict[Any, dict[int, float]]] = {VAL_LOSS: {}, TRAIN_LOSS: {}}
     reported: dict[Any, dict[int, list[float]]] = {}  # training: every unit's point
-    for name, path_index, t, value in (
+    for name, path_index, phase, t, value in (
         MetricPoint.objects.filter(run=run, name__in=list(series), round__isnull=False)
-        .order_by("path__index", "round", "pk")
-        .values_list("name", "path__index", "round", "value")
+        .order_by("path__phase", "path__index", "round", "pk")
+        .values_list("name", "path__index", "path__phase", "round", "value")
     ):
+        if phase == DENSE:
+            path_index = DENSE_LABEL  # phase 1's one path is not DiPaCo path 0
         if name == TRAIN_LOSS:
             reported.setdefault(path_index, {}).setdefault(t, []).append(value)
         else:
@@ -77,8 +83,16 @@ def loss_charts(run: Run) -> dict[str, Chart]:
     }
 
 
-def _label(path_index: int) -> str:
-    return f"path {path_index}"
+def _label(path_index: int | str) -> str:
+    return path_index if isinstance(path_index, str) else f"path {path_index}"
+
+
+def with_phase_boundary(run: Run, charts: dict[str, Chart]) -> dict[str, Chart]:
+    """Every chart with the round phase 2 starts at, for a run with a dense phase 1."""
+    phase1 = run.run_config.phase1
+    if phase1 is None:
+        return charts
+    return {name: {**chart, "phase_boundary": phase1.rounds} for name, chart in charts.items()}
 
 
 @dataclass(frozen=True)

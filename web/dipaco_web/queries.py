@@ -20,6 +20,7 @@ from django.utils import timezone
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Path, Run
+from dipaco_server.runs.phases import PATHS
 from dipaco_server.runs.services import TERMINAL
 from dipaco_server.workers.models import Worker
 
@@ -117,8 +118,11 @@ def _with_counts(runs: QuerySet[Run]) -> QuerySet[Run]:
     """``runs`` with rounds_done, paths_total and paths_active (subqueries: no join fan-out)."""
     return runs.annotate(
         rounds_done=_count(Round.objects.filter(run=OuterRef("pk"), state=Round.State.CLOSED)),
-        paths_total=_count(Path.objects.filter(run=OuterRef("pk"))),
-        paths_active=_count(Path.objects.filter(run=OuterRef("pk"), state=Path.State.ACTIVE)),
+        # DiPaCo paths (phase 2); a dense phase 1's one path is not counted.
+        paths_total=_count(Path.objects.filter(run=OuterRef("pk"), phase=PATHS)),
+        paths_active=_count(
+            Path.objects.filter(run=OuterRef("pk"), phase=PATHS, state=Path.State.ACTIVE)
+        ),
     )
 
 
@@ -128,7 +132,7 @@ def _run_row(run: Any, tokens: int, workers: int) -> RunRow:
     return RunRow(
         run=run,
         rounds_done=run.rounds_done,
-        rounds_total=run.run_config.rounds,
+        rounds_total=run.run_config.total_rounds,  # both phases
         paths_active=run.paths_active,
         paths_total=run.paths_total,
         active_workers=workers,
@@ -143,7 +147,7 @@ def _run_row(run: Any, tokens: int, workers: int) -> RunRow:
 def best_val_loss(run: Run) -> tuple[float | None, int | None]:
     """(lowest validation loss of any path in any round, that path's index)."""
     point = (
-        MetricPoint.objects.filter(run=run, name=VAL_LOSS, path__isnull=False)
+        MetricPoint.objects.filter(run=run, name=VAL_LOSS, path__phase=PATHS)
         .order_by("value", "round")
         .values_list("value", "path__index")
         .first()
@@ -262,7 +266,7 @@ def module_grid(run: Run) -> ModuleGrid:
     }
     levels: dict[int, list[ModuleCell]] = defaultdict(list)
     others = []
-    for module in run.modules.order_by("level", "index", "module_id"):
+    for module in run.modules.filter(phase=PATHS).order_by("level", "index", "module_id"):
         version = current.get(module.pk)
         cell = ModuleCell(
             module_id=module.module_id,
@@ -305,7 +309,7 @@ def path_rows(run: Run) -> list[PathRow]:
         if path_id not in best or value < best[path_id][0]:
             best[path_id] = (value, t)
     rows = []
-    for path in run.paths.order_by("index"):
+    for path in run.paths.filter(phase=PATHS).order_by("index"):
         best_loss, best_round = best.get(path.pk, (path.best_val_loss, path.best_round))
         rows.append(
             PathRow(

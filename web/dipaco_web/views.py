@@ -104,7 +104,9 @@ def _run_context(request: HttpRequest, run_id: int) -> dict[str, Any]:
         "paths": queries.path_rows(run),
         "leases": queries.active_leases(run),
         "communication": communication,
-        "charts": {**curves.loss_charts(run), "communication": communication.chart()},
+        "charts": curves.with_phase_boundary(
+            run, {**curves.loss_charts(run), "communication": communication.chart()}
+        ),
         "actions": queries.run_actions(run) if is_staff(request) else [],
     }
 

@@ -10,6 +10,7 @@ import json
 import math
 from typing import TYPE_CHECKING, Any
 
+from dipaco.config import RunConfig
 from dipaco.inference import CARD_FILE, MODEL_FORMAT, RUN_FILE
 from dipaco_server.runs.models import MetricPoint
 
@@ -59,6 +60,36 @@ def facts(selection: Selection) -> dict[str, Any]:
     }
 
 
+def _training_phases(config: RunConfig, uploaded: bool) -> str:
+    """How the run was trained, in the DiPaCo paper's two phases (DESIGN §1)."""
+    if config.phase1 is not None:
+        return (
+            f"Trained in two phases. Phase 1: one dense model of this size, trained with DiLoCo "
+            f"for {config.phase1.rounds} outer rounds ({config.phase1.replicas} replicas per "
+            "round). Between the phases, each document's first "
+            f"{config.router.prefix_tokens} tokens were embedded with that model (its mean "
+            f"last hidden state), a {config.router.method} router was fitted on those "
+            "features, and every module was initialised from the matching layers of the "
+            f"dense model. Phase 2: {config.rounds} DiPaCo outer rounds, each path on its own "
+            "shard."
+        )
+    start = "an uploaded dense checkpoint" if uploaded else "the seeded initialisation"
+    return (
+        f"Trained in one phase of {config.rounds} DiPaCo outer rounds, every module starting "
+        f"from {start} (no dense phase 1); the router reads {config.router.featurizer} "
+        "features."
+    )
+
+
+def _has_base_model(run_id: int) -> bool:
+    """Whether the run has a base model (phase 1's, or an uploaded checkpoint): blobs are
+    immutable, so the card stays a function of what the run is."""
+    from dipaco_server.runs.keys import base_model_key
+    from dipaco_server.storage import get_blob_store
+
+    return get_blob_store().exists(base_model_key(run_id))
+
+
 def model_card(selection: Selection) -> str:
     run, path, t = selection.run, selection.path, selection.round
     config = run.run_config
@@ -85,6 +116,8 @@ tags:
 One path of the DiPaCo run **{run.name}**: an ordinary Llama-family causal language model of
 {config.num_params():,} parameters, assembled from one module per level ({choices}).
 DiPaCo routes each document to one path; this path saw {share} of the documents.
+
+{_training_phases(config, _has_base_model(run.pk))}
 
 | | |
 |---|---|

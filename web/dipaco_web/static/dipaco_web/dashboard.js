@@ -52,6 +52,27 @@
     return axis;
   }
 
+  // A run with a dense phase 1: a vertical line between its last round and phase 2's first.
+  function phaseBoundary(round) {
+    return (u) => {
+      const x = u.valToPos(round - 0.5, "x", true);
+      if (x < u.bbox.left || x > u.bbox.left + u.bbox.width) return;
+      const ctx = u.ctx;
+      ctx.save();
+      ctx.strokeStyle = "#6b6b6b";
+      ctx.setLineDash([4, 4]);
+      ctx.lineWidth = 1.5 * devicePixelRatio;
+      ctx.beginPath();
+      ctx.moveTo(x, u.bbox.top);
+      ctx.lineTo(x, u.bbox.top + u.bbox.height);
+      ctx.stroke();
+      ctx.fillStyle = "#6b6b6b";
+      ctx.font = `${11 * devicePixelRatio}px sans-serif`;
+      ctx.fillText("phase 2 →", x + 4 * devicePixelRatio, u.bbox.top + 12 * devicePixelRatio);
+      ctx.restore();
+    };
+  }
+
   function options(box, chart) {
     const unit = box.dataset.unit;
     const positive = chart.series.every((s) => s.values.every((v) => v == null || v > 0));
@@ -69,6 +90,7 @@
         yAxis(log, format),
       ],
       series: [{ label: "round" }, ...chart.series.map((s, i) => seriesOptions(s, i, unit))],
+      hooks: chart.phase_boundary == null ? {} : { draw: [phaseBoundary(chart.phase_boundary)] },
     };
   }
 
