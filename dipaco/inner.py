@@ -111,9 +111,15 @@ class CheckpointMismatch(ValueError):
 
 
 def state_fingerprint(config: RunConfig) -> str:
-    """What must match for saved AdamW moments to fit: the model's shapes and AdamW's betas."""
+    """What must match for saved AdamW moments to fit: the model's shapes and AdamW's betas,
+    and the layout, since the residual is kept per module: a run's dense phase 1 and its
+    DiPaCo phase 2 both have a path 0 (RunConfig.dense_phase), with other modules."""
     return json.dumps(
-        {"model": config.model.model_dump(mode="json"), "betas": list(config.inner.betas)},
+        {
+            "model": config.model.model_dump(mode="json"),
+            "betas": list(config.inner.betas),
+            "layout": config.layout.model_dump(mode="json"),
+        },
         sort_keys=True,
     )
 

@@ -28,6 +28,7 @@ from dipaco import codecs
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.tokenizer import RunTokenizer
 from dipaco.inference import load_module_file
+from dipaco.inner import state_fingerprint
 from dipaco.model import build_model
 from dipaco.modular import module_spec
 from dipaco.routing.router import METADATA_KEY, RouterSpec
@@ -332,3 +333,11 @@ def test_the_dashboard_marks_the_phase_boundary_on_every_curve(client: Client, d
         "phase_boundary" not in c
         for c in chart_data(client.get(f"/runs/{plain.pk}/").content.decode()).values()
     )
+
+
+def test_a_workers_warm_state_of_phase_1_is_not_reused_for_phase_2s_path_0() -> None:
+    """Both phases have a path 0 of the same model: the agent keys its warm AdamW state and
+    error-feedback residual by (run, path), so the fingerprint must tell the phases apart."""
+    run_config = RunConfig.tiny(phase1={"rounds": 2})
+    assert state_fingerprint(run_config) != state_fingerprint(run_config.dense_phase)
+    assert state_fingerprint(run_config) == state_fingerprint(RunConfig.tiny(phase1={"rounds": 2}))

@@ -16,7 +16,7 @@ from django.db.models import Sum
 
 from dipaco_server.rounds.models import Contribution, Lease
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Run
-from dipaco_server.runs.phases import DENSE
+from dipaco_server.runs.phases import DENSE, PATHS, phase_config
 from dipaco_web.queries import TRAIN_LOSS, VAL_LOSS, perplexity, routed_val_losses
 
 FP32_BYTES = 4
@@ -139,13 +139,16 @@ class Communication:
 def communication(run: Run) -> Communication:
     """Bytes per round, from the module versions, contributions and completed leases."""
     config = run.run_config
-    params = config.module_param_counts()
-    steps = config.inner.steps
+    # A dense phase 1 has modules of its own under the same ids (runs.phases): key by phase.
+    phases = (DENSE, PATHS) if config.phase1 is not None else (PATHS,)
+    configs = {phase: phase_config(config, phase) for phase in phases}
+    params = {phase: c.module_param_counts() for phase, c in configs.items()}
+    steps = {phase: c.inner.steps for phase, c in configs.items()}
     sizes = {
-        (module_id, version): size
-        for module_id, version, size in ModuleVersion.objects.filter(module__run=run).values_list(
-            "module__module_id", "version", "size"
-        )
+        (phase, module_id, version): size
+        for phase, module_id, version, size in ModuleVersion.objects.filter(
+            module__run=run
+        ).values_list("module__phase", "module__module_id", "version", "size")
     }
     moved: dict[int, int] = defaultdict(int)
     data_parallel: dict[int, int] = defaultdict(int)
@@ -156,14 +159,20 @@ def communication(run: Run) -> Communication:
         .order_by()
     ):
         moved[t] += uploaded
-    for t, base_versions, modules in Lease.objects.filter(
+    for t, phase, base_versions, modules in Lease.objects.filter(
         unit__round__run=run, state=Lease.State.COMPLETED
-    ).values_list("unit__round__t", "unit__base_versions", "unit__path__modules"):
+    ).values_list(
+        "unit__round__t", "unit__path__phase", "unit__base_versions", "unit__path__modules"
+    ):
+        counts = params.get(phase, {})
         # A version not in the table (never expected) is counted at its fp32 size.
         moved[t] += sum(
-            sizes.get((m, v), FP32_BYTES * params.get(m, 0)) for m, v in base_versions.items()
+            sizes.get((phase, m, v), FP32_BYTES * counts.get(m, 0))
+            for m, v in base_versions.items()
         )
-        data_parallel[t] += steps * 2 * FP32_BYTES * sum(params.get(m, 0) for m in modules)
+        data_parallel[t] += (
+            steps.get(phase, 0) * 2 * FP32_BYTES * sum(counts.get(m, 0) for m in modules)
+        )
     rounds = sorted(set(moved) | set(data_parallel))
     return Communication(
         rounds=rounds,
