@@ -7,9 +7,11 @@
 Both sides train the same Llama (dipaco.model.build_model, same seed) on the same
 token window with the same batch (micro-batch x accumulation x sequence length), AdamW,
 gradient clipping and (on CUDA) bf16 autocast. The *agent* side is exactly what
-``dipaco-worker`` runs for a unit: worker_agent.trainer.train_unit over the window file
-(memory-mapped, as downloaded), with warm AdamW state from a previous unit of the same
-path, the library's inner loop, a progress callback and the end-of-unit checkpoint.
+``dipaco-worker`` runs for a unit: worker_agent.trainer.train_unit over the token file
+(memory-mapped, as downloaded) read in the path's shuffled window order
+(dipaco.data.windows), with warm inner state (dipaco.inner.InnerState, from the agent's
+cache) from a previous unit of the same path, the library's inner loop, a progress
+callback and the end-of-unit checkpoint.
 The *bare* side is a plain loop over an in-memory token tensor with no checkpoint.
 
 Reported after one warm-up run of each: the median over ``--repeats`` of the ratio of
@@ -19,8 +21,8 @@ the same ratio by process CPU time, which another program's load disturbs far le
   the agent's includes its per-step callback, stop checks and data reads); the ratio is
   the overhead of the agent's inner-loop path (goal >= 0.97);
 - **unit tokens/s**: the same tokens over the agent's whole `train_unit` call (model
-  build, AdamW seed checkpoint, training, final checkpoint, Δ split); it depends on H
-  and the batch, since the fixed costs are paid once per unit.
+  build, loading and saving the warm state, training, final checkpoint, Δ split); it
+  depends on H and the batch, since the fixed costs are paid once per unit.
 
 With ``--e2e`` it also measures **utilisation** end to end: a real ``dipaco server``
 (embedded mode: SQLite, filesystem broker, local blobs, a Celery worker for the outer
@@ -58,11 +60,13 @@ from rich.console import Console
 from rich.table import Table
 
 from dipaco.config import InnerConfig, LayoutConfig, ModelConfig, RunConfig
+from dipaco.data.shards import TokenShard
+from dipaco.data.windows import ShardSource
 from dipaco.inner import StepMetrics, lr_at
 from dipaco.model import build_model
 from dipaco.modular import init_modules
 from worker_agent.progress import Reporter
-from worker_agent.trainer import InnerStates, UnitWork, WindowSource, train_unit
+from worker_agent.trainer import InnerStates, UnitWork, train_unit
 
 
 def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
@@ -147,7 +151,8 @@ def agent_unit(
         reporter.status(step=metrics.step, loss=metrics.loss, tokens_per_second=0.0)
         stamps.append(now())  # the step's loss.item() has synchronised
 
-    unit = UnitWork(config, 1, 0, 1, init_modules(config), WindowSource(window, _dtype(config)))
+    source = ShardSource.for_path(TokenShard(window, _dtype(config)), config, 0)
+    unit = UnitWork(config, 1, 0, 1, init_modules(config), source)
     started = time.perf_counter()
     result, _ = train_unit(
         unit, device=device, work_dir=work, state=states.load(1, 0, config),

@@ -114,7 +114,7 @@ def test_a_unit_gets_at_most_one_live_contribution_per_module(db: None) -> None:
     path, module = run.paths.get(index=0), run.modules.get(module_id="0.0")
     round_ = Round.objects.create(run=run, t=0)
     unit = WorkUnit.objects.create(
-        round=round_, path=path, replica=0, data_offset=0, data_length=10, base_versions={}
+        round=round_, path=path, replica=0, data_position=0, data_windows=10, base_versions={}
     )
     worker = make_worker()
     leases = [

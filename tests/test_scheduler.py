@@ -12,6 +12,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
+from dipaco.data.windows import unit_start, unit_windows
 from dipaco_server.rounds.completion import ContributionReport, complete, upload_key
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
@@ -89,8 +90,9 @@ def test_open_round_queues_r_units_per_active_path_from_the_current_versions(rou
     assert {u.state for u in units} == {WorkUnit.State.QUEUED}
     for unit in units:
         assert unit.base_versions == {m: 0 for m in unit.path.modules}
-        assert unit.data_length == unit_tokens(run.run_config) + 1
-        assert unit.data_offset + unit.data_length <= SHARD_TOKENS
+        # Where dipaco simulate starts unit (0, r): its path's windows, in the same order.
+        assert unit.data_windows == unit_windows(run.run_config)
+        assert unit.data_position == unit_start(run.run_config, 0, unit.replica)
     run.refresh_from_db()
     assert run.current_round == 0 and round0.deadline is not None
 

@@ -25,7 +25,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
 
@@ -41,6 +40,7 @@ from dipaco_server.storage import BlobStore, get_blob_store
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token
 from tests.test_models import tiny_config
+from tests.test_worker_api import put_train_shards
 
 SHARD_TOKENS = 40_000
 # A smaller model than RunConfig.tiny's, so steps are quick on a busy CPU.
@@ -68,11 +68,7 @@ def running_run(store: BlobStore, steps: int) -> Run:
         store.put_bytes(key, data)
         digest = hashlib.sha256(data).hexdigest()
         publish_module_version(module, 0, blob_key=key, sha256=digest, size=len(data))
-    rng = np.random.default_rng(0)
-    for path in run.paths.all():
-        ids = rng.integers(0, run.run_config.model.vocab_size, SHARD_TOKENS, dtype=np.uint16)
-        store.put_bytes(keys.data_key(run.pk, path.index, "train"), ids.astype("<u2").tobytes())
-    run.paths.update(train_tokens=SHARD_TOKENS)
+    put_train_shards(store, run, SHARD_TOKENS)
     for state in ("preparing", "ready"):
         transition(run, state)
     start_run(run)

@@ -1,4 +1,4 @@
-"""The agent's training of one unit: data window, warm inner state, out-of-memory fallback.
+"""The agent's training of one unit: its data windows, warm inner state, out-of-memory fallback.
 
 Tiny CPU models with fixed seeds; the library's inner loop does the training, these
 tests check what the agent adds around it.
@@ -15,7 +15,9 @@ from safetensors import safe_open
 
 from dipaco import codecs
 from dipaco.config import GiB, RunConfig, estimate_path_memory
-from dipaco.inner import InnerState, StepMetrics, state_fingerprint
+from dipaco.data.shards import TokenShard
+from dipaco.data.windows import ShardSource, unit_start
+from dipaco.inner import InnerState, StepMetrics, state_fingerprint, train_path
 from dipaco.modular import init_modules
 from worker_agent.errors import OutOfMemory
 from worker_agent.payload import encode_deltas
@@ -23,7 +25,6 @@ from worker_agent.trainer import (
     CHECKPOINT_NAME,
     InnerStates,
     UnitWork,
-    WindowSource,
     fit_micro_batch,
     smaller_micro_batch,
     train_unit,
@@ -44,16 +45,17 @@ def config() -> RunConfig:
     return small(steps=STEPS, micro_batch_size=4, grad_accum_steps=1)
 
 
-def window_file(tmp_path: Path, config: RunConfig, seed: int = 0) -> Path:
-    tokens = STEPS * config.inner.batch_size * config.model.seq_len + 1
+def window_file(tmp_path: Path, config: RunConfig, seed: int = 0, windows: int = 0) -> Path:
+    tokens = (windows or STEPS * config.inner.batch_size) * config.model.seq_len + 1
     rng = np.random.default_rng(seed)
     path = tmp_path / f"window-{seed}.bin"
     rng.integers(0, config.model.vocab_size, tokens, dtype=np.uint16).astype("<u2").tofile(path)
     return path
 
 
-def unit(config: RunConfig, window: Path, round_index: int = 0) -> UnitWork:
-    return UnitWork(config, 1, 0, round_index, init_modules(config), WindowSource(window, "<u2"))
+def unit(config: RunConfig, window: Path, round_index: int = 0, start: int = 0) -> UnitWork:
+    source = ShardSource.for_path(TokenShard(window, "<u2"), config, 0)
+    return UnitWork(config, 1, 0, round_index, init_modules(config), source, start)
 
 
 def adam_steps(checkpoint: Path) -> float:
@@ -61,17 +63,35 @@ def adam_steps(checkpoint: Path) -> float:
         return float(handle.get_tensor("adam/0/step"))
 
 
-def test_the_window_source_gives_consecutive_sequences_of_the_window(
-    tmp_path: Path, config: RunConfig
+def test_a_unit_trains_on_the_windows_the_simulator_trains_unit_t_r_on(
+    tmp_path: Path,
 ) -> None:
-    path = window_file(tmp_path, config)
-    tokens = torch.from_numpy(np.fromfile(path, dtype="<u2").astype(np.int64))
-    source, t = WindowSource(path, "<u2"), config.model.seq_len
-    batch = source.batch(2, 3, t)  # sequences 2, 3, 4
-    assert batch.shape == (3, t + 1) and batch.dtype == torch.int64
-    for row in range(3):
-        start = (2 + row) * t
-        assert torch.equal(batch[row], tokens[start : start + t + 1])
+    config = small(steps=2, micro_batch_size=2, grad_accum_steps=1).model_copy(
+        update={"replicas_per_path": 2}
+    )
+    shard = TokenShard(window_file(tmp_path, config, windows=20), "<u2")
+    start = unit_start(config, 1, 1)  # round 1, replica 1: windows 12..15 of the order
+    assert start == (1 * 2 + 1) * 2 * 2
+    seen: list[torch.Tensor] = []
+
+    class Recording(ShardSource):
+        def batch(self, position: int, batch_size: int, seq_len: int) -> torch.Tensor:
+            rows = super().batch(position, batch_size, seq_len)
+            seen.append(rows)
+            return rows
+
+    source = Recording(shard, config.model.seq_len, seed=config.seed)
+    work = UnitWork(config, 1, 0, 1, init_modules(config), source, start)
+    agent, _ = train_unit(work, device=torch.device("cpu"), work_dir=tmp_path / "agent")
+    read = torch.cat(seen)  # (H x B, T + 1)
+    tokens = torch.from_numpy(shard.read_window(0, len(shard)))
+    t = config.model.seq_len
+    for row, w in zip(read, source.order[start : start + len(read)], strict=True):
+        assert torch.equal(row, tokens[int(w) * t : int(w) * t + t + 1])
+    simulator = train_path(config, 0, init_modules(config), ShardSource.for_path(shard, config, 0),
+                           round_index=1, start_position=start)  # fmt: skip
+    for name, delta in simulator.delta.items():
+        assert torch.equal(agent.delta[name], delta), name
 
 
 def test_a_unit_trains_and_returns_a_finite_delta_per_module(

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -22,6 +22,8 @@ from django.test import Client
 from django.utils import timezone
 
 from dipaco.codecs import decode, encode
+from dipaco.data.shards import ShardIndex, ShardInfo
+from dipaco.data.windows import path_seed, unit_start, unit_windows
 from dipaco_server.errors import MAX_JSON_BODY_BYTES
 from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
 from dipaco_server.rounds.services import open_round
@@ -64,15 +66,26 @@ def running_run(store: BlobStore, name: str = "api-run") -> Run:
         store.put_bytes(key, data)
         digest = hashlib.sha256(data).hexdigest()
         publish_module_version(module, 0, blob_key=key, sha256=digest, size=len(data))
-    rng = np.random.default_rng(0)
-    for path in run.paths.all():
-        ids = rng.integers(0, run.run_config.model.vocab_size, SHARD_TOKENS, dtype=np.uint16)
-        store.put_bytes(keys.data_key(run.pk, path.index, "train"), ids.astype("<u2").tobytes())
-    run.paths.update(train_tokens=SHARD_TOKENS)
+    put_train_shards(store, run, SHARD_TOKENS)
     for state in ("preparing", "ready", "running"):
         transition(run, state)
     open_round(run, 0)
     return run
+
+
+def put_train_shards(store: BlobStore, run: Run, tokens: int) -> None:
+    """Random train shards of `tokens` tokens for every path, and the shard index (with
+    each one's sha256) that the data preparation uploads next to them."""
+    rng, vocab, entries = np.random.default_rng(0), run.run_config.model.vocab_size, []
+    for path in run.paths.order_by("index"):
+        data = rng.integers(0, vocab, tokens, dtype=np.uint16).astype("<u2").tobytes()
+        store.put_bytes(keys.data_key(run.pk, path.index, "train"), data)
+        train = ShardInfo(f"{path.index}/train.bin", tokens, 1, hashlib.sha256(data).hexdigest())
+        val = ShardInfo(f"{path.index}/val.bin", 0, 0, hashlib.sha256(b"").hexdigest())
+        entries.append({"train": train, "val": val})
+    index = ShardIndex("<u2", vocab, 0, len(entries), "test", entries)
+    store.put_bytes(keys.data_index_key(run.pk), json.dumps(asdict(index)).encode())
+    run.paths.update(train_tokens=tokens)
 
 
 def new_worker(name: str = "gpu-box") -> tuple[Worker, str]:
@@ -233,15 +246,18 @@ def test_a_worker_registers_leases_downloads_uploads_and_completes_over_http(
             name: 1e-3 * torch.randn(t.shape, generator=gen) for name, t in weights.items()
         }
     data = manifest["data"]
-    shard = httpx.get(data["url"], headers={"Range": data["range"]}, timeout=30)
-    assert shard.status_code in (200, 206)
-    # The local store answers a Range with the whole file (200); S3 answers 206 with the window.
-    window = (
-        shard.content
-        if shard.status_code == 206
-        else shard.content[data["byte_start"] : data["byte_end"]]
-    )
-    assert len(np.frombuffer(window, dtype=data["dtype"])) == data["length_tokens"]
+    shard = httpx.get(data["url"], timeout=30)  # the path's whole shard, kept by sha256
+    assert shard.status_code == 200 and len(shard.content) == data["size"]
+    assert hashlib.sha256(shard.content).hexdigest() == data["sha256"]
+    assert len(np.frombuffer(shard.content, dtype=data["dtype"])) == data["tokens"]
+    config, unit = run.run_config, WorkUnit.objects.get(pk=lease["unit_id"])
+    # Where dipaco simulate starts unit (t, r) of this path, in the same window order.
+    assert lease["data"] == {
+        "start_position": unit_start(config, 0, unit.replica),
+        "windows": unit_windows(config),
+        "seed": path_seed(config, lease["path"]),
+        "dtype": "<u2",
+    }
 
     urls = http.post(f"/lease/{lease['lease_id']}/upload-urls", headers=with_secret).json()
     reports = []
@@ -430,6 +446,14 @@ def test_a_report_the_completion_service_refuses_is_422(holder: Holder) -> None:
     assert_error(holder.on("complete", raw=raw), 422, "contribution_invalid")
     missing = {**body, "metrics": {}, "contributions": body["contributions"][1:]}
     assert_error(holder.on("complete", missing), 422, "contribution_invalid")
+
+
+def test_a_manifest_without_the_shard_index_says_to_prepare_the_data_again(
+    holder: Holder,
+) -> None:
+    holder.store.delete(keys.data_index_key(holder.run.pk))
+    error = assert_error(holder.on("manifest", method="GET"), 409, "data_not_ready")
+    assert "prepare the run's data again" in error["message"]
 
 
 def test_a_lease_call_without_its_secret_is_refused(holder: Holder) -> None:

@@ -19,6 +19,8 @@ from pathlib import Path
 from torch import Tensor
 
 from dipaco.config import GiB, InnerConfig, RunConfig
+from dipaco.data.shards import TokenShard
+from dipaco.data.windows import ShardSource
 from dipaco.inner import InnerResult, StepMetrics
 from worker_agent.client import Client, Contribution, LeaseGrant, lease_from_json
 from worker_agent.device import DeviceInfo
@@ -35,7 +37,7 @@ from worker_agent.payload import encode_deltas, load_module
 from worker_agent.progress import Reporter
 from worker_agent.retry import Backoff
 from worker_agent.state import LeaseRecord, LeaseStateFile
-from worker_agent.trainer import InnerStates, UnitWork, WindowSource, fit_micro_batch, train_unit
+from worker_agent.trainer import InnerStates, UnitWork, fit_micro_batch, train_unit
 from worker_agent.transfer import BlobCache, Transfers, disk_errors
 
 __all__ = ["Agent", "AgentOptions"]
@@ -185,12 +187,13 @@ class Agent:
                     ref.url, ref.sha256, ref.size, what=f"module {ref.module_id}"
                 )
                 modules[ref.module_id] = load_module(blob, config, ref.module_id)
-            window = self.transfers.download(
-                manifest.data.url, work / "window.bin", start=manifest.data.byte_start,
-                end=manifest.data.byte_end, what="token window",
+            # The whole shard, once per path: every unit of the path reads its windows from it.
+            shard = self.cache.fetch(
+                manifest.data.url, manifest.data.sha256, manifest.data.size,
+                what=f"train shard of path {grant.path}",
             )  # fmt: skip
-            self.reporter.event("fetched", f"fetched {len(modules)} modules and the data window")
-            result, inner = self._train(grant, config, modules, window, record, work)
+            self.reporter.event("fetched", f"fetched {len(modules)} modules and the train shard")
+            result, inner = self._train(grant, config, modules, shard, record, work)
             if not result.completed:
                 if self.heartbeats.lease_lost.is_set():
                     reason = self.heartbeats.lost_reason
@@ -227,7 +230,7 @@ class Agent:
             units_done=self.units_done, **metrics,
         )  # fmt: skip
         self._discard(grant.lease_id)
-        keep = {ref.sha256 for ref in manifest.modules}
+        keep = {ref.sha256 for ref in manifest.modules} | {manifest.data.sha256}
         self.cache.prune(keep, self.options.cache_max_bytes)
 
     def _train(
@@ -235,7 +238,7 @@ class Agent:
         grant: LeaseGrant,
         config: RunConfig,
         modules: dict[str, dict[str, Tensor]],
-        window: Path,
+        shard: Path,
         record: LeaseRecord,
         work: Path,
     ) -> tuple[InnerResult, InnerConfig]:
@@ -270,8 +273,11 @@ class Agent:
             )  # fmt: skip
 
         stop, lost = self.stop, self.heartbeats.lease_lost
-        unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules,
-                        WindowSource(window, grant.data.dtype))  # fmt: skip
+        # The unit's windows in the path's seeded order, from its start: as dipaco simulate.
+        source = ShardSource(TokenShard(shard, grant.data.dtype), config.model.seq_len,
+                             grant.data.seed)  # fmt: skip
+        unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules, source,
+                        grant.data.start_position)  # fmt: skip
         state = self.inner_states.load(grant.run_id, grant.path, config)
         return train_unit(
             unit, device=self.device.device, work_dir=work, inner=inner,

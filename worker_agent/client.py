@@ -60,8 +60,11 @@ class Registration:
 
 @dataclass(frozen=True)
 class DataWindow:
-    offset_tokens: int
-    length_tokens: int
+    """The unit's windows of its path's train shard (dipaco.data.windows)."""
+
+    start_position: int  # where it starts in the path's seeded window order
+    windows: int  # sequences of seq_len + 1 tokens it reads: H x batch
+    seed: int  # of the path's window order
     dtype: str  # numpy dtype string of the token file, e.g. "<u2"
 
 
@@ -99,12 +102,14 @@ class BlobRef:
 
 @dataclass(frozen=True)
 class ShardRef:
+    """The path's whole train shard: fetched once per path, kept by sha256."""
+
     url: str
+    key: str
+    sha256: str
+    size: int  # bytes
+    tokens: int
     dtype: str
-    offset_tokens: int
-    length_tokens: int
-    byte_start: int
-    byte_end: int  # exclusive
 
 
 @dataclass(frozen=True)
@@ -332,11 +337,11 @@ class Client:
             ],
             data=ShardRef(
                 str(shard["url"]),
+                str(shard["key"]),
+                str(shard["sha256"]),
+                int(shard["size"]),
+                int(shard["tokens"]),
                 str(shard["dtype"]),
-                int(shard["offset_tokens"]),
-                int(shard["length_tokens"]),
-                int(shard["byte_start"]),
-                int(shard["byte_end"]),
             ),
         )
 
@@ -406,7 +411,10 @@ def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
         codec=str(data["codec"]),
         config=dict(data["config"]),
         data=DataWindow(
-            int(window["offset_tokens"]), int(window["length_tokens"]), str(window["dtype"])
+            int(window["start_position"]),
+            int(window["windows"]),
+            int(window["seed"]),
+            str(window["dtype"]),
         ),
         raw=dict(data),
     )

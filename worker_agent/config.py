@@ -5,11 +5,11 @@ Layout under the data directory (``--data-dir``; default ``$DIPACO_WORKER_DIR`` 
 
     worker.json        server URL, worker id and token (0600: the token is a credential)
     lease.json         the lease being worked on, for resuming after a crash (0600)
-    cache/blobs/       module weights, content-addressed by sha256
+    cache/blobs/       module weights and paths' train shards, content-addressed by sha256
     cache/inner/       inner state per (run, path): AdamW moments and the Δ codec's
                        error-feedback residual (dipaco.inner.InnerState), reused when
                        the path comes back
-    work/<lease>/      the unit in progress: token window, inner checkpoint, encoded Δs
+    work/<lease>/      the unit in progress: inner checkpoint, encoded Δs
 
 Files that hold secrets are written to a temporary file created 0600 and renamed into
 place, so neither a crash nor another user ever sees a partial or readable secret.

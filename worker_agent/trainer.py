@@ -1,7 +1,8 @@
 """One work unit's training: the library's inner loop plus what a volunteer machine needs.
 
 `train_unit` wraps `dipaco.inner.train_path` with
-- a token source over the downloaded data window (`WindowSource`);
+- the unit's windows of its path's train shard, read in the path's seeded shuffled order
+  from the unit's start position (dipaco.data.windows.ShardSource, as the simulator);
 - warm inner state per (run, path): `InnerStates` keeps the `dipaco.inner.InnerState`
   that `train_path` returns (AdamW moments by parameter name, and the codec's
   error-feedback residual) in the agent's cache, and hands it to the path's next unit;
@@ -23,13 +24,11 @@ from __future__ import annotations
 
 import gc
 import logging
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -47,7 +46,6 @@ from worker_agent.errors import OutOfMemory
 __all__ = [
     "InnerStates",
     "UnitWork",
-    "WindowSource",
     "fit_micro_batch",
     "is_out_of_memory",
     "train_unit",
@@ -56,22 +54,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 CHECKPOINT_NAME = "inner.safetensors"
 Fault = Callable[[StepMetrics, InnerConfig], None]  # tests inject failures through this
-
-
-class WindowSource:
-    """The unit's token window as the inner loop's TokenSource (positions count sequences)."""
-
-    def __init__(self, path: Path, dtype: str) -> None:
-        from dipaco.data.shards import TokenShard
-
-        self.shard = TokenShard(path, np.dtype(dtype))
-
-    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
-        # Sequence i starts at token i x T; TokenShard.batch takes a token offset. Its rows
-        # view the read-only memory map, which torch warns about; they are only read.
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
-            return self.shard.batch(position * seq_len, batch_size, seq_len)  # (B, T + 1)
 
 
 class InnerStates:
@@ -103,7 +85,8 @@ class UnitWork:
     path: int
     round_index: int
     modules: dict[str, dict[str, Tensor]]
-    source: Any  # a dipaco.inner.TokenSource
+    source: Any  # a dipaco.inner.TokenSource: the path's ShardSource on the platform
+    start_position: int = 0  # the unit's first window in the source (dipaco.data.windows)
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -181,7 +164,8 @@ def train_unit(
         try:
             result = train_path(
                 config, work.path, work.modules, work.source,
-                round_index=work.round_index, device=device, checkpoint_path=checkpoint,
+                round_index=work.round_index, start_position=work.start_position,
+                device=device, checkpoint_path=checkpoint,
                 checkpoint_every=checkpoint_every, should_stop=should_stop, on_step=step_hook,
                 state=state,
             )  # fmt: skip

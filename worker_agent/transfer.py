@@ -3,8 +3,8 @@
 Downloads go to ``<dest>.part`` and resume with an HTTP ``Range`` request from where
 the part ends, within one run (a retry) and across restarts (the part stays on disk).
 A server that ignores ``Range`` (answers 200 with the whole object) is handled by
-starting over and skipping to the wanted byte. `BlobCache` keeps module weights by
-sha256: a hit is re-hashed before use, a corrupt file is deleted and fetched again,
+starting over and skipping to the wanted byte. `BlobCache` keeps module weights and
+train shards by sha256: a hit is re-hashed before use, a corrupt file is deleted and fetched again,
 and a download that does not match its sha256 is never renamed into the cache.
 Every transfer goes through `worker_agent.retry`; a full disk stops the agent with a
 message naming the data directory.
@@ -236,7 +236,7 @@ class Transfers:
 
 
 class BlobCache:
-    """Module weights under ``<root>/<sha256>``, verified on every use."""
+    """Module weights and train shards under ``<root>/<sha256>``, verified on every use."""
 
     def __init__(self, root: Path, transfers: Transfers) -> None:
         self.root = root

@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from dipaco.config import RunConfig
 from dipaco.data.corpus import CorpusStats, Document, iter_corpus, split_documents
-from dipaco.data.shards import ShardIndex, TokenShard, build_shards
+from dipaco.data.shards import ShardIndex, build_shards
 from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
+from dipaco.data.windows import ShardSource  # the platform's window order (re-exported)
 from dipaco.routing.router import Router
 
 __all__ = ["DataBudget", "PreparedData", "ShardSource", "default_work_dir", "prepare_data"]
@@ -54,38 +54,6 @@ class DataBudget:
     max_docs: int | None = 2000  # documents (file chunks of <= 8192 chars) kept at most
     max_chars: int | None = None  # characters kept at most, over train and validation
     tokenizer_chars: int = 4_000_000  # BPE training sample (dipaco.data.tokenizer default)
-
-
-class ShardSource:
-    """dipaco.inner's TokenSource over a TokenShard, reading windows in a seeded shuffled order.
-
-    The inner loop counts its position in windows (it advances by batch_size per
-    micro-batch, like InMemoryTokenSource), while TokenShard.batch takes a token offset;
-    this adapter converts. Position k reads window perm[k] of the shard's non-overlapping
-    windows: on the platform a unit's contiguous window of a path's shard spans thousands
-    of documents, but at simulation scale a contiguous run of H x batch windows would be a
-    handful of files, and replicas would drift apart on them; a permutation restores
-    i.i.d. batches, for the method and the baselines alike.
-    """
-
-    def __init__(self, shard: TokenShard, seq_len: int, seed: int) -> None:
-        self.shard = shard
-        self.seq_len = seq_len
-        windows = (len(shard) - 1) // seq_len
-        if windows < 1:
-            raise ValueError(
-                f"{shard.path} holds {len(shard)} tokens, not one window of {seq_len + 1}; "
-                "raise the budget (--max-docs) or use fewer paths"
-            )
-        generator = torch.Generator().manual_seed(seed)
-        self.order = torch.randperm(windows, generator=generator)  # (W,)
-
-    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
-        if seq_len != self.seq_len:
-            raise ValueError(f"source cut for seq_len {self.seq_len}, asked for {seq_len}")
-        picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
-        rows = [self.shard.read_window(int(w) * seq_len, seq_len + 1) for w in picks]
-        return torch.from_numpy(np.stack(rows))  # (B, T+1)
 
 
 @dataclass

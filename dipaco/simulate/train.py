@@ -26,6 +26,7 @@ from torch import Tensor
 
 from dipaco import codecs
 from dipaco.config import RunConfig
+from dipaco.data.windows import path_seed, unit_start
 from dipaco.inner import InnerState, StepMetrics, train_path
 from dipaco.model import build_model
 from dipaco.modular import (
@@ -78,7 +79,7 @@ def training_sources(config: RunConfig, data: PreparedData) -> list[ShardSource]
                 f"{config.model.seq_len + 1}; raise the budget (--max-docs) or use fewer paths"
             )
     seq_len = config.model.seq_len
-    return [data.train_source(p, seq_len, config.seed + p) for p in range(config.num_paths)]
+    return [data.train_source(p, seq_len, path_seed(config, p)) for p in range(config.num_paths)]
 
 
 def evaluate_paths(config: RunConfig, modules: Modules, windows: ValWindows) -> list[PathLoss]:
@@ -147,8 +148,7 @@ def train_dipaco(
     momentum: Modules = {}
     losses = evaluate_paths(config, modules, windows)
     run = DipacoRun(rounds=[RoundRecord(0, losses, routed_mean(losses))])
-    h, reps = config.inner.steps, config.replicas_per_path
-    windows_per_unit = h * config.inner.batch_size
+    reps = config.replicas_per_path
     states: dict[tuple[int, int], InnerState] = {}  # warm AdamW (+ residual) per replica
     for t in range(config.rounds):
         round_started = time.perf_counter()
@@ -166,8 +166,9 @@ def train_dipaco(
                     sources[p],
                     round_index=t,
                     device=device,
-                    # Distinct windows per (round, replica); a path's stream wraps at its end.
-                    start_position=(t * reps + r) * windows_per_unit,
+                    # Where the server starts unit (t, r) (dipaco.data.windows), so a platform
+                    # run reads the same windows; a path's stream wraps at its end.
+                    start_position=unit_start(config, t, r),
                     on_step=step_hook,
                     state=states.get((p, r)),
                 )

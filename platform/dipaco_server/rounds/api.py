@@ -10,6 +10,7 @@ verifies them (DESIGN §7).
 The logic is in rounds.scheduler and rounds.completion; these views translate.
 """
 
+import json
 import logging
 from datetime import datetime
 from typing import Annotated, Any
@@ -20,6 +21,7 @@ from django.utils import timezone
 from kombu.exceptions import KombuError
 from ninja import Field, Header, Router, Schema, Status
 
+from dipaco.data.windows import path_seed
 from dipaco_server.accounts.auth import current_worker, worker_auth
 from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
@@ -33,12 +35,13 @@ from dipaco_server.rounds.completion import (
 from dipaco_server.rounds.models import Lease, Round
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.services import round_ready_to_close
-from dipaco_server.runs.errors import ModulesNotReady, RoundClosed, RunNotActive
+from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.keys import data_key
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
+from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.runs.services import record_metric
-from dipaco_server.storage import BlobNotFound, get_blob_store
+from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
 
 logger = logging.getLogger(__name__)
 router = Router(tags=["worker"], auth=worker_auth)
@@ -61,8 +64,13 @@ OptionalSecret = Annotated[
 
 
 class DataWindowOut(Schema):
-    offset_tokens: int
-    length_tokens: int
+    """Which windows of its path's train shard the unit trains on (dipaco.data.windows)."""
+
+    start_position: int = Field(
+        description="Where the unit starts in the path's window order: (t·R + r)·H·B."
+    )
+    windows: int = Field(description="Windows (sequences of seq_len + 1 tokens) it reads: H·B.")
+    seed: int = Field(description="Seed of the path's window order (config.seed + path).")
     dtype: str = Field(description="numpy dtype of the token file, e.g. '<u2' (little-endian).")
 
 
@@ -98,13 +106,14 @@ class ModuleBlobOut(Schema):
 
 class DataBlobOut(Schema):
     key: str
-    url: str = Field(description="Presigned GET of the path's train shard.")
+    url: str = Field(
+        description="Presigned GET of the path's whole train shard: a worker keeps it "
+        "(by sha256) for every unit of the path and reads the unit's windows from it."
+    )
+    sha256: str = Field(description="Of the shard's bytes, lowercase hex.")
+    size: int = Field(description="Bytes.")
+    tokens: int
     dtype: str
-    offset_tokens: int
-    length_tokens: int
-    byte_start: int
-    byte_end: int = Field(description="Exclusive.")
-    range: str = Field(description="The HTTP Range header that fetches just the window.")
 
 
 class ManifestOut(Schema):
@@ -197,6 +206,19 @@ def _token_dtype(vocab_size: int) -> str:
     return "<u2" if vocab_size <= 2**16 else "<u4"
 
 
+def _train_shard_sha256(store: BlobStore, index_key: str, path_index: int) -> str:
+    """A path's train shard digest, from the shard index the data preparation uploaded."""
+    try:
+        index = json.loads(store.get_bytes(index_key))
+        return str(index["paths"][path_index]["train"]["sha256"])
+    except (BlobNotFound, ValueError, LookupError, TypeError) as exc:
+        raise DataNotReady(
+            f"the shard index {index_key} names no train shard of path {path_index} "
+            f"({type(exc).__name__}); prepare the run's data again",
+            path=path_index,
+        ) from exc
+
+
 # --- views ---------------------------------------------------------------------------------
 
 
@@ -264,8 +286,9 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
             "codec": config.comm.codec,
             "config": run.config if config is run_config else config.model_dump(mode="json"),
             "data": {
-                "offset_tokens": unit.data_offset,
-                "length_tokens": unit.data_length,
+                "start_position": unit.data_position,
+                "windows": unit.data_windows,
+                "seed": path_seed(config, unit.path.index),
                 "dtype": _token_dtype(config.model.vocab_size),
             },
         },
@@ -274,7 +297,8 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
 
 @router.get("/lease/{lease_id}/manifest", response=ManifestOut)
 def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[str, Any]:
-    """Presigned GETs for the path's module blobs (at the unit's base versions) and data window."""
+    """Presigned GETs for the path's module blobs (at the unit's base versions) and its train
+    shard (whole: the unit reads its windows in the path's shuffled order)."""
     lease = scheduler.authorize_lease(current_worker(request), lease_id, lease_secret)
     unit, store = lease.unit, get_blob_store()
     run = unit.round.run
@@ -293,8 +317,7 @@ def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[
         )
     dtype = _token_dtype(run.run_config.model.vocab_size)
     itemsize = int(dtype[-1])
-    start = unit.data_offset * itemsize
-    end = (unit.data_offset + unit.data_length) * itemsize
+    digest = _train_shard_sha256(store, data_index_key(run.pk, unit.path.phase), unit.path.index)
     key = data_key(run.pk, unit.path.index, "train", unit.path.phase)
     return {
         "lease_id": lease.pk,
@@ -313,12 +336,10 @@ def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[
         "data": {
             "key": key,
             "url": store.presigned_get(key, DOWNLOAD_URL_EXPIRES_S),
+            "sha256": digest,
+            "size": unit.path.train_tokens * itemsize,
+            "tokens": unit.path.train_tokens,
             "dtype": dtype,
-            "offset_tokens": unit.data_offset,
-            "length_tokens": unit.data_length,
-            "byte_start": start,
-            "byte_end": end,
-            "range": f"bytes={start}-{end - 1}",
         },
     }
 

@@ -39,7 +39,7 @@ class Round(models.Model):
 
 
 class WorkUnit(models.Model):
-    """One replica of one path in one round: H inner steps on a window of the path's shard."""
+    """One replica of one path in one round: H inner steps on windows of the path's shard."""
 
     class State(models.TextChoices):
         QUEUED = "queued"
@@ -50,8 +50,10 @@ class WorkUnit(models.Model):
     round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="units")
     path = models.ForeignKey(Path, on_delete=models.CASCADE, related_name="units")
     replica = models.PositiveIntegerField()
-    data_offset = models.PositiveBigIntegerField()  # in tokens, into the path's train.bin
-    data_length = models.PositiveBigIntegerField()
+    # Where the unit starts in its path's seeded window order, and how many windows it
+    # reads (dipaco.data.windows: unit_start, unit_windows).
+    data_position = models.PositiveBigIntegerField()
+    data_windows = models.PositiveBigIntegerField()
     base_versions = models.JSONField()  # {module id: version} the worker starts from
     state = models.CharField(max_length=16, choices=State.choices, default=State.QUEUED)
     attempts = models.PositiveIntegerField(default=0)  # leases granted so far

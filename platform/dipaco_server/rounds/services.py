@@ -1,9 +1,10 @@
 """Rounds: opening one (its work units and data windows) and deciding when it may close.
 
 A round's units are R replicas per active path (DESIGN §4.1), each starting from
-the modules' current versions and reading its own deterministic window of the
-path's training shard. Leases and completions are in rounds.scheduler and
-rounds.completion.
+the modules' current versions and reading its own run of windows of the path's
+training shard, in the path's seeded shuffled order (dipaco.data.windows: the simulator
+and the worker read the same windows). Leases and completions are in rounds.scheduler
+and rounds.completion.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from django.db.models import Count, Q
 from django.utils import timezone
 
 from dipaco.config import RunConfig
+from dipaco.data.windows import unit_start, unit_windows
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RunNotActive
@@ -38,7 +40,9 @@ def unit_tokens(config: RunConfig) -> int:
 def data_window(
     train_tokens: int, window_tokens: int, t: int, replica: int, replicas: int
 ) -> tuple[int, int]:
-    """(offset, length) in tokens of unit (t, replica) in a shard of `train_tokens`.
+    """(offset, length) in tokens of unit (t, replica) in a shard of `train_tokens`: the
+    contiguous slices units read before they read windows in a shuffled order
+    (dipaco.data.windows). Units no longer use it; dipaco.demo.baseline still does.
 
     The shard is cut into ``train_tokens // window`` slots of ``window`` tokens and
     units take them in order t·R + r, wrapping into a new epoch, so every replica of a
@@ -94,30 +98,27 @@ def open_round(
             f"modules {missing} of run {run.name!r} have no version yet; prepare the run first",
             modules=missing,
         )
-    window = unit_tokens(config) + 1  # + 1: the last sequence's last target
+    windows = unit_windows(config)
     replicas = config.replicas_per_path
     units = []
     round_ = Round(run=run, t=t, opened_at=now, deadline=deadline or _default_deadline(now))
     for path in paths:
         shard = (train_tokens or {}).get(path.index, path.train_tokens)
-        if shard < 2:
+        if shard <= config.model.seq_len:
             raise DataNotReady(
-                f"path {path.index} of run {run.name!r} has {shard} training tokens; "
-                "prepare the data first",
+                f"path {path.index} of run {run.name!r} has {shard} training tokens, not "
+                f"one window of {config.model.seq_len + 1}; prepare the data first",
                 path=path.index,
             )
         base = {m: versions[m] for m in path.modules}
         for r in range(replicas):
-            offset, length = data_window(
-                shard, window, t - first_round(run.run_config, phase), r, replicas
-            )
             units.append(
                 WorkUnit(
                     round=round_,
                     path=path,
                     replica=r,
-                    data_offset=offset,
-                    data_length=length,
+                    data_position=unit_start(config, t - first_round(run.run_config, phase), r),
+                    data_windows=windows,
                     base_versions=base,
                     created_at=now,
                     updated_at=now,

@@ -1,0 +1,82 @@
+"""A path's training windows, in a seeded shuffled order: the one definition of which tokens
+a work unit trains on, for the simulator, the server (what it tells a unit) and the worker
+agent (how it reads them), so a platform run and ``dipaco simulate`` see the same data.
+
+A path's train shard of N tokens holds W = (N - 1) // T non-overlapping windows of T + 1
+tokens (window w: tokens w·T .. w·T + T; its last token is the next window's first, as
+the next-token target). `ShardSource` reads them in the order of a permutation seeded
+with `path_seed` (config.seed + path): position k reads window perm[k mod W], and the
+inner loop advances the position by one per sequence. Unit (t, r), replica r of outer
+round t, starts at position `unit_start` = (t·R + r)·H·B and reads H·B windows
+(`unit_windows`), so every replica of a round reads different windows, consecutive rounds
+move on through the shard, and a shard shorter than a round wraps into a new pass.
+
+Why shuffled, not a contiguous slice: documents are written to a shard one after the
+other, so a contiguous run of H·B windows is a handful of documents (at simulation scale,
+a few files), and replicas of a path would drift apart on them; a permutation gives every
+unit i.i.d. batches of its path's documents.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dipaco.config import RunConfig
+from dipaco.data.shards import TokenShard
+
+__all__ = ["ShardSource", "path_seed", "unit_start", "unit_windows"]
+
+
+def path_seed(config: RunConfig, path: int) -> int:
+    """The seed of path `path`'s window order."""
+    return config.seed + path
+
+
+def unit_windows(config: RunConfig) -> int:
+    """Windows one unit trains on: H steps x the batch (micro-batch x accumulation)."""
+    return config.inner.steps * config.inner.batch_size
+
+
+def unit_start(config: RunConfig, round_index: int, replica: int) -> int:
+    """The position in its path's window order where unit (round_index, replica) starts."""
+    if round_index < 0 or not 0 <= replica < config.replicas_per_path:
+        raise ValueError(
+            f"no unit (round {round_index}, replica {replica}): rounds count from 0 and "
+            f"replicas from 0 to replicas_per_path - 1 = {config.replicas_per_path - 1}"
+        )
+    return (round_index * config.replicas_per_path + replica) * unit_windows(config)
+
+
+class ShardSource:
+    """dipaco.inner's TokenSource over a TokenShard, reading windows in a seeded shuffled order.
+
+    The inner loop counts its position in windows (it advances by batch_size per
+    micro-batch, like InMemoryTokenSource), while TokenShard reads by token offset; this
+    adapter converts. Position k reads window perm[k mod W] of the shard's W windows.
+    """
+
+    def __init__(self, shard: TokenShard, seq_len: int, seed: int) -> None:
+        self.shard = shard
+        self.seq_len = seq_len
+        windows = (len(shard) - 1) // seq_len
+        if windows < 1:
+            raise ValueError(
+                f"{shard.path} holds {len(shard)} tokens, not one window of {seq_len + 1}; "
+                "give the path more data (or use fewer paths)"
+            )
+        generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(windows, generator=generator)  # (W,)
+
+    @classmethod
+    def for_path(cls, shard: TokenShard, config: RunConfig, path: int) -> ShardSource:
+        """Path `path`'s training windows under `config` (its seq_len and `path_seed`)."""
+        return cls(shard, config.model.seq_len, path_seed(config, path))
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        if seq_len != self.seq_len:
+            raise ValueError(f"source cut for seq_len {self.seq_len}, asked for {seq_len}")
+        picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
+        rows = [self.shard.read_window(int(w) * seq_len, seq_len + 1) for w in picks]
+        return torch.from_numpy(np.stack(rows))  # (B, T+1)
