@@ -13,6 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import pytest
 import torch
 from django.core.files.uploadedfile import SimpleUploadedFile
 from django.test import Client
+from django.utils import timezone
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -38,6 +40,7 @@ from dipaco_server.inference.routing import route_text
 from dipaco_server.inference.services import Selection
 from dipaco_server.rounds.models import Round, WorkUnit
 from dipaco_server.rounds.services import start_run
+from dipaco_server.rounds.tasks import close_ready_rounds
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import ModuleVersion, Run
 from dipaco_server.runs.prepare import prepare_run, read_module, report_progress
@@ -341,3 +344,17 @@ def test_a_workers_warm_state_of_phase_1_is_not_reused_for_phase_2s_path_0() -> 
     run_config = RunConfig.tiny(phase1={"rounds": 2})
     assert state_fingerprint(run_config) != state_fingerprint(run_config.dense_phase)
     assert state_fingerprint(run_config) == state_fingerprint(RunConfig.tiny(phase1={"rounds": 2}))
+
+
+def test_a_run_stalled_between_the_phases_gets_its_preparation_sent_again_once(
+    db: None,
+) -> None:
+    run = new_run(phase1={"rounds": 1})
+    long_ago = timezone.now() - timedelta(hours=1)
+    Run.objects.filter(pk=run.pk).update(state="running", phase="preparing", updated_at=long_ago)
+    sent_tasks()  # whatever earlier tests left on the in-process broker
+    close_ready_rounds.apply()
+    resent = [args for name, args in sent_tasks() if name.endswith(".prepare_phase2")]
+    assert resent == [f"[{run.pk}]"]
+    close_ready_rounds.apply()
+    assert not [name for name, _ in sent_tasks() if name.endswith(".prepare_phase2")]

@@ -100,7 +100,34 @@ def close_ready_rounds(self: Task) -> list[tuple[int, int]]:
     for run_id, t in ready:
         close_round.apply_async((run_id, t), **same_queue(self))
     resend_stalled_rounds(self)
+    resend_stalled_phase2(self)
     return ready
+
+
+def resend_stalled_phase2(task: Task) -> list[int]:
+    """Send prepare_phase2 again for runs preparing phase 2 with no progress for longer than
+    DIPACO_ROUND_CLOSE_RETRY_S: its chord was lost with the broker, or a task failed for good.
+
+    Every step between the phases is idempotent (runs.between), so a resend redoes only what
+    is missing; the conditional UPDATE of ``updated_at`` makes one sweep the sender.
+    """
+    cutoff = timezone.now() - timedelta(seconds=current_policy().round_close_retry_s)
+    stalled = Run.objects.filter(
+        phase=Run.Phase.PREPARING,
+        state__in=[Run.State.RUNNING, Run.State.PAUSED],
+        updated_at__lt=cutoff,
+    )
+    resent = []
+    for run in stalled:
+        if Run.objects.filter(pk=run.pk, updated_at=run.updated_at).update(
+            updated_at=timezone.now()
+        ):
+            logger.warning("run %s: no progress preparing phase 2; sending it again", run.pk)
+            task.app.send_task(
+                "dipaco_server.runs.tasks.prepare_phase2", args=[run.pk], **same_queue(task)
+            )
+            resent.append(run.pk)
+    return resent
 
 
 def resend_stalled_rounds(task: Task) -> list[tuple[int, int]]:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from django.db import transaction
+from django.utils import timezone
 from torch import Tensor
 
 from dipaco_server.runs import keys, phases
@@ -58,7 +59,10 @@ def _work(run: Run, what: str) -> Path:
 
 def enter_preparing(run: Run) -> bool:
     """phase 1 -> preparing, once: True for the one caller that should send the tasks."""
-    won = Run.objects.filter(pk=run.pk, phase=Run.Phase.DENSE).update(phase=Run.Phase.PREPARING)
+    won = Run.objects.filter(pk=run.pk, phase=Run.Phase.DENSE).update(
+        phase=Run.Phase.PREPARING,
+        updated_at=timezone.now(),  # the stalled-run sweep's clock
+    )
     run.refresh_from_db(fields=["phase"])
     return bool(won)
 
