@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ from dipaco.model import build_model
 from dipaco.modular import module_spec
 from dipaco.routing.router import METADATA_KEY, RouterSpec
 from dipaco_server.accounts.services import create_api_token, create_user
+from dipaco_server.env import celery_transport
 from dipaco_server.inference.card import model_card
 from dipaco_server.inference.routing import route_text
 from dipaco_server.inference.services import Selection
@@ -46,7 +48,13 @@ from dipaco_server.runs.models import ModuleVersion, Run
 from dipaco_server.runs.prepare import prepare_run, read_module, report_progress
 from dipaco_server.runs.services import create_run, record_metric
 from dipaco_server.storage import get_blob_store
-from tests.conftest import CeleryWorker
+from tests.conftest import (
+    CeleryWorker,
+    compose_env,
+    session_database_url,
+    start_celery_worker,
+    stop_process,
+)
 from tests.test_dashboard import chart_data
 from tests.test_worker_api import call, new_worker, sent_tasks, take_lease
 
@@ -131,9 +139,33 @@ def train_unit_over_http(client: Client, tmp: Path, seed: int) -> dict[str, Any]
     return lease
 
 
+@pytest.fixture(scope="module")
+def embedded_broker_worker(
+    django_db_setup: None, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[CeleryWorker]:
+    """A worker on the embedded default's broker and results (kombu's filesystem transport,
+    Celery's file backend, in the data dir) that opens the session's test database."""
+    data = Path(os.environ["DIPACO_DATA_DIR"])
+    environ = compose_env(DIPACO_DATA_DIR=str(data), DATABASE_URL=session_database_url())
+    worker = start_celery_worker(
+        environ, celery_transport(data, None), tmp_path_factory.mktemp("embedded-broker")
+    )
+    yield worker
+    stop_process(worker.process)
+    worker.app.close()
+
+
+@pytest.fixture(params=["embedded", "redis"])
+def celery_worker(request: pytest.FixtureRequest) -> CeleryWorker:
+    """The embedded default's broker, and Redis: the between-phases chord runs on both."""
+    name = "embedded_broker_worker" if request.param == "embedded" else "celery_worker_redis"
+    worker: CeleryWorker = request.getfixturevalue(name)
+    return worker
+
+
 @pytest.mark.django_db(transaction=True)
 def test_a_two_phase_run_trains_a_dense_model_then_starts_every_module_from_it(
-    celery_worker_redis: CeleryWorker, client: Client, tmp_path: Path
+    celery_worker: CeleryWorker, client: Client, tmp_path: Path
 ) -> None:
     run = new_run(phase1={"rounds": 1, "replicas": 2})
     assert run.config["router"]["featurizer"] == "base-lm", "phase 1 routes with its model"
@@ -149,12 +181,10 @@ def test_a_two_phase_run_trains_a_dense_model_then_starts_every_module_from_it(
     for lease in leases:
         assert lease["config"]["layout"] == dense and lease["config"]["phase1"] is None
         assert (lease["round"], lease["path"], lease["modules"]) == (0, 0, ["0.0", "shared"])
-    assert (
-        celery_worker_redis.call("dipaco_server.rounds.tasks.close_round", run.pk, 0) == "closing"
-    )
+    assert celery_worker.call("dipaco_server.rounds.tasks.close_round", run.pk, 0) == "closing"
 
     # The tasks between the phases run on their own and open phase 2's first round.
-    wait_for(lambda: Round.objects.filter(run=run, t=1).exists(), celery_worker_redis, 120)
+    wait_for(lambda: Round.objects.filter(run=run, t=1).exists(), celery_worker, 120)
     run.refresh_from_db()
     assert run.phase == "2" and run.current_round == 1
     assert run.progress["stage"] == "done" and run.phase_chunks >= 1
