@@ -29,7 +29,8 @@ from safetensors.torch import save_file
 
 from dipaco import codecs
 from dipaco.config import LayoutConfig, RunConfig
-from dipaco.data.tokenizer import RunTokenizer
+from dipaco.data.corpus import Document
+from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
 from dipaco.inference import load_module_file
 from dipaco.inner import state_fingerprint
 from dipaco.model import build_model
@@ -295,9 +296,21 @@ def checkpoint_bytes(state: dict[str, torch.Tensor], tmp: Path) -> bytes:
     return file.read_bytes()
 
 
-def upload(client: Client, staff: dict[str, str], run: Run, data: bytes) -> Any:
-    file = SimpleUploadedFile("model.safetensors", data)
-    return client.post(f"/api/v1/runs/{run.pk}/checkpoint", {"file": file}, headers=staff)
+def upload(
+    client: Client, staff: dict[str, str], run: Run, data: bytes, tokenizer: bytes | None = None
+) -> Any:
+    files = {"file": SimpleUploadedFile("model.safetensors", data)}
+    if tokenizer is not None:
+        files["tokenizer"] = SimpleUploadedFile("tokenizer.json", tokenizer)
+    return client.post(f"/api/v1/runs/{run.pk}/checkpoint", files, headers=staff)
+
+
+def small_tokenizer(tmp: Path, vocab_size: int = 300) -> tuple[bytes, str]:
+    """(tokenizer.json bytes, fingerprint) of a tokenizer trained on a few sentences."""
+    texts = [f"def f{i}(x):\n    return x * {i} + {i * i}\n" for i in range(200)]
+    docs = [Document(str(i), text, "tests") for i, text in enumerate(texts)]
+    tokenizer = train_tokenizer(docs, vocab_size)
+    return (tokenizer.save(tmp / "tok") / "tokenizer.json").read_bytes(), tokenizer.fingerprint
 
 
 def test_a_checkpoint_that_does_not_fit_the_model_is_refused_naming_the_tensor(
@@ -325,9 +338,18 @@ def test_an_uploaded_checkpoint_routes_and_initialises_every_module(
     settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
     run = new_run(router={"featurizer": "base-lm"})
     dense = dict(build_model(run.run_config.model, 7).state_dict())
-    response = upload(client, staff, run, checkpoint_bytes(dense, tmp_path))
+    too_wide, _ = small_tokenizer(tmp_path, vocab_size=MODEL["vocab_size"] + 100)
+    refused = upload(client, staff, run, checkpoint_bytes(dense, tmp_path), too_wide)
+    assert refused.status_code == 422 and refused.json()["error"]["details"]["field"] == "tokenizer"
+    assert "model.vocab_size" in refused.json()["error"]["message"]
+    tokenizer, fingerprint = small_tokenizer(tmp_path)
+    response = upload(client, staff, run, checkpoint_bytes(dense, tmp_path), tokenizer)
     assert response.status_code == 201, response.content
+    assert response.json()["tokenizer"] is True
     prepare_run(run, max_files=FILES)
+    used = tmp_path / "used-tokenizer.json"
+    get_blob_store().download_to(keys.tokenizer_key(run.pk), used)
+    assert RunTokenizer.load(used).fingerprint == fingerprint, "the checkpoint's own tokenizer"
     for module_id in ("0.0", "0.1", "1.0", "1.1", "shared"):
         module = stored(run, 2, module_id, 0, tmp_path)
         assert all(torch.equal(module[n], dense[n]) for n in module), module_id

@@ -371,18 +371,29 @@ class CheckpointOut(Schema):
     key: str = Field(description="Where the base model is stored (runs/<run>/base/...).")
     tensors: int
     params: int
+    tokenizer: bool = Field(description="Whether its tokenizer came with it (and is used).")
 
 
 @router.post("/runs/{run_id}/checkpoint", response={201: CheckpointOut})
 @audited("run.checkpoint", "run")
 def upload_checkpoint(
-    request: HttpRequest, run_id: int, file: NinjaFile[UploadedFile]
+    request: HttpRequest,
+    run_id: int,
+    file: NinjaFile[UploadedFile],
+    tokenizer: NinjaFile[UploadedFile | None] = None,
 ) -> Status[dict[str, Any]]:
     """Upload a dense checkpoint (safetensors: a path-size LlamaForCausalLM state dict) to a
     draft run: preparation initialises every module from it, and routes with its features
     when router.featurizer is 'base-lm'. Names and shapes must be the run's model's; a
-    refusal (422) names the tensor that does not fit in details.field. Never unpickled."""
-    from dipaco_server.runs.checkpoint import verify_checkpoint, write_base_model
+    refusal (422) names the tensor that does not fit in details.field. Never unpickled.
+    `tokenizer`: the tokenizer.json the checkpoint was trained with (a downloaded path has
+    one); preparation then uses it instead of training a new one, so token ids keep their
+    meaning. Without it, the run's tokenizer is trained from its corpus as usual."""
+    from dipaco_server.runs.checkpoint import (
+        verify_checkpoint,
+        verify_tokenizer,
+        write_base_model,
+    )
     from dipaco_server.runs.prepare import work_root
 
     run = _run(run_id)
@@ -406,15 +417,24 @@ def upload_checkpoint(
         with open(upload, "wb") as out:
             for chunk in file.chunks():
                 out.write(chunk)
+        tokenizer_json = b"".join(tokenizer.chunks()) if tokenizer is not None else None
         try:
             state = verify_checkpoint(upload, run.run_config)
+            if tokenizer_json is not None:
+                verify_tokenizer(tokenizer_json, run.run_config)
         except ServiceError as exc:
             raise ApiError(exc.status, exc.code, exc.message, **exc.details) from None
-        key = write_base_model(get_blob_store(), run.pk, state, work)
+        store = get_blob_store()
+        if tokenizer_json is not None:
+            store.put_bytes(keys.base_tokenizer_key(run.pk), tokenizer_json)
+        else:  # a checkpoint uploaded again without one: do not keep an earlier one's
+            store.delete(keys.base_tokenizer_key(run.pk))
+        key = write_base_model(store, run.pk, state, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     params = sum(t.numel() for t in state.values())
-    return Status(201, {"key": key, "tensors": len(state), "params": params})
+    out = {"key": key, "tensors": len(state), "params": params}
+    return Status(201, {**out, "tokenizer": tokenizer_json is not None})
 
 
 @router.post("/runs/{run_id}/pause", response=RunOut)

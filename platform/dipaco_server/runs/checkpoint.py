@@ -131,6 +131,33 @@ def verify_checkpoint(file: Path, config: RunConfig) -> dict[str, Tensor]:
     return state
 
 
+def verify_tokenizer(data: bytes, config: RunConfig) -> Any:
+    """The uploaded tokenizer.json as a RunTokenizer, or CheckpointInvalid (field "tokenizer").
+
+    Parsed by the tokenizers library from JSON (no code runs); it must have the document
+    separator and no more ids than the model's embedding rows (``model.vocab_size``).
+    """
+    from tokenizers import Tokenizer
+
+    from dipaco.data.tokenizer import RunTokenizer
+
+    try:
+        tokenizer = RunTokenizer(Tokenizer.from_str(data.decode("utf-8")))
+    except Exception as exc:  # tokenizers raises a plain Exception for JSON it cannot parse
+        raise _refuse(
+            "tokenizer",
+            f"the tokenizer is not a Hugging Face tokenizer.json with the <|endoftext|> "
+            f"separator ({exc}); upload the tokenizer.json the checkpoint was trained with",
+        ) from None
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise _refuse(
+            "tokenizer",
+            f"the tokenizer has {tokenizer.vocab_size} ids but the model's embedding has "
+            f"{config.model.vocab_size} rows (model.vocab_size)",
+        )
+    return tokenizer
+
+
 def write_base_model(store: BlobStore, run_id: int, state: dict[str, Tensor], work: Path) -> str:
     """Store the base model (the export_state format) and return its key."""
     from safetensors.torch import save_file

@@ -87,6 +87,12 @@ def base_model_key(run_id: int) -> str:
     return validate_key(f"{run_prefix(run_id)}/base/model.safetensors")
 
 
+def base_tokenizer_key(run_id: int) -> str:
+    """runs/<run>/base/tokenizer.json: the tokenizer an uploaded checkpoint was trained with;
+    preparation uses it instead of training one, so the checkpoint's token ids mean the same."""
+    return validate_key(f"{run_prefix(run_id)}/base/tokenizer.json")
+
+
 def documents_key(run_id: int, chunk: int) -> str:
     """runs/<run>/phase1/documents/<i>.jsonl: chunk i of the corpus split, kept for routing."""
     return validate_key(f"{phase_prefix(run_id, 1)}/documents/{_id(chunk, 'chunk')}.jsonl")

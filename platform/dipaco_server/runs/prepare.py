@@ -94,7 +94,7 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     """
     from dipaco.data.corpus import load_corpus
     from dipaco.data.shards import build_shards
-    from dipaco.data.tokenizer import train_tokenizer
+    from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
     from dipaco.modular import init_modules, init_modules_from_base
     from dipaco.routing.router import Router
 
@@ -127,8 +127,14 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
             max_files=max_files,
         )
         counts = f"{len(split.train)} train and {len(split.val)} validation documents"
-        report_progress(run, "tokenizer", 2, steps, f"{counts}; training the tokenizer")
-        tokenizer = train_tokenizer(split.train, config.model.vocab_size)
+        uploaded = has_base and store.exists(keys.base_tokenizer_key(run.pk))
+        if uploaded:  # the checkpoint's own: its token ids are what its embedding rows mean
+            report_progress(run, "tokenizer", 2, steps, f"{counts}; the checkpoint's tokenizer")
+            store.download_to(keys.base_tokenizer_key(run.pk), work / "base-tokenizer.json")
+            tokenizer = RunTokenizer.load(work / "base-tokenizer.json")
+        else:
+            report_progress(run, "tokenizer", 2, steps, f"{counts}; training the tokenizer")
+            tokenizer = train_tokenizer(split.train, config.model.vocab_size)
         store.put_file(
             keys.tokenizer_key(run.pk), tokenizer.save(work / "tokenizer") / "tokenizer.json"
         )
