@@ -541,9 +541,10 @@ class RunConfig(_Section):
         """With phase 1 and no featurizer named, route with the phase-1 model's features."""
         if isinstance(data, dict) and data.get("phase1") is not None:
             router = data.get("router", {})
-            raw = router.model_dump() if isinstance(router, BaseModel) else router
-            if isinstance(raw, dict) and "featurizer" not in raw:
-                data = {**data, "router": {**raw, "featurizer": "base-lm"}}
+            if isinstance(router, BaseModel):  # only the fields set count as named
+                router = router.model_dump(include=router.model_fields_set)
+            if isinstance(router, dict) and "featurizer" not in router:
+                data = {**data, "router": {**router, "featurizer": "base-lm"}}
         return data
 
     @model_validator(mode="after")

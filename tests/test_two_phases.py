@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dipaco import codecs
-from dipaco.config import LayoutConfig, RunConfig
+from dipaco.config import DensePhaseConfig, LayoutConfig, RouterConfig, RunConfig
 from dipaco.data.corpus import Document
 from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
 from dipaco.inference import load_module_file
@@ -410,3 +410,14 @@ def test_a_run_stalled_between_the_phases_gets_its_preparation_sent_again_once(
     assert resent == [f"[{run.pk}]"]
     close_ready_rounds.apply()
     assert not [name for name, _ in sent_tasks() if name.endswith(".prepare_phase2")]
+
+
+def test_phase1_routes_with_its_model_and_runs_as_plain_diloco() -> None:
+    named = RunConfig(phase1=DensePhaseConfig(rounds=3), router=RouterConfig(method="kmeans"))
+    assert named.router.featurizer == "base-lm", "phase 1 routes with its own model"
+    assert RunConfig.model_validate(named.model_dump(mode="json")) == named
+    dense = RunConfig.tiny(phase1={"rounds": 3, "replicas": 5, "inner_steps": 7}).dense_phase
+    assert dense.layout == LayoutConfig.diloco(4) and dense.num_paths == 1
+    assert (dense.rounds, dense.replicas_per_path, dense.inner.steps) == (3, 5, 7)
+    assert dense.phase1 is None and RunConfig.tiny(phase1={"rounds": 3}).total_rounds == 6
+    assert RunConfig.tiny().phase1 is None and RunConfig.tiny().total_rounds == 3
