@@ -15,6 +15,12 @@ shard index: dtype, token counts and sha256 per file), ``modules/<m>/v0.safetens
 Each stage is deterministic (seeded), so a retried preparation writes the same blobs;
 version 0 of a module that already has one is kept.
 
+With ``phase1`` (DESIGN §1, runs.phases) the router waits for the dense model: the data is
+one shard of every document and the modules are phase 1's, under ``runs/<run>/phase1/``,
+and the documents are also kept in chunks there for runs.between. With an uploaded dense
+checkpoint (runs.checkpoint) the modules start from it, its tokenizer (when uploaded)
+replaces training one, and a "base-lm" router reads its features.
+
 `prepare_dataset` reads a dataset's corpus once and records its statistics, so an
 operator sees what a source holds (and whether it is readable) before a run uses it.
 
