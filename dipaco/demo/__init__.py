@@ -3,7 +3,7 @@
     plan       the run config the flags describe, and the stdlib corpus sample (cached)
     control    `dipaco server` as a child process, staff and enrollment tokens, the admin API
     workers    local `dipaco-worker` processes and the events they print
-    baseline   the dense model of the same size, trained on the very tokens the run used
+    baseline   dense models of the same size, trained on the very tokens the run used
     summary    perplexities, bytes, the sample; the table and the JSON
     display    the live progress panel
 

@@ -1,12 +1,21 @@
-"""The dense baseline of the demo: one path-size model trained on the run's own tokens.
+"""The demo's dense baselines: path-size models trained on the run's own tokens.
 
-It is `dipaco simulate`'s ``dense`` baseline (dipaco.simulate.baselines): the same model
-and inner optimiser, T·H·P·R AdamW steps at the inner batch, from the weights every
-module starts from. Its data is the very token windows the run's work units train on
+Two of `dipaco simulate`'s baselines (dipaco.simulate.baselines), trained by its
+`fit_baseline`: the same model and inner optimiser from the weights every module starts
+from, at the inner batch,
+
+- at equal wall-clock (``dense-steps``): T·H AdamW steps, as many sequential steps as
+  each path took (the DiPaCo paper's comparison), so it sees 1/(P·R) of the tokens;
+- at equal tokens (``dense``): T·H·P·R steps, every token the workers trained on.
+
+Each is trained with its own warm-up and cosine decay over its own length, so the shorter
+is not a prefix of the longer: both are trained (the shorter costs 1/(P·R) of the longer).
+Their data is the very token windows the run's work units train on
 (rounds.services.data_window of every unit of every round), read as one shuffled stream
-of sequences, so both see each token once. It is scored on the windows the server's
+of sequences: at equal tokens both see each token once, at equal wall-clock the dense
+model sees the first 1/(P·R) of that shuffle. Both are scored on the windows the server's
 evaluation task scores (runs.evaluate.val_windows, the first windows of each path's
-validation shard) with the same loss function, so its per-path figures sit beside the
+validation shard) with the same loss function, so their per-path figures sit beside the
 run's ``val_loss`` points; the routed figure weighs paths by their validation tokens, as
 the dashboard does.
 
@@ -27,11 +36,25 @@ import torch
 from torch import Tensor, nn
 
 from dipaco.config import RunConfig
-from dipaco.inner import StepMetrics, run_inner_loop
+from dipaco.inner import StepMetrics
 from dipaco.model import build_model
-from dipaco.simulate.baselines import baseline_steps
+from dipaco.simulate.baselines import baseline_steps, fit_baseline
 
-SHUFFLE_SEED_OFFSET = 104729  # the baseline's own order of the sequences
+SHUFFLE_SEED_OFFSET = 104729  # the baselines' own order of the sequences
+
+
+@dataclass(frozen=True)
+class DenseBaseline:
+    """A dense model DiPaCo is compared with: what it shares with the run, and its name."""
+
+    key: str  # in the summary's JSON
+    equal: str  # what is the same as DiPaCo's, as the summary says it
+    name: str  # in dipaco.simulate.baselines
+
+
+EQUAL_WALL_CLOCK = DenseBaseline("equal_wall_clock", "wall-clock", "dense-steps")
+EQUAL_TOKENS = DenseBaseline("equal_tokens", "tokens", "dense")
+DENSE_BASELINES = (EQUAL_WALL_CLOCK, EQUAL_TOKENS)  # the order they are trained in
 
 
 @dataclass
@@ -111,6 +134,7 @@ class UnitSequences:
 
 @dataclass
 class DenseResult:
+    baseline: DenseBaseline
     model: nn.Module
     steps: int
     tokens: int
@@ -118,33 +142,35 @@ class DenseResult:
     seconds: float
 
 
+def dense_steps(config: RunConfig, baseline: DenseBaseline) -> int:
+    return baseline_steps(config, baseline.name)[0]
+
+
 def train_dense(
     data: RunData,
+    baseline: DenseBaseline,
     *,
     on_step: Callable[[StepMetrics], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> DenseResult | None:
-    """The dense baseline, or None when `should_stop` ended it early."""
+    """One dense baseline, or None when `should_stop` ended it early."""
     config = data.config
     started = time.perf_counter()
-    steps, accum = baseline_steps(config, "dense")
-    inner = config.inner.model_copy(update={"steps": steps, "grad_accum_steps": accum})
     source = UnitSequences(
         data.units,
         config.inner.steps * config.inner.batch_size,
         config.model.seq_len,
         config.seed + SHUFFLE_SEED_OFFSET,
     )
-    model = build_model(config.model, config.seed)  # = every module's version 0
-    result = run_inner_loop(
-        model, source, inner, seq_len=config.model.seq_len,
-        on_step=on_step, should_stop=should_stop,
-    )  # fmt: skip
+    model, result = fit_baseline(
+        config, source, baseline.name, on_step=on_step, should_stop=should_stop
+    )
     if not result.completed:
         return None
     return DenseResult(
-        model, steps, result.tokens, result.losses[-1], time.perf_counter() - started
-    )
+        baseline, model, dense_steps(config, baseline), result.tokens, result.losses[-1],
+        time.perf_counter() - started,
+    )  # fmt: skip
 
 
 def path_losses(model: nn.Module, data: RunData) -> dict[int, float]:

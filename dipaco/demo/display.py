@@ -1,5 +1,5 @@
 """The demo's live panel: the stage, rounds and units, each worker's step and loss, the
-dense baseline's progress; events are printed above it as log lines.
+dense baselines' progress; events are printed above it as log lines.
 
 On a terminal the panel redraws four times a second; elsewhere (a pipe, a CI log) only
 the log lines are printed, so the output stays readable.
@@ -30,6 +30,7 @@ class PanelState:
     units_done: int = 0  # over the whole run
     routed: dict[int, float] = field(default_factory=dict)  # round -> routed val loss
     workers: list[WorkerStatus] = field(default_factory=list)
+    dense_name: str = ""  # the baseline training now: "equal wall-clock", "equal tokens"
     dense_step: int = 0
     dense_steps: int = 0
     dense_loss: float | None = None
@@ -94,5 +95,5 @@ class DemoDisplay:
             grid.add_row(w.name, f"{w.state}  {figures}")
         if s.dense_steps:
             loss = f"  loss {s.dense_loss:.3f}" if s.dense_loss is not None else ""
-            grid.add_row("dense", f"baseline step {s.dense_step}/{s.dense_steps}{loss}")
+            grid.add_row("dense", f"{s.dense_name}: step {s.dense_step}/{s.dense_steps}{loss}")
         return Group(Text(s.title, style="bold"), grid)

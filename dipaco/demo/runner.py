@@ -1,10 +1,12 @@
-"""The demo from start to summary: server, tokens, run, workers, baseline, summary.
+"""The demo from start to summary: server, tokens, run, workers, baselines, summary.
 
 Every step goes through the product's own interfaces: `dipaco server`, the admin API
 with a staff token, `dipaco-worker` processes enrolled with an enrollment token, the
-inference API for the sample. Stopping (Ctrl+C, SIGTERM, an error) always runs the same
-path: stop the baseline, cancel the run if it is still going, stop the workers (they
-release their leases), then stop the server (it stops its children).
+inference API for the sample. After the summary the server keeps serving the dashboard
+until Ctrl+C when `DemoOptions.serve` says so (the command line's default on a terminal).
+Stopping (Ctrl+C, SIGTERM, an error) always runs the same path: stop the baselines,
+cancel the run if it is still going, stop the workers (they release their leases), then
+stop the server (it stops its children).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from dipaco.demo.control import AdminClient, DemoError, ServerProcess
 from dipaco.demo.display import DemoDisplay
 from dipaco.demo.workers import WorkerPool
 from dipaco.inner import StepMetrics
-from dipaco.simulate.baselines import baseline_steps
 
 POLL_S = 1.0
 LIVE_STATES = ("preparing", "ready", "running", "paused")
@@ -35,19 +36,20 @@ class DemoOptions:
     plan: plan.DemoPlan
     data_dir: Path
     port: int | None = None  # None: 8000, or a free port when 8000 is taken
-    keep_serving: bool = False
+    serve: bool = False  # keep serving the dashboard after the summary, until Ctrl+C
     json_path: Path | None = None
     prompt: str = SAMPLE_PROMPT
 
 
 class BaselineThread(threading.Thread):
-    """The dense baseline, trained beside the run (it fills the cores while rounds close)."""
+    """The dense baselines, one after the other, trained beside the run (they fill the
+    cores while rounds close)."""
 
     def __init__(self, data: baseline.RunData, display: DemoDisplay) -> None:
-        super().__init__(name="dense-baseline", daemon=True)
+        super().__init__(name="dense-baselines", daemon=True)
         self.data, self.display = data, display
         self.stop = threading.Event()
-        self.result: baseline.DenseResult | None = None
+        self.results: list[baseline.DenseResult] = []
         self.error: BaseException | None = None
 
     def run(self) -> None:
@@ -55,9 +57,18 @@ class BaselineThread(threading.Thread):
             self.display.update(dense_step=m.step, dense_loss=m.loss)
 
         try:
-            self.result = baseline.train_dense(
-                self.data, on_step=on_step, should_stop=self.stop.is_set
-            )
+            for dense in baseline.DENSE_BASELINES:
+                steps = baseline.dense_steps(self.data.config, dense)
+                self.display.update(
+                    dense_name=f"equal {dense.equal}", dense_step=0, dense_steps=steps,
+                    dense_loss=None,
+                )  # fmt: skip
+                result = baseline.train_dense(
+                    self.data, dense, on_step=on_step, should_stop=self.stop.is_set
+                )
+                if result is None:
+                    return
+                self.results.append(result)
         except Exception as exc:  # reported by the main thread, which stops the demo
             self.error = exc
 
@@ -84,9 +95,10 @@ class Demo:
                 result = self._train(started)
             result.render(self.console)
             self._save(result)
-            if self.options.keep_serving:
-                self._stop_workers()
-                self._serve()
+            if self.options.serve:
+                self._serve(result)
+            else:
+                self._say_how_to_serve_again()
         finally:
             self.display.close()
             self.shutdown()
@@ -130,13 +142,18 @@ class Demo:
         self.workers.start(url, enrollment, environ)
         say(f"started {opts.plan.workers} dipaco-worker processes (logs: {self.logs})")
         self.baseline = BaselineThread(data, self.display)
-        self.display.update(dense_steps=baseline_steps(config, "dense")[0])
         self.baseline.start()
         rounds = self._follow(data.val_tokens)
         self._wait_for_baseline()
-        dense_result = self.baseline.result
-        assert dense_result is not None
-        dense = baseline.path_losses(dense_result.model, data)
+        self.display.update(stage="scoring the dense baselines")
+        dense = [
+            summary.DenseScore(
+                key=r.baseline.key, equal=r.baseline.equal, name=r.baseline.name,
+                steps=r.steps, tokens=r.tokens, train_loss=r.train_loss, seconds=r.seconds,
+                losses=baseline.path_losses(r.model, data),
+            )
+            for r in self.baseline.results
+        ]  # fmt: skip
         self.display.update(stage="downloading a path and generating a sample")
         sample = summary.sample(
             url, self.run_id, opts.prompt, str(self.data_dir / "paths"), opts.plan.seed, say
@@ -144,8 +161,7 @@ class Demo:
         return summary.DemoSummary(
             run_id=self.run_id, run_name=name, server=url, config=config,
             seconds=time.monotonic() - started, workers=opts.plan.workers, rounds=rounds,
-            before=before, dense=dense, weights=data.val_tokens, dense_steps=dense_result.steps,
-            dense_tokens=dense_result.tokens, dense_train_loss=dense_result.train_loss,
+            before=before, dense=dense, weights=data.val_tokens,
             traffic=summary.traffic(self.run_id), sample=sample,
         )  # fmt: skip
 
@@ -236,12 +252,14 @@ class Demo:
 
     def _wait_for_baseline(self) -> None:
         assert self.baseline is not None
-        self.display.update(stage="finishing the dense baseline")
-        self._stop_workers()  # their work is done; the baseline gets the cores
+        self.display.update(stage="finishing the dense baselines")
+        self._stop_workers()  # their work is done; the baselines get the cores
         while self.baseline.is_alive():
             self.baseline.join(timeout=POLL_S)
         if self.baseline.error is not None:
             raise DemoError(f"the dense baseline failed: {self.baseline.error}")
+        if len(self.baseline.results) != len(baseline.DENSE_BASELINES):
+            raise DemoError("the dense baselines stopped before they finished")
 
     def _save(self, result: summary.DemoSummary) -> None:
         import json
@@ -251,16 +269,34 @@ class Demo:
         path.write_text(json.dumps(result.to_json(), indent=2) + "\n", "utf-8")
         self.console.print(f"[bold]summary[/]: {path}")
 
-    def _serve(self) -> None:
+    def _serve(self, result: summary.DemoSummary) -> None:
+        """Keep the server (and its dashboard) up until Ctrl+C, or until it exits."""
         assert self.server is not None and self.server.process is not None
+        self._stop_workers()  # the run is finished; only the dashboard and APIs are left
         self.console.print(
             f"the server keeps running at {self.server.url} (admin API token: "
-            f"{self.api_token}); press Ctrl+C to stop it"
+            f"{self.api_token}); `dipaco generate --run {result.run_id} ...` and "
+            f"`dipaco download --run {result.run_id} ...` work meanwhile"
+        )
+        self.console.print(
+            f"[bold]Dashboard: {result.dashboard}[/] — press Ctrl-C to stop", highlight=False
         )
         try:
-            self.server.process.wait()
+            code = self.server.process.wait()
         except KeyboardInterrupt:
             self.console.print("stopping the server")
+            return
+        raise DemoError(
+            f"dipaco server exited with code {code} while serving; see {self.server.log_path}"
+        )
+
+    def _say_how_to_serve_again(self) -> None:
+        port = self.server.port if self.server is not None else 8000
+        self.console.print(
+            "the server stops with the demo; to see the dashboard again: "
+            f"DIPACO_DATA_DIR={self.data_dir} dipaco server --port {port}",
+            highlight=False,
+        )
 
     # --- stopping -----------------------------------------------------------------------
 

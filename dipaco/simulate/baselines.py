@@ -18,15 +18,22 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from dipaco.config import RunConfig
-from dipaco.inner import StepMetrics, run_inner_loop
+from dipaco.inner import InnerResult, StepMetrics, TokenSource, run_inner_loop
 from dipaco.model import build_model
 from dipaco.simulate.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
 from dipaco.simulate.prepare import PreparedData
 
-__all__ = ["BASELINES", "BaselineRun", "baseline_steps", "data_parallel_bytes", "train_baseline"]
+__all__ = [
+    "BASELINES",
+    "BaselineRun",
+    "baseline_steps",
+    "data_parallel_bytes",
+    "fit_baseline",
+    "train_baseline",
+]
 
 BASELINES = ("data-parallel", "dense")
 ALL_REDUCE_FORMULA = "2 x params x 4 bytes x steps x workers"
@@ -50,8 +57,10 @@ def baseline_steps(config: RunConfig, name: str) -> tuple[int, int]:
     steps = config.rounds * config.inner.steps
     if name == "data-parallel":
         return steps, config.inner.grad_accum_steps * workers
-    if name == "dense":
+    if name == "dense":  # equal tokens: every unit's steps, one after another
         return steps * workers, config.inner.grad_accum_steps
+    if name == "dense-steps":  # equal sequential steps (wall-clock): as many as one path
+        return steps, config.inner.grad_accum_steps
     raise ValueError(f"unknown baseline {name!r}; choose from {BASELINES}")
 
 
@@ -75,26 +84,43 @@ def train_baseline(
 ) -> BaselineRun:
     started = time.perf_counter()
     steps, accum = baseline_steps(config, name)
-    inner = config.inner.model_copy(update={"steps": steps, "grad_accum_steps": accum})
-    model = build_model(config.model, config.seed)  # = the modules' initial weights
-    if base_state is not None:
-        model.load_state_dict(base_state)
-    result = run_inner_loop(
-        model,
-        data.train_source(None, config.model.seq_len, config.seed),
-        inner,
-        seq_len=config.model.seq_len,
-        device=device,
-        on_step=on_step,
+    source = data.train_source(None, config.model.seq_len, config.seed)
+    model, result = fit_baseline(
+        config, source, name, on_step=on_step, device=device, base_state=base_state
     )
     losses = evaluate_model(model, windows)
     return BaselineRun(
         name=name,
         steps=steps,
-        batch_size=inner.batch_size,
+        batch_size=config.inner.micro_batch_size * accum,
         tokens=result.tokens,
         paths=losses,
         loss=routed_mean(losses),
         train_loss=result.losses[-1],
         seconds=time.perf_counter() - started,
     )
+
+
+def fit_baseline(
+    config: RunConfig,
+    source: TokenSource,
+    name: str,
+    *,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    device: torch.device | str = "cpu",
+    base_state: Mapping[str, Tensor] | None = None,
+) -> tuple[nn.Module, InnerResult]:
+    """Baseline `name`'s model trained on `source`: the simulation's i.i.d. stream, or
+    `dipaco demo`'s run units (dipaco.demo.baseline). ``result.completed`` is False when
+    `should_stop` ended it early."""
+    steps, accum = baseline_steps(config, name)
+    inner = config.inner.model_copy(update={"steps": steps, "grad_accum_steps": accum})
+    model = build_model(config.model, config.seed)  # = the modules' initial weights
+    if base_state is not None:
+        model.load_state_dict(base_state)
+    result = run_inner_loop(
+        model, source, inner, seq_len=config.model.seq_len, device=device,
+        on_step=on_step, should_stop=should_stop,
+    )  # fmt: skip
+    return model, result
