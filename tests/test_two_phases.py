@@ -41,10 +41,11 @@ from dipaco_server.env import celery_transport
 from dipaco_server.inference.card import model_card
 from dipaco_server.inference.routing import route_text
 from dipaco_server.inference.services import Selection
-from dipaco_server.rounds.models import Round, WorkUnit
-from dipaco_server.rounds.services import start_run
-from dipaco_server.rounds.tasks import close_ready_rounds
-from dipaco_server.runs import keys
+from dipaco_server.rounds.models import Lease, Round, WorkUnit
+from dipaco_server.rounds.outer import step_module
+from dipaco_server.rounds.services import mark_round_closed, mark_round_closing, start_run
+from dipaco_server.rounds.tasks import PREPARING_PHASE2, advance_run, close_ready_rounds
+from dipaco_server.runs import between, keys
 from dipaco_server.runs.models import ModuleVersion, Run
 from dipaco_server.runs.prepare import prepare_run, read_module, report_progress
 from dipaco_server.runs.services import create_run, record_metric
@@ -57,6 +58,7 @@ from tests.conftest import (
     stop_process,
 )
 from tests.test_dashboard import chart_data
+from tests.test_worker_agent_e2e import WorkerProcess, enrollment
 from tests.test_worker_api import call, new_worker, sent_tasks, take_lease
 
 MODEL = {
@@ -421,3 +423,46 @@ def test_phase1_routes_with_its_model_and_runs_as_plain_diloco() -> None:
     assert (dense.rounds, dense.replicas_per_path, dense.inner.steps) == (3, 5, 7)
     assert dense.phase1 is None and RunConfig.tiny(phase1={"rounds": 3}).total_rounds == 6
     assert RunConfig.tiny().phase1 is None and RunConfig.tiny().total_rounds == 3
+
+
+@pytest.mark.django_db(transaction=True)
+def test_real_workers_train_both_phases_with_the_leases_config_alone(
+    settings: Any, live_server: Any, tmp_path: Path
+) -> None:
+    """`dipaco-worker` processes, unchanged, train a phase-1 unit and then a phase-2 unit."""
+    settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
+    settings.DIPACO_PUBLIC_URL = live_server.url
+    run = new_run(phase1={"rounds": 1, "replicas": 1}, inner={"steps": 3})
+    prepare_run(run, max_files=FILES)
+    start_run(run)
+
+    def train_one_unit(name: str) -> Lease:
+        worker = WorkerProcess(live_server.url, tmp_path / name, "--enroll", enrollment(), "--once")
+        try:
+            assert worker.finish() == 0, worker.output()
+        finally:
+            worker.kill()
+        return Lease.objects.filter(state=Lease.State.COMPLETED).latest("pk")
+
+    dense = train_one_unit("first")
+    assert (dense.unit.round.t, dense.unit.path.phase) == (0, 1)
+    for contribution in dense.contributions.select_related("module"):
+        spec = module_spec(run.run_config.dense_phase, contribution.module.module_id)
+        codecs.decode(get_blob_store().get_bytes(contribution.blob_key), expected=spec)
+
+    # Round 0 closes and the steps between the phases run here, as the Celery tasks would.
+    round_ = Round.objects.get(run=run, t=0)
+    assert mark_round_closing(round_)
+    for module_id in ("0.0", "shared"):
+        assert step_module(run.pk, module_id, 0)["outcome"] == "stepped"
+    mark_round_closed(round_)
+    assert advance_run(run, 0) == PREPARING_PHASE2
+    run.refresh_from_db()
+    for chunk in range(between.begin(run)):
+        between.embed_chunk(run, chunk)
+    assert between.finish(run) == "opened"
+
+    dipaco = train_one_unit("second")
+    assert (dipaco.unit.round.t, dipaco.unit.path.phase) == (1, 2)
+    modules = sorted(c.module.module_id for c in dipaco.contributions.select_related("module"))
+    assert modules == sorted(dipaco.unit.path.modules)
