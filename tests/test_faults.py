@@ -434,7 +434,7 @@ def zero_contribution(client: Any, grant: Any, directory: Path) -> list[Any]:
         base = load_module(path, config, ref.module_id)
         deltas[ref.module_id] = {name: torch.zeros_like(t) for name, t in base.items()}
     client.heartbeat(grant.lease_id, grant.secret)
-    encoded = encode_deltas(deltas, config, directory / "deltas")
+    encoded, _ = encode_deltas(deltas, config, directory / "deltas")
     targets = client.upload_urls(grant.lease_id, grant.secret)
     for delta in encoded:
         put = httpx.put(targets[delta.module_id].put_url, content=delta.path.read_bytes())

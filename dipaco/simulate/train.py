@@ -175,15 +175,13 @@ def train_dipaco(
                 last_losses.append(result.losses[-1])
                 state = result.state or InnerState()
                 for module_id, delta in result.module_deltas.items():
-                    residual = {
-                        k.split("/", 1)[1]: v
-                        for k, v in state.residual.items()
-                        if k.split("/", 1)[0] == module_id
-                    }
                     encoded, residual = codecs.encode_with_feedback(
-                        delta, config.comm.codec, residual, block_size=config.comm.block_size
+                        delta,
+                        config.comm.codec,
+                        state.module_residual(module_id),
+                        block_size=config.comm.block_size,
                     )
-                    state.residual.update({f"{module_id}/{k}": v for k, v in residual.items()})
+                    state.set_module_residual(module_id, residual)
                     contributions[module_id].append((p, encoded, result.tokens))
                     record.upload_bytes += len(encoded)
                 states[(p, r)] = state
