@@ -30,6 +30,7 @@ import torch
 
 from dipaco.codecs import decode, encode
 from dipaco.config import RunConfig
+from dipaco.inner import InnerState, state_fingerprint
 from dipaco.modular import init_modules, module_spec
 from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
 from dipaco_server.rounds.services import start_run
@@ -195,6 +196,23 @@ def test_one_worker_enrolls_trains_a_unit_and_its_contributions_decode_to_finite
         assert all(torch.isfinite(t).all() for t in delta.values())
         assert math.sqrt(sum(float(t.pow(2).sum()) for t in delta.values())) > 0
     assert not (tmp_path / "agent" / "lease.json").exists(), "a completed unit leaves no state"
+    # ...but the path's inner state, for its next unit on this worker: AdamW moments (and,
+    # with a quantising codec, the residual), for this model.
+    kept = (
+        tmp_path
+        / "agent"
+        / "cache"
+        / "inner"
+        / f"run-{run.pk}"
+        / f"path-{lease.unit.path.index}.safetensors"
+    )
+    state = InnerState.load(kept, state_fingerprint(config))
+    assert (
+        state is not None
+        and state.adam
+        and state.residual.keys()
+        >= {f"{m}/{name}" for m in lease.unit.path.modules for name in module_spec(config, m)}
+    )
 
 
 def test_after_kill_9_a_restart_resumes_the_lease_and_sigterm_then_releases_it(
@@ -225,3 +243,6 @@ def test_after_kill_9_a_restart_resumes_the_lease_and_sigterm_then_releases_it(
     assert lease.unit.state == WorkUnit.State.QUEUED, "the unit goes back to the queue"
     assert not (data_dir / "lease.json").exists()
     assert not (data_dir / "work").exists() or not any((data_dir / "work").iterdir())
+    assert not (data_dir / "cache" / "inner").exists() or not any(
+        (data_dir / "cache" / "inner").rglob("*.safetensors")
+    ), "an abandoned unit's moments and residual are not kept"
