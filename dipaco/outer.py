@@ -16,12 +16,14 @@ persist next to the weights.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 
+from dipaco import codecs
 from dipaco.config import OuterConfig
 
 __all__ = [
@@ -60,6 +62,8 @@ class DeltaAccumulator:
 
     Each Δ is checked against the names and shapes of the first one (or `spec`, the
     module's name -> (shape, dtype) from dipaco.modular.module_spec) and must be finite.
+    `add_encoded` takes a Δ still encoded (the server's outer step, which never decodes a
+    whole one): the same weights, clipping and sums, with the same arithmetic.
     """
 
     def __init__(
@@ -70,6 +74,7 @@ class DeltaAccumulator:
         clip_norm: float | None = None,
         device: torch.device | str = "cpu",
     ) -> None:
+        self.spec = dict(spec) if spec else None
         self.shapes = {name: tuple(shape) for name, (shape, _) in spec.items()} if spec else None
         self.token_weighting = token_weighting
         self.clip_norm = clip_norm
@@ -89,11 +94,8 @@ class DeltaAccumulator:
         if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
             raise ValueError("Δ holds NaN or infinite values")
         self.shapes = shapes
-        weight = float(tokens) if self.token_weighting else 1.0
-        scale = 1.0
-        if self.clip_norm is not None:
-            norm = delta_norm(delta)
-            scale = min(1.0, self.clip_norm / norm) if norm > 0 else 1.0
+        weight = self._weight(tokens)
+        scale = self._scale(delta_norm(delta) if self.clip_norm is not None else 0.0)
         for name, t in delta.items():
             if name not in self.sums:
                 self.sums[name] = torch.zeros(t.shape, dtype=torch.float32, device=self.device)
@@ -101,9 +103,54 @@ class DeltaAccumulator:
         self.total_weight += weight
         self.count += 1
 
-    def mean(self) -> dict[str, Tensor]:
+    def add_encoded(
+        self,
+        data: bytes | str | os.PathLike[str],
+        tokens: int,
+        *,
+        norm: float | None = None,
+        verify_checksum: bool = True,
+    ) -> None:
+        """Add one encoded Δ (a dipaco.codecs container: bytes or a file), streamed into the
+        sums chunk by chunk by codecs.accumulate, which checks it against the spec (needed
+        here) first. Under clip_norm, `norm` is the Δ's global norm (codecs.verify's)."""
+        if self.spec is None:
+            raise ValueError("add_encoded needs the module's spec to check and size the sums")
+        if self.clip_norm is not None and norm is None:
+            raise ValueError("clipped-mean needs each encoded Δ's norm")
+        weight = self._weight(tokens)
+        scale = self._scale(norm or 0.0)
+        if not self.sums:
+            self.sums = {
+                name: torch.zeros(shape, dtype=torch.float32, device=self.device)
+                for name, (shape, _) in self.spec.items()
+            }
+        codecs.accumulate(
+            data, self.sums, weight * scale, self.spec, verify_checksum=verify_checksum
+        )
+        self.total_weight += weight
+        self.count += 1
+
+    def _weight(self, tokens: int) -> float:
+        if tokens <= 0:
+            raise ValueError(f"a contribution must report tokens > 0, got {tokens}")
+        return float(tokens) if self.token_weighting else 1.0
+
+    def _scale(self, norm: float) -> float:
+        """clipped-mean's factor for a Δ of this norm (1 without clipping or for a zero Δ)."""
+        if self.clip_norm is None or norm <= 0:
+            return 1.0
+        return min(1.0, self.clip_norm / norm)
+
+    def mean(self, *, in_place: bool = False) -> dict[str, Tensor]:
+        """The weighted mean; `in_place` divides the sums themselves (no second copy of the
+        module; the accumulator is spent)."""
         if self.count == 0:
             raise ValueError("no contribution was added; a module without Δs keeps its weights")
+        if in_place:
+            for s in self.sums.values():
+                s.div_(self.total_weight)
+            return self.sums
         return {name: s / self.total_weight for name, s in self.sums.items()}
 
 

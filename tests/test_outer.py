@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from dipaco import codecs
 from dipaco.config import OuterConfig
 from dipaco.outer import (
     DeltaAccumulator,
@@ -155,3 +156,26 @@ def test_the_outer_lr_warms_up_linearly_to_its_peak() -> None:
     params, delta = {"w": torch.ones(2)}, {"w": torch.ones(2)}
     new, _ = outer_step(params, delta, None, cfg.model_copy(update={"momentum": 0.0}), lr=0.25)
     assert torch.equal(new["w"], torch.full((2,), 0.75))
+
+
+@pytest.mark.parametrize("clip_norm", [None, 0.5])
+def test_an_encoded_delta_adds_exactly_what_its_decoded_tensors_add(
+    clip_norm: float | None,
+) -> None:
+    spec = {n: (s, torch.float32) for n, s in SHAPES.items()}
+    decoded, encoded = (
+        DeltaAccumulator(spec, clip_norm=clip_norm),
+        DeltaAccumulator(spec, clip_norm=clip_norm),
+    )
+    for i, scale in enumerate([0.1, 1.0, 3.0]):
+        data = codecs.encode(random_delta(40 + i, scale), "int8", block_size=4)
+        delta = codecs.decode(data)  # what the simulator adds
+        decoded.add(delta, 100 + i)
+        encoded.add_encoded(data, 100 + i, norm=delta_norm(delta))  # what the server adds
+    expected = decoded.mean()
+    got = encoded.mean(in_place=True)
+    assert got is encoded.sums, "in place: no second copy of the module"
+    for name in SHAPES:
+        assert torch.equal(got[name], expected[name]), name
+    with pytest.raises(ValueError, match="norm"):
+        DeltaAccumulator(spec, clip_norm=1.0).add_encoded(data, 1)

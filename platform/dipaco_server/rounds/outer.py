@@ -11,9 +11,9 @@ each streamed from the object store to a temporary file, one at a time:
 2. **aggregate** the accepted ones into one fp32 sum (`codecs.accumulate`, token weights,
    the robust rule), the √(contributing paths) rescale, then Nesterov at round t's outer
    lr chunk by chunk, streaming version `base` and its momentum (module files,
-   runs.prepare) in and t + 1 out. The arithmetic is dipaco.outer's (`rescale_factor`,
-   `outer_lr`, `outer_step`, `clip_threshold`, `trimmed_mean`); only the weighted sum is
-   the server's own, streamed from the encoded uploads instead of decoded Δs.
+   runs.prepare) in and t + 1 out. The arithmetic is dipaco.outer's (`DeltaAccumulator`
+   fed the uploads still encoded, `clip_threshold`, `trimmed_mean`, `rescale_factor`,
+   `outer_lr`, `outer_step`), so the server steps exactly as the simulator does.
 
 Memory, whatever the number of contributions: pass 1 holds one upload (<= 1x the fp32
 module); pass 2 the fp32 sum plus one upload plus chunks; the trimmed mean, which needs
@@ -58,6 +58,7 @@ from dipaco import codecs
 from dipaco.codecs import CodecError
 from dipaco.config import OuterConfig
 from dipaco.outer import (
+    DeltaAccumulator,
     clip_threshold,
     norm_outliers,
     outer_lr,
@@ -255,22 +256,22 @@ def aggregate(
     accepted: Sequence[Verdict], spec: Spec, cfg: OuterConfig, work: Path
 ) -> dict[str, Tensor]:
     """Pass 2: the module's outer gradient in fp32, as dipaco.outer.aggregate computes it
-    with ``paths_through=contributing_paths(accepted)``."""
-    weights = [float(v.upload.tokens) if cfg.token_weighting else 1.0 for v in accepted]
+    with ``paths_through=contributing_paths(accepted)``: the library's DeltaAccumulator
+    (weights, clipping) fed the verified uploads still encoded, and its trimmed_mean."""
     if cfg.robust == "trimmed-mean":
         grad = _trimmed_mean(accepted, spec, cfg, work)
     else:
-        scales = [1.0] * len(accepted)
+        limit = None
         if cfg.robust == "clipped-mean":
             limit = clip_threshold([float(v.norm or 0.0) for v in accepted], cfg.clip_factor)
-            scales = [min(1.0, limit / v.norm) if v.norm else 1.0 for v in accepted]
-        grad = {name: torch.zeros(shape, dtype=torch.float32) for name, (shape, _) in spec.items()}
-        for verdict, weight, scale in zip(accepted, weights, scales, strict=True):
+        accumulator = DeltaAccumulator(spec, token_weighting=cfg.token_weighting, clip_norm=limit)
+        for verdict in accepted:
             assert verdict.file is not None
-            codecs.accumulate(verdict.file, grad, weight * scale, spec, verify_checksum=False)
-        total = sum(weights)
-        for tensor in grad.values():
-            tensor.div_(total)
+            # Its sha256 was checked as it downloaded (pass 1).
+            accumulator.add_encoded(
+                verdict.file, verdict.upload.tokens, norm=verdict.norm, verify_checksum=False
+            )
+        grad = accumulator.mean(in_place=True)  # no second copy of the module
     factor = rescale_factor(cfg, contributing_paths(accepted))
     if factor != 1.0:
         for tensor in grad.values():
