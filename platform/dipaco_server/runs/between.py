@@ -39,10 +39,10 @@ from dipaco_server.runs.checkpoint import base_model, load_base_state, write_bas
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.prepare import (
-    _upload_shards,
     init_module_versions,
     read_module,
     report_progress,
+    upload_shards,
     work_root,
 )
 from dipaco_server.runs.services import TERMINAL
@@ -214,7 +214,7 @@ def finish(run: Run, *, store: BlobStore | None = None) -> str:
         index = build_shards(
             train, val, tokenizer, router, shard_dir, num_paths=config.num_paths, progress=False
         )
-        _upload_shards(run, store, index, shard_dir, phases.PATHS)
+        upload_shards(run, store, index, shard_dir, phases.PATHS)
         report_progress(run, "modules", chunks, chunks, "preparing phase 2: modules from phase 1")
         base_state = load_base_state(store, run.pk, config, work)
         modules = init_modules_from_base(config, base_state)

@@ -173,7 +173,7 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
             split.train, split.val, tokenizer, router, shard_dir, num_paths=shard_paths,
             progress=False,
         )  # fmt: skip
-        _upload_shards(run, store, index, shard_dir, phase)
+        upload_shards(run, store, index, shard_dir, phase)
         if dense:
             write_document_chunks(run, store, split.train, split.val, work)
         report_progress(run, "modules", 5, steps, "initialising modules as version 0")
@@ -199,7 +199,9 @@ def work_root() -> Path:
     return root
 
 
-def _upload_shards(run: Run, store: BlobStore, index: Any, shard_dir: Path, phase: int) -> None:
+def upload_shards(run: Run, store: BlobStore, index: Any, shard_dir: Path, phase: int) -> None:
+    """One phase's shards and shard index, uploaded; each Path row gets its token counts
+    and routing share (runs.between writes phase 2's after phase 1)."""
     total_docs = sum(entry["train"].docs for entry in index.paths) or 1
     for p, entry in enumerate(index.paths):
         for split in ("train", "val"):
