@@ -77,15 +77,18 @@ def test_dipaco_routed_validation_loss_falls_over_the_rounds(dipaco_run: Simulat
 def test_dipaco_baselines_run_on_the_same_tokens_and_report_finite_losses(
     dipaco_run: SimulationResult,
 ) -> None:
-    assert set(dipaco_run.baselines) == {"data-parallel", "dense"}
-    for baseline in dipaco_run.baselines.values():
+    assert set(dipaco_run.baselines) == {"data-parallel", "dense", "dense-steps"}
+    for name, baseline in dipaco_run.baselines.items():
         assert math.isfinite(baseline.loss)
         assert baseline.loss < dipaco_run.run.rounds[0].routed_loss
-        assert baseline.tokens == dipaco_run.run.tokens
+        # dense-steps matches one path's sequential steps (equal wall-clock), not the tokens
+        share = 4 if name == "dense-steps" else 1
+        assert baseline.tokens * share == dipaco_run.run.tokens
         assert [p.tokens for p in baseline.paths] == dipaco_run.windows.tokens
     dp, dense = dipaco_run.baselines["data-parallel"], dipaco_run.baselines["dense"]
-    assert (dp.steps, dense.steps) == (3 * 5, 3 * 5 * 4)
-    assert dp.batch_size == 4 * dense.batch_size
+    steps = dipaco_run.baselines["dense-steps"]
+    assert (dp.steps, dense.steps, steps.steps) == (3 * 5, 3 * 5 * 4, 3 * 5)
+    assert dp.batch_size == 4 * dense.batch_size == 4 * steps.batch_size
 
 
 def test_dipaco_sends_fewer_bytes_than_data_parallel(dipaco_run: SimulationResult) -> None:

@@ -54,6 +54,8 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
     },
 }  # fmt: skip
 DILOCO_REPLICAS = 4
+# dipaco.simulate.baselines.BASELINES, named here so --help needs no torch import
+BASELINES = ("data-parallel", "dense", "dense-steps")
 DEFAULT_ROUNDS = 5
 DEFAULT_VAL_FRACTION = 0.05  # DataConfig's 0.01 is for full corpora; a sample needs more
 
@@ -79,9 +81,9 @@ def _paths(text: str) -> tuple[int, int]:
 
 def _baselines(text: str) -> tuple[str, ...]:
     names = tuple(name.strip() for name in text.split(",") if name.strip())
-    unknown = [name for name in names if name not in ("data-parallel", "dense")]
+    unknown = [name for name in names if name not in BASELINES]
     if unknown:
-        raise argparse.ArgumentTypeError(f"unknown baselines {unknown}: use data-parallel, dense")
+        raise argparse.ArgumentTypeError(f"unknown baselines {unknown}: use {', '.join(BASELINES)}")
     return names
 
 
@@ -165,7 +167,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_baselines,
         default=("data-parallel", "dense"),
         metavar="LIST",
-        help="comma-separated baselines to run (default: data-parallel,dense)",
+        help="comma-separated baselines to run (default: data-parallel,dense); dense-steps "
+        "is the dense model at equal sequential steps (equal wall-clock) instead of tokens",
     )
     out.add_argument("--no-baselines", action="store_true", help="skip both baselines")
     out.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -35,7 +35,7 @@ __all__ = [
     "train_baseline",
 ]
 
-BASELINES = ("data-parallel", "dense")
+BASELINES = ("data-parallel", "dense", "dense-steps")
 ALL_REDUCE_FORMULA = "2 x params x 4 bytes x steps x workers"
 
 

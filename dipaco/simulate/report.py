@@ -24,7 +24,7 @@ from dipaco.simulate.train import DipacoRun
 __all__ = ["RESULT_FORMAT", "SimulationResult", "render"]
 
 RESULT_FORMAT = "dipaco-simulate-result/1"
-SHORT = {"data-parallel": "DP", "dense": "dense"}
+SHORT = {"data-parallel": "DP", "dense": "dense", "dense-steps": "dense (equal steps)"}
 
 
 def _ppl(loss: float | None) -> float | None:
