@@ -243,6 +243,30 @@ def test_a_worker_gets_the_path_it_completed_last(round0: Round) -> None:
     assert second.unit.path_id == first.unit.path_id
 
 
+def test_a_worker_gets_back_every_path_it_trained_not_only_the_last(db: None) -> None:
+    """Two workers, four paths: each trains two paths a round. In the next round the one
+    that finishes first must get its other path back (its AdamW state is warm there), not
+    the lowest-numbered path, which the other worker trained (bench/platform_run.py: such
+    cold units made a platform run drift from dipaco simulate)."""
+    round0 = start_run(prepare_run(make_run(replicas_per_path=1)), now=T0)
+    a, b = make_worker("a"), make_worker("b")
+    trained: dict[int, list[int]] = {a.pk: [], b.pk: []}  # path ids, in completion order
+    for worker in (a, b, a, b):  # round 0: a and b alternate, two units each
+        unit = grant(worker)
+        complete(worker, unit.lease.pk, unit.secret, reports(unit))
+        trained[worker.pk].append(unit.unit.path_id)
+    assert len(set(trained[a.pk] + trained[b.pk])) == 4
+    assert mark_round_closing(round0) and mark_round_closed(round0)
+    open_round(round0.run, 1, now=T0)
+    first_a, first_b = grant(a), grant(b)
+    assert first_a.unit.path_id == trained[a.pk][-1]  # the path each completed last
+    assert first_b.unit.path_id == trained[b.pk][-1]
+    complete(b, first_b.lease.pk, first_b.secret, reports(first_b))  # b finishes first
+    assert grant(b).unit.path_id == trained[b.pk][0]  # not the lowest path left, a's
+    complete(a, first_a.lease.pk, first_a.secret, reports(first_a))
+    assert grant(a).unit.path_id == trained[a.pk][0]
+
+
 def test_a_new_worker_gets_the_least_covered_path(round0: Round) -> None:
     paths = [grant(make_worker(f"w{i}")).unit.path_id for i in range(4)]
     assert len(set(paths)) == 4, "each path gets one replica before any gets a second"

@@ -66,9 +66,14 @@ class LeaseGrant:
 def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | None:
     """Lease one queued unit to `worker`, or None when no unit is waiting.
 
-    Preference (DESIGN §4.2): a unit of the path the worker completed last (its
-    AdamW state is warm), then the path with the fewest units leased or done in
-    its round, then the oldest round.
+    Preference (DESIGN §4.2): a unit of a path the worker completed before (its
+    AdamW state is warm there; the most recently completed first), then the path with
+    the fewest units leased or done in its round, then the oldest round.
+
+    Every path the worker trained lately counts, not only its last: a worker with two
+    paths a round (fewer workers than units) otherwise gets its second path back only
+    if it asks before the other workers, and trains someone else's with cold moments
+    (bench/platform_run.py measured that drift from dipaco simulate).
     """
     now = now or timezone.now()
     policy = current_policy()
@@ -78,7 +83,7 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
         _check_lease_limit(worker, policy, now)  # a worker at its limit hears so even then
         return None
     groups, fresh = _cached_groups()
-    warm_path = _last_path_id(worker)
+    warm_paths = _recent_paths(worker)
     for _ in range(CLAIM_ATTEMPTS):
         with transaction.atomic():
             # Locking the worker row serialises one worker's grants, so its lease limit holds.
@@ -86,10 +91,10 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
             if locked is None or locked.revoked:
                 raise WorkerRevoked(f"worker {worker.pk} was revoked; it gets no more work")
             _check_lease_limit(locked, policy, now)
-            unit = _next_queued_unit(groups, warm_path)
+            unit = _next_queued_unit(groups, warm_paths)
             if unit is None and not fresh:  # the cached groups ran dry: count again
                 groups, fresh = _cached_groups(refresh=True)
-                unit = _next_queued_unit(groups, warm_path)
+                unit = _next_queued_unit(groups, warm_paths)
             if unit is None:
                 return None
             claimed = WorkUnit.objects.filter(pk=unit.pk, state=WorkUnit.State.QUEUED).update(
@@ -143,14 +148,23 @@ def _check_lease_limit(worker: Worker, policy: SchedulerPolicy, now: datetime) -
         )
 
 
-def _last_path_id(worker: Worker) -> int | None:
-    last = (
+# Completed leases looked at for a worker's warm paths: more than the paths one worker
+# trains in a round or two, few enough that the read stays one short index scan.
+WARM_LOOKBACK = 64
+
+
+def _recent_paths(worker: Worker) -> dict[int, int]:
+    """Path id -> rank (0: completed last) of the paths among the worker's latest
+    completed units: the paths whose inner state it keeps warm."""
+    latest = (
         Lease.objects.filter(worker=worker, state=Lease.State.COMPLETED)
         .order_by("-ended_at", "-pk")
-        .values_list("unit__path_id", flat=True)
-        .first()
+        .values_list("unit__path_id", flat=True)[:WARM_LOOKBACK]
     )
-    return last
+    ranks: dict[int, int] = {}
+    for path_id in latest:
+        ranks.setdefault(path_id, len(ranks))
+    return ranks
 
 
 def _anything_queued() -> bool:
@@ -237,7 +251,7 @@ def _open_groups() -> list[dict[str, int]]:
     )
 
 
-def _next_queued_unit(groups: list[dict[str, int]], warm_path: int | None) -> WorkUnit | None:
+def _next_queued_unit(groups: list[dict[str, int]], warm_paths: dict[int, int]) -> WorkUnit | None:
     """The queued unit to grant next, in the order of DESIGN §4.2, or None.
 
     Two cheap queries instead of one that ranks every queued unit: first the groups
@@ -250,7 +264,7 @@ def _next_queued_unit(groups: list[dict[str, int]], warm_path: int | None) -> Wo
     ranked = sorted(
         groups,
         key=lambda g: (
-            g["path_id"] != warm_path,
+            warm_paths.get(g["path_id"], len(warm_paths)),
             g["covered"],
             g["round_id"],
             g["path__index"],
