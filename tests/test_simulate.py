@@ -230,3 +230,19 @@ def test_a_shard_source_hands_each_position_its_own_shuffled_window(
     assert sorted(source.order.tolist()) == list(range(windows))
     again = dipaco_run.data.train_source(0, seq_len, seed=0)
     assert torch.equal(again.batch(5, 3, seq_len), source.batch(5, 3, seq_len))
+
+
+def test_the_base_models_features_route_the_documents_as_in_the_paper(work_dir: Path) -> None:
+    config = tiny_config(rounds=1, inner={"steps": 2, "warmup_steps": 1},
+                         router={"featurizer": "base-lm"})  # fmt: skip
+    options = SimulateOptions(
+        budget=BUDGET, work_dir=work_dir, eval_windows=16, baselines=(), base_steps=15
+    )
+    result = simulate(config, options)
+    router = result.data.router
+    assert router is not None and router.spec.featurizer == "base-lm"
+    tfidf = prepare_data(tiny_config(), BUDGET, work_dir)
+    assert result.data.key != tfidf.key  # another sharding, cached apart
+    assert sum(result.data.docs("train")) == sum(tfidf.docs("train"))
+    with pytest.raises(ValueError, match="base steps"):
+        simulate(config, SimulateOptions(budget=BUDGET, work_dir=work_dir, baselines=()))

@@ -33,7 +33,7 @@ from rich.progress import (
 
 from dipaco.config import RunConfig
 from dipaco.inner import StepMetrics
-from dipaco.simulate.base import train_base
+from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.baselines import BASELINES, BaselineRun, baseline_steps, train_baseline
 from dipaco.simulate.evaluate import val_windows
 from dipaco.simulate.prepare import DataBudget, PreparedData, default_work_dir, prepare_data
@@ -91,21 +91,22 @@ def simulate(
     if unknown:
         raise ValueError(f"unknown baselines {sorted(unknown)}; choose from {BASELINES}")
     log = console.log if console is not None else (lambda _: None)
-    data = prepare_data(config, options.budget, options.work_dir, log=log)
-    windows = val_windows(data, config.model.seq_len, options.eval_windows)
     units = config.num_paths * config.replicas_per_path
     with _progress(console, options.progress) as progress:
-        base_state = None
-        if options.base_steps:
-            base_task = progress.add_task("base model", total=options.base_steps)
+        base_task = progress.add_task(
+            "base model", total=options.base_steps or 1, visible=bool(options.base_steps)
+        )
 
-            def on_base_step(metrics: StepMetrics) -> None:
-                progress.update(base_task, advance=1, description=f"base loss {metrics.loss:.3f}")
+        def on_base_step(metrics: StepMetrics) -> None:
+            progress.update(base_task, advance=1, description=f"base loss {metrics.loss:.3f}")
 
-            base_state = train_base(
-                config, data, options.base_steps, on_step=on_base_step, device=options.device
-            )
-            progress.update(base_task, completed=options.base_steps)
+        # The paper's order: the dense base (phase 1) first, whose features may route.
+        data, base_state = prepare_with_base(
+            config, options.budget, options.work_dir, options.base_steps,
+            log=log, on_step=on_base_step, device=options.device,
+        )  # fmt: skip
+        progress.update(base_task, completed=options.base_steps or 1)
+        windows = val_windows(data, config.model.seq_len, options.eval_windows)
         name = "DiLoCo" if config.num_paths == 1 else "DiPaCo"
         task = progress.add_task(name, total=config.rounds * units * config.inner.steps)
 

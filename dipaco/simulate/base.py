@@ -20,12 +20,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dipaco.config import RunConfig
+from dipaco.config import LayoutConfig, RouterConfig, RunConfig
 from dipaco.inner import StepMetrics, run_inner_loop
 from dipaco.model import build_model
-from dipaco.simulate.prepare import PreparedData
+from dipaco.simulate.prepare import DataBudget, PreparedData, prepare_data
 
-__all__ = ["BASE_SEED_OFFSET", "cache_path", "train_base"]
+__all__ = ["BASE_SEED_OFFSET", "cache_path", "prepare_with_base", "train_base"]
 
 BASE_SEED_OFFSET = 7919  # the base reads its own shuffle of the windows, not the methods'
 
@@ -75,3 +75,41 @@ def train_base(
     save_file(state, str(tmp))
     os.replace(tmp, path)
     return state
+
+
+def prepare_with_base(
+    config: RunConfig,
+    budget: DataBudget,
+    work_dir: Path | None,
+    steps: int,
+    *,
+    log: Callable[[str], None] = lambda _: None,
+    on_step: Callable[[StepMetrics], None] | None = None,
+    device: torch.device | str = "cpu",
+) -> tuple[PreparedData, dict[str, Tensor] | None]:
+    """The paper's order: a dense base model first (`steps`, 0: none), then the paths' data.
+
+    With ``router.featurizer = "base-lm"`` the base trains on the one-path preparation of
+    the corpus (every document), and its features then route the documents to the paths;
+    with "tfidf" the paths' data comes first, as the router needs no model.
+    """
+    base: dict[str, Tensor] | None = None
+    if config.router.featurizer == "base-lm" and config.num_paths > 1:
+        if steps < 1:
+            raise ValueError(
+                "router.featurizer = 'base-lm' routes with the base model: give base steps "
+                "(--base-steps) or use router.featurizer = 'tfidf'"
+            )
+        dense = config.model_copy(
+            update={
+                "layout": LayoutConfig.diloco(config.model.num_layers),
+                "router": RouterConfig(),
+            }
+        )
+        dense_data = prepare_data(dense, budget, work_dir, log=log)
+        base = train_base(dense, dense_data, steps, on_step=on_step, device=device)
+        return prepare_data(config, budget, work_dir, log=log, base_state=base), base
+    data = prepare_data(config, budget, work_dir, log=log)
+    if steps:
+        base = train_base(config, data, steps, on_step=on_step, device=device)
+    return data, base

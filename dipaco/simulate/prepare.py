@@ -15,6 +15,10 @@ Layout of a prepared directory::
 
 Documents are written in a seeded hash order, so a path's stream and the stream of all
 documents are both shuffled the same way.
+
+With ``router.featurizer = "base-lm"`` (the DiPaCo paper's recipe) the router reads the
+mean last hidden state of a base model (`base_state`, the dense phase-1 model: see
+dipaco.simulate.base) over each document's first tokens; the base's digest joins the key.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -100,9 +104,23 @@ def default_work_dir() -> Path:
     return Path(cache) / "dipaco" / "simulate"
 
 
-def cache_inputs(config: RunConfig, budget: DataBudget) -> dict[str, Any]:
+def state_digest(state: Mapping[str, Tensor]) -> str:
+    """A short content hash of a state dict (names, dtypes, shapes, bytes)."""
+    digest = hashlib.sha256()
+    for name in sorted(state):
+        tensor = state[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def cache_inputs(
+    config: RunConfig, budget: DataBudget, base_state: Mapping[str, Tensor] | None = None
+) -> dict[str, Any]:
     """Everything the prepared data depends on (and nothing it does not, e.g. H or lr)."""
+    routes_with_base = config.router.featurizer == "base-lm" and config.layout.num_paths > 1
     return {
+        "base": state_digest(base_state) if routes_with_base and base_state else None,
         "format": PREPARE_FORMAT,
         "data": config.data.model_dump(mode="json"),
         "vocab_size": config.model.vocab_size,
@@ -142,7 +160,28 @@ def select_documents(
     return split_documents(chosen, config.data.val_fraction)
 
 
-def _build(config: RunConfig, budget: DataBudget, out: Path, log: Log) -> dict[str, Any]:
+def _base_model(config: RunConfig, base_state: Mapping[str, Tensor] | None) -> Any:
+    if config.router.featurizer != "base-lm" or config.layout.num_paths == 1:
+        return None
+    if base_state is None:
+        raise ValueError(
+            "router.featurizer = 'base-lm' routes with a trained base model: give base "
+            "steps (--base-steps) or use router.featurizer = 'tfidf'"
+        )
+    from dipaco.model import build_model
+
+    model = build_model(config.model, config.seed)
+    model.load_state_dict(base_state)
+    return model.eval()
+
+
+def _build(
+    config: RunConfig,
+    budget: DataBudget,
+    out: Path,
+    log: Log,
+    base_state: Mapping[str, Tensor] | None = None,
+) -> dict[str, Any]:
     stats = CorpusStats()
     train_docs, val_docs = select_documents(config, budget, stats)
     if not val_docs:
@@ -158,17 +197,14 @@ def _build(config: RunConfig, budget: DataBudget, out: Path, log: Log) -> dict[s
     tokenizer.save(out / "tokenizer")
     router = None
     if num_paths > 1:
-        if config.router.featurizer != "tfidf":
-            raise ValueError(
-                "simulate fits its router before any model exists, so it needs "
-                "router.featurizer = 'tfidf' (base-lm needs a trained base model)"
-            )
-        log(f"fitting the {config.router.method} router for {num_paths} paths")
+        model = _base_model(config, base_state)
+        log(f"fitting the {config.router.method} {config.router.featurizer} router")
         router = Router.fit(
             [doc.text for doc in train_docs],
             tokenizer,
             factors=config.layout.modules_per_level,
-            featurizer="tfidf",
+            featurizer=config.router.featurizer,
+            model=model,
             method=config.router.method,
             prefix_tokens=config.router.prefix_tokens,
             max_imbalance=config.router.max_imbalance,
@@ -180,7 +216,7 @@ def _build(config: RunConfig, budget: DataBudget, out: Path, log: Log) -> dict[s
     if router is not None:  # the baselines' i.i.d. stream of every document
         build_shards(train_docs, val_docs, tokenizer, None, out / "all", progress=False)
     return {
-        "inputs": cache_inputs(config, budget),
+        "inputs": cache_inputs(config, budget, base_state),
         "train_docs": len(train_docs),
         "val_docs": len(val_docs),
         "corpus_files": stats.files,
@@ -189,11 +225,13 @@ def _build(config: RunConfig, budget: DataBudget, out: Path, log: Log) -> dict[s
     }
 
 
-def _load(directory: Path, key: str, reused: bool) -> PreparedData:
+def _load(directory: Path, key: str, reused: bool, model: Any = None) -> PreparedData:
     meta = json.loads((directory / "meta.json").read_text("utf-8"))
     tokenizer = RunTokenizer.load(directory / "tokenizer")
     shards = ShardIndex.load(directory / "shards")
-    router = Router.load(directory / "router", tokenizer) if shards.num_paths > 1 else None
+    router = (
+        Router.load(directory / "router", tokenizer, model=model) if shards.num_paths > 1 else None
+    )
     everything = ShardIndex.load(directory / "all") if router is not None else shards
     return PreparedData(directory, key, reused, tokenizer, router, shards, everything, meta)
 
@@ -204,21 +242,25 @@ def prepare_data(
     work_dir: Path | None = None,
     *,
     log: Log = lambda _: None,
+    base_state: Mapping[str, Tensor] | None = None,
 ) -> PreparedData:
-    """Prepared data for `config`, built once per distinct input and then reused."""
-    inputs = cache_inputs(config, budget)
+    """Prepared data for `config`, built once per distinct input and then reused.
+
+    `base_state` is the base model a "base-lm" router reads its features with."""
+    inputs = cache_inputs(config, budget, base_state)
+    model = _base_model(config, base_state)
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()[:16]
     root = Path(work_dir) if work_dir is not None else default_work_dir()
     directory = root / key
     if (directory / "meta.json").is_file():
         log(f"reusing prepared data in {directory}")
-        return _load(directory, key, True)
+        return _load(directory, key, True, model)
     root.mkdir(parents=True, exist_ok=True)
     # Built aside and renamed into place: a crash never leaves a half-prepared directory
     # that a later run would trust.
     staging = Path(tempfile.mkdtemp(prefix=f".{key}-", dir=root))
     try:
-        meta = _build(config, budget, staging, log)
+        meta = _build(config, budget, staging, log, base_state)
         (staging / "meta.json").write_text(json.dumps(meta, indent=2) + "\n", "utf-8")
         try:
             os.replace(staging, directory)
@@ -228,4 +270,4 @@ def prepare_data(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     log(f"prepared data in {directory}")
-    return _load(directory, key, False)
+    return _load(directory, key, False, model)
