@@ -4,6 +4,7 @@ dashboard it serves and the SQLite database it leaves behind."""
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import json
 import math
@@ -32,7 +33,9 @@ from tests.conftest import compose_env
 
 # `dipaco demo` without needing the console script on PATH.
 DEMO = [sys.executable, "-m", "dipaco.cli.demo"]
-SHORT = ["--model-size", "micro", "--rounds", "2", "--inner-steps", "10", "--workers", "2"]
+# Both phases: 2 dense rounds of 2 replicas, the preparation between, 2 DiPaCo rounds.
+SHORT = ["--model-size", "micro", "--phase1-rounds", "2", "--rounds", "2", "--inner-steps", "10",
+         "--workers", "2"]  # fmt: skip
 DEMO_TIMEOUT_S = 300  # a loaded 2-core machine runs the short demo in 1-2 min
 TERMINAL_CODES = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]|\r")
 
@@ -143,7 +146,7 @@ def chart_data(html: str) -> dict[str, Any]:
     return data
 
 
-def test_a_short_demo_on_a_terminal_trains_compares_with_both_dense_models_and_keeps_serving(
+def test_a_short_demo_on_a_terminal_trains_both_phases_compares_with_both_dense_models_and_keeps_serving(
     tmp_path: Path,
 ) -> None:
     port, summary_path = free_port(), tmp_path / "summary.json"
@@ -158,11 +161,21 @@ def test_a_short_demo_on_a_terminal_trains_compares_with_both_dense_models_and_k
     demo.process.send_signal(signal.SIGINT)  # how serving is meant to end
     assert demo.finish(timeout=120) == 0, demo.output[-6000:]
 
-    routed = summary["routed_val_loss"]
-    assert [r["round"] for r in routed["rounds"]] == [0, 1]
+    # Phase 1 (rounds 0-1, dense, 2 replicas), the preparation, phase 2 (rounds 2-3).
+    phases, routed = summary["phases"], summary["routed_val_loss"]
+    phase1, phase2 = phases["phase1"], phases["phase2"]
+    assert (phase1["rounds"], phase1["replicas"], phase1["units"]) == (2, 2, 4)
+    assert [p["round"] for p in phase1["val_loss"]] == [0, 1]
+    assert phase1["final_loss"] == phase1["val_loss"][-1]["loss"] < routed["initial"]
+    assert phases["between"]["seconds"] > 0 and phases["between"]["featurizer"] == "base-lm"
+    assert phase2["first_round"] == routed["phase2_first_round"] == 2
+    assert phase2["starts_from"] == "the phase-1 model" and phase2["units"] == 2 * 4
+    assert [r["round"] for r in routed["rounds"]] == [2, 3]
+    assert [(c["round"], c["phase"]) for c in routed["curve"]] == [(0, 1), (1, 1), (2, 2), (3, 2)]
     assert routed["final"] == routed["rounds"][-1]["loss"]
-    assert routed["final"] < routed["before"], "validation loss fell over the run"
-    for name in ("before", "routed"):
+    assert routed["final"] < routed["initial"], "validation loss fell over the run"
+    assert routed["before"] < routed["initial"], "phase 2 starts from a trained model"
+    for name in ("initial", "before", "routed"):
         assert math.isfinite(summary["perplexity"][name]) and summary["perplexity"][name] > 0
     assert len(summary["paths"]) == 4
     for path in summary["paths"]:
@@ -170,37 +183,47 @@ def test_a_short_demo_on_a_terminal_trains_compares_with_both_dense_models_and_k
         for key in ("equal_wall_clock", "equal_tokens"):
             assert path[f"perplexity_dense_{key}"] > 1
 
-    # Two dense models: as many sequential steps as each path, and every token it saw.
+    # Two dense models from the phase-1 model: as many sequential steps as each path in
+    # phase 2, and every token phase 2 saw.
     run, tokens = summary["run"], summary["tokens"]
     units = run["paths"] * run["replicas_per_path"]
     versus = summary["versus_dense"]
+    assert summary["baselines"] == "trained"
     assert list(versus) == ["equal_wall_clock", "equal_tokens"]
     wall_clock, same_tokens = versus["equal_wall_clock"], versus["equal_tokens"]
     assert wall_clock["steps"] == run["rounds"] * run["inner_steps"] == 2 * 10
     assert same_tokens["steps"] == wall_clock["steps"] * units
     assert same_tokens["tokens"] == tokens["dipaco"] == wall_clock["tokens"] * units > 0
+    assert tokens["phase1"] == phase1["tokens"] == tokens["dipaco"] // 2  # 4 units, not 8
     assert tokens["dense_equal_tokens"] == same_tokens["tokens"]
     for dense in (wall_clock, same_tokens):
         assert dense["perplexity"] > 1 and dense["seconds"] > 0
+        assert dense["starts_from"] == "the phase-1 model"
         assert dense["ratio"] == pytest.approx(
             summary["perplexity"]["routed"] / dense["perplexity"]
         )
-    labels = [line["label"] for line in summary["lines"]]
-    assert labels == ["rounds", "vs dense, equal wall-clock", "vs dense, equal tokens",
-                      "bytes", "sample", "dashboard", "time"]  # fmt: skip
+    lines = {line["label"]: line["text"] for line in summary["lines"]}
+    assert list(lines) == ["rounds", "phase 1", "between the phases", "phase 2",
+                           "vs dense, equal wall-clock", "vs dense, equal tokens", "bytes",
+                           "sample", "dashboard", "time"]  # fmt: skip
+    assert "| phase 2 (DiPaCo, routed)" in lines["rounds"]
+    assert f"perplexity {phase1['final_perplexity']:.1f}" in lines["phase 1"]
+    assert "from the phase-1 model as DiPaCo" in lines["vs dense, equal tokens"]
     assert summary["config"]["outer"] == OuterConfig().model_dump(mode="json"), "no demo-only outer"
 
     sent = summary["bytes"]
-    assert sent["units"] == 2 * 4
+    assert (sent["units"], sent["phase1_units"]) == (2 * 2 + 2 * 4, 2 * 2)
     assert sent["upload_bytes"] > 0 and sent["download_bytes"] > 0
     assert 0 < sent["ratio_vs_data_parallel"] < 1, "fewer bytes than an all-reduce per step"
     assert summary["dashboard"] == f"http://127.0.0.1:{port}/runs/{run['id']}/"
     assert dashboard.status_code == 200 and run["name"] in dashboard.text
-    # The training-loss chart shows what the workers reported, per path and round.
+    # The training-loss chart shows what the workers reported, per phase, path and round.
     training = chart_data(dashboard.text)["train_loss"]
-    assert training["x"] == [0, 1]
-    assert sorted(s["label"] for s in training["series"]) == [f"path {p}" for p in range(4)]
-    assert all(v is not None and v > 0 for s in training["series"] for v in s["values"])
+    assert training["x"] == [0, 1, 2, 3] and training["phase_boundary"] == 2
+    series = {s["label"]: s["values"] for s in training["series"]}
+    assert sorted(series) == ["dense model (phase 1)", *(f"path {p}" for p in range(4))]
+    assert all(v is not None and v > 0 for v in series.pop("dense model (phase 1)")[:2])
+    assert all(v is not None and v > 0 for values in series.values() for v in values[2:])
     assert summary["sample"]["continuation"].strip()
     assert Path(summary["sample"]["directory"], "model.safetensors").is_file()
 
@@ -208,7 +231,8 @@ def test_a_short_demo_on_a_terminal_trains_compares_with_both_dense_models_and_k
         assert f"vs dense, equal {dense['equal']}: perplexity ratio {dense['ratio']:.3f}" in (
             demo.output
         )
-    for shown in ("routed", "x less", f"Dashboard: {summary['dashboard']}"):
+    for shown in ("phase 1 is done", "phase 2 (DiPaCo) opened at round 3", "x less",
+                  f"Dashboard: {summary['dashboard']}"):  # fmt: skip
         assert shown in demo.output
     assert run_states(tmp_path / "d") == {run["name"]: "finished"}
     assert live_pids(children) == [], "the server and its children stopped with the demo"
@@ -228,7 +252,6 @@ def test_a_short_demo_on_a_terminal_trains_compares_with_both_dense_models_and_k
 def test_the_demo_serves_after_its_summary_on_a_terminal_unless_told(
     flags: list[str], interactive: bool, serves: bool
 ) -> None:
-    import argparse
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -265,9 +288,12 @@ def test_the_demo_refuses_a_layout_its_model_cannot_hold_before_starting_anythin
 def test_demo_help_names_every_flag_and_how_to_stop() -> None:
     result = subprocess.run([*DEMO, "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0
-    for flag in ("--paths", "--workers", "--rounds", "--inner-steps", "--model-size",
-                 "--serve", "--no-serve", "--keep-serving", "--port", "--data-dir", "--json"):  # fmt: skip
+    for flag in ("--paths", "--workers", "--phase1-rounds", "--rounds", "--inner-steps",
+                 "--model-size", "--serve", "--no-serve", "--keep-serving", "--port",
+                 "--data-dir", "--json", "--no-baselines"):  # fmt: skip
         assert flag in result.stdout
+    for phase in ("phase 1", "between the phases", "phase 2"):
+        assert phase in result.stdout
     assert "Ctrl+C" in result.stdout
     assert "equal wall-clock" in result.stdout and "equal tokens" in result.stdout
     assert "serve when stdout is a terminal" in result.stdout
@@ -290,3 +316,83 @@ def test_paths_must_be_levels_x_modules(paths: str) -> None:
 
     with pytest.raises(ValueError, match="LEVELSxMODULES"):
         parse_paths(paths)
+
+
+def test_the_demo_has_a_dense_phase_1_of_one_replica_per_worker_unless_told_not_to(
+    tmp_path: Path,
+) -> None:
+    from dipaco.demo.plan import DEFAULT_PHASE1_ROUNDS, DemoPlan
+
+    corpus = tmp_path / "corpus.jsonl"
+    config = DemoPlan(workers=3, phase1_rounds=DEFAULT_PHASE1_ROUNDS).config("two-phase", corpus)
+    assert config.phase1 is not None
+    assert (config.phase1.rounds, config.phase1.replicas) == (DEFAULT_PHASE1_ROUNDS, 3)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).phase1_rounds == DEFAULT_PHASE1_ROUNDS > 0, "the CLI's default"
+    assert config.router.featurizer == "base-lm", "the phase-1 model's features route"
+    assert config.dense_phase.inner.steps == config.inner.steps
+    assert config.outer == OuterConfig(), "the run's outer defaults, none of the demo's own"
+
+    single = DemoPlan().config("one-phase", corpus)  # as the cluster and fault tests build it
+    assert single.phase1 is None and single.router.featurizer == "tfidf"
+    with pytest.raises(ValueError, match="--phase1-rounds -1"):
+        DemoPlan(phase1_rounds=-1).config("bad", corpus)
+
+
+def summary_without_baselines(phase1_rounds: int) -> Any:
+    """A finished run's summary as the demo builds it, from made-up losses (no server)."""
+    from dipaco.demo.plan import DemoPlan
+    from dipaco.demo.records import Traffic
+    from dipaco.demo.summary import DemoSummary
+
+    config = DemoPlan(model_size="micro", phase1_rounds=phase1_rounds, rounds=2).config(
+        "s", Path("corpus.jsonl")
+    )
+    first = phase1_rounds
+    return DemoSummary(
+        run_id=1, run_name="s", server="http://127.0.0.1:8000", config=config, seconds=60.0,
+        workers=2, before={p: 5.0 for p in range(4)}, dense=[], weights={p: 10 for p in range(4)},
+        rounds=[{"round": first + t, "routed": 4.0 - t, "paths": {p: 4.0 - t for p in range(4)}}
+                for t in range(2)],
+        traffic=Traffic(1000, 2000, 8, 20480), initial={p: 6.9 for p in range(4)},
+        phase1_losses={t: 6.0 - t for t in range(first)}, baselines=False,
+    )  # fmt: skip
+
+
+def test_without_baselines_the_summary_says_they_were_skipped() -> None:
+    summary = summary_without_baselines(phase1_rounds=2).to_json()
+    assert summary["baselines"] == "skipped" and summary["versus_dense"] == {}
+    lines = {line["label"]: line["text"] for line in summary["lines"]}
+    assert lines["vs dense"] == "skipped (--no-baselines)"
+    assert not any(label.startswith("vs dense,") for label in lines)
+    assert "dense baselines" not in lines["time"]
+    assert list(lines)[:5] == ["rounds", "phase 1", "between the phases", "phase 2", "vs dense"]
+    # The curve: phase 1's two dense rounds, then phase 2 from the phase-1 model.
+    assert "after each round 1: 403.4, 2: 148.4 | phase 2" in lines["rounds"]
+    assert "starts at 148.4 (the phase-1 model" in lines["rounds"]
+    assert "after each round 3: 54.6, 4: 20.1" in lines["rounds"]
+
+
+def test_a_run_without_phase_1_has_one_phase_line_and_no_phase_1_in_its_json() -> None:
+    summary = summary_without_baselines(phase1_rounds=0).to_json()
+    assert summary["phases"]["phase1"] is None and summary["phases"]["between"] is None
+    assert summary["phases"]["phase2"]["starts_from"] == "the seeded weights"
+    lines = {line["label"]: line["text"] for line in summary["lines"]}
+    assert list(lines)[:3] == ["rounds", "phases", "vs dense"]
+    assert "--phase1-rounds 0" in lines["phases"] and "tfidf" in lines["phases"]
+    assert "| phase 2" not in lines["rounds"]
+
+
+def test_the_panel_marks_where_phase_2_starts_in_the_validation_curve() -> None:
+    from dipaco.demo.display import curve
+
+    losses = {0: 6.0, 1: 5.5, 2: 5.4, 3: 5.0}
+    assert (
+        curve(losses, 2)
+        == "phase 1, dense: r1: 6.000  r2: 5.500  | phase 2, routed:  r3: 5.400  r4: 5.000"
+    )
+    assert (
+        curve(losses, 0) == "routed, after each round: r1: 6.000  r2: 5.500  r3: 5.400  r4: 5.000"
+    )
+    assert curve({4: 5.0, 5: 4.0}, 2, last=2).startswith("phase 2, routed: r5: 5.000")

@@ -24,7 +24,6 @@ from dipaco_server.rounds.scheduler import (
     release,
 )
 from dipaco_server.rounds.services import (
-    data_window,
     mark_round_closed,
     mark_round_closing,
     open_round,
@@ -126,20 +125,6 @@ def test_starting_a_ready_run_opens_round_zero(db: None) -> None:
 def test_a_round_cannot_open_before_the_previous_one_closed(round0: Round) -> None:
     with pytest.raises(RunNotActive, match=r"round 0 .* is not closed"):
         open_round(round0.run, 1, now=T0)
-
-
-def test_data_windows_are_deterministic_distinct_and_inside_the_shard() -> None:
-    shard, window, replicas = 100_000, 10_241, 3
-    seen = set()
-    for t in range(3):  # 9 units fill the 9 slots of this shard exactly once
-        for r in range(replicas):
-            offset, length = data_window(shard, window, t, r, replicas)
-            assert (offset, length) == data_window(shard, window, t, r, replicas)
-            assert length == window and offset + length <= shard
-            seen.add(offset)
-    assert len(seen) == 9
-    assert data_window(shard, window, 3, 0, replicas) == (0, window)  # the next epoch
-    assert data_window(500, window, 4, 1, replicas) == (0, 500)  # a tiny shard, whole
 
 
 # --- granting ------------------------------------------------------------------------

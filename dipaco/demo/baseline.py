@@ -1,23 +1,32 @@
 """The demo's dense baselines: path-size models trained on the run's own tokens.
 
 Two of `dipaco simulate`'s baselines (dipaco.simulate.baselines), trained by its
-`fit_baseline`: the same model and inner optimiser from the weights every module starts
-from, at the inner batch,
+`fit_baseline`: the same model and inner optimiser from the weights every module of phase 2
+starts from, at the inner batch,
 
 - at equal wall-clock (``dense-steps``): T·H AdamW steps, as many sequential steps as
-  each path took (the DiPaCo paper's comparison), so it sees 1/(P·R) of the tokens;
-- at equal tokens (``dense``): T·H·P·R steps, every token the workers trained on.
+  each path took in phase 2 (the DiPaCo paper's comparison), so it sees 1/(P·R) of the
+  tokens;
+- at equal tokens (``dense``): T·H·P·R steps, every token the workers trained on in phase 2.
+
+A head start for both sides. With a phase 1 (RunConfig.phase1) every DiPaCo module starts
+from the dense model the volunteers trained first, and so do both baselines: they load that
+model (the server's ``runs/<run>/base/model.safetensors``, runs.checkpoint) and train phase
+2's step and token budgets from it. Phase 1's steps and tokens are then the same on both
+sides, so leaving them out of both counts changes no ratio; the comparison is what DiPaCo's
+phase 2 makes of the phase-1 model against what dense training makes of it (as `dipaco
+simulate --base-steps` does). Without a phase 1 both start from the seeded initial weights.
 
 Each is trained with its own warm-up and cosine decay over its own length, so the shorter
 is not a prefix of the longer: both are trained (the shorter costs 1/(P·R) of the longer).
-Their data is the very token windows the run's work units train on
-(rounds.services.data_window of every unit of every round), read as one shuffled stream
-of sequences: at equal tokens both see each token once, at equal wall-clock the dense
-model sees the first 1/(P·R) of that shuffle. Both are scored on the windows the server's
-evaluation task scores (runs.evaluate.val_windows, the first windows of each path's
-validation shard) with the same loss function, so their per-path figures sit beside the
-run's ``val_loss`` points; the routed figure weighs paths by their validation tokens, as
-the dashboard does.
+Their data is the very windows the run's phase-2 work units train on (dipaco.data.windows:
+unit (t, r) of path p reads positions unit_start(t, r) onwards of the path's seeded
+shuffled window order, as the worker does), read as one shuffled stream of sequences: at
+equal tokens both see each token once, at equal wall-clock the dense model sees the first
+1/(P·R) of that shuffle. Both are scored on the windows the server's evaluation task scores
+(runs.evaluate.val_windows, the first windows of each path's validation shard) with the
+same loss function, so their per-path figures sit beside the run's ``val_loss`` points; the
+routed figure weighs paths by their validation tokens, as the dashboard does.
 
 Needs Django configured on the run's database (the demo process does: control.setup_django).
 """
@@ -59,22 +68,28 @@ DENSE_BASELINES = (EQUAL_WALL_CLOCK, EQUAL_TOKENS)  # the order they are trained
 
 @dataclass
 class RunData:
-    """A run's tokens on local disk: what its units train on, what evaluation scores."""
+    """A run's phase-2 tokens on local disk: what its units train on, what evaluation scores."""
 
     config: RunConfig
-    units: list[Tensor]  # per unit (every round): its window, (H·B·T + 1,) int64
-    val_windows: dict[int, Tensor]  # per path: (n, T + 1) int64, the server's eval windows
+    units: list[Tensor]  # per phase-2 unit (every round): its windows, (H·B, T+1) int64
+    val_windows: dict[int, Tensor]  # per path: (n, T+1) int64, the server's eval windows
     val_tokens: dict[int, int]  # per path: its validation shard's tokens (routing weight)
     eval_batch_size: int
+    # The dense model every phase-2 module starts from (phase 1's last weights), full state
+    # dict; None when the modules start from the seeded initial weights.
+    base_state: dict[str, Tensor] | None = None
 
 
-def fetch_run_data(run_id: int, work: Path) -> RunData:
-    """Download the run's shards and cut the windows its units and evaluations use."""
+def fetch_run_data(run_id: int, work: Path, *, units: bool = True) -> RunData:
+    """Download phase 2's shards (and the base model, if any) and cut the windows its units
+    and evaluations use; `units=False` skips the training windows (no baselines)."""
     from dipaco.data.shards import ShardIndex, TokenShard
-    from dipaco_server.rounds.services import data_window, unit_tokens
+    from dipaco.data.windows import ShardSource, unit_start, unit_windows
     from dipaco_server.runs import keys
+    from dipaco_server.runs.checkpoint import load_base_state
     from dipaco_server.runs.evaluate import eval_settings, val_windows
     from dipaco_server.runs.models import Run
+    from dipaco_server.runs.phases import PATHS
     from dipaco_server.runs.prepare import data_index_key
     from dipaco_server.storage import get_blob_store
 
@@ -84,52 +99,45 @@ def fetch_run_data(run_id: int, work: Path) -> RunData:
     store.download_to(data_index_key(run_id), work / "index.json")
     dtype = ShardIndex.load(work).dtype
     settings = eval_settings(config)
-    window = unit_tokens(config) + 1  # as rounds.services.open_round cuts them
-    replicas = config.replicas_per_path
-    units, val, weights = [], {}, {}
-    for path in run.paths.order_by("index"):
-        p = path.index
-        for split in ("train", "val"):
-            store.download_to(keys.data_key(run_id, p, split), work / f"{split}-{p}.bin")
-        train = TokenShard(work / f"train-{p}.bin", dtype)
-        for t in range(config.rounds):
-            for r in range(replicas):
-                offset, length = data_window(len(train), window, t, r, replicas)
-                units.append(torch.from_numpy(train.read_window(offset, length)))
-        if path.val_tokens > 1:
-            shard = TokenShard(work / f"val-{p}.bin", dtype)
-            count = settings.batches * settings.batch_size
-            val[p] = val_windows(shard, config.model.seq_len, count)
-            weights[p] = path.val_tokens
-    shutil.rmtree(work, ignore_errors=True)
-    return RunData(config, units, val, weights, settings.batch_size)
+    windows, seq_len = unit_windows(config), config.model.seq_len
+    found, val, weights = [], {}, {}
+    try:
+        for path in run.paths.filter(phase=PATHS).order_by("index"):
+            p = path.index
+            for split in ("train", "val") if units else ("val",):
+                store.download_to(keys.data_key(run_id, p, split), work / f"{split}-{p}.bin")
+            if units:
+                source = ShardSource.for_path(TokenShard(work / f"train-{p}.bin", dtype), config, p)
+                for t in range(config.rounds):  # phase 2's rounds, counted from 0 (as units)
+                    for r in range(config.replicas_per_path):
+                        start = unit_start(config, t, r)
+                        found.append(source.batch(start, windows, seq_len).to(torch.int64))
+            if path.val_tokens > 1:
+                shard = TokenShard(work / f"val-{p}.bin", dtype)
+                count = settings.batches * settings.batch_size
+                val[p] = val_windows(shard, seq_len, count)
+                weights[p] = path.val_tokens
+        base = None
+        if store.exists(keys.base_model_key(run_id)):
+            base = load_base_state(store, run_id, config, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return RunData(config, found, val, weights, settings.batch_size, base)
 
 
 class UnitSequences:
-    """dipaco.inner's TokenSource over every unit's sequences, in one seeded shuffle.
+    """dipaco.inner's TokenSource over every unit's sequences, in one seeded shuffle."""
 
-    Sequence i of a unit is tokens [i·T, i·T + T] of its window, as the worker reads it
-    (worker_agent.trainer.WindowSource, wrapping in a window shorter than the unit).
-    """
-
-    def __init__(self, units: list[Tensor], sequences_per_unit: int, seq_len: int, seed: int):
-        self.units, self.seq_len = units, seq_len
-        count = len(units) * sequences_per_unit
+    def __init__(self, units: list[Tensor], seed: int):
+        self.rows = torch.cat(units)  # (N, T+1)
         generator = torch.Generator().manual_seed(seed)
-        order = torch.randperm(count, generator=generator)  # (N,)
-        self.unit = order // sequences_per_unit  # (N,)
-        self.start = (order % sequences_per_unit) * seq_len  # (N,)
+        self.order = torch.randperm(self.rows.shape[0], generator=generator)  # (N,)
 
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
-        if seq_len != self.seq_len:
-            raise ValueError(f"sequences cut for seq_len {self.seq_len}, asked for {seq_len}")
-        rows = []
-        for k in range(position, position + batch_size):
-            k %= self.unit.numel()
-            window = self.units[int(self.unit[k])]
-            idx = (int(self.start[k]) + torch.arange(seq_len + 1)) % window.numel()  # (T+1,)
-            rows.append(window[idx])
-        return torch.stack(rows)  # (B, T+1)
+        if seq_len + 1 != self.rows.shape[1]:
+            raise ValueError(f"sequences cut for seq_len {self.rows.shape[1] - 1}, asked {seq_len}")
+        picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
+        return self.rows[picks]  # (B, T+1)
 
 
 @dataclass
@@ -156,15 +164,11 @@ def train_dense(
     """One dense baseline, or None when `should_stop` ended it early."""
     config = data.config
     started = time.perf_counter()
-    source = UnitSequences(
-        data.units,
-        config.inner.steps * config.inner.batch_size,
-        config.model.seq_len,
-        config.seed + SHUFFLE_SEED_OFFSET,
-    )
+    source = UnitSequences(data.units, config.seed + SHUFFLE_SEED_OFFSET)
     model, result = fit_baseline(
-        config, source, baseline.name, on_step=on_step, should_stop=should_stop
-    )
+        config, source, baseline.name, on_step=on_step, should_stop=should_stop,
+        base_state=data.base_state,
+    )  # fmt: skip
     if not result.completed:
         return None
     return DenseResult(
@@ -181,8 +185,19 @@ def path_losses(model: nn.Module, data: RunData) -> dict[int, float]:
 
 
 def initial_losses(data: RunData) -> dict[int, float]:
-    """Every path before training: all start from the same seeded model (modular.init_modules)."""
+    """Every path before any training: the seeded model phase 1 (or, without one, every
+    module) starts from (modular.init_modules)."""
     return path_losses(build_model(data.config.model, data.config.seed), data)
+
+
+def start_losses(data: RunData) -> dict[int, float]:
+    """Every path at the start of phase 2: the phase-1 model all modules are copied from
+    (modular.init_modules_from_base), or the seeded model when there is no phase 1."""
+    if data.base_state is None:
+        return initial_losses(data)
+    model = build_model(data.config.model, data.config.seed)
+    model.load_state_dict(data.base_state)
+    return path_losses(model, data)
 
 
 def routed(losses: dict[int, float], weights: dict[int, int]) -> float:

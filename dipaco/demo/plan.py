@@ -53,6 +53,11 @@ DEFAULT_WORKERS = 2
 DEFAULT_ROUNDS = 5
 DEFAULT_INNER_STEPS = 30
 DEFAULT_MODEL_SIZE = "tiny"
+# Phase 1 (the paper's recipe, DESIGN §1): a dense DiLoCo model trained on the volunteers
+# first, whose features route the documents and whose layers start every module. Five
+# rounds of one unit per worker cost about half of five DiPaCo rounds (four units each),
+# which keeps the default demo near 6 minutes on 2 cores (docs/benchmarks.md, the demo).
+DEFAULT_PHASE1_ROUNDS = 5
 
 
 def parse_paths(text: str) -> tuple[int, int]:
@@ -71,6 +76,9 @@ class DemoPlan:
     inner_steps: int = DEFAULT_INNER_STEPS
     model_size: str = DEFAULT_MODEL_SIZE
     seed: int = 0
+    # 0: no phase 1 (random init, tf-idf router). The command line's default is
+    # DEFAULT_PHASE1_ROUNDS; plans built in code (the cluster and fault tests) ask for one.
+    phase1_rounds: int = 0
 
     def config(self, name: str, corpus: Path) -> RunConfig:
         """The run config; refuses what cannot work with the message naming the flag."""
@@ -80,6 +88,10 @@ class DemoPlan:
                             ("--inner-steps", self.inner_steps)):  # fmt: skip
             if value < 1:
                 raise ValueError(f"{flag} {value}: give at least 1")
+        if self.phase1_rounds < 0:
+            raise ValueError(
+                f"--phase1-rounds {self.phase1_rounds}: give 0 (no dense phase) or more"
+            )
         model = {**RunConfig.tiny().model.model_dump(mode="json"), **MODEL_SIZES[self.model_size]}
         levels, modules = self.paths
         if levels > model["num_layers"]:
@@ -89,6 +101,11 @@ class DemoPlan:
             )
         num_paths = modules**levels
         warmup = max(1, self.inner_steps // 4)  # of the run-long schedule (dipaco.inner)
+        # Phase 1: one replica per worker (plain DiLoCo on the volunteers), the run's H; its
+        # config makes router.featurizer "base-lm" (the phase-1 model's features route).
+        phase1 = (
+            {"rounds": self.phase1_rounds, "replicas": self.workers} if self.phase1_rounds else None
+        )
         return RunConfig.tiny(
             name=name,
             seed=self.seed,
@@ -99,6 +116,7 @@ class DemoPlan:
             layout=LayoutConfig.grid(model["num_layers"], levels, modules).model_dump(),
             inner={"steps": self.inner_steps, "warmup_steps": warmup},
             data={"corpus": str(corpus), "val_fraction": VAL_FRACTION},
+            phase1=phase1,
         )
 
 

@@ -1,5 +1,12 @@
 """The demo from start to summary: server, tokens, run, workers, baselines, summary.
 
+The run has the paper's two phases unless --phase1-rounds 0 (runs.phases): the workers
+train a dense DiLoCo model first; between the phases the server's Celery tasks embed every
+document with it, fit the router, write the shards and copy it into every module; then the
+workers train DiPaCo. The demo follows the phases through the admin API (``phase``,
+``progress``); the dense baselines need phase 2's shards and its starting model, so they
+start when phase 2 does.
+
 Every step goes through the product's own interfaces: `dipaco server`, the admin API
 with a staff token, `dipaco-worker` processes enrolled with an enrollment token, the
 inference API for the sample. After the summary the server keeps serving the dashboard
@@ -20,7 +27,8 @@ from typing import Any
 
 from rich.console import Console
 
-from dipaco.demo import baseline, control, plan, summary
+from dipaco.config import RunConfig
+from dipaco.demo import baseline, control, plan, records, summary
 from dipaco.demo.control import AdminClient, DemoError, ServerProcess
 from dipaco.demo.display import DemoDisplay
 from dipaco.demo.workers import WorkerPool
@@ -39,6 +47,7 @@ class DemoOptions:
     serve: bool = False  # keep serving the dashboard after the summary, until Ctrl+C
     json_path: Path | None = None
     prompt: str = SAMPLE_PROMPT
+    baselines: bool = True  # train the two dense baselines (--no-baselines: skip them)
 
 
 class BaselineThread(threading.Thread):
@@ -85,6 +94,11 @@ class Demo:
         self.run_id: int | None = None
         self.api_token = ""
         self.display = DemoDisplay(console)
+        # Known once phase 2 opens: its shards, and the losses where it starts.
+        self.data: baseline.RunData | None = None
+        self.initial: dict[int, float] = {}  # per path, the seeded weights
+        self.before: dict[int, float] = {}  # per path, phase 2's start
+        self.phase1_losses: dict[int, float] = {}  # round -> the dense model's val loss
 
     # --- the whole demo -----------------------------------------------------------------
 
@@ -122,38 +136,36 @@ class Demo:
         config = opts.plan.config(name, corpus)
         run = self.admin.create_run(name, config.model_dump(mode="json"), dataset["id"])
         self.run_id = run["id"]
-        say(
-            f"run {name} (#{self.run_id}): {config.num_paths} paths of "
-            f"{config.num_params() / 1e6:.2f}M parameters, {config.rounds} rounds x "
-            f"{config.inner.steps} inner steps, corpus {corpus.name}"
-        )
+        self._describe(name, config, corpus)
         self.display.update(
             title=f"dipaco demo: run {name} · {url}/runs/{self.run_id}/",
-            rounds=config.rounds,
-            units_per_round=config.num_paths * config.replicas_per_path,
+            rounds=config.total_rounds,
+            phase1_rounds=self._phase1_rounds(config),
+            units_total=sum(self._units_per_round(config, t) for t in range(config.total_rounds)),
         )
         self.admin.move(self.run_id, "start")
         self._wait_until_ready()
-        data = baseline.fetch_run_data(self.run_id, self.data_dir / "tmp" / f"demo-{self.run_id}")
-        before = baseline.initial_losses(data)
         self.admin.move(self.run_id, "start")
-        say("run started: round 0 is queued")
+        say("run started: round 1 is queued")
         self.workers = WorkerPool(self.data_dir / "workers", self.logs, opts.plan.workers)
         self.workers.start(url, enrollment, environ)
         say(f"started {opts.plan.workers} dipaco-worker processes (logs: {self.logs})")
-        self.baseline = BaselineThread(data, self.display)
-        self.baseline.start()
-        rounds = self._follow(data.val_tokens)
-        self._wait_for_baseline()
-        self.display.update(stage="scoring the dense baselines")
-        dense = [
-            summary.DenseScore(
-                key=r.baseline.key, equal=r.baseline.equal, name=r.baseline.name,
-                steps=r.steps, tokens=r.tokens, train_loss=r.train_loss, seconds=r.seconds,
-                losses=baseline.path_losses(r.model, data),
-            )
-            for r in self.baseline.results
-        ]  # fmt: skip
+        rounds = self._follow(config)
+        assert self.data is not None  # phase 2 ran
+        dense = []
+        if opts.baselines:
+            self._wait_for_baseline()
+            self.display.update(stage="scoring the dense baselines")
+            assert self.baseline is not None
+            dense = [
+                summary.DenseScore(
+                    key=r.baseline.key, equal=r.baseline.equal, name=r.baseline.name,
+                    steps=r.steps, tokens=r.tokens, train_loss=r.train_loss, seconds=r.seconds,
+                    losses=baseline.path_losses(r.model, self.data),
+                )
+                for r in self.baseline.results
+            ]  # fmt: skip
+        self._stop_workers()
         self.display.update(stage="downloading a path and generating a sample")
         sample = summary.sample(
             url, self.run_id, opts.prompt, str(self.data_dir / "paths"), opts.plan.seed, say
@@ -161,9 +173,35 @@ class Demo:
         return summary.DemoSummary(
             run_id=self.run_id, run_name=name, server=url, config=config,
             seconds=time.monotonic() - started, workers=opts.plan.workers, rounds=rounds,
-            before=before, dense=dense, weights=data.val_tokens,
-            traffic=summary.traffic(self.run_id), sample=sample,
+            before=self.before, dense=dense, weights=self.data.val_tokens,
+            traffic=records.traffic(self.run_id), sample=sample, initial=self.initial,
+            phase1_losses=self.phase1_losses, clock=records.phase_clock(self.run_id, config),
+            baselines=opts.baselines,
         )  # fmt: skip
+
+    def _describe(self, name: str, config: RunConfig, corpus: Path) -> None:
+        paths = (
+            f"{config.num_paths} paths of {config.num_params() / 1e6:.2f}M parameters, "
+            f"{config.rounds} rounds x {config.inner.steps} inner steps"
+        )
+        if config.phase1 is None:
+            self.display.log(f"run {name} (#{self.run_id}): {paths}, corpus {corpus.name}")
+            return
+        dense = config.dense_phase
+        self.display.log(
+            f"run {name} (#{self.run_id}), corpus {corpus.name}: phase 1, a dense DiLoCo model "
+            f"x {dense.replicas_per_path} replicas, {dense.rounds} rounds x {dense.inner.steps} "
+            f"inner steps; then the router and modules from it; phase 2, DiPaCo: {paths}"
+        )
+
+    @staticmethod
+    def _phase1_rounds(config: RunConfig) -> int:
+        return config.phase1.rounds if config.phase1 is not None else 0
+
+    def _units_per_round(self, config: RunConfig, t: int) -> int:
+        if t < self._phase1_rounds(config):
+            return config.dense_phase.replicas_per_path
+        return config.num_paths * config.replicas_per_path
 
     # --- steps --------------------------------------------------------------------------
 
@@ -208,12 +246,17 @@ class Demo:
             self.display.update(stage=f"preparing the run ({detail})")
             time.sleep(POLL_S)
 
-    def _follow(self, weights: dict[int, int]) -> list[dict[str, Any]]:
-        """Watch the run until it finishes; the validation losses of every round."""
+    def _follow(self, config: RunConfig) -> list[dict[str, Any]]:
+        """Watch the run through both phases until it finishes; phase 2's validation losses
+        of every round (phase 1's go to `phase1_losses`)."""
         assert self.admin is not None and self.run_id is not None and self.workers is not None
-        per_round = self.display.state.units_per_round
-        seen_rounds: set[int] = set()
-        losses: dict[int, dict[int, float]] = {}
+        first = self._phase1_rounds(config)
+        done_before = [0]  # units of the rounds before round t
+        for t in range(config.total_rounds):
+            done_before.append(done_before[-1] + self._units_per_round(config, t))
+        losses: dict[int, dict[int, float]] = {}  # phase 2: round -> path -> loss
+        routed: dict[int, float] = {}  # both phases: round -> (routed) validation loss
+        phase = None
         while True:
             status = self.admin.run(self.run_id)
             state, current = status["state"], status["round"]
@@ -223,32 +266,88 @@ class Demo:
                 raise DemoError(f"{worker.name} exited with code {code}; see {worker.log_path}")
             if self.baseline is not None and self.baseline.error is not None:
                 raise DemoError(f"the dense baseline failed: {self.baseline.error}")
-            done = per_round * status["current_round"]
+            t = status["current_round"]
+            done = done_before[t]
             if current is not None:
+                per_round = self._units_per_round(config, t)
                 done += current["units"].get("done", 0) if current["state"] == "open" else per_round
             for point in self.admin.metrics(self.run_id, "val_loss"):
-                losses.setdefault(point["round"], {})[point["path"]] = point["value"]
-            routed = {
-                t: baseline.routed(paths, weights)
-                for t, paths in losses.items()
-                if set(weights) <= set(paths)
-            }
-            for t in sorted(set(routed) - seen_rounds):
-                seen_rounds.add(t)
+                if point["round"] < first:  # the dense model's one path
+                    self.phase1_losses[point["round"]] = point["value"]
+                else:
+                    losses.setdefault(point["round"], {})[point["path"]] = point["value"]
+            weights = self.data.val_tokens if self.data is not None else None
+            for r in sorted(set(self.phase1_losses) | set(losses)):
+                if r in routed:
+                    continue
+                if r < first:
+                    routed[r] = self.phase1_losses[r]
+                    what = "phase 1, dense: validation loss"
+                elif weights is not None and set(weights) <= set(losses[r]):
+                    routed[r] = baseline.routed(losses[r], weights)
+                    what = "phase 2: routed validation loss" if first else "routed validation loss"
+                else:
+                    continue
                 self.display.log(
-                    f"round {t} closed: routed validation loss {routed[t]:.3f} "
-                    f"(perplexity {math.exp(routed[t]):.1f})"
+                    f"round {r + 1} closed ({what} {routed[r]:.3f}, "
+                    f"perplexity {math.exp(min(routed[r], 700.0)):.1f})"
                 )
-            stage = "training" if state == "running" else state
+            if status["phase"] != phase:  # after the rounds it follows are logged
+                phase = status["phase"]
+                self._phase_changed(phase, config)
             self.display.update(
-                stage=stage, round=status["current_round"], units_done=done, routed=routed,
+                stage=self._stage(status, config), round=t, units_done=done, routed=dict(routed),
                 workers=self.workers.snapshots(),
             )  # fmt: skip
             if state == "finished":
                 return [
-                    {"round": t, "routed": routed[t], "paths": losses[t]} for t in sorted(routed)
+                    {"round": r, "routed": routed[r], "paths": losses[r]}
+                    for r in sorted(losses)
+                    if r in routed
                 ]
             time.sleep(POLL_S)
+
+    def _stage(self, status: dict[str, Any], config: RunConfig) -> str:
+        state, phase = status["state"], status["phase"]
+        if state != "running":
+            return str(state)
+        if phase == "1":
+            return "phase 1: training the dense model (DiLoCo)"
+        if phase == "preparing":
+            progress = status.get("progress") or {}
+            return f"between the phases: {progress.get('detail') or 'queued'}"
+        return "phase 2: training DiPaCo paths" if config.phase1 is not None else "training"
+
+    def _phase_changed(self, phase: str, config: RunConfig) -> None:
+        say = self.display.log
+        if phase == "preparing":
+            say(
+                "phase 1 is done; between the phases the server embeds every document's first "
+                f"{config.router.prefix_tokens} tokens with the dense model, fits the router, "
+                "writes the shards and copies the model into every module"
+            )
+        elif phase == "2" and self.data is None:
+            self._enter_phase2(config)
+
+    def _enter_phase2(self, config: RunConfig) -> None:
+        """Phase 2 is open: read its shards and starting model, score where it starts, and
+        start the dense baselines (they train from the same start on the same windows)."""
+        assert self.run_id is not None
+        self.display.update(stage="phase 2: reading its shards")
+        work = self.data_dir / "tmp" / f"demo-{self.run_id}"
+        self.data = baseline.fetch_run_data(self.run_id, work, units=self.options.baselines)
+        self.initial = baseline.initial_losses(self.data)
+        self.before = baseline.start_losses(self.data)
+        start = baseline.routed(self.before, self.data.val_tokens)
+        if config.phase1 is not None:
+            first = self._phase1_rounds(config)
+            self.display.log(
+                f"phase 2 (DiPaCo) opened at round {first + 1}: {config.num_paths} paths, every "
+                f"module from the phase-1 model (routed validation loss {start:.3f})"
+            )
+        if self.options.baselines:
+            self.baseline = BaselineThread(self.data, self.display)
+            self.baseline.start()
 
     def _wait_for_baseline(self) -> None:
         assert self.baseline is not None

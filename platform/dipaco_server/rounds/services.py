@@ -37,25 +37,6 @@ def unit_tokens(config: RunConfig) -> int:
     return config.inner.steps * config.inner.batch_size * config.model.seq_len
 
 
-def data_window(
-    train_tokens: int, window_tokens: int, t: int, replica: int, replicas: int
-) -> tuple[int, int]:
-    """(offset, length) in tokens of unit (t, replica) in a shard of `train_tokens`: the
-    contiguous slices units read before they read windows in a shuffled order
-    (dipaco.data.windows). Units no longer use it; dipaco.demo.baseline still does.
-
-    The shard is cut into ``train_tokens // window`` slots of ``window`` tokens and
-    units take them in order t·R + r, wrapping into a new epoch, so every replica of a
-    round reads different data and consecutive rounds move on through the shard. A
-    shard shorter than one window is given whole (the trainer wraps around in it).
-    """
-    if train_tokens < 2:
-        raise ValueError(f"a shard of {train_tokens} tokens holds no training sequence")
-    length = min(window_tokens, train_tokens)
-    slots = train_tokens // length
-    return ((t * replicas + replica) % slots) * length, length
-
-
 def open_round(
     run: Run,
     t: int,
