@@ -224,6 +224,14 @@ def unit_assignments(pool: WorkerPool) -> list[dict[str, Any]]:
     return sorted(units, key=lambda u: (u["round"], u["path"]))
 
 
+def unit_loss(losses: list[float]) -> float | None:
+    """A unit's loss as the agent reports it: the mean of its last tenth of steps."""
+    if not losses:
+        return None
+    tail = losses[-max(1, len(losses) // 10) :]
+    return sum(tail) / len(tail)
+
+
 def cold_units(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Units whose worker did not train the unit's path in the round before: they started
     from fresh or older AdamW state, where the simulator's (path, replica) state is warm."""
@@ -327,12 +335,19 @@ def platform_vs_simulate(
         windows = val_windows(data, config.model.seq_len, eval_windows)
         log(f"simulating the same run in this process ({threads} torch thread(s))")
         started = time.perf_counter()
-        simulated = train_dipaco(config, data, windows)
+        unit_steps: dict[str, list[float]] = {}
+        simulated = train_dipaco(
+            config, data, windows,
+            on_step=lambda label, m: unit_steps.setdefault(label, []).append(m.loss),
+        )  # fmt: skip
         simulate_seconds = time.perf_counter() - started
         curve = platform_curve(blobs, run_id, config, windows)
         platform_loss = curve[-1]["routed_loss"]
         simulate_loss = simulated.rounds[-1].routed_loss
         units = platform_run["units"]
+        for unit in units:  # the simulator's figure for the same unit, as the agent reports it
+            label = f"round {unit['round'] + 1}/{config.rounds} path {unit['path']} replica 0"
+            unit["simulate_loss"] = unit_loss(unit_steps.get(label, []))
         return {
             "platform_loss": platform_loss,
             "simulate_loss": simulate_loss,

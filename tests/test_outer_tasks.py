@@ -517,6 +517,35 @@ def test_the_sqrt_rescale_counts_the_paths_that_contributed_not_the_layouts(db: 
     assert any(not torch.equal(shared[n], as_if_four[n]) for n in shared), "√3, not √4"
 
 
+def test_the_sum_follows_path_order_whatever_order_the_units_completed_in(db: None) -> None:
+    """Float sums depend on their order: the server adds a module's Δs path by path (then
+    replica), as dipaco simulate does, not in the order they arrived, so a run's weights
+    do not depend on which worker finished first (bench/platform_run.py)."""
+    run = running_run(GRID, replicas=1)
+    workers = [make_worker(f"w{i}") for i in range(4)]
+    grants = [grant_lease(worker) for worker in workers]
+    assert [g.unit.path.index for g in grants if g is not None] == [0, 1, 2, 3]
+    store, uploads = get_blob_store(), dict[str, dict[int, bytes]]()
+    for worker, granted in reversed(list(zip(workers, grants, strict=True))):  # path 3 first
+        assert granted is not None
+        reports, seed = [], 80 + granted.unit.path.index
+        for module_id in granted.unit.path.modules:
+            # fp32: every mantissa bit set, so a sum in another order differs (fp16 Δs x
+            # 1000 tokens add up exactly in fp32 in any order).
+            data = codecs.encode(random_delta(run, module_id, seed), "fp32")
+            store.put_bytes(upload_key(granted.lease, module_id), data)
+            digest = hashlib.sha256(data).hexdigest()
+            reports.append(ContributionReport(module_id, len(data), digest, TOKENS))
+            uploads.setdefault(module_id, {})[granted.unit.path.index] = data
+        complete(worker, granted.lease.pk, granted.secret, reports)
+    closing_round(run)
+
+    step_module(run.pk, "shared", 0)
+
+    in_path_order = [uploads["shared"][p] for p in range(4)]
+    assert_same(stored_version(run, "shared", 1), library_step(run, "shared", in_path_order, 4))
+
+
 def test_a_warm_up_round_steps_with_its_share_of_the_outer_learning_rate(db: None) -> None:
     run = running_run(DILOCO, replicas=1, outer={"warmup_rounds": 3})
     _, uploaded = contribute(run, good, seed=70)

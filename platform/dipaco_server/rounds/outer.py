@@ -432,9 +432,14 @@ def step_module(
     pending = Contribution.objects.filter(
         module=module, unit__round=round_, status=Contribution.Status.PENDING
     )
+    # Path by path, then replica, as dipaco simulate adds them: a float sum depends on its
+    # order, and completion order (pk) depends on which worker finished first.
+    ordered = pending.select_related("lease", "unit__path").order_by(
+        "unit__path__index", "unit__replica", "pk"
+    )
     uploads = [
         Upload(c.pk, c.lease.worker_id, c.blob_key, c.size, c.sha256, c.tokens, c.unit.path.index)
-        for c in pending.select_related("lease", "unit__path").order_by("pk")
+        for c in ordered
     ]
     base = _base_version(round_, module)
     spec = module_spec(config, module_id)
