@@ -320,6 +320,7 @@ def platform_vs_simulate(
     if work_dir is not None:
         work_dir.mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="platform-run-", dir=work_dir))
+    threads_before = torch.get_num_threads()
     try:
         data_dir = root / "server"
         source = corpus_file(corpus, root / "corpus", corpus_chars)
@@ -372,6 +373,7 @@ def platform_vs_simulate(
             "data_dir": str(data_dir) if keep else None,
         }
     finally:
+        torch.set_num_threads(threads_before)
         if not keep:
             shutil.rmtree(root, ignore_errors=True)
 
