@@ -18,11 +18,13 @@
 
 The figure is ``platform_vs_simulate`` = platform loss / simulator loss, the final routed
 validation losses' ratio (issue: "final routed validation loss ratio"); the expectation is
-1 within 2%. Both train with one torch thread (the workers' --threads 1), so the two
-inner loops do the same float arithmetic; what can still differ is listed in the report's
-``units``: which worker trained which path each round, since a worker keeps the AdamW
-state (and codec residual) of the paths it trained itself, while the simulator keeps one
-per (path, replica) whatever machine would have run it.
+1 within 2%. Both train with one torch thread (the workers' --threads 1) and the server
+sums a module's Δs in path order as the simulator does, so the same arithmetic gives the
+same bits: measured 1.0000 at the default size, every unit's loss equal to the
+simulator's (docs/benchmarks.md). What can still differ is listed in ``cold_units``: a
+worker keeps the AdamW state (and codec residual) of the paths it trained itself, while the
+simulator keeps one per (path, replica) whatever machine would have run it, so a unit
+that went to a worker that did not train its path the round before starts colder.
 """
 
 from __future__ import annotations
