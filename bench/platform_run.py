@@ -236,11 +236,14 @@ def unit_loss(losses: list[float]) -> float | None:
 
 def cold_units(units: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Units whose worker did not train the unit's path in the round before: they started
-    from fresh or older AdamW state, where the simulator's (path, replica) state is warm."""
-    trained = {(u["round"], u["path"]): u["worker"] for u in units}
+    from fresh or older AdamW state, where the simulator's (path, replica) state is warm.
+    (With several replicas a path counts as warm for any worker that trained one of them.)"""
+    trained: dict[tuple[int, int], set[str]] = {}
+    for u in units:
+        trained.setdefault((u["round"], u["path"]), set()).add(u["worker"])
     return [
         u for u in units
-        if u["round"] > 0 and trained.get((u["round"] - 1, u["path"])) != u["worker"]
+        if u["round"] > 0 and u["worker"] not in trained.get((u["round"] - 1, u["path"]), set())
     ]  # fmt: skip
 
 
@@ -350,7 +353,8 @@ def platform_vs_simulate(
         units = platform_run["units"]
         for unit in units:  # the simulator's figure for the same unit, as the agent reports it
             label = f"round {unit['round'] + 1}/{config.rounds} path {unit['path']} replica 0"
-            unit["simulate_loss"] = unit_loss(unit_steps.get(label, []))
+            one = config.replicas_per_path == 1  # the agent's log does not name the replica
+            unit["simulate_loss"] = unit_loss(unit_steps.get(label, [])) if one else None
         return {
             "platform_loss": platform_loss,
             "simulate_loss": simulate_loss,
