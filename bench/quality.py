@@ -261,12 +261,13 @@ def print_tables(
 def run_platform(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """platform_vs_simulate (bench/platform_run.py) on the DiPaCo config's corpus and seed."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from platform_run import platform_vs_simulate
+    from platform_run import default_config, platform_vs_simulate
 
     console.log("platform_vs_simulate: a real server, Celery and two dipaco-worker processes")
     started = time.perf_counter()
-    quick = {"rounds": 2, "inner_steps": 5} if args.quick else {}
-    result = platform_vs_simulate(corpus=args.corpus, seed=args.seed, **quick)
+    sizes = {"rounds": 2, "inner_steps": 5} if args.quick else {}
+    config = default_config(seed=args.seed, **sizes)
+    result = platform_vs_simulate(config, corpus=args.corpus, log=console.log)
     result["name"], result["seconds"] = "p/platform", time.perf_counter() - started
     console.log(
         f"platform loss {result['platform_loss']:.4f}, simulate {result['simulate_loss']:.4f} "

@@ -25,11 +25,15 @@ def refusal(**sections: object) -> tuple[str, object, str]:
     return problems[0]
 
 
-def test_defaults_are_the_papers() -> None:
+def test_defaults_are_the_papers_except_the_measured_outer_step() -> None:
     cfg = RunConfig()
     assert (cfg.inner.lr, cfg.inner.betas, cfg.inner.weight_decay) == (4e-4, (0.9, 0.95), 0.1)
     assert (cfg.inner.grad_clip, cfg.inner.steps, cfg.inner.batch_size) == (1.0, 500, 512)
-    assert (cfg.outer.lr, cfg.outer.momentum, cfg.outer.nesterov) == (0.7, 0.9, True)
+    # Nesterov as in the papers; lr, momentum and no √ rescale chosen by the sweep recorded
+    # in docs/benchmarks.md ("Outer-step defaults").
+    outer = cfg.outer
+    assert (outer.lr, outer.momentum, outer.nesterov) == (1.0, 0.7, True)
+    assert (outer.sqrt_paths_rescale, outer.warmup_rounds) == (False, 0)
     assert cfg.router.prefix_tokens == 32
     assert 140e6 < cfg.num_params() < 200e6  # the papers' "150M" path
 

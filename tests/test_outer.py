@@ -82,7 +82,7 @@ def test_it_accumulates_half_precision_deltas_in_fp32() -> None:
 def test_the_sqrt_paths_rescale_multiplies_the_mean() -> None:
     contributions = [(random_delta(i), 10) for i in range(4)]
     plain = aggregate(contributions, OuterConfig(sqrt_paths_rescale=False), paths_through=4)
-    scaled = aggregate(contributions, OuterConfig(), paths_through=4)
+    scaled = aggregate(contributions, OuterConfig(sqrt_paths_rescale=True), paths_through=4)
     torch.testing.assert_close(scaled["w"], 2.0 * plain["w"])
 
 
@@ -139,7 +139,7 @@ def test_a_module_without_contributions_is_refused() -> None:
 
 
 def test_the_rescale_counts_the_paths_that_contributed() -> None:
-    cfg = OuterConfig()
+    cfg = OuterConfig(sqrt_paths_rescale=True)
     assert rescale_factor(cfg, 4) == 2.0
     assert rescale_factor(cfg, 1) == 1.0  # a lone contributor is not scaled up
     assert rescale_factor(cfg.model_copy(update={"sqrt_paths_rescale": False}), 4) == 1.0

@@ -491,7 +491,9 @@ def test_the_robust_rules_match_the_library_while_streaming(db: None, tmp_path: 
 
 
 def test_the_sqrt_rescale_counts_the_paths_that_contributed_not_the_layouts(db: None) -> None:
-    run = running_run(GRID, replicas=1)  # 4 paths, one unit each; "shared" is in all 4
+    # 4 paths, one unit each; "shared" is in all 4. The rescale is a run setting (off by
+    # default since the outer-defaults sweep): on here.
+    run = running_run(GRID, replicas=1, outer={"sqrt_paths_rescale": True})
     uploads: dict[str, list[bytes]] = {}
     for seed in range(3):  # three paths contribute, the fourth's unit never comes back
         _, uploaded = contribute(run, good, seed=60 + seed)

@@ -8,6 +8,7 @@ from itertools import product
 import pytest
 from django.db import connection
 
+from dipaco.config import OuterConfig
 from dipaco_server.runs.errors import ConfigInvalid, InvalidTransition, RunNameTaken
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import TRANSITIONS, create_run, transition
@@ -104,7 +105,7 @@ def test_timestamps_and_error_follow_the_state(db: None) -> None:
 def test_create_run_stores_the_config_whole_with_defaults_filled(db: None) -> None:
     run = create_run("whole", {"rounds": 7})
     assert run.config["rounds"] == 7 and run.config["name"] == "whole"
-    assert run.config["outer"]["lr"] == 0.7  # the papers' default, written down
+    assert run.config["outer"]["lr"] == OuterConfig().lr  # the default, written down
     assert run.modules.count() == len(run.run_config.module_param_counts())
 
 
