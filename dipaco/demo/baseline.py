@@ -85,9 +85,10 @@ def fetch_run_data(run_id: int, work: Path, *, units: bool = True) -> RunData:
     and evaluations use; `units=False` skips the training windows (no baselines)."""
     from dipaco.data.shards import ShardIndex, TokenShard
     from dipaco.data.windows import ShardSource, unit_start, unit_windows
+    from dipaco.evaluate import shard_windows as val_windows
     from dipaco_server.runs import keys
     from dipaco_server.runs.checkpoint import load_base_state
-    from dipaco_server.runs.evaluate import eval_settings, val_windows
+    from dipaco_server.runs.evaluate import eval_settings
     from dipaco_server.runs.models import Run
     from dipaco_server.runs.phases import PATHS
     from dipaco_server.runs.prepare import data_index_key
@@ -179,7 +180,7 @@ def train_dense(
 
 def path_losses(model: nn.Module, data: RunData) -> dict[int, float]:
     """Validation loss per path, exactly as the server's evaluation computes it."""
-    from dipaco_server.runs.evaluate import mean_loss
+    from dipaco.evaluate import mean_loss
 
     return {p: mean_loss(model, w, data.eval_batch_size) for p, w in data.val_windows.items()}
 

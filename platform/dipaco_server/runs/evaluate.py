@@ -21,15 +21,13 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-import numpy as np
-import torch
-import torch.nn.functional as F
 from django.db import transaction
 from torch import Tensor
 
 from dipaco.config import EvalConfig, RunConfig
+from dipaco.evaluate import mean_loss
+from dipaco.evaluate import shard_windows as val_windows
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
@@ -59,29 +57,6 @@ class PathEval:
     @property
     def perplexity(self) -> float:
         return math.exp(self.loss)
-
-
-def val_windows(shard: Any, seq_len: int, count: int) -> Tensor:
-    """(n, T+1) int64: the first n <= count non-overlapping windows of a validation shard
-    (one wrapping window when the shard is shorter than T + 1 tokens)."""
-    available = max(1, (len(shard) - 1) // seq_len)
-    rows = [shard.read_window(i * seq_len, seq_len + 1) for i in range(min(count, available))]
-    return torch.from_numpy(np.stack(rows)).to(torch.int64)
-
-
-@torch.no_grad()
-def mean_loss(model: torch.nn.Module, windows: Tensor, batch_size: int) -> float:
-    """Mean next-token cross-entropy over every target of `windows`, in float64."""
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, windows.shape[0], batch_size):
-        batch = windows[start : start + batch_size]  # (B, T+1)
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T), (B, T)
-        logits = model(input_ids=inputs).logits.float()  # (B, T, V)
-        loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="sum")  # ()
-        total += float(loss)
-        count += targets.numel()
-    return total / count
 
 
 def evaluate_run(
