@@ -79,29 +79,14 @@ def shard_windows(shard: Any, seq_len: int, count: int) -> Tensor:
 
 
 @torch.no_grad()
-def mean_loss(model: torch.nn.Module, windows: Tensor, batch_size: int) -> float:
-    """Mean next-token cross-entropy over every target of `windows`, in float64."""
-    model.eval()
-    total, count = 0.0, 0
-    for start in range(0, windows.shape[0], batch_size):
-        batch = windows[start : start + batch_size]  # (B, T+1)
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T), (B, T)
-        logits = cast(Any, model)(input_ids=inputs).logits.float()  # (B, T, V)
-        loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="sum")  # ()
-        total += float(loss)
-        count += targets.numel()
-    return total / count
-
-
-@torch.no_grad()
-def window_losses(model: nn.Module, windows: Tensor) -> Tensor:
+def window_losses(model: nn.Module, windows: Tensor, batch_size: int = EVAL_BATCH) -> Tensor:
     """Mean next-token cross-entropy of each window, (n,) float64 on the CPU."""
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     out = []
-    for start in range(0, windows.shape[0], EVAL_BATCH):
-        batch = windows[start : start + EVAL_BATCH].to(device)  # (B, T+1)
+    for start in range(0, windows.shape[0], batch_size):
+        batch = windows[start : start + batch_size].to(device)  # (B, T+1)
         inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T), (B, T)
         logits = cast(Any, model)(input_ids=inputs).logits.float()  # (B, T, V)
         loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T)
@@ -109,6 +94,12 @@ def window_losses(model: nn.Module, windows: Tensor) -> Tensor:
     if was_training:
         model.train()
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def mean_loss(model: nn.Module, windows: Tensor, batch_size: int = EVAL_BATCH) -> float:
+    """Mean next-token cross-entropy over every target of `windows` (every window scores
+    the same seq_len targets, so this is the mean of the windows' means), in float64."""
+    return float(window_losses(model, windows, batch_size).mean())
 
 
 def evaluate_model(
@@ -120,7 +111,7 @@ def evaluate_model(
     results = []
     for p in chosen:
         w = windows.per_path[p]
-        loss = float(window_losses(model, w).mean()) if w.shape[0] else None
+        loss = mean_loss(model, w) if w.shape[0] else None
         results.append(PathLoss(p, loss, int(w.shape[0]) * windows.seq_len))
     return results
 
