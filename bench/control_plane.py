@@ -1,34 +1,47 @@
-"""Control-plane load: N simulated volunteers against gunicorn + PostgreSQL + Redis (issue 9).
+"""Control-plane load: N simulated volunteers against the real control plane (issues 9, 23).
 
-    .venv/bin/python bench/control_plane.py --volunteers 500 --duration 120
-    .venv/bin/python bench/control_plane.py --volunteers 2000 --unit-seconds 300 --ramp 120 \
-        --warmup 150 --duration 300 --json cp.json
+    .venv/bin/python bench/control_plane.py --volunteers 500 --unit-seconds 60 --duration 300
+    .venv/bin/python bench/control_plane.py --volunteers 10000 --unit-seconds 120 --ramp 120 \
+        --warmup 150 --duration 600 --json docs/figures/control_plane.json
 
 Each volunteer is a coroutine with its own worker token running what `dipaco-worker`
-does, without the training: heartbeat every 30 s (with its lease while it holds one),
-lease a unit (when none is queued, wait as the agent does: 1 s, then 1.5x longer up to
-30 s, or the server's Retry-After when longer), "train" for --unit-seconds (± 20%), ask
-for upload URLs, PUT a small
-payload per module to each presigned URL (the server checks each blob's size at
-completion; content is the outer step's business, and no Celery worker runs here), then
-complete. Every request opens its own connection (aiohttp), as volunteers 30 s apart would. The server is `dipaco server`'s
-gunicorn command on a fresh PostgreSQL database, with Redis as the broker (completions
-that fill a round send a task there), and the local blob store behind the same gunicorn.
+does, without the training: heartbeat every 30 s at first, then as often as the server's
+last answer said (`heartbeat_interval_s`, as worker_agent.heartbeat does; with its lease while it holds one; a
+"release" instruction ends the unit), lease a unit (when none is granted, wait as the
+agent does: 1 s, then 1.5x longer up to 30 s, or the server's Retry-After when longer),
+"train" for --unit-seconds (± 20%), ask for upload URLs, send a real encoded Δ of each
+module (small, the run's codec: the same Δ for every volunteer, each upload's bytes made
+unique in its header, or the outer step would reject all but one as replays) to its presigned S3
+form POST, then complete. Every request opens its own connection (aiohttp), as volunteers 30 s
+apart would.
+
+The server is the real thing, scaled out on one machine: --web-servers gunicorn masters
+(`dipaco server`'s command, sharing one port through SO_REUSEPORT) of --web-workers
+processes each, --celery-workers Celery workers and Celery beat, all on one fresh
+PostgreSQL database (with DIPACO_DB_POOL, Django's pooled psycopg connections), one Redis,
+and a moto S3 server holding the run's real module blobs. Rounds are turned by the
+platform: completions send close_round, the Celery outer step verifies and aggregates
+every upload and publishes the next versions, finish_round opens the next round.
 
 Reported over the measured window (after --warmup): requests/s, p50/p99/max latency per
-request kind and overall, errors; then, from the database, units lost (a completion the
-client got 200 for that is not recorded) or duplicated (a unit completed under two
-leases). Latencies are measured twice: in the client (when the client process is short
-of CPU, or the server's accept queue is long, that waiting shows up there) and in the
-server, from gunicorn's access log (%(M)s: from the parsed request to the response).
-Figures and the command: docs/benchmarks.md.
+request kind and overall, counting timed-out and failed requests (at the time they took)
+in the percentiles and in `error_rate`; p99 over the round boundaries in the window
+(from a round's closing to DIPACO_GRANT_RATE's spread after the next opening). Units:
+lost (a volunteer trained it but could not hand it in: a refused or failed upload or
+completion, a "release" instruction, unless the database shows it completed anyway; or a
+completion the client got 200 for that is not recorded) and duplicated (a unit completed
+under two leases, or twice to a client). Latencies are also read from gunicorn's access
+log (in the server: from the parsed request to the response), and the CPU the web, Celery
+and S3 processes used per request. Figures and the commands: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -36,14 +49,14 @@ import os
 import random
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter, defaultdict
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -52,15 +65,18 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import httpx
 
-HEARTBEAT_S = 30.0  # worker_agent.run: HeartbeatThread(interval_s=30.0)
+HEARTBEAT_S = 30.0  # worker_agent.run: HeartbeatThread(interval_s=30.0), until the server says
 IDLE_WAIT_S = (1.0, 30.0)  # worker_agent.agent: first and longest wait after a 204 (x1.5)
-PAYLOAD_BYTES = 256
 REQUEST_TIMEOUT_S = 30.0
-CLOSE_AT = 0.95  # share of a round's units done before the bench closes it
+BOUNDARY_TAIL_S = 30.0  # a boundary's window: closing .. opening + units / grant rate + this
+GRANT_RATE = 50.0
+CHECK_OFFSET = 1_000_000  # rounds.replication: check copies' replica indices start here  # rounds.policy's DIPACO_GRANT_RATE default, unless --grant-rate
 # gunicorn's access log, with the time each request took in the server (%(M)s, ms): the
 # server-side latency, without the client's own queueing when it is short of CPU.
 ACCESS_FORMAT = 'bench-access %(t)s "%(m)s %(U)s" %(s)s %(M)s'
 ACCESS_RE = re.compile(r'^bench-access \[([^\]]+)\] "(\S+) (\S+)" (\d+) (\d+)$')
+MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2,
+         "intermediate_size": 64, "vocab_size": 256, "seq_len": 32}  # fmt: skip
 
 
 # --- services and the server ------------------------------------------------------------
@@ -85,7 +101,30 @@ def drop_database(admin_url: str, name: str) -> None:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
-def server_environ(database: str, redis: str, data_dir: Path, url: str) -> dict[str, str]:
+def start_s3(port: int, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
+    """A moto S3 server in its own process, with a bucket: the S3_* variables for it."""
+    import boto3
+
+    command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
+    server = subprocess.Popen(command, stdout=log.open("ab"), stderr=subprocess.STDOUT)
+    environ = {"S3_ENDPOINT_URL": f"http://127.0.0.1:{port}", "S3_BUCKET": "bench",
+               "S3_ACCESS_KEY_ID": "bench", "S3_SECRET_ACCESS_KEY": "bench",
+               "S3_REGION": "us-east-1"}  # fmt: skip
+    client = boto3.client("s3", endpoint_url=environ["S3_ENDPOINT_URL"], region_name="us-east-1",
+                          aws_access_key_id="bench", aws_secret_access_key="bench")  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            client.create_bucket(Bucket="bench")
+            return server, environ
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.3)
+
+
+def server_environ(database: str, redis: str, data_dir: Path, url: str,
+                   s3: Mapping[str, str], args: argparse.Namespace) -> dict[str, str]:  # fmt: skip
     from dipaco_server.env import KNOWN_VARIABLES
 
     environ = {k: v for k, v in os.environ.items() if k not in KNOWN_VARIABLES}
@@ -93,17 +132,28 @@ def server_environ(database: str, redis: str, data_dir: Path, url: str) -> dict[
         DATABASE_URL=database, REDIS_URL=redis, DIPACO_DATA_DIR=str(data_dir),
         DIPACO_PUBLIC_URL=url, DJANGO_SETTINGS_MODULE="dipaco_server.settings",
         # Every simulated volunteer calls from 127.0.0.1: no per-address limit here.
-        DIPACO_RATE_LIMIT_ADDRESS="off",
+        DIPACO_RATE_LIMIT_ADDRESS="off", DIPACO_DB_POOL=str(args.db_pool),
+        OMP_NUM_THREADS="1", **s3,
     )  # fmt: skip
+    if args.grant_rate:
+        environ["DIPACO_GRANT_RATE"] = str(args.grant_rate)
     return environ
 
 
-def seed(volunteers: int, units: int, paths: int) -> tuple[int, list[str]]:
-    """A running run with about `units` queued units per round, and a token per volunteer."""
+def seed(volunteers: int, units: int, paths: int) -> tuple[int, list[str], dict[str, bytes]]:
+    """A running run with about `units` queued units per round, its modules' real version-0
+    blobs in S3, a token per volunteer, and the Δ bytes each module's upload carries."""
+    import torch
+
+    from dipaco import codecs
     from dipaco.config import LayoutConfig, RunConfig
-    from dipaco_server.rounds.services import start_run
+    from dipaco.modular import init_modules, module_spec
+    from dipaco.modules_file import write_module
+    from dipaco_server.rounds.open import start_run
+    from dipaco_server.rounds.publish import publish_module_version
     from dipaco_server.runs import keys
-    from dipaco_server.runs.services import create_run, publish_module_version, transition
+    from dipaco_server.runs.services import create_run, transition
+    from dipaco_server.storage import get_blob_store
     from dipaco_server.workers.services import create_enrollment_token, register_worker
 
     levels = 1 if paths == 1 else 2
@@ -112,15 +162,21 @@ def seed(volunteers: int, units: int, paths: int) -> tuple[int, list[str]]:
         raise SystemExit(f"--paths {paths}: give 1 or a square (4, 9, 16, ...)")
     config = RunConfig.tiny(
         name="bench", rounds=100_000, replicas_per_path=math.ceil(units / paths),
-        model={"hidden_size": 64, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2,
-               "intermediate_size": 192, "vocab_size": 1024, "seq_len": 64},
-        layout=LayoutConfig.grid(2, levels, modules),
+        model=MODEL, layout=LayoutConfig.grid(2, levels, modules),
     )  # fmt: skip
     run = create_run("bench", config.model_dump(mode="json"))
-    for module in run.modules.all():
-        # The bench never fetches weights (no manifest call): the rows are what leases need.
-        key = keys.module_key(run.pk, module.module_id, 0)
-        publish_module_version(module, 0, blob_key=key, sha256="0" * 64, size=1)
+    store, weights = get_blob_store(), init_modules(run.run_config)
+    payloads, generator = {}, torch.Generator().manual_seed(0)
+    with tempfile.TemporaryDirectory() as work:
+        for module in run.modules.all():
+            file = Path(work) / f"{module.module_id}.safetensors"
+            sha256, size = write_module(file, weights[module.module_id])
+            key = keys.module_key(run.pk, module.module_id, 0)
+            store.put_file(key, file)
+            publish_module_version(module, 0, blob_key=key, sha256=sha256, size=size)
+            delta = {name: torch.randn(shape, generator=generator) * 1e-3
+                     for name, (shape, _) in module_spec(run.run_config, module.module_id).items()}  # fmt: skip
+            payloads[module.module_id] = codecs.encode(delta, run.run_config.comm.codec)
     run.paths.update(train_tokens=10_000_000)
     for state in ("preparing", "ready"):
         transition(run, state)
@@ -129,54 +185,73 @@ def seed(volunteers: int, units: int, paths: int) -> tuple[int, list[str]]:
     tokens = [
         register_worker(enrollment, f"bench-{i}", {"gpu": "none"})[1] for i in range(volunteers)
     ]
-    return run.pk, tokens
+    return run.pk, tokens, payloads
 
 
-class RoundTurner(threading.Thread):
-    """Closes a round and opens the next, as close_round and finish_round would, minus the
-    outer step and the evaluation (no Celery worker runs here): once no unit is queued and
-    CLOSE_AT of them are done (the quorum rule, with the deadline taken as passed), so a
-    unit whose lease answer was lost to a timeout does not hold the round for 5 minutes."""
+def process_cpu_s(roots: list[int]) -> float:
+    """CPU seconds (user + system) of the processes `roots` and all their descendants."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / tick
+    total, todo = 0.0, list(roots)
+    while todo:
+        pid = todo.pop()
+        total += times.get(pid, 0.0)
+        todo.extend(child for child, parent in parents.items() if parent == pid)
+    return total
 
-    def __init__(self, run_id: int) -> None:
-        super().__init__(name="round-turner", daemon=True)
-        self.run_id, self.stop, self.closed = run_id, threading.Event(), 0
 
-    def run(self) -> None:
-        from django.db import connections
-        from django.db.models import Count, Q
+def database_backends(admin_url: str, name: str) -> dict[int, float]:
+    """PostgreSQL backend pid -> CPU seconds so far, for the connections to database `name`."""
+    import psycopg
 
-        from dipaco_server.rounds.models import Round, WorkUnit
-        from dipaco_server.rounds.services import mark_round_closed, mark_round_closing, open_round
+    with psycopg.connect(with_path(admin_url, "/postgres"), autocommit=True) as conn:
+        pids = [r[0] for r in conn.execute(
+            "SELECT pid FROM pg_stat_activity WHERE datname = %s", (name,))]  # fmt: skip
+    return {pid: process_cpu_s([pid]) for pid in pids}
 
-        while not self.stop.wait(1.0):
-            round_ = Round.objects.filter(run_id=self.run_id, state=Round.State.OPEN).first()
-            if round_ is None:
-                continue
-            units = round_.units.aggregate(
-                total=Count("pk"),
-                queued=Count("pk", filter=Q(state=WorkUnit.State.QUEUED)),
-                done=Count("pk", filter=Q(state=WorkUnit.State.DONE)),
-            )
-            if units["queued"] or units["done"] < CLOSE_AT * units["total"]:
-                continue
-            if mark_round_closing(round_):
-                mark_round_closed(round_)
-                open_round(round_.run, round_.t + 1)
-                self.closed += 1
-        connections.close_all()
+
+def capacity(cpu: Mapping[str, float], latency: Mapping[str, Any], seconds: float,
+             volunteers: int) -> dict[str, float]:  # fmt: skip
+    """CPU per request of the web and database processes (the part that grows with the
+    volunteers), and what one core of them would serve at this load's mix of requests."""
+    web_requests = sum(row["requests"] for kind, row in latency.items()
+                       if kind not in ("all", "upload"))  # fmt: skip
+    per_request_ms = 1e3 * (cpu["web"] + cpu["postgres"]) / max(1, web_requests)
+    per_volunteer = web_requests / seconds / volunteers  # web requests a volunteer makes per s
+    per_core = 1e3 / per_request_ms if per_request_ms else math.nan
+    return {
+        **{f"{k}_s": round(v, 1) for k, v in cpu.items()},
+        "web_requests": web_requests,
+        "web_ms_per_request": round(1e3 * cpu["web"] / max(1, web_requests), 2),
+        "postgres_ms_per_request": round(1e3 * cpu["postgres"] / max(1, web_requests), 2),
+        "celery_and_s3_ms_per_request": round(
+            1e3 * (cpu["celery"] + cpu["s3"]) / max(1, web_requests), 2),
+        "requests_per_core_s": round(per_core, 1),
+        "projected_volunteers_per_core": round(per_core / per_volunteer) if per_volunteer else 0,
+    }  # fmt: skip
 
 
 # --- volunteers ---------------------------------------------------------------------------
 
 
+@dataclass
 class Stats:
-    def __init__(self) -> None:
-        self.samples: list[tuple[float, str, float]] = []  # (time, kind, latency s)
-        self.errors: Counter[str] = Counter()
-        self.completed: Counter[int] = Counter()  # unit id -> 200 completions
-        self.granted: set[int] = set()  # lease ids the clients learned of
-        self.idle = 0  # lease answers 204: nothing queued (the round is closing)
+    samples: list[tuple[float, str, float, bool]] = field(default_factory=list)  # time, kind, s, ok
+    errors: Counter[str] = field(default_factory=Counter)
+    completed: Counter[int] = field(default_factory=Counter)  # unit id -> 200 completions
+    granted: set[int] = field(default_factory=set)  # lease ids the clients learned of
+    unfinished: dict[int, str] = field(default_factory=dict)  # lease id -> why not handed in
+    idle = 0  # lease answers 204
 
 
 @dataclass
@@ -207,7 +282,7 @@ class Session:
         )
 
     async def request(self, method: str, url: str, *, json: Any = None,
-                      content: bytes | None = None, headers: Mapping[str, str] | None = None,
+                      content: Any = None, headers: Mapping[str, str] | None = None,
                       ) -> Reply:  # fmt: skip
         absolute = url if "://" in url else self.base_url + url
         async with self.http.request(method, absolute, json=json, data=content,
@@ -218,16 +293,23 @@ class Session:
         await self.http.close()
 
 
-async def call(client: Session, stats: Stats, kind: str, method: str, url: str,
-               **kwargs: Any) -> Reply | None:  # fmt: skip
+async def call(client: Any, stats: Stats, kind: str, method: str, url: str,
+               transport_errors: tuple[type[BaseException], ...] = (aiohttp.ClientError,),
+               **kwargs: Any) -> Any:  # fmt: skip
+    """One request; None when it failed. A failure counts in the percentiles at the time it
+    took (a time-out: REQUEST_TIMEOUT_S) and in the error rate. `client` is this bench's
+    Session or any client with the same ``request`` (bench/soak.py passes httpx's, with
+    its `transport_errors`)."""
     started = time.monotonic()
     try:
         response = await client.request(method, url, **kwargs)
-    except (aiohttp.ClientError, TimeoutError) as exc:
+    except (*transport_errors, TimeoutError) as exc:
+        stats.samples.append((started, kind, time.monotonic() - started, False))
         stats.errors[f"{kind} {type(exc).__name__}"] += 1
         return None
-    stats.samples.append((started, kind, time.monotonic() - started))
-    if response.status_code >= 400:
+    ok = response.status_code < 400
+    stats.samples.append((started, kind, time.monotonic() - started, ok))
+    if not ok:
         try:
             code = response.json()["error"]["code"]
         except (ValueError, KeyError, TypeError):
@@ -237,24 +319,65 @@ async def call(client: Session, stats: Stats, kind: str, method: str, url: str,
     return response
 
 
+def trained_tokens(lease: Mapping[str, Any]) -> int:
+    """The tokens a worker reports for training the lease's steps (rounds.complete accepts
+    between the run's least partial steps and the lease's steps of them)."""
+    inner, model = lease["config"]["inner"], lease["config"]["model"]
+    batch = inner.get("batch_size") or inner["micro_batch_size"] * inner["grad_accum_steps"]
+    return int(lease["steps"]) * batch * model["seq_len"]
+
+
+def unique(data: bytes, nonce: str) -> bytes:
+    """`data`, an encoded Δ, with `nonce` in its header's metadata: other bytes, the same Δ.
+
+    The outer step rejects bytes uploaded before in the run as a replay (rounds.verify), so
+    every upload must differ; encoding a fresh Δ per upload would cost the client the CPU
+    the server is measured with. The codec container's header is JSON padded to 8 bytes."""
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    header["__metadata__"]["bench_nonce"] = nonce
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % 8)
+    return struct.pack("<Q", len(text)) + text + data[8 + length :]
+
+
+async def upload(client: Session, stats: Stats, target: Mapping[str, Any],
+                 data: bytes) -> Reply | None:  # fmt: skip
+    """One module's Δ to the store: the presigned PUT where the store bounds its size, else
+    the presigned form POST (S3: its content-length-range condition bounds it)."""
+    if target.get("put_url"):
+        return await call(client, stats, "upload", "PUT", target["put_url"], content=data)
+    form = aiohttp.FormData()
+    for name, value in target["post"]["fields"].items():
+        form.add_field(name, value)
+    form.add_field("file", data, filename="delta.safetensors",
+                   content_type="application/octet-stream")  # fmt: skip
+    return await call(client, stats, "upload", "POST", target["post"]["url"], content=form)
+
+
 async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Namespace,
-                    stop: asyncio.Event) -> None:  # fmt: skip
+                    payloads: Mapping[str, bytes], stop: asyncio.Event) -> None:  # fmt: skip
     auth = {"Authorization": f"Bearer {token}"}
     rng = random.Random(token)
-    payload = rng.randbytes(PAYLOAD_BYTES)
-    digest = hashlib.sha256(payload).hexdigest()
     await asyncio.sleep(rng.uniform(0, args.ramp))
-    next_beat = time.monotonic()
+    next_beat, interval = time.monotonic(), HEARTBEAT_S
 
-    async def beat(lease: dict[str, Any] | None) -> None:
-        nonlocal next_beat
+    async def beat(lease: dict[str, Any] | None) -> bool:
+        """Heartbeat when one is due; False when the server says to release the lease."""
+        nonlocal next_beat, interval
         if time.monotonic() < next_beat:
-            return
-        next_beat = time.monotonic() + HEARTBEAT_S
+            return True
+        next_beat = time.monotonic() + interval
         headers = {**auth, **({"X-Lease-Secret": lease["lease_secret"]} if lease else {})}
         body = {"lease_id": lease["lease_id"] if lease else None}
-        await call(client, stats, "heartbeat", "POST", "/api/v1/worker/heartbeat",
-                   json=body, headers=headers)  # fmt: skip
+        reply = await call(client, stats, "heartbeat", "POST", "/api/v1/worker/heartbeat",
+                           json=body, headers=headers)  # fmt: skip
+        if reply is None:
+            return True
+        answer = reply.json()
+        interval = float(answer.get("heartbeat_interval_s") or interval)
+        next_beat = time.monotonic() + interval  # the server's pace from now on
+        return "release" not in answer.get("instructions", [])
 
     idle_wait = IDLE_WAIT_S[0]
     while not stop.is_set():
@@ -262,54 +385,79 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
         response = await call(client, stats, "lease", "POST", "/api/v1/worker/lease", headers=auth)
         if response is None or response.status_code == 204:
             # As the agent does: back off 1 s, x1.5, up to 30 s, or the server's
-            # Retry-After when that is longer (it grows with the idle crowd).
+            # Retry-After when that is longer (a slot after the next round's opening).
             hint = float(response.headers.get("Retry-After", 0)) if response is not None else 0
             stats.idle += response is not None
-            await asyncio.sleep(max(idle_wait, hint))
+            pause = max(idle_wait, min(hint, 2 * IDLE_WAIT_S[1]) if hint else 0)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
             idle_wait = min(IDLE_WAIT_S[1], idle_wait * 1.5)
             continue
         idle_wait = IDLE_WAIT_S[0]
         lease = response.json()
-        stats.granted.add(lease["lease_id"])
+        lease_id = lease["lease_id"]
+        # A check copy (issue 19's replication) never holds up its round: when the round
+        # closes first, its completion is refused. Lost work too, named apart.
+        kind = "check copy: " if lease["replica"] >= CHECK_OFFSET else ""
+        stats.granted.add(lease_id)
         headers = {**auth, "X-Lease-Secret": lease["lease_secret"]}
         done_at = time.monotonic() + args.unit_seconds * rng.uniform(0.8, 1.2)
+        released = False
         while (left := done_at - time.monotonic()) > 0 and not stop.is_set():
             await asyncio.sleep(min(left, max(0.0, next_beat - time.monotonic()) + 0.01))
-            await beat(lease)
+            if not await beat(lease):
+                released = True
+                break
         if stop.is_set():
             return
-        prefix = f"/api/v1/worker/lease/{lease['lease_id']}"
+        if released:
+            stats.unfinished[lease_id] = kind + "release instruction"
+            continue
+        prefix = f"/api/v1/worker/lease/{lease_id}"
         urls = await call(client, stats, "upload-urls", "POST", f"{prefix}/upload-urls",
                           headers=headers)  # fmt: skip
         if urls is None:
+            stats.unfinished[lease_id] = kind + "upload-urls failed"
             continue
         uploads = urls.json()["uploads"]
-        puts = [call(client, stats, "put", "PUT", u["put_url"], content=payload) for u in uploads]
-        if any(r is None for r in await asyncio.gather(*puts)):
+        deltas = {u["module_id"]: unique(payloads[u["module_id"]], f"{token[-16:]}-{lease_id}")
+                  for u in uploads}  # fmt: skip
+        sent = [upload(client, stats, u, deltas[u["module_id"]]) for u in uploads]
+        if any(r is None for r in await asyncio.gather(*sent)):
+            stats.unfinished[lease_id] = kind + "upload failed"
             continue
         body = {
             "contributions": [
-                {"module_id": u["module_id"], "sha256": digest, "size": PAYLOAD_BYTES}
+                {"module_id": u["module_id"],
+                 "sha256": hashlib.sha256(deltas[u["module_id"]]).hexdigest(),
+                 "size": len(deltas[u["module_id"]])}
                 for u in uploads
             ],
-            "tokens": 1, "metrics": {"loss": 1.0},
+            "tokens": trained_tokens(lease), "metrics": {"loss": 1.0},
         }  # fmt: skip
         if await call(client, stats, "complete", "POST", f"{prefix}/complete", json=body,
                       headers=headers) is not None:  # fmt: skip
             stats.completed[lease["unit_id"]] += 1
+        else:
+            stats.unfinished[lease_id] = kind + "complete failed"
 
 
-async def load(url: str, tokens: list[str], args: argparse.Namespace) -> tuple[Stats, float, float]:
+async def load(url: str, tokens: list[str], args: argparse.Namespace,
+               payloads: Mapping[str, bytes]) -> tuple[Stats, float, float]:  # fmt: skip
     stats, stop = Stats(), asyncio.Event()
     client = Session(url)
     try:
-        tasks = [asyncio.create_task(volunteer(client, t, stats, args, stop)) for t in tokens]
+        tasks = [asyncio.create_task(volunteer(client, t, stats, args, payloads, stop))
+                 for t in tokens]  # fmt: skip
         started = time.monotonic()
         window = (started + args.warmup, started + args.warmup + args.duration)
         await asyncio.sleep(args.warmup + args.duration)
         stop.set()
         await asyncio.wait(tasks, timeout=REQUEST_TIMEOUT_S + 5)
         for task in tasks:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                error = task.exception()
+                stats.errors[f"volunteer crashed: {type(error).__name__}: {error}"] += 1
             task.cancel()
     finally:
         await client.close()
@@ -324,23 +472,22 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else math.nan
 
 
-def summarize(stats: Stats, start: float, end: float) -> dict[str, Any]:
+def summarize(samples: list[tuple[float, str, float, bool]], seconds: float) -> dict[str, Any]:
     kinds: dict[str, list[float]] = defaultdict(list)
-    for at, kind, latency in stats.samples:
-        if start <= at < end:
-            kinds[kind].append(latency)
-            kinds["all"].append(latency)
-    seconds = end - start
+    failed: Counter[str] = Counter()
+    for _, kind, latency, ok in samples:
+        for name in (kind, "all"):
+            kinds[name].append(latency)
+            failed[name] += not ok
     return {
         kind: {"requests": len(v), "per_s": len(v) / seconds, "p50_ms": 1e3 * percentile(v, 0.5),
-               "p99_ms": 1e3 * percentile(v, 0.99), "max_ms": 1e3 * max(v)}
+               "p99_ms": 1e3 * percentile(v, 0.99), "max_ms": 1e3 * max(v),
+               "failed": failed[kind]}
         for kind, v in sorted(kinds.items())
     }  # fmt: skip
 
 
 def request_kind(method: str, path: str) -> str | None:
-    if method == "PUT" and path.startswith("/blobs/"):
-        return "put"
     tail = path.rstrip("/").rsplit("/", 1)[-1]
     if path.startswith("/api/v1/worker/") and tail in ("heartbeat", "lease", "upload-urls",
                                                        "complete"):  # fmt: skip
@@ -348,19 +495,20 @@ def request_kind(method: str, path: str) -> str | None:
     return None
 
 
-def server_side(log: Path, start: float, end: float) -> dict[str, Any]:
+def server_side(logs: list[Path], start: float, end: float) -> dict[str, Any]:
     """Per-kind latency as gunicorn measured it, over the same window (wall-clock times)."""
     kinds: dict[str, list[float]] = defaultdict(list)
-    for line in log.read_text(errors="replace").splitlines():
-        match = ACCESS_RE.match(line)
-        if match is None:
-            continue
-        stamp, method, path, _status, millis = match.groups()
-        at = datetime.strptime(stamp, "%d/%b/%Y:%H:%M:%S %z").timestamp()
-        kind = request_kind(method, path)
-        if kind is not None and start <= at < end:
-            kinds[kind].append(int(millis) / 1e3)
-            kinds["all"].append(int(millis) / 1e3)
+    for log in logs:
+        for line in log.read_text(errors="replace").splitlines():
+            match = ACCESS_RE.match(line)
+            if match is None:
+                continue
+            stamp, method, path, _status, millis = match.groups()
+            at = datetime.strptime(stamp, "%d/%b/%Y:%H:%M:%S %z").timestamp()
+            kind = request_kind(method, path)
+            if kind is not None and start <= at < end:
+                kinds[kind].append(int(millis) / 1e3)
+                kinds["all"].append(int(millis) / 1e3)
     return {
         kind: {"requests": len(v), "p50_ms": 1e3 * percentile(v, 0.5),
                "p99_ms": 1e3 * percentile(v, 0.99)}
@@ -368,11 +516,31 @@ def server_side(log: Path, start: float, end: float) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def boundaries(run_id: int, grant_rate: float) -> list[dict[str, Any]]:
+    """Each round boundary: from a round's closing to the next round's opening plus the
+    time its units take to go out at the grant rate (+ BOUNDARY_TAIL_S), wall-clock."""
+    from dipaco_server.rounds.models import Round
+
+    rounds = list(Round.objects.filter(run_id=run_id).order_by("t"))
+    out = []
+    for previous, current in itertools.pairwise(rounds):
+        if previous.closing_at is None:
+            continue
+        units = current.units.count()
+        opened = current.opened_at.timestamp()
+        out.append({
+            "t": current.t, "closing_at": previous.closing_at.timestamp(), "opened_at": opened,
+            "outer_step_s": opened - previous.closing_at.timestamp(),
+            "until": opened + units / grant_rate + BOUNDARY_TAIL_S,
+        })  # fmt: skip
+    return out
+
+
 def verify(run_id: int, stats: Stats) -> dict[str, int]:
     """Lost and duplicated units, from the database against what the clients were told."""
     from django.db.models import Count
 
-    from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
+    from dipaco_server.rounds.models import Contribution, Lease, OuterStep, WorkUnit
 
     done = set(
         WorkUnit.objects.filter(round__run_id=run_id, state=WorkUnit.State.DONE).values_list(
@@ -386,40 +554,68 @@ def verify(run_id: int, stats: Stats) -> dict[str, int]:
     contributed = set(
         Contribution.objects.filter(unit__round__run_id=run_id).values_list("unit", flat=True)
     )
+    # Trained but not handed in: lost, unless the server recorded it anyway (salvaged).
+    salvaged = set(
+        Lease.objects.filter(pk__in=list(stats.unfinished), state=Lease.State.COMPLETED)
+        .values_list("pk", flat=True)
+    )  # fmt: skip
+    unfinished = Counter(why for pk, why in stats.unfinished.items() if pk not in salvaged)
     active = Lease.objects.filter(unit__round__run_id=run_id, state=Lease.State.ACTIVE)
+    contributions = Counter(
+        Contribution.objects.filter(unit__round__run_id=run_id).values_list("status", flat=True)
+    )
     return {
         "completed_by_clients": len(stats.completed),
         "done_in_database": len(done),
-        "lost": len(set(stats.completed) - done) + len(done - contributed),
+        "lost": len(set(stats.completed) - done) + len(done - contributed)
+        + sum(unfinished.values()),
+        "lost_why": dict(unfinished),
+        "salvaged": len(salvaged),
         "duplicated": twice + sum(1 for n in stats.completed.values() if n > 1),
         "orphaned_leases": active.exclude(pk__in=stats.granted).count(),
-    }
+        "outer_steps": OuterStep.objects.filter(module__run_id=run_id).count(),
+        "contributions": dict(contributions),
+    }  # fmt: skip
 
 
 def print_report(result: dict[str, Any]) -> None:
     print(f"\n{result['volunteers']} volunteers, {result['duration_s']:.0f} s measured, "
-          f"unit {result['unit_seconds']:.0f} s, {result['web_workers']} gunicorn workers, "
+          f"unit {result['unit_seconds']:.0f} s, {result['web_servers']} gunicorn masters x "
+          f"{result['web_workers']} workers, {result['celery_workers']} Celery workers, "
           f"load {result['load_average']}")  # fmt: skip
-    print(f"{'':<12}{'client side':>45}{'in the server':>20}")
-    print(f"{'kind':<12}{'requests':>9}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'max ms':>9}"
-          f"{'p50 ms':>10}{'p99 ms':>10}")  # fmt: skip
+    print(f"{'':<12}{'client side':>54}{'in the server':>20}")
+    print(f"{'kind':<12}{'requests':>9}{'req/s':>9}{'failed':>9}{'p50 ms':>9}{'p99 ms':>9}"
+          f"{'max ms':>9}{'p50 ms':>10}{'p99 ms':>10}")  # fmt: skip
     for kind, row in result["latency"].items():
         server = result.get("server_latency", {}).get(kind, {})
-        print(f"{kind:<12}{row['requests']:>9}{row['per_s']:>9.1f}{row['p50_ms']:>9.1f}"
-              f"{row['p99_ms']:>9.1f}{row['max_ms']:>9.0f}"
+        print(f"{kind:<12}{row['requests']:>9}{row['per_s']:>9.1f}{row['failed']:>9}"
+              f"{row['p50_ms']:>9.1f}{row['p99_ms']:>9.1f}{row['max_ms']:>9.0f}"
               f"{server.get('p50_ms', math.nan):>10.1f}{server.get('p99_ms', math.nan):>10.1f}")  # fmt: skip
+    print(
+        f"p99 over {result['boundaries_in_window']} boundaries: "
+        f"{result['p99_boundary_ms']:.1f} ms; error rate {result['error_rate']:.5f}"
+    )
     print(f"errors: {dict(result['errors']) or 'none'}")
     print(f"units: {result['units']}")
+    print(f"rounds: {result['rounds']}")
+    print(f"cpu: {result['cpu']}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--volunteers", type=int, default=500, help="simulated volunteers")
-    parser.add_argument("--duration", type=float, default=120.0, help="measured seconds")
-    parser.add_argument("--warmup", type=float, default=30.0, help="seconds before measuring")
+    parser.add_argument("--duration", type=float, default=300.0, help="measured seconds")
+    parser.add_argument("--warmup", type=float, default=60.0, help="seconds before measuring")
     parser.add_argument("--unit-seconds", type=float, default=60.0, help="simulated training")
     parser.add_argument("--ramp", type=float, default=30.0, help="volunteers start over this")
-    parser.add_argument("--web-workers", type=int, default=2, help="gunicorn workers")
+    parser.add_argument("--web-servers", type=int, default=2,
+                        help="gunicorn masters on one port (SO_REUSEPORT)")  # fmt: skip
+    parser.add_argument("--web-workers", type=int, default=1, help="processes per master")
+    parser.add_argument("--celery-workers", type=int, default=2, help="Celery worker processes")
+    parser.add_argument("--db-pool", default="4",
+                        help="DIPACO_DB_POOL: connections per process, or off")  # fmt: skip
+    parser.add_argument("--grant-rate", type=float, default=None,
+                        help=f"DIPACO_GRANT_RATE (default {GRANT_RATE:.0f}/s)")  # fmt: skip
     parser.add_argument("--paths", type=int, default=4, help="paths of the run (1 or a square)")
     parser.add_argument("--units-per-volunteer", type=float, default=1.0,
                         help="work units per round, per volunteer (default: one each)")  # fmt: skip
@@ -432,8 +628,8 @@ def main() -> int:
     import redis
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
-    from dipaco.cli.server import child_commands
-    from dipaco.demo.control import free_port
+    from dipaco_demo.control import free_port
+    from dipaco_server.cli.server import child_commands
 
     name = f"dipaco_bench_{os.getpid()}"
     database = create_database(args.postgres, name)
@@ -441,28 +637,41 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="dipaco-bench-"))
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    environ = server_environ(database, args.redis, work, url)
+    s3, s3_environ = start_s3(free_port(), work / "s3.log")
+    environ = server_environ(database, args.redis, work, url, s3_environ, args)
     os.environ.update(environ)
-    server = None
+    children: dict[str, subprocess.Popen[bytes]] = {"s3": s3}
     try:
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
                        env=environ, check=True)  # fmt: skip
-        from dipaco.cli.admin import setup_django
+        from dipaco_server.cli.admin import setup_django
 
         setup_django()
         logging.getLogger("dipaco_server").setLevel(logging.WARNING)  # one line per worker
         units = round(args.volunteers * args.units_per_volunteer)
         print(f"seeding {units} units per round and {args.volunteers} workers ...", flush=True)
-        run_id, tokens = seed(args.volunteers, units, args.paths)
+        run_id, tokens, payloads = seed(args.volunteers, units, args.paths)
         from django.db import connections
 
         connections.close_all()
-        turner = RoundTurner(run_id)
-        turner.start()
-        command = child_commands("127.0.0.1", port, args.web_workers, 1)["web"]
-        command += ["--access-logformat", ACCESS_FORMAT]
-        log = (work / "web.log").open("ab")
-        server = subprocess.Popen(command, env=environ, stdout=log, stderr=subprocess.STDOUT)
+        commands = child_commands("127.0.0.1", port, args.web_workers, 1)
+        logs = []
+        for i in range(args.web_servers):
+            logs.append(work / f"web-{i}.log")
+            command = [*commands["web"], "--reuse-port", "--access-logformat", ACCESS_FORMAT]
+            children[f"web-{i}"] = subprocess.Popen(
+                command, env=environ, stdout=logs[-1].open("ab"), stderr=subprocess.STDOUT
+            )
+        for i in range(args.celery_workers):
+            command = [*commands["worker"], "-n", f"bench{i}@%h"]
+            children[f"celery-{i}"] = subprocess.Popen(
+                command, env=environ, stdout=(work / f"celery-{i}.log").open("ab"),
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+        children["beat"] = subprocess.Popen(
+            commands["beat"], env=environ, stdout=(work / "beat.log").open("ab"),
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             try:
@@ -473,26 +682,75 @@ def main() -> int:
         print(f"{args.volunteers} volunteers for {args.warmup:.0f} + {args.duration:.0f} s ...",
               flush=True)  # fmt: skip
         wall_offset = time.time() - time.monotonic()
-        stats, start, end = asyncio.run(load(url, tokens, args))
-        turner.stop.set()
-        turner.join()
+        groups = {
+            "web": [p.pid for n, p in children.items() if n.startswith("web")],
+            "celery": [p.pid for n, p in children.items() if n.startswith(("celery", "beat"))],
+            "s3": [s3.pid],
+        }
+
+        async def measured() -> tuple[Stats, float, float, dict[str, float]]:
+            task = asyncio.create_task(load(url, tokens, args, payloads))
+            await asyncio.sleep(args.warmup)
+            before = {k: process_cpu_s(v) for k, v in groups.items()}
+            backends = database_backends(args.postgres, name)
+            await asyncio.sleep(args.duration)
+            spent = {k: process_cpu_s(v) - before[k] for k, v in groups.items()}
+            spent["postgres"] = sum(
+                cpu - backends.get(pid, 0.0)
+                for pid, cpu in database_backends(args.postgres, name).items()
+            )
+            stats, start, end = await task
+            return stats, start, end, spent
+
+        stats, start, end, cpu = asyncio.run(measured())
+        seconds = end - start
+        window = [s for s in stats.samples if start <= s[0] < end]
+        grant_rate = args.grant_rate or GRANT_RATE
+        edges = boundaries(run_id, grant_rate)
+        for edge in edges:
+            for key in ("closing_at", "opened_at", "until"):
+                edge[key] -= wall_offset  # to the client's monotonic clock
+        inside = [e for e in edges if start <= e["opened_at"] < end]
+        at_boundary = [s for s in window
+                       if any(e["closing_at"] <= s[0] < e["until"] for e in inside)]  # fmt: skip
+        latency = summarize(window, seconds)
+        overall = latency.get("all", {"requests": 0, "failed": 0})
+        requests = max(1, overall["requests"])
+        counts = verify(run_id, stats)
         result = {
-            "volunteers": args.volunteers, "duration_s": end - start,
-            "unit_seconds": args.unit_seconds, "web_workers": args.web_workers,
+            "volunteers": args.volunteers,
+            "p50_ms": overall.get("p50_ms", math.nan),
+            "p99_ms": overall.get("p99_ms", math.nan),
+            "p99_boundary_ms": 1e3 * percentile([s[2] for s in at_boundary], 0.99),
+            "requests_per_s": overall["requests"] / seconds,
+            "error_rate": overall["failed"] / requests,
+            "lost_units": counts["lost"],
+            "duplicated_units": counts["duplicated"],
+            "boundaries_in_window": len(inside),
+            "duration_s": seconds, "warmup_s": args.warmup, "unit_seconds": args.unit_seconds,
+            "ramp_s": args.ramp, "web_servers": args.web_servers,
+            "web_workers": args.web_workers, "celery_workers": args.celery_workers,
+            "db_pool": args.db_pool, "grant_rate": grant_rate, "units_per_round": units,
             "load_average": [round(x, 1) for x in os.getloadavg()],
-            "latency": summarize(stats, start, end), "errors": dict(stats.errors),
-            "server_latency": server_side(work / "web.log", start + wall_offset,
-                                          end + wall_offset),
-            "units": {**verify(run_id, stats), "units_per_round": units,
-                      "rounds_closed": turner.closed, "idle_polls": stats.idle},
+            "cpu": capacity(cpu, latency, seconds, args.volunteers),
+            "rounds": [{"t": e["t"], "outer_step_s": round(e["outer_step_s"], 1),
+                        "opened_at_s": round(e["opened_at"] - start + args.warmup, 1)}
+                       for e in edges],
+            "latency": latency, "errors": dict(stats.errors),
+            "server_latency": server_side(logs, start + wall_offset, end + wall_offset),
+            "units": {**counts, "idle_polls": stats.idle},
         }  # fmt: skip
         print_report(result)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
     finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=30)
+        for child in reversed(list(children.values())):
+            child.terminate()
+        for child in children.values():
+            try:
+                child.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                child.kill()
         from django.db import connections
 
         connections.close_all()

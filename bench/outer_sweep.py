@@ -28,7 +28,6 @@ from dipaco.config import LayoutConfig, RunConfig
 from dipaco.simulate import DataBudget
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.baselines import train_baseline
-from dipaco.simulate.evaluate import val_windows
 from dipaco.simulate.train import train_dipaco
 
 # The sweep recorded in docs/benchmarks.md (lr, momentum, √ rescale, warm-up rounds).
@@ -49,11 +48,24 @@ def setting(text: str) -> tuple[float, float, bool, int]:
         ) from error
 
 
-def config(args: argparse.Namespace, outer: dict[str, Any]) -> RunConfig:
+def add_preset_arguments(parser: argparse.ArgumentParser) -> None:
+    """The preset's options (`config`), shared with bench/overlap_quality.py."""
+    parser.add_argument("--diloco", action="store_true", help="DiLoCo R=4 instead of DiPaCo 2x2")
+    parser.add_argument("--rounds", type=int, default=8, help="T (default %(default)s)")
+    parser.add_argument("--inner-steps", type=int, default=25, help="H (default %(default)s)")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per inner step")
+    parser.add_argument("--base-steps", type=int, default=300, help="dense base (%(default)s)")
+    parser.add_argument("--corpus", default="stdlib", help="stdlib, a directory or a .jsonl")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--jobs", type=int, default=2, help="processes (default %(default)s)")
+    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
+
+
+def config(args: argparse.Namespace, outer: dict[str, Any], name: str = "outer-sweep") -> RunConfig:
     layers = RunConfig.tiny().model.num_layers
     layout = LayoutConfig.diloco(layers) if args.diloco else LayoutConfig.grid(layers, 2, 2)
     return RunConfig.tiny(
-        name="outer-sweep", rounds=args.rounds, replicas_per_path=4 if args.diloco else 1,
+        name=name, rounds=args.rounds, replicas_per_path=4 if args.diloco else 1,
         layout=layout, comm={"codec": "fp32"}, outer=outer, seed=args.seed,
         inner={"steps": args.inner_steps, "lr": 3e-3, "warmup_steps": 20,
                "micro_batch_size": args.batch},
@@ -67,7 +79,7 @@ def run(job: tuple[str, str, str | None, int, str]) -> tuple[str, float, list[fl
     started = time.perf_counter()
     cfg = RunConfig.model_validate_json(config_json)
     data, base = prepare_with_base(cfg, DataBudget(), Path(work_dir), base_steps)
-    windows = val_windows(data, cfg.model.seq_len, 256)
+    windows = data.val_windows(cfg.model.seq_len, 256)
     if baseline is not None:
         result = train_baseline(cfg, data, windows, baseline, base_state=base)
         return label, result.loss, [], time.perf_counter() - started
@@ -83,15 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--setting", type=setting, action="append", help="LR,MOMENTUM,RESCALE,WARMUP"
     )
-    parser.add_argument("--diloco", action="store_true", help="DiLoCo R=4 instead of DiPaCo 2x2")
-    parser.add_argument("--rounds", type=int, default=8, help="T (default %(default)s)")
-    parser.add_argument("--inner-steps", type=int, default=25, help="H (default %(default)s)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per inner step")
-    parser.add_argument("--base-steps", type=int, default=300, help="dense base (%(default)s)")
-    parser.add_argument("--corpus", default="stdlib", help="stdlib, a directory or a .jsonl")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--jobs", type=int, default=2, help="processes (default %(default)s)")
-    parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
+    add_preset_arguments(parser)
     args = parser.parse_args(argv)
     settings = args.setting or DEFAULT_SETTINGS
     torch.set_num_threads(1)

@@ -14,7 +14,7 @@
    (dipaco.data.windows).
 3. Both module sets, round by round (the platform's module versions v0..vT from the blob
    store), scored by the simulator's evaluator on the same validation windows
-   (dipaco.simulate.evaluate.val_windows, routed mean).
+   (PreparedData.val_windows, routed mean).
 
 The figure is ``platform_vs_simulate`` = platform loss / simulator loss, the final routed
 validation losses' ratio (issue: "final routed validation loss ratio"); the expectation is
@@ -48,14 +48,15 @@ import torch
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.shards import ShardIndex
 from dipaco.data.tokenizer import RunTokenizer
-from dipaco.demo import plan
-from dipaco.demo.control import AdminClient, ServerProcess, embedded_environ, free_port
-from dipaco.demo.workers import WorkerPool
+from dipaco.evaluate import ValWindows, routed_mean
 from dipaco.modular import module_ids
 from dipaco.routing.router import Router
-from dipaco.simulate.evaluate import ValWindows, routed_mean, val_windows
+from dipaco.simulate.baselines import data_parallel_bytes
 from dipaco.simulate.prepare import PreparedData
 from dipaco.simulate.train import evaluate_paths, train_dipaco
+from dipaco_demo import plan
+from dipaco_demo.control import AdminClient, ServerProcess, embedded_environ, free_port
+from dipaco_demo.workers import WorkerPool
 from worker_agent.payload import load_module
 
 __all__ = ["default_config", "platform_vs_simulate", "prepared_from_blobs"]
@@ -112,7 +113,7 @@ def mint_tokens(environ: dict[str, str], label: str, workers: int) -> tuple[str,
     """(staff API token, enrollment token) from the demo's mint_tokens, in a child process:
     this one never configures Django (a pytest session has its own settings)."""
     code = (
-        "import json, sys; from dipaco.demo import control; "
+        "import json, sys; from dipaco_demo import control; "
         "control.setup_django(dict(__import__('os').environ)); "
         f"print(json.dumps(control.mint_tokens({label!r}, {workers})))"
     )
@@ -148,6 +149,8 @@ def run_platform(
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     environ = embedded_environ(data_dir, url)
+    # The corpus lies beside the server's data dir: name its folder a data root.
+    environ["DIPACO_DATA_ROOTS"] = str(corpus.resolve().parent)
     logs = data_dir / "logs"
     server = ServerProcess(environ, port, logs / "server.log")
     pool: WorkerPool | None = None
@@ -295,6 +298,35 @@ def platform_curve(
 # --- the comparison -----------------------------------------------------------------------
 
 
+def platform_bytes(data_dir: Path, run_id: int) -> list[dict[str, int]]:
+    """Bytes per round as the dashboard's "Communication" counts them (dipaco_web.curves):
+    every contribution's upload, and what each completed lease's manifest sent down
+    (Lease.download_bytes: encoded updates, fp32 files, nothing for a version held)."""
+    import sqlite3
+
+    rounds = (
+        "JOIN rounds_workunit u ON u.id = {}.unit_id JOIN rounds_round r ON r.id = u.round_id "
+        "WHERE r.run_id = ?"
+    )
+    with sqlite3.connect(data_dir / "db.sqlite3") as db:
+        up = dict(
+            db.execute(
+                "SELECT r.t, SUM(c.size) FROM rounds_contribution c "
+                + rounds.format("c")
+                + " GROUP BY r.t",
+                (run_id,),
+            ).fetchall()
+        )
+        down = dict(db.execute(
+            "SELECT r.t, SUM(l.download_bytes) FROM rounds_lease l " + rounds.format("l")
+            + " AND l.state = 'completed' GROUP BY r.t", (run_id,)
+        ).fetchall())  # fmt: skip
+    return [
+        {"round": t, "upload": int(up.get(t) or 0), "download": int(down.get(t) or 0)}
+        for t in sorted(set(up) | set(down))
+    ]
+
+
 def platform_vs_simulate(
     config: RunConfig | None = None,
     *,
@@ -338,7 +370,7 @@ def platform_vs_simulate(
         run_id = platform_run["run_id"]
         blobs = data_dir / "blobs"
         data = prepared_from_blobs(blobs, run_id, root / "prepared")
-        windows = val_windows(data, config.model.seq_len, eval_windows)
+        windows = data.val_windows(config.model.seq_len, eval_windows)
         log(f"simulating the same run in this process ({threads} torch thread(s))")
         started = time.perf_counter()
         unit_steps: dict[str, list[float]] = {}
@@ -347,6 +379,14 @@ def platform_vs_simulate(
             on_step=lambda label, m: unit_steps.setdefault(label, []).append(m.loss),
         )  # fmt: skip
         simulate_seconds = time.perf_counter() - started
+        traffic = {
+            "platform": platform_bytes(data_dir, run_id),
+            "simulate": [
+                {"round": r.round - 1, "upload": r.upload_bytes, "download": r.download_bytes}
+                for r in simulated.rounds[1:]
+            ],
+            "data_parallel_per_round": data_parallel_bytes(config) // config.rounds,
+        }
         curve = platform_curve(blobs, run_id, config, windows)
         platform_loss = curve[-1]["routed_loss"]
         simulate_loss = simulated.rounds[-1].routed_loss
@@ -374,6 +414,7 @@ def platform_vs_simulate(
             },
             "units": units,
             "cold_units": cold_units(units),
+            "bytes": traffic,
             "eval_windows": [int(w.shape[0]) for w in windows.per_path],
             "run_id": run_id,
             "data_dir": str(data_dir) if keep else None,
@@ -414,6 +455,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, help="where the temporary data dir goes")
     parser.add_argument("--keep", action="store_true", help="keep the data dir and logs")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the result as JSON")
+    parser.add_argument("--codec", choices=["fp32", "bf16", "fp16", "int8", "int4"],
+                        help="comm.codec of the uploaded Δs (default: the config's)")  # fmt: skip
+    parser.add_argument("--download-codec", choices=["fp32", "fp16", "int8"], default="fp32",
+                        help="comm.download_codec: published outer updates in this encoding "
+                        "(workers holding the version before fetch only those) (%(default)s)")  # fmt: skip
     return parser.parse_args(argv)
 
 
@@ -422,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
     started, load_before = time.perf_counter(), os.getloadavg()
     config = default_config(rounds=args.rounds, inner_steps=args.inner_steps, seed=args.seed,
                             model_size=args.model_size)  # fmt: skip
+    comm = config.comm.model_copy(
+        update={"download_codec": args.download_codec, "codec": args.codec or config.comm.codec}
+    )
+    config = config.model_copy(update={"comm": comm})  # fmt: skip
 
     def say(message: str) -> None:
         print(f"[{time.perf_counter() - started:6.1f} s] {message}", flush=True)
@@ -443,6 +493,13 @@ def main(argv: list[str] | None = None) -> int:
         f" = {result['platform_vs_simulate']:.4f} (expected 0.98-1.02); perplexities "
         f"{math.exp(result['platform_loss']):.2f} / {math.exp(result['simulate_loss']):.2f}"
     )
+    traffic = result["bytes"]
+    dp = traffic["data_parallel_per_round"]
+    for name in ("platform", "simulate"):
+        for r in traffic[name]:
+            moved = r["upload"] + r["download"]
+            print(f"{name:>9} round {r['round']}: down {r['download']:,} B, up {r['upload']:,} B;"
+                  f" data-parallel {dp:,} B: {dp / moved:,.1f}x less")  # fmt: skip
     print(f"wall time {wall:.0f} s (platform {result['platform_seconds']:.0f} s, simulator "
           f"{result['simulate_seconds']:.0f} s)")  # fmt: skip
     if args.json is not None:

@@ -52,7 +52,6 @@ from dipaco.config import LayoutConfig, RunConfig
 from dipaco.simulate import DataBudget, SimulateOptions, simulate
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.baselines import data_parallel_bytes, train_baseline
-from dipaco.simulate.evaluate import val_windows
 
 # The goals: (low, high) bounds on each ratio.
 GOALS: dict[str, tuple[float | None, float]] = {
@@ -117,7 +116,7 @@ def run_job(job: Job) -> dict[str, Any]:
             "seconds": time.perf_counter() - started,
         }
     data, base = prepare_with_base(config, job.budget, Path(job.work_dir), job.base_steps)
-    windows = val_windows(data, config.model.seq_len, job.eval_windows)
+    windows = data.val_windows(config.model.seq_len, job.eval_windows)
     run = train_baseline(config, data, windows, job.baseline, base_state=base)
     return {
         "name": job.name,

@@ -63,15 +63,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import control_plane
 import httpx
 from control_plane import (
     REQUEST_TIMEOUT_S,
     Stats,
-    call,
     create_database,
     drop_database,
     server_environ,
     summarize,
+    trained_tokens,
+    unique,
 )
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -104,7 +106,7 @@ CELERY_BEAT_SCHEDULE = {{
 
 
 def free_port() -> int:
-    from dipaco.demo.control import free_port as port
+    from dipaco_demo.control import free_port as port
 
     return port()
 
@@ -190,10 +192,11 @@ def seed(units: int, paths: int) -> tuple[int, str, dict[str, Payload]]:
     from dipaco import codecs
     from dipaco.config import LayoutConfig, RunConfig
     from dipaco.modular import init_modules, module_spec
-    from dipaco_server.rounds.services import start_run
+    from dipaco.modules_file import write_module
+    from dipaco_server.rounds.open import start_run
+    from dipaco_server.rounds.publish import publish_module_version
     from dipaco_server.runs import keys
-    from dipaco_server.runs.prepare import write_module
-    from dipaco_server.runs.services import create_run, publish_module_version, transition
+    from dipaco_server.runs.services import create_run, transition
     from dipaco_server.storage import get_blob_store
     from dipaco_server.workers.services import create_enrollment_token
 
@@ -272,6 +275,27 @@ async def pause(soak: Soak, seconds: float) -> None:
         await asyncio.wait_for(soak.stop.wait(), max(0.0, seconds))
 
 
+async def call(client: httpx.AsyncClient, stats: Stats, kind: str, method: str, url: str,
+               **kwargs: Any) -> httpx.Response | None:  # fmt: skip
+    """One request; None when it failed: control_plane.call's bookkeeping, over httpx."""
+    response: httpx.Response | None = await control_plane.call(
+        client, stats, kind, method, url, transport_errors=(httpx.HTTPError,), **kwargs
+    )
+    return response
+
+
+async def upload(client: httpx.AsyncClient, stats: Stats, target: dict[str, Any],
+                 data: bytes) -> httpx.Response | None:  # fmt: skip
+    """One module's Δ: the presigned PUT where there is one, else the presigned form POST
+    (S3 offers no PUT: its put_url is empty)."""
+    if target.get("put_url"):
+        return await call(client, stats, "put", "PUT", target["put_url"], content=data)
+    post = target["post"]
+    files = {"file": ("delta.safetensors", data, "application/octet-stream")}
+    return await call(client, stats, "put", "POST", post["url"], data=post["fields"],
+                      files=files)  # fmt: skip
+
+
 async def register(client: httpx.AsyncClient, soak: Soak) -> str | None:
     soak.registered += 1
     body = {"enrollment_token": soak.enrollment, "name": f"soak-{soak.registered}",
@@ -345,11 +369,11 @@ async def lifetime(client: httpx.AsyncClient, soak: Soak, token: str, rng: rando
         if urls is None:
             continue
         uploads = urls.json()["uploads"]
-        puts = [
-            call(client, stats, "put", "PUT", u["put_url"],
-                 content=soak.payloads[u["module_id"]].data)
-            for u in uploads
-        ]  # fmt: skip
+        # Bytes of their own per upload, or the outer step refuses all but one as replays.
+        deltas = {u["module_id"]: unique(soak.payloads[u["module_id"]].data,
+                                         f"{token[-16:]}-{lease['lease_id']}")
+                  for u in uploads}  # fmt: skip
+        puts = [upload(client, stats, u, deltas[u["module_id"]]) for u in uploads]
         if any(r is None for r in await asyncio.gather(*puts)):
             continue
         if dies:
@@ -357,11 +381,12 @@ async def lifetime(client: httpx.AsyncClient, soak: Soak, token: str, rng: rando
             return False
         body = {
             "contributions": [
-                {"module_id": u["module_id"], "sha256": soak.payloads[u["module_id"]].sha256,
-                 "size": len(soak.payloads[u["module_id"]].data)}
+                {"module_id": u["module_id"],
+                 "sha256": hashlib.sha256(deltas[u["module_id"]]).hexdigest(),
+                 "size": len(deltas[u["module_id"]])}
                 for u in uploads
             ],
-            "tokens": 1000, "metrics": {"loss": 1.0},
+            "tokens": trained_tokens(lease), "metrics": {"loss": 1.0},
         }  # fmt: skip
         if await call(client, stats, "complete", "POST", f"{prefix}/complete", json=body,
                       headers=headers) is not None:  # fmt: skip
@@ -401,7 +426,9 @@ async def load(url: str, soak: Soak, worker: CeleryWorker, monitor: Monitor) -> 
         )
         with Progress(*columns, refresh_per_second=2, disable=args.quiet) as progress:
             bar = progress.add_task("", total=args.duration)
-            while (elapsed := time.monotonic() - started) < args.duration:
+            while (elapsed := time.monotonic() - started) < args.duration or (
+                monitor.closed < args.min_rounds and elapsed < args.max_duration
+            ):
                 errors = sum(soak.stats.errors.values())
                 progress.update(bar, completed=elapsed, description=(
                     f"round {monitor.current} ({monitor.closed} closed)  "
@@ -424,8 +451,8 @@ async def load(url: str, soak: Soak, worker: CeleryWorker, monitor: Monitor) -> 
 def drain(run_id: int) -> None:
     """Wait for a round that is closing, or that the last completions made ready, to close:
     its outer steps are under way or queued, and counting now would call them lost."""
+    from dipaco_server.rounds.close import round_ready_to_close
     from dipaco_server.rounds.models import Round
-    from dipaco_server.rounds.services import round_ready_to_close
 
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -538,6 +565,19 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--volunteers", type=int, default=500, help="simulated volunteers")
     parser.add_argument("--duration", type=float, default=600.0, help="seconds of load")
+    parser.add_argument(
+        "--min-rounds",
+        type=int,
+        default=0,
+        help="keep the load on past --duration until this many rounds closed "
+        "(a slow or busy machine still sees round boundaries)",
+    )
+    parser.add_argument(
+        "--max-duration",
+        type=float,
+        default=0.0,
+        help="... but never past this many seconds (default: 3x --duration)",
+    )
     parser.add_argument("--unit-seconds", type=float, default=120.0, help="simulated training")
     parser.add_argument("--ramp", type=float, default=30.0, help="volunteers start over this")
     parser.add_argument("--units-per-volunteer", type=float, default=1.0,
@@ -565,6 +605,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args()
+    args.max_duration = args.max_duration or 3 * args.duration
     return soak(args)
 
 
@@ -572,7 +613,7 @@ def soak(args: argparse.Namespace) -> int:
     from moto.server import ThreadedMotoServer  # noqa: F401 - fail early without moto[server]
 
     sys.path.insert(0, str(ROOT / "platform"))
-    from dipaco.cli.server import child_commands
+    from dipaco_server.cli.server import child_commands
 
     tag = f"soak-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     name = tag.replace("-", "_")
@@ -589,7 +630,9 @@ def soak(args: argparse.Namespace) -> int:
     keep = os.environ.get("SOAK_KEEP_LOGS") is not None
     database = create_database(args.postgres, name)
     try:
-        environ = server_environ(database, args.redis, work / "data", url)
+        # Soak sets its own S3 variables below; no DB pool (as before), the default grant rate.
+        defaults = argparse.Namespace(db_pool="off", grant_rate=None)
+        environ = server_environ(database, args.redis, work / "data", url, {}, defaults)
         environ.update(
             DJANGO_SETTINGS_MODULE="soak_settings", OMP_NUM_THREADS="1",
             # Every simulated volunteer comes from 127.0.0.1: one address, hundreds of
@@ -612,7 +655,7 @@ def soak(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(work))
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
                        env=environ, check=True)  # fmt: skip
-        from dipaco.cli.admin import setup_django
+        from dipaco_server.cli.admin import setup_django
 
         setup_django()
         logging.getLogger("dipaco_server").setLevel(logging.WARNING)
@@ -640,6 +683,7 @@ def soak(args: argparse.Namespace) -> int:
         monitor.join()
         drain(run_id)
         units_report = verify(run_id, state.stats)
+        window = [s for s in state.stats.samples if started <= s[0] < ended]
         result = {
             "volunteers": args.volunteers, "duration_s": ended - started,
             "unit_seconds": args.unit_seconds, "lease_timeout_s": args.lease_timeout,
@@ -647,7 +691,7 @@ def soak(args: argparse.Namespace) -> int:
             "web_workers": args.web_workers, "task_concurrency": args.task_concurrency,
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "registered": state.registered, "units_per_round": units,
-            "latency": summarize(state.stats, started, ended),
+            "latency": summarize(window, ended - started),
             "errors": dict(state.stats.errors), "kills": dict(state.kills),
             "units": {**units_report, "idle_polls": state.stats.idle},
         }  # fmt: skip

@@ -49,7 +49,7 @@ def main() -> int:
     try:
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
                        env=os.environ, check=True)  # fmt: skip
-        from dipaco.cli.admin import setup_django
+        from dipaco_server.cli.admin import setup_django
 
         setup_django()
         import logging

@@ -1,7 +1,10 @@
 """dipaco: DiPaCo and DiLoCo training, as a library shared by the worker and the server.
 
-This package is pure: no Django, no HTTP. The control plane lives in
-``dipaco_server`` (``platform/``) and the volunteer client in ``worker_agent``.
+No Django and nothing of the server: the control plane lives in ``dipaco_server``
+(``platform/``), the demo that runs everything on one machine in ``dipaco_demo``, and the
+volunteer client in ``worker_agent``; tests/test_boundaries.py keeps it so. One module
+speaks HTTP: ``dipaco.client``, the client of a server's public API behind
+``dipaco download`` and ``load_path``. The rest is computation on tensors and files.
 """
 
 from typing import Any

@@ -2,7 +2,7 @@
 
 A bad config is refused with the field, the value and the rule it breaks; sizes that
 cannot fit in memory are refused here, before any tensor is allocated. Defaults are
-the papers' (DiLoCo arXiv 2311.08105, DiPaCo arXiv 2403.10616; see DESIGN §1).
+the papers' (DiLoCo arXiv 2311.08105, DiPaCo arXiv 2403.10616; see docs/design.md §1).
 
 This file is over the house limit of ~500 lines because the whole schema lives in one place,
 so a reader sees every setting of a run together.
@@ -35,6 +35,7 @@ __all__ = [
     "PathPart",
     "RouterConfig",
     "RunConfig",
+    "UnitsConfig",
     "config_problems",
     "count_block_params",
     "count_part_params",
@@ -285,6 +286,15 @@ class OuterConfig(_Section):
         description="Multiply a module's mean Δ by √(paths that contributed to it this round) "
         "(DiPaCo).",
     )
+    overlap: Literal["none", "delayed"] = Field(
+        default="none",
+        description='"delayed": one-step-delayed outer updates (issue 20, no idle time). '
+        "When round t closes, round t + 1 opens at once from the latest published versions "
+        "while round t's outer step runs; round t + 1's Δs (relative to that base) are "
+        "applied onto the versions round t published, never earlier (staleness at most 1). "
+        '"none": round t + 1 opens after round t\'s step, from its versions. Quality cost '
+        'measured with dipaco simulate: docs/benchmarks.md, "Overlapped outer steps".',
+    )
     warmup_rounds: int = Field(
         default=0,
         ge=0,
@@ -292,10 +302,15 @@ class OuterConfig(_Section):
         "steps with lr x (t + 1) / (warmup_rounds + 1); 0: full lr from the first round.",
     )
     robust: Literal["mean", "clipped-mean", "trimmed-mean"] = Field(
-        default="mean", description="Aggregation rule for the Δs of one module."
+        default="clipped-mean",
+        description="Aggregation rule for the Δs of one module; clipped-mean bounds what any "
+        "one Δ can move, whatever its norm (volunteers are untrusted).",
     )
     clip_factor: float = Field(
-        default=2.0, gt=0, description="clipped-mean: clip each Δ's norm to this x the median norm."
+        default=2.0,
+        gt=0,
+        description="clipped-mean: clip each Δ's norm to this x the module's reference norm "
+        "(the median of its accepted norms in recent rounds; the round's median at first).",
     )
     trim_fraction: float = Field(
         default=0.1,
@@ -308,6 +323,68 @@ class OuterConfig(_Section):
         gt=1,
         description="Drop a Δ whose norm exceeds this x the round's median norm.",
     )
+    # Checks against the module's own history, which hold with one or two Δs a round
+    # (platform/dipaco_server/rounds/verify.py; docs/reliability.md, "Untrusted workers").
+    verify: bool = Field(
+        default=True,
+        description="Screen each Δ against the module's history and score it (proof of "
+        "useful work) before aggregating; off: only the codec and round-median checks.",
+    )
+    history_rounds: int = Field(
+        default=8, ge=1, description="Rounds of accepted Δ norms that form a module's reference."
+    )
+    history_norm_factor: float = Field(
+        default=4.0, gt=1, description="Drop a Δ whose norm exceeds this x the module's reference."
+    )
+    min_norm_factor: float = Field(
+        default=0.05,
+        ge=0,
+        lt=1,
+        description="Drop a Δ whose norm is below this x the module's reference (free riders).",
+    )
+    min_momentum_cosine: float = Field(
+        default=-0.5,
+        ge=-1,
+        le=1,
+        description=(
+            "Drop a Δ whose cosine with the module's outer momentum is below this. At H = 500 "
+            "honest Δs measured -0.20 to -0.24 (the Nesterov step overshoots, and the next "
+            "Δs point back), so the bar sits well below; a sign flip of an aligned Δ scores "
+            "near -1, and the proof of useful work catches the rest."
+        ),
+    )
+    score: bool = Field(
+        default=True,
+        description="Proof of useful work: apply each Δ alone to its path and measure the loss.",
+    )
+    score_windows: int = Field(
+        default=8, ge=1, description="Windows of training and of held-out data a Δ is scored on."
+    )
+    score_min_gain: float = Field(
+        default=0.01,
+        ge=0,
+        lt=1,
+        description="The Δ applied alone must lower the loss on its unit's windows by more "
+        "than this fraction (an untrained model's loss is ln(vocab); a Δ that only flattens "
+        "the logits towards uniform gains a fraction of a percent there).",
+    )
+    score_heldout_tolerance: float = Field(
+        default=0.05,
+        ge=0,
+        description="The Δ applied alone may raise the held-out loss by at most this fraction.",
+    )
+    replica_min_cosine: float = Field(
+        # Two honest workers' Δs of one unit differ by more than kernels: each continues its
+        # own warm AdamW state (dipaco.inner). In `dipaco demo` an honest pair measured
+        # 0.45; noise or another path's Δ is near 0 and a sign flip is -1.
+        default=0.2,
+        ge=-1,
+        le=1,
+        description="Sampled replication: two workers' Δs of one unit agree above this cosine.",
+    )
+    replica_norm_ratio: float = Field(
+        default=1.5, ge=1, description="... and with norms within this ratio of each other."
+    )
 
 
 class CommConfig(_Section):
@@ -317,7 +394,28 @@ class CommConfig(_Section):
         default="fp16",
         description="Pseudo-gradient encoding; fp16 is lossless in practice (OpenDiLoCo).",
     )
-    block_size: int = Field(default=64, ge=2, description="Values per absmax scale for int8/int4.")
+    block_size: int = Field(
+        default=128,
+        ge=2,
+        description="Values per absmax scale for int8/int4. 128: int8 + zstd traffic at "
+        "H = 500 is 2,034x below data-parallel at quality int8/fp32 0.9997; 256 gives "
+        '2,124x at 1.0042, 512 2,199x at 1.0057 (docs/benchmarks.md, "Traffic").',
+    )
+    compression: Literal["none", "zstd"] = Field(
+        default="zstd",
+        description="Lossless compression of every encoded Δ and published update: zstd "
+        "wraps the codec container in one frame (int8 Δs shrink ~5%, fp16 ~8%); readers "
+        "detect it and decompress within the module's size. none: the bare container.",
+    )
+    download_codec: Literal["fp32", "fp16", "int8"] = Field(
+        default="fp32",
+        description="How each outer update is published: a worker holding version t "
+        "downloads only update t -> t + 1 in this encoding, and the server applies exactly "
+        "the decoded update (with error feedback), so both hold the same weights bit for "
+        "bit; fp32: whole fp32 modules, as new workers always get them. The same in "
+        "dipaco simulate and on the platform (rounds.publish, rounds.downloads; the "
+        "worker's manifest request says which versions it holds).",
+    )
 
     @model_validator(mode="after")
     def _check_block(self) -> CommConfig:
@@ -365,7 +463,7 @@ class RouterConfig(_Section):
 
 
 class DensePhaseConfig(_Section):
-    """Phase 1 of the DiPaCo recipe (DESIGN §1): one dense, path-size model trained with DiLoCo.
+    """Phase 1 of the DiPaCo recipe (docs/design.md §1): one dense, path-size model trained with DiLoCo.
 
     Its features route the documents (router.featurizer "base-lm") and its layers start
     every module of phase 2; `RunConfig.dense_phase` is the plain DiLoCo config it runs as.
@@ -396,6 +494,32 @@ class EvalConfig(_Section):
     )
     min_delta: float = Field(
         default=0.0, ge=0.0, description="A loss improvement smaller than this does not count."
+    )
+
+
+class UnitsConfig(_Section):
+    """How big a work unit is on the platform: sized to each worker's measured speed.
+
+    A unit is at most H = inner.steps steps; a worker whose H steps would take longer
+    than `target_seconds` gets fewer (its lease says how many), and the outer step weights
+    its Δ by the tokens it trained on (outer.token_weighting). The lr schedule stays the
+    run's: a shorter unit is the first steps of the full one, so resuming and salvage
+    (a partial Δ after SIGTERM, lease expiry or the round closing) mean the same thing.
+    """
+
+    target_seconds: float = Field(
+        default=900.0, gt=0, description="Wall time a unit should take at the worker's speed."
+    )
+    calibration_seconds: float = Field(
+        default=60.0,
+        gt=0,
+        description="A new worker's first unit stops after this long (it uploads the steps "
+        "done): its completion measures the speed that sizes its next units.",
+    )
+    min_partial_steps: int = Field(
+        default=1,
+        ge=1,
+        description="A salvaged partial Δ of fewer steps is dropped, not uploaded.",
     )
 
 
@@ -499,6 +623,7 @@ class RunConfig(_Section):
     router: RouterConfig = Field(default_factory=lambda: RouterConfig())
     eval: EvalConfig = Field(default_factory=lambda: EvalConfig())
     limits: LimitsConfig = Field(default_factory=lambda: LimitsConfig())
+    units: UnitsConfig = Field(default_factory=lambda: UnitsConfig())
     phase1: DensePhaseConfig | None = Field(
         default=None,
         description="A dense DiLoCo phase before the DiPaCo rounds (the paper's recipe); "

@@ -5,14 +5,14 @@ a path's loss is the mean next-token cross-entropy over every scored target; the
 mean weighs each path by the tokens it scored, so it is the loss of the routed model on
 a uniform sample of all validation text (DiPaCo: each document is scored by the path it
 routes to). The server's per-round evaluation (dipaco_server.runs.evaluate), `dipaco
-simulate` (dipaco.simulate.evaluate picks windows from its prepared data) and the demo's
+simulate` (spread_windows over its prepared data) and the demo's
 dense baselines all score through these functions.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -29,7 +29,9 @@ __all__ = [
     "perplexity",
     "routed_mean",
     "shard_windows",
+    "spread_windows",
     "stream_windows",
+    "weighted_mean",
     "window_losses",
 ]
 
@@ -37,8 +39,12 @@ EVAL_BATCH = 16  # windows per forward pass; only memory depends on it
 
 
 def perplexity(loss: float | None) -> float | None:
-    """exp(loss); None stays None (a path without validation text)."""
-    return None if loss is None else math.exp(loss)
+    """exp(loss), the one perplexity helper of the project. None stays None (a path without
+    validation text), and so does a NaN loss; exp is capped at exp(700), which a float
+    holds, so a diverged run still reports a number (JSON has no infinity)."""
+    if loss is None or math.isnan(loss):
+        return None
+    return math.exp(min(loss, 700.0))
 
 
 @dataclass(frozen=True)
@@ -60,7 +66,7 @@ class PathLoss:
 
     @property
     def perplexity(self) -> float | None:
-        return None if self.loss is None else math.exp(self.loss)
+        return perplexity(self.loss)
 
 
 def stream_windows(stream: Tensor, seq_len: int) -> Tensor:
@@ -68,6 +74,24 @@ def stream_windows(stream: Tensor, seq_len: int) -> Tensor:
     count = max(0, (stream.numel() - 1) // seq_len)
     starts = torch.arange(count) * seq_len  # (n,)
     return stream[starts[:, None] + torch.arange(seq_len + 1)[None, :]]  # (n, T+1)
+
+
+def spread_windows(streams: Sequence[Tensor], seq_len: int, budget: int) -> ValWindows:
+    """At most about `budget` windows in all from per-path validation token streams, spread
+    over paths by their share of tokens: non-overlapping windows taken at one global stride,
+    so every path keeps its share (and at least one window when it has any) and the routed
+    mean is the loss of the routed model on a uniform sample of all validation text."""
+    if budget < 1:
+        raise ValueError(f"eval windows = {budget}: need at least 1")
+    every = [stream_windows(stream, seq_len) for stream in streams]
+    total = sum(int(w.shape[0]) for w in every)
+    if total == 0:
+        raise ValueError(
+            f"validation text holds no window of {seq_len + 1} tokens; raise "
+            "data.val_fraction (--val-fraction) or the budget (--max-docs)"
+        )
+    stride = max(1, math.ceil(total / budget))
+    return ValWindows([w[::stride].contiguous() for w in every], seq_len)
 
 
 def shard_windows(shard: Any, seq_len: int, count: int) -> Tensor:
@@ -118,6 +142,16 @@ def evaluate_model(
 
 def routed_mean(losses: Sequence[PathLoss]) -> float:
     """Token-weighted mean loss over paths (paths without validation windows weigh 0)."""
-    scored = [(x.loss, x.tokens) for x in losses if x.loss is not None]
-    total = sum(tokens for _, tokens in scored)
-    return sum(loss * tokens for loss, tokens in scored) / total
+    return weighted_mean(
+        {x.path: x.loss for x in losses if x.loss is not None}, {x.path: x.tokens for x in losses}
+    )
+
+
+def weighted_mean(losses: Mapping[int, float], weights: Mapping[int, int]) -> float:
+    """Per-path losses weighted by each path's validation tokens: the routed loss (the
+    dashboard's, the demo's); NaN when no path with a loss has a weight."""
+    scored = [(loss, weights[p]) for p, loss in losses.items() if p in weights]
+    total = sum(w for _, w in scored)
+    if not total:
+        return math.nan
+    return sum(loss * w for loss, w in scored) / total

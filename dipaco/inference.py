@@ -1,4 +1,4 @@
-"""A trained path as an ordinary Hugging Face model directory (DESIGN §6: inference).
+"""A trained path as an ordinary Hugging Face model directory (docs/design.md §6: inference).
 
 A path directory holds:
 
@@ -44,7 +44,6 @@ __all__ = [
     "export_state",
     "generation_config_json",
     "hf_config_json",
-    "load_module_file",
     "load_path",
     "model_metadata",
     "open_path_dir",
@@ -113,30 +112,6 @@ def write_model_file(
     finally:
         Path(tmp).unlink(missing_ok=True)
     return dest
-
-
-def load_module_file(
-    path: str | os.PathLike[str], config: RunConfig, module_id: str
-) -> dict[str, Tensor]:
-    """One module's fp32 weights from a safetensors file, refused unless names, shapes and
-    dtypes are the module's (module_spec): the file came over the network."""
-    from safetensors.torch import load_file
-
-    from dipaco.modular import module_spec
-
-    tensors = load_file(str(path))
-    spec = module_spec(config, module_id)
-    if set(tensors) != set(spec):
-        missing, extra = sorted(set(spec) - set(tensors)), sorted(set(tensors) - set(spec))
-        raise ValueError(f"module {module_id} file {path}: missing {missing}, extra {extra}")
-    for name, (shape, dtype) in spec.items():
-        tensor = tensors[name]
-        if tuple(tensor.shape) != shape or tensor.dtype != dtype:
-            raise ValueError(
-                f"module {module_id} file {path}: {name} is {tensor.dtype} "
-                f"{tuple(tensor.shape)}, expected {dtype} {shape}"
-            )
-    return tensors
 
 
 def _json_bytes(value: Any) -> bytes:
@@ -225,7 +200,7 @@ def load_path(
     `round`: the weights after that round closed (default: the last closed round).
     `cache_dir`: default ``$DIPACO_CACHE`` or ``~/.cache/dipaco``.
     """
-    from dipaco.cli.download import cached_path_dir  # HTTP lives with the CLI client
+    from dipaco.client import cached_path_dir  # the library's one HTTP module
 
     directory = cached_path_dir(server, run, path, cache_dir, round=round, token=token)
     return open_path_dir(directory, device=device)

@@ -89,7 +89,8 @@ class StepMetrics:
 
 @dataclass
 class InnerResult:
-    delta: dict[str, Tensor]  # θ_old − θ_new per state-dict name, fp32 on the CPU; {} if stopped
+    delta: dict[str, Tensor]  # θ_old − θ_new per state-dict name, fp32 on the CPU; when
+    # stopped early, of the steps done ({} if none)
     losses: list[float]
     lrs: list[float]
     grad_norms: list[float]
@@ -353,6 +354,15 @@ def _delta(model: nn.Module, theta_old: Mapping[str, Tensor]) -> dict[str, Tenso
     return {key: by_param[names[t.data_ptr()]] for key, t in model.state_dict().items()}
 
 
+def _rebase(model: nn.Module, theta_old: dict[str, Tensor], shift: Mapping[str, Tensor]) -> None:
+    """Move the live weights and θ_old by `shift` (names without a shift stay)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in shift:
+                param.add_(shift[name].to(param.device, param.dtype))
+                theta_old[name] += shift[name].to(torch.float32)
+
+
 def run_inner_loop(
     model: nn.Module,
     source: TokenSource,
@@ -369,6 +379,7 @@ def run_inner_loop(
     on_step: Callable[[StepMetrics], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     adam: Mapping[str, Tensor] | None = None,
+    rebase: Callable[[int], Mapping[str, Tensor] | None] | None = None,
 ) -> InnerResult:
     """Train `model` (a causal LM whose weights are θ_old) for cfg.steps AdamW steps.
 
@@ -381,6 +392,11 @@ def run_inner_loop(
     every `checkpoint_every` steps, when should_stop() turns true, and at the end; a run
     that finds one resumes from it (resume=True) or raises CheckpointMismatch if it
     belongs to other work.
+
+    `rebase(step)`, after each step, may return a shift (state-dict name -> tensor): a newer
+    base version landed (θ_new_base − θ_old, outer.overlap's eager correction). It is added
+    to the live weights and to θ_old, so training goes on from the newer version and the
+    Δ is relative to it. Not replayed when a checkpoint is resumed.
     """
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every = {checkpoint_every}: must be >= 1 or None")
@@ -410,7 +426,10 @@ def run_inner_loop(
     while progress.step < cfg.steps:
         if should_stop is not None and should_stop():
             save()
-            return _result(progress, {}, completed=False, adam=_adam_by_name(model, optimizer))
+            # The partial Δ of the steps done so far: the worker agent salvages it.
+            partial = _delta(model, theta_old) if progress.step else {}
+            adam = _adam_by_name(model, optimizer)
+            return _result(progress, partial, completed=False, adam=adam)
         started = time.perf_counter()
         lr = lr_at(cfg, first_step + progress.step, total)
         for group in optimizer.param_groups:
@@ -440,6 +459,9 @@ def run_inner_loop(
             )
         progress.lrs.append(lr)
         progress.grad_norms.append(float(grad_norm))
+        shift = rebase(progress.step) if rebase is not None else None
+        if shift:
+            _rebase(model, theta_old, shift)
         progress.seconds += time.perf_counter() - started
         if on_step is not None:
             metrics = StepMetrics(
@@ -500,6 +522,7 @@ def train_path(
     on_step: Callable[[StepMetrics], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     state: InnerState | None = None,
+    rebase: Callable[[int], Mapping[str, Tensor] | None] | None = None,
 ) -> InnerResult:
     """One work unit: assemble path p from `modules`, train H steps, Δ split per module.
 
@@ -528,9 +551,10 @@ def train_path(
         on_step=on_step,
         should_stop=should_stop,
         adam=warm,
+        rebase=rebase,
     )
     residual = state.residual if state is not None and warm is not None else {}
     result.state = InnerState(adam=result.adam, residual=dict(residual), fingerprint=fingerprint)
-    if result.completed:
+    if result.delta:  # also a stopped unit's partial Δ, which the agent may salvage
         result.module_deltas = split_path_state(config, p, result.delta)
     return result

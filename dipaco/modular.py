@@ -1,6 +1,6 @@
 """The modular model: which tensors of a path belong to which module.
 
-Module ids (safe as object-store key parts, DESIGN §5):
+Module ids (safe as object-store key parts, docs/design.md §5):
 - ``"<level>.<k>"``: module k of a level; holds that level's blocks.
 - ``"shared"``: the non-block parts every path shares (embeddings, final norm, LM head
   unless listed in ``layout.path_specific``); absent when all of them are path-specific.

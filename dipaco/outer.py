@@ -1,5 +1,5 @@
 """The outer step of one module: aggregate the pseudo-gradients Δ of every contribution to
-it, then take a Nesterov SGD step with the aggregate as the gradient (DESIGN §1).
+it, then take a Nesterov SGD step with the aggregate as the gradient (docs/design.md §1).
 
 Aggregation rules (OuterConfig.robust):
 - ``mean``: token-weighted mean, streamed (DeltaAccumulator): one fp32 sum in memory.

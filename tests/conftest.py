@@ -102,6 +102,9 @@ def pytest_configure(config: pytest.Config) -> None:
     data_dir = Path(tempfile.mkdtemp(prefix="dipaco-test-"))
     config.add_cleanup(lambda: shutil.rmtree(data_dir, ignore_errors=True))
     os.environ["DIPACO_DATA_DIR"] = str(data_dir)
+    # Sampled replication (rounds.replication) would add check copies at random; tests
+    # that want it set DIPACO_REPLICATION_RATE themselves.
+    os.environ.setdefault("DIPACO_REPLICATION_RATE", "0")
     if not os.environ.get("DATABASE_URL"):
         problem = postgres_problem(DEFAULT_POSTGRES_URL)
         if problem is None:
@@ -431,7 +434,7 @@ def celery_worker_redis(
 def _fresh_scheduler_caches() -> None:
     """The scheduler's per-process caches (group counts, workers seen) start empty in every
     test: SQLite reuses the ids of rolled-back rows, so another test's counts could match."""
-    from dipaco_server.rounds import scheduler
+    from dipaco_server.rounds import lease as leasing
 
-    scheduler._groups = (float("-inf"), [])
-    scheduler._active_workers = (float("-inf"), 0)
+    leasing._groups = (float("-inf"), [])
+    leasing._active_workers = (float("-inf"), 0)

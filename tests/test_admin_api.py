@@ -11,8 +11,9 @@ from django.test import Client
 from dipaco_server.accounts.models import ApiToken
 from dipaco_server.accounts.services import create_api_token, create_user, revoke_api_token
 from dipaco_server.rounds.models import Round
+from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs.models import Run
-from dipaco_server.runs.services import publish_module_version, record_metric, transition
+from dipaco_server.runs.services import record_metric, transition
 from dipaco_server.workers import tokens
 from dipaco_server.workers.models import EnrollmentToken, Worker
 from tests.test_models import SHARD_TOKENS, make_run, make_worker, tiny_config
@@ -276,7 +277,7 @@ def test_datasets_are_created_queued_for_preparation_listed_and_fetched(
     again = admin(client, "POST", "/datasets", staff, {"name": "py", "source": "stdlib"})
     assert_error(again, 409, "dataset_name_taken")
     relative = admin(client, "POST", "/datasets", staff, {"name": "rel", "source": "data/x"})
-    assert_error(relative, 422, "dataset_invalid")
+    assert_error(relative, 422, "source_invalid")
     listed = admin(client, "GET", "/datasets", staff).json()
     assert listed["count"] == 1 and listed["items"][0]["name"] == "py"
     fetched = admin(client, "GET", f"/datasets/{created.json()['id']}", staff)

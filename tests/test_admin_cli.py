@@ -15,8 +15,8 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from django.utils import timezone
 
-from dipaco.cli import admin
 from dipaco_server.accounts.models import ApiToken
+from dipaco_server.cli import admin
 from dipaco_server.workers import tokens
 from dipaco_server.workers.models import EnrollmentToken
 from tests.conftest import session_database_url
@@ -129,7 +129,7 @@ def test_the_command_uses_the_database_its_environment_names() -> None:
     environ: dict[str, Any] = {**os.environ, "DATABASE_URL": session_database_url()}
     environ.pop("DJANGO_SETTINGS_MODULE", None)  # the command sets it itself
     result = subprocess.run(
-        [sys.executable, "-m", "dipaco.cli.admin", "enroll", "--label", "from-shell"],
+        [sys.executable, "-m", "dipaco_server.cli.admin", "enroll", "--label", "from-shell"],
         env=environ,
         capture_output=True,
         text=True,

@@ -20,9 +20,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from dipaco.demo.control import AdminClient, free_port
-from dipaco.demo.plan import DemoPlan, stdlib_sample
-from dipaco.demo.workers import WorkerPool
+from dipaco_demo.control import AdminClient, free_port
+from dipaco_demo.plan import DemoPlan, stdlib_sample
+from dipaco_demo.workers import WorkerPool
 from tests.conftest import (
     S3Server,
     compose_command,
@@ -43,7 +43,7 @@ REDIS_DB = 13
 
 def admin(environ: dict[str, str], *args: str) -> str:
     """`dipaco admin ARGS` against the cluster; the secret it prints on stdout."""
-    command = [sys.executable, "-m", "dipaco.cli.admin", *args]
+    command = [sys.executable, "-m", "dipaco_server.cli.admin", *args]
     result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -127,7 +127,7 @@ def test_a_run_finishes_its_rounds_on_postgres_redis_s3_and_separate_celery_proc
     wait_healthy(url, cluster)
 
     client = AdminClient(url, token)
-    corpus = stdlib_sample(tmp_path / "corpus", 1_000_000)
+    corpus = stdlib_sample(tmp_path / "data" / "corpus", 1_000_000)  # the default data root
     dataset = client.dataset("stdlib-sample", str(corpus))
     plan = DemoPlan(model_size="micro", rounds=ROUNDS, inner_steps=5, workers=2)
     config = plan.config("cluster", corpus).model_dump(mode="json")

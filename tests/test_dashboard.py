@@ -19,19 +19,15 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from django.utils import timezone
 
-from dipaco_server.rounds.completion import ContributionReport, complete
+from dipaco_server.rounds.close import mark_round_closed, mark_round_closing
+from dipaco_server.rounds.complete import ContributionReport, complete
+from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution
-from dipaco_server.rounds.scheduler import grant_lease
-from dipaco_server.rounds.services import (
-    mark_round_closed,
-    mark_round_closing,
-    open_round,
-    start_run,
-    unit_tokens,
-)
+from dipaco_server.rounds.open import open_round, start_run, unit_tokens
+from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
-from dipaco_server.runs.services import publish_module_version, record_metric, transition
+from dipaco_server.runs.services import record_metric, transition
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.models import Worker
 from dipaco_web import queries
@@ -292,6 +288,24 @@ def test_communication_compares_bytes_moved_with_data_parallel(
     assert communication.total_data_parallel == data_parallel
     assert communication.ratio == pytest.approx(data_parallel / (down + up))
     assert f"{data_parallel / (down + up):,.1f}×" in response.content.decode()
+
+
+def test_communication_counts_only_the_steps_a_sized_or_salvaged_unit_trained(
+    short_run: ShortRun,
+) -> None:
+    from dipaco_server.rounds.models import Lease
+    from dipaco_web.curves import communication
+
+    config = short_run.run.run_config
+    params = config.module_param_counts()
+    before = communication(short_run.run).total_data_parallel
+    lease = Lease.objects.filter(unit__round__run=short_run.run, state="completed").first()
+    assert lease is not None
+    per_step = config.inner.batch_size * config.model.seq_len
+    Contribution.objects.filter(lease=lease).update(tokens=2 * per_step)  # 2 of H steps
+    path_params = sum(params[m] for m in lease.unit.path.modules)
+    after = communication(short_run.run).total_data_parallel
+    assert before - after == (config.inner.steps - 2) * 2 * 4 * path_params
 
 
 def test_the_run_live_part_carries_every_section_and_the_chart_data(

@@ -25,14 +25,14 @@ from typing import Any
 import httpx
 import pytest
 
-from dipaco.cli.demo import add_arguments, serve_after_summary
 from dipaco.config import OuterConfig
-from dipaco.demo.control import free_port, port_is_free
-from dipaco.demo.plan import stdlib_sample
+from dipaco_demo.cli import add_arguments, serve_after_summary
+from dipaco_demo.control import free_port, port_is_free
+from dipaco_demo.plan import stdlib_sample
 from tests.conftest import compose_env
 
 # `dipaco demo` without needing the console script on PATH.
-DEMO = [sys.executable, "-m", "dipaco.cli.demo"]
+DEMO = [sys.executable, "-m", "dipaco_demo.cli"]
 # Both phases: 2 dense rounds of 2 replicas, the preparation between, 2 DiPaCo rounds.
 SHORT = ["--model-size", "micro", "--phase1-rounds", "2", "--rounds", "2", "--inner-steps", "10",
          "--workers", "2"]  # fmt: skip
@@ -312,7 +312,7 @@ def test_the_corpus_sample_is_written_once_and_reused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("paths", ["2", "0x2", "2x", "axb"])
 def test_paths_must_be_levels_x_modules(paths: str) -> None:
-    from dipaco.demo.plan import parse_paths
+    from dipaco_demo.plan import parse_paths
 
     with pytest.raises(ValueError, match="LEVELSxMODULES"):
         parse_paths(paths)
@@ -321,7 +321,7 @@ def test_paths_must_be_levels_x_modules(paths: str) -> None:
 def test_the_demo_has_a_dense_phase_1_of_one_replica_per_worker_unless_told_not_to(
     tmp_path: Path,
 ) -> None:
-    from dipaco.demo.plan import DEFAULT_PHASE1_ROUNDS, DemoPlan
+    from dipaco_demo.plan import DEFAULT_PHASE1_ROUNDS, DemoPlan
 
     corpus = tmp_path / "corpus.jsonl"
     config = DemoPlan(workers=3, phase1_rounds=DEFAULT_PHASE1_ROUNDS).config("two-phase", corpus)
@@ -342,9 +342,9 @@ def test_the_demo_has_a_dense_phase_1_of_one_replica_per_worker_unless_told_not_
 
 def summary_without_baselines(phase1_rounds: int) -> Any:
     """A finished run's summary as the demo builds it, from made-up losses (no server)."""
-    from dipaco.demo.plan import DemoPlan
-    from dipaco.demo.records import Traffic
-    from dipaco.demo.summary import DemoSummary
+    from dipaco_demo.plan import DemoPlan
+    from dipaco_demo.records import Traffic
+    from dipaco_demo.summary import DemoSummary
 
     config = DemoPlan(model_size="micro", phase1_rounds=phase1_rounds, rounds=2).config(
         "s", Path("corpus.jsonl")
@@ -385,7 +385,7 @@ def test_a_run_without_phase_1_has_one_phase_line_and_no_phase_1_in_its_json() -
 
 
 def test_the_panel_marks_where_phase_2_starts_in_the_validation_curve() -> None:
-    from dipaco.demo.display import curve
+    from dipaco_demo.display import curve
 
     losses = {0: 6.0, 1: 5.5, 2: 5.4, 3: 5.0}
     assert (

@@ -21,13 +21,15 @@ from dipaco.config import EvalConfig, LayoutConfig, RunConfig
 from dipaco.data.shards import ShardIndex, ShardInfo
 from dipaco.model import build_model
 from dipaco.modular import assemble_path_state, init_modules, split_path_state
-from dipaco_server.rounds.services import open_round
+from dipaco.modules_file import write_module
+from dipaco_server.rounds.open import open_round
+from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.rounds.tasks import advance_run
 from dipaco_server.runs import keys
 from dipaco_server.runs.evaluate import evaluate_run
 from dipaco_server.runs.models import MetricPoint, Run
-from dipaco_server.runs.prepare import data_index_key, write_module
-from dipaco_server.runs.services import create_run, publish_module_version, transition
+from dipaco_server.runs.prepare import data_index_key
+from dipaco_server.runs.services import create_run, transition
 from dipaco_server.storage import BlobStore, get_blob_store
 
 EVAL_BATCHES, EVAL_BATCH_SIZE = EvalConfig().batches, EvalConfig().batch_size

@@ -29,9 +29,9 @@ import pytest
 import torch
 
 from dipaco.config import RunConfig
-from dipaco.demo.control import AdminClient
-from dipaco.demo.plan import DemoPlan, stdlib_sample
-from dipaco.demo.workers import WorkerPool, WorkerProcess
+from dipaco_demo.control import AdminClient
+from dipaco_demo.plan import DemoPlan, stdlib_sample
+from dipaco_demo.workers import WorkerPool, WorkerProcess
 from tests.conftest import (
     ROOT,
     S3Server,
@@ -53,6 +53,7 @@ from tests.faults import (
 from worker_agent.client import Client, Contribution
 from worker_agent.errors import ServerError
 from worker_agent.payload import encode_deltas, load_module
+from worker_agent.transfer import Transfers
 
 ROUNDS = 2
 RUN_TIMEOUT_S = 150.0
@@ -95,7 +96,7 @@ class Stack:
 
 
 def dipaco_admin(environ: dict[str, str], *args: str) -> str:
-    command = [sys.executable, "-m", "dipaco.cli.admin", *args]
+    command = [sys.executable, "-m", "dipaco_server.cli.admin", *args]
     result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -153,7 +154,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iter
         stack = Stack(environ, url, token, enrollment, 0, base, processes, postgres, redis,
                       proxy, faults)  # fmt: skip
         wait_healthy(stack)
-        corpus = stdlib_sample(base / "corpus", 1_000_000)
+        corpus = stdlib_sample(base / "data" / "corpus", 1_000_000)  # the default data root
         with stack.admin() as client:
             stack.dataset_id = client.dataset("stdlib-sample", str(corpus))["id"]
         yield stack
@@ -436,10 +437,18 @@ def zero_contribution(client: Any, grant: Any, directory: Path) -> list[Any]:
     client.heartbeat(grant.lease_id, grant.secret)
     encoded, _ = encode_deltas(deltas, config, directory / "deltas")
     targets = client.upload_urls(grant.lease_id, grant.secret)
-    for delta in encoded:
-        put = httpx.put(targets[delta.module_id].put_url, content=delta.path.read_bytes())
-        assert put.status_code < 300, put.text
+    # The agent's own upload: the presigned form POST (S3 offers no PUT: put_url is empty).
+    with contextlib.closing(Transfers(directory)) as transfers:
+        for delta in encoded:
+            transfers.upload(targets[delta.module_id], delta.path)
     return [Contribution(d.module_id, d.sha256, d.size) for d in encoded]
+
+
+def tokens_of(grant: Any) -> int:
+    """The tokens of the lease's whole allowance: its steps x batch x seq_len (a completion
+    must report between units.min_partial_steps and the lease's steps of them)."""
+    config = RunConfig.model_validate(grant.config)
+    return grant.steps * config.inner.batch_size * config.model.seq_len
 
 
 @pytest.mark.timeout(300)
@@ -455,8 +464,13 @@ def test_a_duplicate_completion_counts_once_a_late_one_is_refused_and_a_skewed_c
     prompt_grant = prompt.lease()
     assert prompt_grant is not None
     report = zero_contribution(prompt, prompt_grant, tmp_path / "prompt")
-    first = prompt.complete(prompt_grant.lease_id, prompt_grant.secret, report, 1, {"loss": 7.0})
-    again = prompt.complete(prompt_grant.lease_id, prompt_grant.secret, report, 1, {"loss": 7.0})
+    tokens = tokens_of(prompt_grant)
+    first = prompt.complete(
+        prompt_grant.lease_id, prompt_grant.secret, report, tokens, {"loss": 7.0}
+    )
+    again = prompt.complete(
+        prompt_grant.lease_id, prompt_grant.secret, report, tokens, {"loss": 7.0}
+    )
     assert again == first, "a replayed completion answers like the first"
 
     late_grant = late.lease()
@@ -471,9 +485,20 @@ def test_a_duplicate_completion_counts_once_a_late_one_is_refused_and_a_skewed_c
         "the silent lease to expire",
         timeout=LEASE_TIMEOUT_S * 6,
     )
+    # An expired lease's Δ is salvaged only while no other lease holds its unit (issue 20);
+    # the late worker asking again takes its unit back, so the old lease's Δ is not needed.
+    retaken = late.lease()
+    assert retaken is not None and retaken.unit_id == late_grant.unit_id, retaken
     with pytest.raises(ServerError) as refused:
-        late.complete(late_grant.lease_id, late_grant.secret, late_report, 1, {"loss": 7.0})
+        late.complete(
+            late_grant.lease_id,
+            late_grant.secret,
+            late_report,
+            tokens_of(late_grant),
+            {"loss": 7.0},
+        )
     assert refused.value.status == 409 and refused.value.code == "lease_expired", refused.value
+    late.release(retaken.lease_id, retaken.secret)
 
     skewed = WorkerPool(tmp_path / "agents", tmp_path, 1)
     environ = {**stack.environ, **skewed_clock(tmp_path / "skew", SKEW_S)}

@@ -109,9 +109,10 @@ def test_it_refuses_routing_texts_that_are_empty_or_too_long(db: None, client: C
     def post(text: str) -> Any:
         return client.post(url, {"text": text}, content_type="application/json")
 
-    _error(post("  \n"), 422, "text_invalid")
-    message = _error(post("a" * (MAX_TEXT_CHARS + 1)), 422, "text_invalid")
-    assert f"{MAX_TEXT_CHARS:,}" in message
+    # The schema says it (min/max length, not only spaces): refused as invalid requests.
+    assert "body.text" in _error(post("  \n"), 422, "invalid_request")
+    message = _error(post("a" * (MAX_TEXT_CHARS + 1)), 422, "invalid_request")
+    assert str(MAX_TEXT_CHARS) in message
     _error(post("a" * 300_000), 413, "body_too_large")
     assert post(t.train_docs[0].text).status_code == 200
     unprepared = create_run("unprepared", t.config.model_dump(mode="json") | {"name": "unprepared"})
@@ -150,7 +151,7 @@ def test_the_cli_says_why_the_server_refused_and_exits_1(
     assert run_cli("download", *argv, "--path", "7", "--out", str(tmp_path / "x")) == 1
     assert "has no path 7" in capsys.readouterr().err
     assert run_cli("route", *argv, "") == 1
-    assert "text_invalid" in capsys.readouterr().err
+    assert "body.text" in capsys.readouterr().err
     assert run_cli("route", *argv, "--json", "ship wave tide") == 0
     assert '"path"' in capsys.readouterr().out
 

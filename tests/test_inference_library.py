@@ -17,13 +17,13 @@ from dipaco.inference import (
     MODEL_FILE,
     generation_config_json,
     hf_config_json,
-    load_module_file,
     open_path_dir,
     tokenizer_files,
     write_model_file,
 )
 from dipaco.model import build_model
 from dipaco.modular import assemble_path_state, init_modules
+from dipaco.modules_file import load_module_file
 from dipaco_server.inference.zipstream import ZipEntry, stream_zip
 from tests.test_inference import trained
 

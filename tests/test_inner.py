@@ -264,3 +264,27 @@ def test_moments_of_another_model_are_ignored_not_misapplied() -> None:
     cold = train_path(cfg, 0, modules, SOURCE)
     for name, tensor in cold.delta.items():
         assert torch.equal(warm.delta[name], tensor), name
+
+
+def test_a_stopped_loop_returns_the_partial_delta_of_its_steps_and_resumes_it(
+    tmp_path: Path,
+) -> None:
+    """Salvage (worker_agent): a unit stopped after k steps hands back θ_old − θ_k, and a
+    unit stopped at 3, resumed and stopped at 6 hands back what one stopped at 6 does."""
+    cfg = CFG.inner.model_copy(update={"steps": 9})
+
+    def stop_at(k: int) -> Callable[[], bool]:
+        calls = iter(range(100))
+        return lambda: next(calls) == k
+
+    nothing = run(cfg, should_stop=lambda: True)
+    assert not nothing.completed and nothing.delta == {} and nothing.tokens == 0
+    straight = run(cfg, should_stop=stop_at(6))
+    assert not straight.completed and straight.tokens == 6 * cfg.batch_size * CFG.model.seq_len
+    assert any(float(d.abs().sum()) > 0 for d in straight.delta.values())
+    ckpt = tmp_path / "unit.safetensors"
+    run(cfg, checkpoint_path=ckpt, should_stop=stop_at(3))
+    resumed = run(cfg, checkpoint_path=ckpt, should_stop=stop_at(3))
+    assert resumed.losses == straight.losses and resumed.tokens == straight.tokens
+    for name, delta in straight.delta.items():
+        assert torch.equal(resumed.delta[name], delta), name

@@ -93,7 +93,10 @@ def test_clipped_mean_bounds_an_outlier_norm() -> None:
     result = aggregate([*honest, attack], cfg)
     norms = [delta_norm(d) for d, _ in [*honest, attack]]
     assert delta_norm(result) <= clip_threshold(norms, 1.0) + 1e-4
-    assert delta_norm(aggregate([*honest, attack], OuterConfig())) > 1e3
+    # Plain mean lets it through; clipping is the default (issue 19).
+    assert delta_norm(aggregate([*honest, attack], OuterConfig(robust="mean"))) > 1e3
+    assert OuterConfig().robust == "clipped-mean"
+    assert delta_norm(aggregate([*honest, attack], OuterConfig())) < 1e3
 
 
 def test_trimmed_mean_ignores_extremes_per_value() -> None:

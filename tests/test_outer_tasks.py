@@ -31,12 +31,16 @@ from torch import Tensor
 from dipaco import codecs
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.modular import init_modules, module_spec, paths_through
+from dipaco.modules_file import read_module, write_module
 from dipaco.outer import aggregate, outer_lr, outer_step
 from dipaco_server.env import blob_store as blob_store_config
 from dipaco_server.env import celery_transport
-from dipaco_server.rounds.completion import ContributionReport, complete, upload_key
+from dipaco_server.rounds.close import mark_round_closing
+from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution, OuterStep, Round
-from dipaco_server.rounds.outer import (
+from dipaco_server.rounds.open import start_run
+from dipaco_server.rounds.outer_step import (
     FAULTS_DIR_ENV,
     BaseVersion,
     Fault,
@@ -45,13 +49,11 @@ from dipaco_server.rounds.outer import (
     compute_step,
     step_module,
 )
-from dipaco_server.rounds.scheduler import grant_lease
-from dipaco_server.rounds.services import mark_round_closing, start_run
+from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.rounds.tasks import advance_run, fail_round, finish_round
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Module, ModuleVersion, Run
-from dipaco_server.runs.prepare import read_module, write_module
-from dipaco_server.runs.services import create_run, publish_module_version, transition
+from dipaco_server.runs.services import create_run, transition
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.models import Worker
 from tests.conftest import (
@@ -598,7 +600,7 @@ import json, os, sys, tempfile, pathlib
 import django
 django.setup()
 import torch
-from dipaco_server.rounds.outer import BaseVersion, Upload, compute_step
+from dipaco_server.rounds.outer_step import BaseVersion, Upload, compute_step
 from dipaco_server.storage.local import LocalBlobStore
 
 def rss_kib(field):

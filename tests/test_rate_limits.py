@@ -218,3 +218,40 @@ def test_a_malformed_rate_is_refused_naming_the_variable_and_the_fix(value: str)
     message = str(refused.value)
     assert message.startswith(f"DIPACO_RATE_LIMIT_ADDRESS={value!r}")
     assert "600/min" in message and "off" in message
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("post", "/api/v1/runs/{run}/route"),
+        ("get", "/api/v1/runs/{run}/paths/0/download"),
+        ("get", "/api/v1/runs/{run}/paths/0/files/model.safetensors"),
+        ("get", "/api/v1/runs/{run}/paths/0/manifest"),
+    ],
+)
+def test_routing_and_path_downloads_are_limited_per_address_with_retry_after(
+    redis_counters: redis.Redis, settings: Any, method: str, path: str
+) -> None:
+    settings.DIPACO_RATE_LIMIT_PUBLIC = (3, 60)
+    settings.DIPACO_PUBLIC_READ = True
+    url = path.format(run=999_999)  # counted before the view looks the run up
+
+    def send(client: Client) -> Any:
+        if method == "post":
+            return client.post(url, {"text": "def f(): pass"}, content_type="application/json")
+        return client.get(url)
+
+    crowded = Client(REMOTE_ADDR="10.0.1.1")
+    refused = None
+    for _ in range(2 * 3 + 1):
+        refused = send(crowded)
+        if refused.status_code == 429:
+            break
+        assert refused.status_code == 404, refused.content  # no such run: answered, not limited
+    assert refused is not None
+    retry_after = assert_limited(refused, "public", "DIPACO_RATE_LIMIT_PUBLIC", 60)
+    assert retry_after >= 1
+    assert send(Client(REMOTE_ADDR="10.0.1.2")).status_code == 404, "another address passes"
+    # Other public routes are not counted.
+    assert crowded.get("/api/v1/health").status_code == 200

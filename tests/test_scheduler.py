@@ -13,24 +13,18 @@ from django.test import override_settings
 from django.utils import timezone
 
 from dipaco.data.windows import unit_start, unit_windows
-from dipaco_server.rounds.completion import ContributionReport, complete, upload_key
-from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
-from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.scheduler import (
+from dipaco_server.rounds.close import mark_round_closed, mark_round_closing, round_ready_to_close
+from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.lease import (
     LeaseGrant,
     expire_leases,
     grant_lease,
     heartbeat,
     release,
 )
-from dipaco_server.rounds.services import (
-    mark_round_closed,
-    mark_round_closing,
-    open_round,
-    round_ready_to_close,
-    start_run,
-    unit_tokens,
-)
+from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
+from dipaco_server.rounds.open import open_round, start_run, unit_tokens
+from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.errors import (
     ContributionConflict,
     ContributionInvalid,
@@ -263,6 +257,7 @@ def test_a_new_worker_gets_the_least_covered_path(round0: Round) -> None:
 def test_a_worker_cannot_hold_more_leases_than_the_limit(round0: Round) -> None:
     worker = make_worker()
     held = grant(worker)
+    heartbeat(worker, held.lease.pk, held.secret, now=T0)  # heard: not a lost answer
     with pytest.raises(LeaseLimitReached, match=str(held.lease.pk)):
         grant_lease(worker, now=T0)
     release(worker, held.lease.pk, held.secret, now=T0)
@@ -293,7 +288,13 @@ def test_lease_budget_follows_the_workers_measured_speed(round0: Round) -> None:
     Worker.objects.filter(pk=worker.pk).update(measured_speed=3.0)
     worker.refresh_from_db()
     lease = grant(worker).lease
-    assert lease.hard_deadline == T0 + timedelta(seconds=slow)
+    # The unit is sized to units.target_seconds at 3 tokens/s: 900 x 3 // 512 = 5 steps,
+    # and the budget is that unit's, not the whole one's.
+    config = round0.run.run_config
+    per_step = config.inner.batch_size * config.model.seq_len
+    assert lease.steps == int(config.units.target_seconds * 3.0 // per_step) == 5
+    sized = policy.lease_budget_s(lease.steps * per_step, 3.0)
+    assert sized < slow and lease.hard_deadline == T0 + timedelta(seconds=sized)
 
 
 # --- heartbeats, expiry, release ---------------------------------------------------------
@@ -378,20 +379,99 @@ def test_complete_records_pending_contributions_under_server_built_keys(round0: 
         assert row.blob_key == upload_key(held.lease, row.module.module_id)
     assert WorkUnit.objects.get(pk=unit.pk).state == WorkUnit.State.DONE
     stored = Worker.objects.get(pk=worker.pk)
-    assert stored.units_completed == 1 and stored.measured_speed == 900.0
-    assert stored.tokens_processed == unit_tokens(round0.run.run_config)
+    assert stored.measured_speed == 900.0
+    # No credit before the outer step accepted its Δs (issue 19: rounds.outer_step._credit).
+    assert stored.units_completed == 0 and stored.tokens_processed == 0
 
 
-def test_complete_under_an_expired_lease_is_refused(round0: Round) -> None:
+def test_complete_under_an_expired_lease_is_salvaged_while_its_unit_is_free(
+    round0: Round,
+) -> None:
+    """A worker still alive when its lease ran out uploads its (partial) Δ: accepted while
+    no other lease holds the unit, swept or not yet swept."""
     worker = make_worker()
     held = grant(worker)
     late = held.lease.deadline + MINUTE
-    with pytest.raises(LeaseExpired, match="ask for a new lease"):
-        complete(worker, held.lease.pk, held.secret, reports(held), now=late)  # not yet swept
     expire_leases(now=late)
-    with pytest.raises(LeaseExpired):
+    assert WorkUnit.objects.get(pk=held.unit.pk).state == WorkUnit.State.QUEUED
+    half = unit_tokens(round0.run.run_config) // 2
+    rows = complete(worker, held.lease.pk, held.secret, reports(held, half), now=late)
+    assert {r.tokens for r in rows} == {half}
+    assert Lease.objects.get(pk=held.lease.pk).state == Lease.State.COMPLETED
+    assert WorkUnit.objects.get(pk=held.unit.pk).state == WorkUnit.State.DONE
+    assert not Lease.objects.filter(unit=held.unit, state=Lease.State.ACTIVE).exists()
+
+
+def test_complete_under_an_expired_lease_is_refused_once_another_lease_took_the_unit(
+    round0: Round,
+) -> None:
+    worker = make_worker()
+    held = grant(worker)
+    late = held.lease.deadline + MINUTE
+    expire_leases(now=late)
+    WorkUnit.objects.exclude(pk=held.unit.pk).update(state=WorkUnit.State.DONE)
+    other = grant(make_worker("other"), now=late)
+    assert other.unit.pk == held.unit.pk
+    with pytest.raises(LeaseExpired, match="ask for a new lease"):
         complete(worker, held.lease.pk, held.secret, reports(held), now=late)
     assert not Contribution.objects.exists()
+
+
+def test_a_completion_claiming_more_tokens_than_its_lease_allowed_is_refused(
+    round0: Round,
+) -> None:
+    config = round0.run.run_config
+    per_step = config.inner.batch_size * config.model.seq_len
+    worker = make_worker()
+    Worker.objects.filter(pk=worker.pk).update(measured_speed=3.0)  # 5-step units
+    worker.refresh_from_db()
+    held = grant(worker)
+    assert held.lease.steps == 5 and "900 s target" in held.lease.size_reason
+    with pytest.raises(ContributionInvalid, match=f"must be {per_step}..{5 * per_step}"):
+        complete(worker, held.lease.pk, held.secret, reports(held), now=T0 + MINUTE)
+    rows = complete(worker, held.lease.pk, held.secret, reports(held, 3 * per_step), now=T0)
+    assert {r.tokens for r in rows} == {3 * per_step}
+
+
+def test_units_are_sized_to_the_workers_speed_and_a_new_worker_calibrates() -> None:
+    from dipaco.config import RunConfig
+    from dipaco_server.rounds.lease import size_unit
+
+    config = RunConfig.tiny(inner={"steps": 500}, units={"target_seconds": 900})
+    per_step = config.inner.batch_size * config.model.seq_len
+    new = size_unit(config, None)
+    assert new.steps == 500 and new.seconds == config.units.calibration_seconds
+    slow = size_unit(config, per_step / 10)  # 10 s a step: 90 steps in 900 s
+    assert (slow.steps, slow.seconds) == (90, None) and "= 90 steps" in slow.reason
+    fast = size_unit(config, per_step * 100.0)
+    assert fast.steps == 500 and "capped at H = 500" in fast.reason
+    crawl = size_unit(config, per_step / 10_000)  # a step takes longer than the target
+    assert crawl.steps == 1 and "raised to 1" in crawl.reason
+    soon = size_unit(config, per_step / 10, round_deadline=T0 + MINUTE, now=T0)
+    assert soon.steps == 6 and "before the round's deadline" in soon.reason
+    back = size_unit(config, per_step / 10, resumed_steps=90)
+    assert (back.steps, back.trained_steps) == (180, 90) and "resumes" in back.reason
+
+
+def test_a_worker_whose_lease_expired_gets_its_unit_back_to_resume_it(round0: Round) -> None:
+    """After a crash the agent keeps its checkpoint per unit: the unit comes back to it,
+    not the path the usual order (warm path, least covered, lowest index) would pick."""
+    w = [make_worker(f"w{i}") for i in range(7)]
+    first = grant(w[0])  # path 0 r0
+    complete(w[0], first.lease.pk, first.secret, reports(first), now=T0)
+    for i in (1, 2, 3, 4, 5, 6):  # p1 r0, p2 r0, p3 r0, then p0 r1, p1 r1, p2 r1
+        grant(w[i])
+    held = grant(w[0])
+    assert (held.unit.path.index, held.unit.replica) == (3, 1)
+    Lease.objects.filter(pk=held.lease.pk).update(deadline=T0)
+    expire_leases(now=T0 + MINUTE)
+    out = Lease.objects.get(worker=w[5], state=Lease.State.ACTIVE)
+    Lease.objects.filter(pk=out.pk).update(deadline=T0)
+    expire_leases(now=T0 + MINUTE)  # p1 r1 is queued too, and comes first in the order
+    again = grant(w[0], now=T0 + MINUTE)
+    assert again.unit.pk == held.unit.pk and again.lease.pk != held.lease.pk
+    assert again.lease.steps == round0.run.run_config.inner.steps
+    assert grant(w[5], now=T0 + MINUTE).unit.pk == out.unit_id  # its own, likewise
 
 
 def test_a_duplicate_complete_with_identical_content_is_a_no_op(round0: Round) -> None:
@@ -401,7 +481,6 @@ def test_a_duplicate_complete_with_identical_content_is_a_no_op(round0: Round) -
     again = complete(worker, held.lease.pk, held.secret, reports(held), now=T0 + 2 * MINUTE)
     assert [c.pk for c in again] == [c.pk for c in first]
     assert Contribution.objects.count() == len(first)
-    assert Worker.objects.get(pk=worker.pk).units_completed == 1
 
 
 def test_a_duplicate_complete_with_different_content_is_refused(round0: Round) -> None:
@@ -481,20 +560,55 @@ def finish(units: int, now: datetime) -> Iterator[LeaseGrant]:
 
 
 def test_a_round_is_ready_to_close_when_every_unit_is_done(round0: Round) -> None:
-    list(finish(7, T0))
-    assert not round_ready_to_close(round0, now=T0)
-    list(finish(1, T0))
-    assert round_ready_to_close(round0, now=T0)
+    list(finish(7, T0 + 10 * MINUTE))
+    assert not round_ready_to_close(round0, now=T0 + 10 * MINUTE)
+    list(finish(1, T0 + 10 * MINUTE))
+    assert round_ready_to_close(round0, now=T0 + 10 * MINUTE)
 
 
 @override_settings(DIPACO_ROUND_QUORUM=0.5)
 def test_a_quorum_closes_a_round_only_after_its_deadline(round0: Round) -> None:
     assert round0.deadline is not None
-    list(finish(3, T0))
+    list(finish(3, round0.deadline - MINUTE))
     assert not round_ready_to_close(round0, now=round0.deadline + MINUTE)  # 3 of 8
-    list(finish(1, T0))
+    list(finish(1, round0.deadline - MINUTE))  # a quorum, just before the fixed deadline
     assert not round_ready_to_close(round0, now=round0.deadline - MINUTE)  # 4 of 8, early
-    assert round_ready_to_close(round0, now=round0.deadline)
+    assert round_ready_to_close(round0, now=round0.deadline)  # never later than it
+
+
+@override_settings(DIPACO_ROUND_QUORUM=0.5, DIPACO_ROUND_DEADLINE_MADS=3.0)
+def test_a_quorum_moves_the_deadline_up_to_median_plus_k_mad_of_durations_then_waits_for_partials(
+    round0: Round,
+) -> None:
+    """Units that took 10, 10, 12 and 14 min: median 11, MAD 1 (under 10 % of the median,
+    so 1.1), and the last unit out was granted at 5 min: the deadline moves from an hour to
+    5 + 11 + 3 x 1.1 = 19.3 min, but only once every unit has started. A unit still leased
+    then gets DIPACO_ROUND_SALVAGE_GRACE_S to hand in its partial Δ."""
+    finishers = [grant(make_worker(f"finisher{i}"), now=T0) for i in range(4)]
+    for held, minutes in zip(finishers[:3], (10, 10, 12), strict=True):
+        complete(held.lease.worker, held.lease.pk, held.secret, reports(held),
+                 now=T0 + minutes * MINUTE)  # fmt: skip
+    assert not round_ready_to_close(round0, now=T0 + 14 * MINUTE)  # 3 of 8: no quorum
+    held = finishers[3]
+    complete(held.lease.worker, held.lease.pk, held.secret, reports(held), now=T0 + 14 * MINUTE)
+    assert not round_ready_to_close(round0, now=T0 + 50 * MINUTE)  # 4 units never started
+    round0.refresh_from_db()
+    assert round0.deadline == T0 + timedelta(seconds=current_policy().round_deadline_s)
+    out = [grant(make_worker(f"late{i}"), now=T0 + i * MINUTE) for i in range(2)]
+    straggler = grant(make_worker("straggler"), now=T0 + 5 * MINUTE)
+    more = grant(make_worker("slow"), now=T0 + 5 * MINUTE)
+    assert len(out) == 2 and more
+    assert not round_ready_to_close(round0, now=T0 + 16 * MINUTE)
+    round0.refresh_from_db()
+    expected = T0 + timedelta(minutes=5 + 11 + 3 * 1.1)
+    assert abs((round0.deadline - expected).total_seconds()) < 1e-3
+    grace = timedelta(seconds=current_policy().round_salvage_grace_s)
+    assert not round_ready_to_close(round0, now=expected + grace / 2), "the stragglers' turn"
+    assert round_ready_to_close(round0, now=expected + grace)
+    half = unit_tokens(round0.run.run_config) // 2  # a partial Δ, still in time
+    complete(straggler.lease.worker, straggler.lease.pk, straggler.secret,
+             reports(straggler, half), now=expected + grace / 2)  # fmt: skip
+    assert WorkUnit.objects.get(pk=straggler.unit.pk).state == WorkUnit.State.DONE
 
 
 def test_closing_wins_once_and_refuses_late_work(round0: Round) -> None:
@@ -529,11 +643,11 @@ def test_a_cancelled_runs_round_never_closes_and_its_leases_stop(round0: Round) 
 def test_the_idle_retry_after_grows_with_the_workers_seen_lately(
     db: None, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dipaco_server.rounds import scheduler
+    from dipaco_server.rounds import lease as leasing
 
     def fresh() -> int:
-        monkeypatch.setattr(scheduler, "_active_workers", (float("-inf"), 0))
-        return scheduler.idle_retry_after_s(now=T0)
+        monkeypatch.setattr(leasing, "_active_workers", (float("-inf"), 0))
+        return leasing.idle_retry_after_s(now=T0)
 
     seen = [make_worker() for _ in range(5)]
     Worker.objects.filter(pk__in=[w.pk for w in seen]).update(last_seen=T0 - MINUTE)
@@ -563,9 +677,9 @@ def test_grants_from_cached_groups_skip_a_path_stopped_meanwhile(round0: Round) 
 
 
 def test_a_round_opened_within_the_cache_second_is_granted_at_once(db: None) -> None:
-    from dipaco_server.rounds import scheduler
+    from dipaco_server.rounds import lease as leasing
 
     assert grant_lease(make_worker("early"), now=T0) is None  # nothing queued yet
-    scheduler._cached_groups(refresh=True)  # caches "no groups"
+    leasing._cached_groups(refresh=True)  # caches "no groups"
     start_run(prepare_run(make_run(replicas_per_path=1)), now=T0)
     assert grant_lease(make_worker("prompt"), now=T0) is not None

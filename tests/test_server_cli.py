@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from dipaco import __version__
-from dipaco.cli.server import child_commands
+from dipaco_server.cli.server import child_commands
 from dipaco_server.env import KNOWN_VARIABLES, celery_transport
 from tests.conftest import (
     celery_client,

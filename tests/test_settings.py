@@ -159,3 +159,28 @@ def test_the_test_session_uses_the_database_the_environment_names() -> None:
     url = os.environ.get("DATABASE_URL", "")
     assert connection.vendor == ("postgresql" if url.startswith("postgres") else "sqlite")
     assert connection.settings_dict["NAME"] == settings.DATABASES["default"]["TEST"]["NAME"]
+
+
+def test_dipaco_db_pool_gives_each_process_a_pool_of_postgresql_connections(tmp_path: Path) -> None:
+    url = "postgres://u:p@db.local:5432/dipaco"
+    pooled = env.database({"DATABASE_URL": url, "DIPACO_DB_POOL": "4"}, tmp_path)
+    assert pooled["OPTIONS"]["pool"]["max_size"] == 4
+    assert pooled["CONN_MAX_AGE"] == 0, "Django returns pooled connections after each request"
+    plain = env.database({"DATABASE_URL": url, "DIPACO_DB_POOL": "off"}, tmp_path)
+    assert "pool" not in plain.get("OPTIONS", {}) and plain["CONN_MAX_AGE"] == 60
+    sqlite = env.database({"DIPACO_DB_POOL": "4"}, tmp_path)
+    assert "pool" not in sqlite["OPTIONS"], "SQLite has no pool: the setting is for PostgreSQL"
+
+
+@pytest.mark.parametrize("value", ["four", "0", "1000"])
+def test_a_bad_dipaco_db_pool_is_refused_naming_the_fix(tmp_path: Path, value: str) -> None:
+    with pytest.raises(ImproperlyConfigured, match=r"DIPACO_DB_POOL=.*e\.g\. 4, or off"):
+        env.database({"DATABASE_URL": "postgres://u@h:5432/d", "DIPACO_DB_POOL": value}, tmp_path)
+
+
+def test_dipaco_grant_rate_sets_the_pace_of_grants_and_refuses_nonsense() -> None:
+    assert env.grant_rate({}) is None
+    assert env.grant_rate({"DIPACO_GRANT_RATE": "20"}) == 20.0
+    for bad in ("fast", "0", "-5", "inf"):
+        with pytest.raises(ImproperlyConfigured, match=r"DIPACO_GRANT_RATE=.*e\.g\. 50"):
+            env.grant_rate({"DIPACO_GRANT_RATE": bad})

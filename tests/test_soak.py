@@ -21,7 +21,7 @@ import pytest
 
 from tests.conftest import ROOT
 
-SOAK_TIMEOUT_S = 240
+SOAK_TIMEOUT_S = 300
 
 
 @pytest.mark.timeout(SOAK_TIMEOUT_S + 30)
@@ -33,6 +33,7 @@ def test_a_short_soak_with_killed_volunteers_and_a_killed_celery_worker_loses_an
     command = [
         sys.executable, str(ROOT / "bench" / "soak.py"), "--quiet",
         "--volunteers", "24", "--units-per-volunteer", "0.5", "--duration", "50",
+        "--min-rounds", "2", "--max-duration", "150",
         "--unit-seconds", "3", "--ramp", "3", "--lease-timeout", "9", "--sweep-every", "2",
         "--kill-fraction", "0.2", "--celery-kill-every", "20", "--celery-kill-max", "1",
         "--visibility-timeout", "10",

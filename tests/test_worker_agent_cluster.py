@@ -33,9 +33,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from dipaco.demo.control import AdminClient, free_port
-from dipaco.demo.plan import DemoPlan, stdlib_sample
-from dipaco.demo.workers import worker_command
+from dipaco_demo.control import AdminClient, free_port
+from dipaco_demo.plan import DemoPlan, stdlib_sample
+from dipaco_demo.workers import worker_command
 from tests.conftest import (
     S3Server,
     compose_command,
@@ -64,6 +64,9 @@ SETTINGS_MODULE = """\
 from dipaco_server.settings import *  # noqa: F403
 
 DIPACO_LEASE_TIMEOUT_S = {lease_timeout}
+# Every unit done before a round closes: the killed worker's unit waits for the survivor
+# to redo it, not cut by the adaptive deadline once the other unit makes a quorum.
+DIPACO_ROUND_QUORUM = 1.0
 CELERY_TASK_DEFAULT_QUEUE = {queue!r}
 CELERY_RESULT_EXPIRES = 600
 CELERY_BEAT_SCHEDULE = {{
@@ -143,7 +146,7 @@ def training_in_round(agent: Agent, t: int) -> dict[str, Any] | None:
 
 def admin(environ: dict[str, str], *args: str) -> str:
     """`dipaco admin ARGS` against the cluster's database; the secret it prints."""
-    command = [sys.executable, "-m", "dipaco.cli.admin", *args]
+    command = [sys.executable, "-m", "dipaco_server.cli.admin", *args]
     result = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
@@ -266,7 +269,7 @@ def test_a_2x1_run_on_the_cluster_finishes_after_a_worker_is_killed_mid_unit(
     for agent in agents:
         agent.start(url, enrollment, environ)
 
-    corpus = stdlib_sample(tmp_path / "corpus", 300_000)
+    corpus = stdlib_sample(tmp_path / "data" / "corpus", 300_000)  # the default data root
     dataset = client.dataset("stdlib-sample", str(corpus))
     plan = DemoPlan(paths=(2, 1), model_size="micro", rounds=ROUNDS, inner_steps=INNER_STEPS)
     config = plan.config("agents", corpus).model_dump(mode="json")

@@ -5,7 +5,7 @@ answers) with the local blob store, so every byte goes through presigned URLs as
 production. Each test starts real `dipaco-worker` processes and reads their
 ``--json-logs`` lines: one unit from enrollment to recorded contributions; ``kill -9``
 mid-unit, then a restart that resumes the same lease from its checkpoint, then SIGTERM
-during training (the lease is released, exit 0).
+during training (its partial Δ is uploaded and completed, exit 0).
 """
 
 from __future__ import annotations
@@ -15,28 +15,36 @@ import json
 import math
 import os
 import queue
+import shutil
 import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from dipaco.codecs import decode, encode
+from dipaco.codecs import decode
 from dipaco.config import RunConfig
 from dipaco.inner import InnerState, state_fingerprint
 from dipaco.modular import init_modules, module_spec
-from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
-from dipaco_server.rounds.services import start_run
+from dipaco.modules_file import write_module
+from dipaco_server.rounds.close import mark_round_closing
+from dipaco_server.rounds.lease import expire_leases
+from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
+from dipaco_server.rounds.open import start_run
+from dipaco_server.rounds.outer_step import step_module
+from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys
-from dipaco_server.runs.models import Run
-from dipaco_server.runs.services import create_run, publish_module_version, transition
+from dipaco_server.runs.models import ModuleVersion, Run
+from dipaco_server.runs.services import create_run, transition
 from dipaco_server.storage import BlobStore, get_blob_store
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token
@@ -62,18 +70,25 @@ def store(settings: Any, tmp_path: Path, live_server: Any) -> BlobStore:
 def running_run(store: BlobStore, steps: int) -> Run:
     """A running 2x2-path tiny run, H = `steps`, with real version-0 blobs and shards."""
     run = create_run("agent-run", tiny_config(model=SMALL_MODEL, inner={"steps": steps}))
-    modules = init_modules(run.run_config)
-    for module in run.modules.all():
-        data = encode(modules[module.module_id], "fp32")
-        key = keys.module_key(run.pk, module.module_id, 0)
-        store.put_bytes(key, data)
-        digest = hashlib.sha256(data).hexdigest()
-        publish_module_version(module, 0, blob_key=key, sha256=digest, size=len(data))
+    publish_version_0(store, run)
     put_train_shards(store, run, SHARD_TOKENS)
     for state in ("preparing", "ready"):
         transition(run, state)
     start_run(run)
     return run
+
+
+def publish_version_0(store: BlobStore, run: Run) -> None:
+    """Version 0 of every module, written as the server's preparation writes them."""
+    modules = init_modules(run.run_config)
+    folder = Path(tempfile.mkdtemp(prefix="agent-run-v0-"))
+    for module in run.modules.all():  # as the server's preparation writes them
+        file = folder / f"{module.module_id}.safetensors"
+        digest, size = write_module(file, modules[module.module_id])
+        key = keys.module_key(run.pk, module.module_id, 0)
+        store.put_file(key, file)
+        publish_module_version(module, 0, blob_key=key, sha256=digest, size=size)
+    shutil.rmtree(folder)
 
 
 class WorkerProcess:
@@ -180,7 +195,7 @@ def test_one_worker_enrolls_trains_a_unit_and_its_contributions_decode_to_finite
     assert stat.S_IMODE(config_file.stat().st_mode) == 0o600
     registered = Worker.objects.get()
     assert registered.device["probe_tokens_per_second"] > 0
-    assert registered.units_completed == 1
+    assert registered.units_completed == 0  # credited once the outer step accepts its Δs
 
     lease = Lease.objects.select_related("unit__path").get()
     assert lease.state == Lease.State.COMPLETED and lease.unit.state == WorkUnit.State.DONE
@@ -215,10 +230,10 @@ def test_one_worker_enrolls_trains_a_unit_and_its_contributions_decode_to_finite
     )
 
 
-def test_after_kill_9_a_restart_resumes_the_lease_and_sigterm_then_releases_it(
+def test_after_kill_9_a_restart_resumes_the_lease_and_sigterm_then_salvages_its_partial_delta(
     store: BlobStore, live_server: Any, tmp_path: Path, workers: list[WorkerProcess]
 ) -> None:
-    running_run(store, steps=400)
+    run = running_run(store, steps=400)
     data_dir = tmp_path / "agent"
     first = WorkerProcess(
         live_server.url, data_dir, "--enroll", enrollment(), "--checkpoint-every", "2"
@@ -237,12 +252,70 @@ def test_after_kill_9_a_restart_resumes_the_lease_and_sigterm_then_releases_it(
     assert second.finish() == 0, second.output()
 
     names = [e["event"] for e in second.events]
-    assert names.index("stopping") < names.index("released")
+    assert names.index("stopping") < names.index("salvage") < names.index("salvaged")
+    salvaged = next(e for e in second.events if e["event"] == "salvaged")
     lease = Lease.objects.select_related("unit").get()
-    assert lease.pk == saved["lease"]["lease_id"] and lease.state == Lease.State.RELEASED
-    assert lease.unit.state == WorkUnit.State.QUEUED, "the unit goes back to the queue"
+    assert lease.pk == saved["lease"]["lease_id"] and lease.state == Lease.State.COMPLETED
+    assert lease.unit.state == WorkUnit.State.DONE, "the partial unit is done, not redone"
+    config = RunConfig.model_validate(run.config)
+    per_step = config.inner.batch_size * config.model.seq_len
+    steps = salvaged["steps"]
+    assert saved["step"] < steps < 400
+    tokens = {c.tokens for c in Contribution.objects.filter(lease=lease)}
+    assert tokens == {steps * per_step} == {salvaged["tokens"]}, "its true token count"
     assert not (data_dir / "lease.json").exists()
     assert not (data_dir / "work").exists() or not any((data_dir / "work").iterdir())
-    assert not (data_dir / "cache" / "inner").exists() or not any(
-        (data_dir / "cache" / "inner").rglob("*.safetensors")
-    ), "an abandoned unit's moments and residual are not kept"
+    kept = data_dir / "cache" / "inner" / f"run-{run.pk}"
+    assert list(kept.glob("*.safetensors")), "an accepted partial Δ keeps its path's moments"
+
+
+def test_after_kill_9_and_expiry_a_restart_resumes_the_unit_under_a_new_lease_and_it_counts(
+    store: BlobStore, live_server: Any, tmp_path: Path, workers: list[WorkerProcess]
+) -> None:
+    """A preempted volunteer loses nothing: its lease expires while it is down, the server
+    hands the same unit back to it under a new lease, training resumes from the unit's
+    checkpoint, SIGTERM uploads the Δ of every step done (both leases'), and round 0's
+    outer step takes it, weighted by those tokens: each version once, nothing lost."""
+    run = running_run(store, steps=400)
+    data_dir = tmp_path / "agent"
+    first = WorkerProcess(
+        live_server.url, data_dir, "--enroll", enrollment(), "--checkpoint-every", "2"
+    )
+    workers.append(first)
+    first.wait_for_step(1)
+    saved = wait_for_saved_step(data_dir / "lease.json", at_least=2)
+    first.kill()
+    old = Lease.objects.get(pk=saved["lease"]["lease_id"])
+    assert expire_leases(now=old.hard_deadline + timedelta(seconds=1)) == 1  # it never came back
+
+    second = WorkerProcess(live_server.url, data_dir, "--checkpoint-every", "100")
+    workers.append(second)
+    second.wait_for("resume")  # the saved lease is over; its unit's checkpoint is kept
+    granted = second.wait_for("lease")
+    assert granted["lease_id"] != old.pk
+    assert second.wait_for_step(1)["step"] > saved["step"], "resumed from the checkpoint"
+    second.process.send_signal(signal.SIGTERM)
+    assert second.finish() == 0, second.output()
+    salvaged = next(e for e in second.events if e["event"] == "salvaged")
+
+    new = Lease.objects.select_related("unit").get(pk=granted["lease_id"])
+    assert new.unit_id == old.unit_id and new.state == Lease.State.COMPLETED
+    config = RunConfig.model_validate(run.config)
+    per_step = config.inner.batch_size * config.model.seq_len
+    assert salvaged["tokens"] == salvaged["steps"] * per_step > saved["step"] * per_step
+
+    round_ = Round.objects.get(run=run, t=0)
+    assert mark_round_closing(round_)
+    for module_id in new.unit.path.modules:
+        report = step_module(run.pk, module_id, 0, store=store)
+        assert (report["outcome"], report["accepted"]) == ("stepped", 1), report
+    steps = OuterStep.objects.filter(round=round_, outcome="stepped")
+    assert {s.tokens for s in steps} == {salvaged["tokens"]}, "weighted by its true tokens"
+    # The invariants: each stepped module went from version 0 to 1 once; every accepted
+    # contribution is the one salvaged lease's; no unit completed under two leases.
+    for s in steps:
+        assert (s.base_version, s.version) == (0, 1)
+        assert ModuleVersion.objects.filter(module=s.module).count() == 2
+    statuses = set(Contribution.objects.values_list("lease_id", "status"))
+    assert statuses == {(new.pk, "accepted")}
+    assert Lease.objects.filter(unit_id=old.unit_id, state="completed").count() == 1

@@ -26,7 +26,7 @@ from dipaco.codecs import decode, encode
 from dipaco.modular import module_spec
 from dipaco_server.env import blob_store, celery_transport
 from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
-from dipaco_server.rounds.services import open_round
+from dipaco_server.rounds.open import open_round
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import transition
 from dipaco_server.storage import BlobStore, get_blob_store
@@ -177,8 +177,12 @@ class Agent:
             delta = {n: 1e-3 * torch.randn(shape, generator=gen) for n, (shape, _) in spec.items()}
             encoded = encode(delta, urls.json()["codec"])
             assert len(encoded) <= upload["max_bytes"]
-            put = httpx.put(upload["put_url"], content=encoded, timeout=30)
-            assert put.status_code == 200, put.text
+            # The presigned form POST, as worker_agent.transfer uploads: S3 offers no PUT
+            # (put_url is null) since only the form's content-length-range bounds the size.
+            post = upload["post"]
+            files = {"file": (f"{upload['module_id']}.bin", encoded, "application/octet-stream")}
+            sent = httpx.post(post["url"], data=post["fields"], files=files, timeout=30)
+            assert sent.status_code < 300, sent.text
             digest = hashlib.sha256(encoded).hexdigest()
             reports.append(
                 {"module_id": upload["module_id"], "sha256": digest, "size": len(encoded)}

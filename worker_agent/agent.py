@@ -1,11 +1,25 @@
 """The agent's loop: lease → fetch → train → encode → upload → complete → next.
 
 One `Agent` serves one server with one worker token. The main thread does the work;
-heartbeats run on their own thread (worker_agent.heartbeat). A stop request (the first
-SIGINT/SIGTERM, see cli.py) ends training at the end of the current step, releases the
-lease and returns; a unit whose Δ is already computed is uploaded and completed first
-(seconds, and no work is lost). The lease in progress is saved in ``lease.json``; a
-restart after a crash resumes it if the server still calls it active.
+heartbeats run on their own thread (worker_agent.heartbeat).
+
+A lease names how many of the unit's H steps to train (`LeaseGrant.steps`, sized by the
+server to this worker's speed, with the reason) and, for a new worker, a time limit that
+calibrates its speed. Training ends early, and the Δ of the steps done is *salvaged*
+(uploaded and completed with its true token count, which weights it in the outer step),
+when:
+- the first SIGINT/SIGTERM arrives (cli.py): the current step finishes, the partial Δ is
+  uploaded (seconds), then the agent exits;
+- the lease expires while the agent is alive (a heartbeat says so): the server still
+  takes the Δ while no other lease holds the unit;
+- the round's deadline is near (`LeaseGrant.round_deadline`): the round may close soon.
+A round that closed or a run that stopped (heartbeat "release") makes the work useless:
+it is dropped. Fewer than ``units.min_partial_steps`` steps are released, not uploaded.
+
+Checkpoints live per unit (``work/unit-<id>``), not per lease: after ``kill -9`` a
+restart resumes the saved lease if the server still calls it active; if it expired
+meanwhile the server gives this worker the same unit back under a new lease
+(rounds.lease) and training resumes from the checkpoint, while its round is open.
 """
 
 from __future__ import annotations
@@ -13,17 +27,20 @@ from __future__ import annotations
 import logging
 import shutil
 import threading
-from dataclasses import dataclass, field
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from torch import Tensor
 
 from dipaco.config import GiB, InnerConfig, RunConfig
 from dipaco.data.shards import TokenShard
-from dipaco.data.windows import ShardSource
+from dipaco.data.windows import ShardSource, UnitSource
 from dipaco.inner import InnerResult, StepMetrics
-from worker_agent.client import Client, Contribution, LeaseGrant, lease_from_json
+from worker_agent.client import Client, Contribution, LeaseGrant, ShardRef, lease_from_json
 from worker_agent.device import DeviceInfo
+from worker_agent.downloads import HeldModules, ModuleFetcher
 from worker_agent.errors import (
     LEASE_GONE,
     AgentError,
@@ -33,7 +50,7 @@ from worker_agent.errors import (
     ServerError,
 )
 from worker_agent.heartbeat import HeartbeatThread
-from worker_agent.payload import encode_deltas, load_module
+from worker_agent.payload import encode_deltas
 from worker_agent.progress import Reporter
 from worker_agent.retry import Backoff
 from worker_agent.state import LeaseRecord, LeaseStateFile
@@ -53,6 +70,7 @@ class AgentOptions:
     memory_budget_bytes: int | None = None  # --memory-cap, or the GPU's memory
     idle_wait_s: tuple[float, float] = (1.0, 30.0)  # first and longest wait when no work
     cache_max_bytes: int = 20 * GiB
+    step_delay_s: float = 0.0  # --step-delay: a slower device (tests, benchmarks)
     policy: Backoff = field(default_factory=Backoff)
 
 
@@ -75,6 +93,7 @@ class Agent:
         reporter.meter = self.transfers.meter
         self.upload_transfers.meter = self.transfers.meter
         self.cache = BlobCache(root / "cache" / "blobs", self.transfers)
+        self.modules = ModuleFetcher(self.cache, HeldModules(root / "cache" / "held"))
         # Warm inner AdamW state (and error-feedback residual) per (run, path).
         self.inner_states = InnerStates(root / "cache" / "inner")
         self.state = LeaseStateFile(root)
@@ -129,18 +148,22 @@ class Agent:
             return None
         grant = lease_from_json(record.lease)
         if record.server.rstrip("/") != self.client.server:
-            self._discard(grant.lease_id)
+            self._discard(grant)
             return None
         try:
             answer = self.client.heartbeat(grant.lease_id, grant.secret)
         except ServerError as exc:
             if exc.code not in LEASE_GONE:
                 raise
-            self.reporter.event("resume", f"lease {grant.lease_id} is over ({exc.code}); fresh")
-            self._discard(grant.lease_id)
+            # Its checkpoint stays: the server gives an expired lease's unit back to us.
+            self.reporter.event(
+                "resume", f"lease {grant.lease_id} is over ({exc.code}); its unit's "
+                "checkpoint is kept for when the server hands the unit back",
+            )  # fmt: skip
+            self._discard(grant, keep_work=exc.code == "lease_expired")
             return None
         if answer.lease_state != "active" or "release" in answer.instructions:
-            self._discard(grant.lease_id)
+            self._discard(grant)
             return None
         self.reporter.event(
             "resume", f"resuming lease {grant.lease_id} from step {record.step}",
@@ -151,15 +174,19 @@ class Agent:
     # --- one unit ---------------------------------------------------------------------
 
     def _work(self, grant: LeaseGrant) -> None:
-        work_dir = self.options.data_dir / "work" / f"lease-{grant.lease_id}"
+        work_dir = self._work_dir(grant)
+        self._prune_work(keep=work_dir)
         record = self.state.load()
         if record is None or record.lease_id != grant.lease_id:
             record = LeaseRecord(server=self.client.server, lease=grant.raw)
             self.state.save(record)
+        of = f" of H = {grant.unit_steps}" if grant.unit_steps > grant.steps else ""
+        why = f" ({grant.size_reason})" if grant.size_reason else ""
         self.reporter.event(
             "lease", f"lease {grant.lease_id}: run {grant.run_name} round {grant.round} "
-            f"path {grant.path}, {grant.steps} steps",
+            f"path {grant.path}, {grant.steps} steps{of}{why}",
             lease_id=grant.lease_id, run=grant.run_name, round=grant.round, path=grant.path,
+            steps=grant.steps, unit_steps=grant.unit_steps, size_reason=grant.size_reason,
         )  # fmt: skip
         self.heartbeats.track(grant.lease_id, grant.secret)
         try:
@@ -168,7 +195,7 @@ class Agent:
             if exc.code not in LEASE_GONE:
                 raise
             self.reporter.event("lost", f"lease {grant.lease_id} is over: {exc.message}")
-            self._discard(grant.lease_id)
+            self._discard(grant)
         except Interrupted:
             self._release(grant)
         except (DiskFull, OutOfMemory):
@@ -180,32 +207,27 @@ class Agent:
     def _train_and_contribute(self, grant: LeaseGrant, record: LeaseRecord, work: Path) -> None:
         config = RunConfig.model_validate(grant.config)
         with disk_errors(self.options.data_dir):
-            manifest = self.client.manifest(grant.lease_id, grant.secret)
-            modules = {}
-            for ref in manifest.modules:
-                blob = self.cache.fetch(
-                    ref.url, ref.sha256, ref.size, what=f"module {ref.module_id}"
-                )
-                modules[ref.module_id] = load_module(blob, config, ref.module_id)
-            # The whole shard, once per path: every unit of the path reads its windows from it.
-            shard = self.cache.fetch(
-                manifest.data.url, manifest.data.sha256, manifest.data.size,
-                what=f"train shard of path {grant.path}",
+            # The versions it holds get encoded updates, not fp32 files (downloads.py).
+            held = self.modules.held_versions(grant.run_id, grant.modules)
+            manifest = self.client.manifest(grant.lease_id, grant.secret, held)
+            modules, fetched = self.modules.fetch(grant.run_id, manifest, config)
+            self.reporter.event(
+                "modules", f"modules: {fetched.from_updates} from encoded updates "
+                f"({fetched.update_bytes:,} B), {fetched.whole} whole ({fetched.module_bytes:,} B), "
+                f"{fetched.held} held already, {fetched.fallbacks} fallback(s)",
+                **{f"download_{k}": v for k, v in asdict(fetched).items()},
             )  # fmt: skip
-            self.reporter.event("fetched", f"fetched {len(modules)} modules and the train shard")
-            result, inner = self._train(grant, config, modules, shard, record, work)
-            if not result.completed:
-                if self.heartbeats.lease_lost.is_set():
-                    reason = self.heartbeats.lost_reason
-                    self.reporter.event("lost", f"lease {grant.lease_id} stopped: {reason}")
-                    if self.heartbeats.release_requested:
-                        self._release(grant)
-                    else:
-                        self._discard(grant.lease_id)
-                else:
-                    self._release(grant)
+            # The unit's windows (a server that predates them sends the path's whole shard).
+            data = manifest.data
+            shard = self.cache.fetch(
+                data.url, data.sha256, data.size, what=f"training data of path {grant.path}"
+            )
+            self.reporter.event("fetched", f"fetched {len(modules)} modules and the training data")
+            ending = _Ending()
+            result, inner = self._train(grant, config, modules, (shard, data), record, work, ending)
+            if not result.completed and not self._salvageable(grant, config, result, ending):
                 return
-            record.phase, record.step = "uploading", grant.steps
+            record.phase, record.step = "uploading", len(result.losses)
             self.state.save(record)
             encoded, state = encode_deltas(
                 result.module_deltas, config, work / "deltas", result.state
@@ -218,9 +240,17 @@ class Agent:
             "loss": sum(tail) / len(tail),
             "tokens_per_second": result.tokens_per_second,
             "train_seconds": result.seconds,
+            "steps": float(len(result.losses)),
         }
         contributions = [Contribution(d.module_id, d.sha256, d.size) for d in encoded]
         self.client.complete(grant.lease_id, grant.secret, contributions, result.tokens, metrics)
+        if not result.completed and ending.partial:
+            self.reporter.event(
+                "salvaged", f"lease {grant.lease_id}: the partial Δ of {len(result.losses)} of "
+                f"{grant.unit_steps or grant.steps} steps ({result.tokens:,} tokens) was "
+                f"uploaded and completed ({ending.reason})",
+                steps=len(result.losses), tokens=result.tokens, reason=ending.reason,
+            )  # fmt: skip
         # Only now: the server holds these Δs, so their moments and residual are the path's.
         self.inner_states.save(grant.run_id, grant.path, state)
         self.units_done += 1
@@ -229,7 +259,7 @@ class Agent:
             f"{metrics['tokens_per_second']:,.0f} tokens/s (micro-batch {inner.micro_batch_size})",
             units_done=self.units_done, **metrics,
         )  # fmt: skip
-        self._discard(grant.lease_id)
+        self._discard(grant)
         keep = {ref.sha256 for ref in manifest.modules} | {manifest.data.sha256}
         self.cache.prune(keep, self.options.cache_max_bytes)
 
@@ -238,9 +268,10 @@ class Agent:
         grant: LeaseGrant,
         config: RunConfig,
         modules: dict[str, dict[str, Tensor]],
-        shard: Path,
+        data: tuple[Path, ShardRef],
         record: LeaseRecord,
         work: Path,
+        ending: _Ending,
     ) -> tuple[InnerResult, InnerConfig]:
         inner = config.inner
         if (
@@ -273,20 +304,90 @@ class Agent:
             )  # fmt: skip
 
         stop, lost = self.stop, self.heartbeats.lease_lost
+        started = time.monotonic()
+
+        # Stop early enough before the round's deadline to upload (a heartbeat interval);
+        # a heartbeat may bring it forward (an adaptive close, rounds.close).
+        def round_end() -> float | None:
+            left = _seconds_until(self.heartbeats.round_deadline or grant.round_deadline)
+            return None if left is None else left - grant.heartbeat_interval_s
+
+        # Steps of the unit done so far (a resumed checkpoint's included); a unit stopped
+        # and then killed while uploading resumes at its end, so it trains no more steps.
+        done = [record.step if record.phase == "uploading" else 0]
+
+        def on_step_counted(m: StepMetrics) -> None:
+            done[0] = m.step
+            on_step(m)
+
+        def should_stop() -> bool:
+            if stop.is_set():
+                return ending.set("stopped by a signal")
+            if lost.is_set():
+                return ending.set(self.heartbeats.lost_reason or "lease lost")
+            if done[0] >= grant.steps:
+                return ending.set(f"the lease's {grant.steps} steps are done", partial=False)
+            elapsed = time.monotonic() - started
+            if grant.seconds_limit is not None and elapsed >= grant.seconds_limit and done[0]:
+                return ending.set(f"calibration: {grant.seconds_limit:.0f} s are up")
+            left = round_end()
+            if left is not None and left <= 0 and done[0]:
+                return ending.set("the round's deadline is near")
+            return False
+
         # The unit's windows in the path's seeded order, from its start: as dipaco simulate.
-        source = ShardSource(TokenShard(shard, grant.data.dtype), config.model.seq_len,
-                             grant.data.seed)  # fmt: skip
+        shard, ref = data
+        tokens, seq_len = TokenShard(shard, grant.data.dtype), config.model.seq_len
+        shard_source: ShardSource | UnitSource = (
+            UnitSource(tokens, seq_len, ref.first_position)
+            if ref.scope == "unit"
+            else ShardSource(tokens, seq_len, grant.data.seed)
+        )
+        source: ShardSource | UnitSource | _SlowSource = shard_source
+        if self.options.step_delay_s:
+            source = _SlowSource(shard_source, self.options.step_delay_s / inner.grad_accum_steps)
         unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules, source,
                         grant.data.start_position)  # fmt: skip
         state = self.inner_states.load(grant.run_id, grant.path, config)
         return train_unit(
             unit, device=self.device.device, work_dir=work, inner=inner,
-            state=state, checkpoint_every=every,
-            should_stop=lambda: stop.is_set() or lost.is_set(),
-            on_step=on_step, on_fallback=on_fallback,
+            state=state, checkpoint_every=every, should_stop=should_stop,
+            on_step=on_step_counted, on_fallback=on_fallback,
         )  # fmt: skip
 
     # --- endings ----------------------------------------------------------------------
+
+    def _salvageable(
+        self, grant: LeaseGrant, config: RunConfig, result: InnerResult, ending: _Ending
+    ) -> bool:
+        """Whether a unit that stopped early uploads its partial Δ; if not, its lease is
+        released or dropped here."""
+        steps = len(result.losses)
+        if not ending.partial and result.module_deltas:
+            return True  # a unit sized to this worker: its steps are all done
+        if self.heartbeats.lease_lost.is_set() and self.heartbeats.release_requested:
+            # The round closed or the run stopped: nobody will use this Δ.
+            self.reporter.event(
+                "lost", f"lease {grant.lease_id} stopped: {self.heartbeats.lost_reason}"
+            )
+            self._release(grant)
+            return False
+        if not result.module_deltas or steps < config.units.min_partial_steps:
+            self.reporter.event(
+                "stopped", f"lease {grant.lease_id}: {steps} step(s) trained, fewer than "
+                f"units.min_partial_steps = {config.units.min_partial_steps}; nothing to upload",
+            )  # fmt: skip
+            if self.heartbeats.lease_lost.is_set():
+                self._discard(grant, keep_work=True)
+            else:
+                self._release(grant)
+            return False
+        self.reporter.event(
+            "salvage", f"lease {grant.lease_id}: {ending.reason}; uploading the Δ of the "
+            f"{steps} step(s) trained ({result.tokens:,} tokens)",
+            steps=steps, tokens=result.tokens, reason=ending.reason,
+        )  # fmt: skip
+        return True
 
     def _release(self, grant: LeaseGrant) -> None:
         """Give the unit back; if the server cannot be told, keep the state to resume it."""
@@ -302,8 +403,59 @@ class Agent:
             )  # fmt: skip
             return
         self.reporter.event("released", f"lease {grant.lease_id} released")
-        self._discard(grant.lease_id)
+        self._discard(grant)
 
-    def _discard(self, lease_id: int) -> None:
+    def _discard(self, grant: LeaseGrant, *, keep_work: bool = False) -> None:
+        """Forget the lease; its unit's work directory too, unless it may come back
+        (an expired lease: the server hands its unit back to this worker to resume)."""
         self.state.clear()
-        shutil.rmtree(self.options.data_dir / "work" / f"lease-{lease_id}", ignore_errors=True)
+        if not keep_work:
+            shutil.rmtree(self._work_dir(grant), ignore_errors=True)
+
+    def _work_dir(self, grant: LeaseGrant) -> Path:
+        return self.options.data_dir / "work" / f"run-{grant.run_id}-unit-{grant.unit_id}"
+
+    def _prune_work(self, keep: Path) -> None:
+        """One unit is worked on at a time: other units' leftovers are gone for good."""
+        root = self.options.data_dir / "work"
+        if root.is_dir():
+            for folder in root.iterdir():
+                if folder != keep:
+                    shutil.rmtree(folder, ignore_errors=True)
+
+
+class _SlowSource:
+    """A token source that sleeps before each micro-batch (--step-delay): inside the timed
+    part of a step, so the speed the agent reports, and the server sizes units by, is the
+    slower one."""
+
+    def __init__(self, source: ShardSource | UnitSource, delay_s: float) -> None:
+        self.source, self.delay_s = source, delay_s
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        time.sleep(self.delay_s)
+        return self.source.batch(position, batch_size, seq_len)
+
+
+class _Ending:
+    """Why training stopped early (the first reason wins); `set` returns True for
+    `should_stop`."""
+
+    def __init__(self) -> None:
+        self.reason = ""
+        self.partial = True  # False: the unit was sized to fewer steps, and trained them
+
+    def set(self, reason: str, *, partial: bool = True) -> bool:
+        if not self.reason:
+            self.reason, self.partial = reason, partial
+        return True
+
+
+def _seconds_until(when: str | None) -> float | None:
+    if not when:
+        return None
+    try:
+        moment = datetime.fromisoformat(when.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment.timestamp() - time.time()

@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--checkpoint-every", type=int, default=50, metavar="STEPS",
         help="inner steps between checkpoints (default 50)")  # fmt: skip
     add("--probe-seconds", type=float, default=1.0, help="length of the start-up speed probe")
+    add("--step-delay", type=float, default=0.0, metavar="SECONDS",
+        help="sleep this long before each micro-batch: a slower device, for tests and "
+        "benchmarks of unit sizing (default 0)")  # fmt: skip
     add("--cache-size", type=parse_size, default=20 * 1024**3, metavar="SIZE",
         help="keep at most this much module weights cached (default 20GiB)")  # fmt: skip
     return parser

@@ -40,6 +40,7 @@ __all__ = [
     "LeaseGrant",
     "Manifest",
     "Registration",
+    "UpdateRef",
     "UploadTarget",
     "compatible",
     "parse_error",
@@ -83,11 +84,29 @@ class LeaseGrant:
     path: int
     modules: list[str]
     base_versions: dict[str, int]
-    steps: int
+    steps: int  # to train, from the unit's start: sized to this worker's speed (<= H)
     codec: str
     config: dict[str, Any]  # the whole RunConfig as JSON
     data: DataWindow
     raw: dict[str, Any] = field(repr=False)  # the answer as received, kept for resuming
+    unit_steps: int = 0  # H; 0 from a server that does not size units
+    size_reason: str = ""  # why `steps`, from the server
+    seconds_limit: float | None = None  # a calibration unit: stop after this long
+    round_deadline: str | None = None  # ISO 8601: upload what is trained by then
+
+
+@dataclass(frozen=True)
+class UpdateRef:
+    """An encoded outer update: version from_version + its decoded values = version
+    `version`, whose fp32 module file hashes to to_sha256 (worker_agent.downloads)."""
+
+    from_version: int
+    version: int
+    url: str
+    sha256: str
+    size: int
+    from_sha256: str
+    to_sha256: str
 
 
 @dataclass(frozen=True)
@@ -98,11 +117,14 @@ class BlobRef:
     sha256: str
     size: int
     url: str
+    updates: tuple[UpdateRef, ...] = ()  # from the version the manifest request held
 
 
 @dataclass(frozen=True)
 class ShardRef:
-    """The path's whole train shard: fetched once per path, kept by sha256."""
+    """The unit's training windows (scope "unit": rows of seq_len + 1 tokens from position
+    first_position, dipaco.data.windows.UnitSource), or a server's older answer, the
+    path's whole train shard (scope "path"); kept by sha256."""
 
     url: str
     key: str
@@ -110,6 +132,8 @@ class ShardRef:
     size: int  # bytes
     tokens: int
     dtype: str
+    scope: str = "path"
+    first_position: int = 0
 
 
 @dataclass(frozen=True)
@@ -144,6 +168,7 @@ class Heartbeat:
     lease_state: str | None  # "active", ... or None without a lease
     lease_deadline: str | None
     instructions: list[str]  # "release": the unit's work is no longer needed
+    round_deadline: str | None = None  # the round's deadline now (it may move up)
 
 
 def compatible(server_version: str, agent_version: str = __version__) -> bool:
@@ -305,6 +330,7 @@ class Client:
             lease_state=lease.get("state"),
             lease_deadline=lease.get("deadline"),
             instructions=[str(i) for i in answer.get("instructions", [])],
+            round_deadline=lease.get("round_deadline"),
         )
 
     def lease(self) -> LeaseGrant | None:
@@ -320,8 +346,15 @@ class Client:
             return None
         return lease_from_json(response.json())
 
-    def manifest(self, lease_id: int, secret: str) -> Manifest:
-        data = self._call("GET", f"worker/lease/{lease_id}/manifest", secret=secret).json()
+    def manifest(
+        self, lease_id: int, secret: str, held: Mapping[str, int] | None = None
+    ) -> Manifest:
+        """The unit's blobs; `held` (module id -> version the agent holds) gets encoded
+        updates from those versions where the run publishes them (worker_agent.downloads)."""
+        route = f"worker/lease/{lease_id}/manifest"
+        if held:
+            route += "?held=" + ",".join(f"{m}:{int(v)}" for m, v in sorted(held.items()))
+        data = self._call("GET", route, secret=secret).json()
         shard = data["data"]
         return Manifest(
             modules=[
@@ -332,6 +365,18 @@ class Client:
                     str(m["sha256"]),
                     int(m["size"]),
                     str(m["url"]),
+                    tuple(
+                        UpdateRef(
+                            int(u["from_version"]),
+                            int(u["version"]),
+                            str(u["url"]),
+                            str(u["sha256"]),
+                            int(u["size"]),
+                            str(u["from_sha256"]),
+                            str(u["to_sha256"]),
+                        )
+                        for u in m.get("updates") or ()
+                    ),
                 )
                 for m in data["modules"]
             ],
@@ -342,6 +387,8 @@ class Client:
                 int(shard["size"]),
                 int(shard["tokens"]),
                 str(shard["dtype"]),
+                str(shard.get("scope", "path")),
+                int(shard.get("first_position", 0)),
             ),
         )
 
@@ -352,7 +399,7 @@ class Client:
                 str(u["module_id"]),
                 str(u["key"]),
                 int(u["max_bytes"]),
-                str(u["put_url"]),
+                str(u.get("put_url") or ""),  # none where the store cannot bound a PUT
                 str(u["post"]["url"]),
                 {str(k): str(v) for k, v in u["post"]["fields"].items()},
             )
@@ -408,6 +455,10 @@ def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
         modules=[str(m) for m in data["modules"]],
         base_versions={str(k): int(v) for k, v in data["base_versions"].items()},
         steps=int(data["steps"]),
+        unit_steps=int(data.get("unit_steps") or data["steps"]),
+        size_reason=str(data.get("size_reason") or ""),
+        seconds_limit=None if data.get("seconds_limit") is None else float(data["seconds_limit"]),
+        round_deadline=None if data.get("round_deadline") is None else str(data["round_deadline"]),
         codec=str(data["codec"]),
         config=dict(data["config"]),
         data=DataWindow(

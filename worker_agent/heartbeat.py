@@ -29,6 +29,7 @@ class HeartbeatThread(threading.Thread):
         self.lease_lost = threading.Event()
         self.lost_reason = ""
         self.release_requested = False
+        self.round_deadline: str | None = None  # as the last beat heard it (ISO 8601)
         self.auth_error: AuthFailed | None = None
         self._halt = threading.Event()
         self._wake = threading.Event()
@@ -41,6 +42,7 @@ class HeartbeatThread(threading.Thread):
             self._lease = (lease_id, secret)
             self.lease_lost.clear()
             self.lost_reason, self.release_requested = "", False
+            self.round_deadline = None
         self._wake.set()
 
     def untrack(self) -> None:
@@ -82,6 +84,10 @@ class HeartbeatThread(threading.Thread):
             log.warning("heartbeat failed: %s", exc.message)
             return
         self.interval_s = answer.heartbeat_interval_s or self.interval_s
+        if lease is not None and answer.round_deadline:
+            with self._lock:
+                if self._lease == lease:
+                    self.round_deadline = answer.round_deadline
         if lease is not None and "release" in answer.instructions:
             self._lost(lease, "the server no longer needs this unit", release=True)
 

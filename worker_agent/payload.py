@@ -1,9 +1,9 @@
 """What a unit moves: module weights in (fp32 safetensors), encoded pseudo-gradients out.
 
-Module files are read with ``safetensors`` only (never pickle; DESIGN §7), and every
+Module files are read with ``safetensors`` only (never pickle; docs/design.md §7), and every
 tensor's name and shape is checked against the run's module spec before it is used:
 a blob for another layout is refused with the module it belongs to. The server writes
-plain fp32 safetensors (rounds.outer's ModuleWriter); a dipaco codec container is read
+plain fp32 safetensors (rounds.outer_step's ModuleWriter); a dipaco codec container is read
 too, so the two formats stay interchangeable.
 """
 
@@ -15,14 +15,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from safetensors.torch import load_file
 from torch import Tensor
 
 from dipaco import codecs
+from dipaco.codecs.compression import is_zstd
 from dipaco.config import RunConfig
 from dipaco.inner import InnerState, state_fingerprint
 from dipaco.modular import module_spec
+from dipaco.modules_file import CorruptModule, load_module_file
 from worker_agent.transfer import sha256_of
 
 __all__ = ["EncodedDelta", "ModuleFileInvalid", "encode_deltas", "load_module"]
@@ -45,6 +45,8 @@ class EncodedDelta:
 def _metadata(path: Path) -> dict[str, str]:
     with open(path, "rb") as handle:
         prefix = handle.read(8)
+        if is_zstd(prefix):  # only dipaco.codecs writes zstd frames
+            return {"format": codecs.FORMAT}
         if len(prefix) != 8:
             raise ModuleFileInvalid(f"{path} is not a safetensors file (too short)")
         (length,) = struct.unpack("<Q", prefix)
@@ -66,20 +68,10 @@ def load_module(path: Path, config: RunConfig, module_id: str) -> dict[str, Tens
             return codecs.decode(path, expected=spec)
         except codecs.CodecError as exc:
             raise ModuleFileInvalid(f"module {module_id}: {exc}") from exc
-    tensors = load_file(str(path))
-    missing, extra = sorted(set(spec) - set(tensors)), sorted(set(tensors) - set(spec))
-    if missing or extra:
-        raise ModuleFileInvalid(
-            f"module {module_id}: the blob lacks {missing[:3]} and/or has unexpected "
-            f"{extra[:3]}; the server sent weights of another model layout"
-        )
-    for name, (shape, _) in spec.items():
-        if tuple(tensors[name].shape) != tuple(shape):
-            raise ModuleFileInvalid(
-                f"module {module_id} tensor {name}: shape {tuple(tensors[name].shape)}, "
-                f"expected {tuple(shape)}"
-            )
-    return {name: t.to(torch.float32) for name, t in tensors.items()}
+    try:
+        return load_module_file(path, config, module_id)
+    except CorruptModule as exc:
+        raise ModuleFileInvalid(f"{exc}; the server sent weights of another model layout") from exc
 
 
 def encode_deltas(
@@ -107,6 +99,7 @@ def encode_deltas(
             config.comm.codec,
             after.module_residual(module_id),
             block_size=config.comm.block_size,
+            compression=config.comm.compression,
         )
         tmp = path.with_name(f"{path.name}.tmp")
         tmp.write_bytes(data)

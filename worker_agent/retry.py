@@ -1,85 +1,35 @@
-"""The one place the agent retries: exponential backoff with jitter, for every network call.
+"""The agent's retries: dipaco.retry's one policy, taught the agent's ServerError.
 
-Transient failures (the network, timeouts, 5xx, 408, 429) are retried; a client fault
-(any other 4xx) is raised at once, since asking again cannot change the answer
-(STYLE: user errors are not retried). Each wait is drawn from [base/2, base] with
-base = min(max_s, initial_s x multiplier^k) ("equal jitter"), so a fleet that lost the
-server at the same moment does not come back in lockstep, and no wait exceeds max_s.
-A server's ``Retry-After`` is honoured up to max_s. A set ``stop`` event ends the waits
-early (shutdown): the last error is raised at once.
+Every network call of the agent goes through `retry` (dipaco.retry, on tenacity): a
+ServerError is transient when the server said so (5xx, 408, 429), and its
+``retry_after`` detail is honoured up to the policy's max_s.
 
     value = retry(lambda: client.get(url), Backoff(attempts=5), what="GET manifest")
 """
 
 from __future__ import annotations
 
-import logging
 import random
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import TypeVar
 
-import httpx
-
+from dipaco import retry as _policy
+from dipaco.retry import Backoff, RetryAttempt, delays
 from worker_agent.errors import ServerError
 
 __all__ = ["Backoff", "RetryAttempt", "delays", "is_transient", "retry"]
-
-log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Backoff:
-    """How long to keep trying. Defaults: 8 tries over about 2 minutes."""
-
-    attempts: int = 8  # tries in all, the first included
-    initial_s: float = 1.0  # base wait after the first failure
-    multiplier: float = 2.0  # base grows by this per failure...
-    max_s: float = 30.0  # ...up to this
-
-    def __post_init__(self) -> None:
-        if self.attempts < 1 or self.initial_s < 0 or self.multiplier < 1 or self.max_s < 0:
-            raise ValueError(f"bad backoff {self}: need attempts >= 1, times >= 0, multiplier >= 1")
-
-    @property
-    def longest_total_s(self) -> float:
-        """Upper bound of the time spent waiting before giving up (for messages)."""
-        return sum(
-            min(self.max_s, self.initial_s * self.multiplier**k) for k in range(self.attempts - 1)
-        )
-
-
-@dataclass(frozen=True)
-class RetryAttempt:
-    """What `on_retry` hears before each wait."""
-
-    what: str
-    attempt: int  # the try that failed, 1-based
-    error: BaseException
-    wait_s: float
-
-
-def delays(policy: Backoff, rng: random.Random | None = None) -> Iterator[float]:
-    """The waits between tries: attempts - 1 of them, each in [base/2, base]."""
-    draw = (rng or random).random
-    for k in range(policy.attempts - 1):
-        base = min(policy.max_s, policy.initial_s * policy.multiplier**k)
-        yield base / 2 + draw() * base / 2
 
 
 def is_transient(error: BaseException) -> bool:
     """True for failures a later try may not see: network, timeouts, 5xx, 408, 429."""
     if isinstance(error, ServerError):
         return error.transient
-    if isinstance(error, httpx.HTTPStatusError):
-        status = error.response.status_code
-        return status >= 500 or status in (408, 429)
-    return isinstance(error, httpx.TransportError | ConnectionError | TimeoutError)
+    return _policy.is_transient(error)
 
 
-def _retry_after(error: BaseException) -> float | None:
+def retry_after(error: BaseException) -> float | None:
     raw = error.details.get("retry_after") if isinstance(error, ServerError) else None
     try:
         return float(raw) if raw is not None else None
@@ -98,29 +48,15 @@ def retry(
     sleep: Callable[[float], object] | None = None,
     rng: random.Random | None = None,
 ) -> T:
-    """`call()` until it succeeds, a non-transient error, `stop`, or the last attempt."""
-    waits = delays(policy, rng)
-    attempt = 0
-    while True:
-        attempt += 1
-        try:
-            return call()
-        except Exception as error:
-            if not transient(error):
-                raise
-            wait = next(waits, None)
-            if wait is None or (stop is not None and stop.is_set()):
-                raise
-            hinted = _retry_after(error)
-            if hinted is not None:
-                wait = min(policy.max_s, max(wait, hinted))
-            log.info("%s failed (try %d): %s; again in %.1f s", what, attempt, error, wait)
-            if on_retry is not None:
-                on_retry(RetryAttempt(what, attempt, error, wait))
-            if sleep is not None:
-                sleep(wait)
-            elif stop is not None:
-                if stop.wait(wait):
-                    raise
-            else:
-                threading.Event().wait(wait)
+    """dipaco.retry.retry with the agent's transient rule and the server's Retry-After."""
+    return _policy.retry(
+        call,
+        policy,
+        what=what,
+        transient=transient,
+        retry_after=retry_after,
+        stop=stop,
+        on_retry=on_retry,
+        sleep=sleep,
+        rng=rng,
+    )

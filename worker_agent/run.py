@@ -32,6 +32,8 @@ __all__ = ["run_agent"]
 def run_agent(args: argparse.Namespace, reporter: Reporter, stop: threading.Event) -> None:
     if args.max_units is not None and args.max_units < 1:
         raise UsageError(f"--max-units {args.max_units}: give at least 1")
+    if args.step_delay < 0:
+        raise UsageError(f"--step-delay {args.step_delay}: give 0 or more seconds")
     if args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every {args.checkpoint_every}: give at least 1 step")
     if args.enroll is not None and not args.server:
@@ -53,6 +55,7 @@ def run_agent(args: argparse.Namespace, reporter: Reporter, stop: threading.Even
     )  # fmt: skip
     identity = saved or _enroll(args, data_dir, device.describe(), reporter, stop)
     reporter.status(worker=identity.name, server=identity.server)
+    reporter.event("page", f"this worker's page: {identity.server}/workers/{identity.worker_id}/")
     client = Client(identity.server, identity.token, stop=stop, on_retry=_retry_reporter(reporter))
     heartbeats = HeartbeatThread(
         Client(identity.server, identity.token), interval_s=30.0
@@ -60,7 +63,8 @@ def run_agent(args: argparse.Namespace, reporter: Reporter, stop: threading.Even
     agent = Agent(
         client, heartbeats, device,
         AgentOptions(data_dir, max_units=args.max_units, checkpoint_every=args.checkpoint_every,
-                     memory_budget_bytes=budget, cache_max_bytes=args.cache_size),
+                     memory_budget_bytes=budget, cache_max_bytes=args.cache_size,
+                     step_delay_s=args.step_delay),
         reporter, stop,
     )  # fmt: skip
     try:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 import httpx
 
@@ -112,7 +112,7 @@ class _MeteredFile:
 
 
 class Transfers:
-    """GET and PUT through presigned URLs with one retry policy and one meter."""
+    """GET and POST (or PUT) through presigned URLs with one retry policy and one meter."""
 
     def __init__(
         self,
@@ -213,7 +213,13 @@ class Transfers:
             raise ServerError(503, "incomplete_download", f"got {got} of {wanted} bytes")
 
     def upload(self, target: UploadTarget, path: Path) -> None:
-        """PUT `path` to the target's presigned URL (a replay overwrites the same key)."""
+        """POST `path` to the target's presigned form (a replay overwrites the same key).
+
+        A form POST, not a PUT: the store enforces the signed content-length-range itself
+        (S3 presigned POST policy; the local store's signed max_bytes), so an upload larger
+        than the server allows is refused at the store, never written (issue 19). A raw
+        PUT is used only where the server offers no form.
+        """
         size = path.stat().st_size
         if size > target.max_bytes:
             raise ValueError(
@@ -224,11 +230,21 @@ class Transfers:
         def attempt() -> None:
             with open(path, "rb") as handle:
                 body = _MeteredFile(handle, self.meter, self.stop)
-                response = self.http.put(
-                    target.put_url,
-                    content=body,
-                    headers={"Content-Type": "application/octet-stream"},
-                )
+                if target.post_url:
+                    response = self.http.post(
+                        target.post_url,
+                        data=dict(target.post_fields),
+                        # httpx reads it in chunks: only .read is used (and fileno for size)
+                        files={
+                            "file": (path.name, cast(BinaryIO, body), "application/octet-stream")
+                        },
+                    )
+                else:
+                    response = self.http.put(
+                        target.put_url,
+                        content=body,
+                        headers={"Content-Type": "application/octet-stream"},
+                    )
             if response.status_code >= 400:
                 raise parse_error(response)
 

@@ -11,8 +11,9 @@ import argparse
 import os
 import sys
 
-from dipaco.cli.download import DownloadError, add_server_arguments, cached_path_dir
+from dipaco.cli.download import add_server_arguments
 from dipaco.cli.route import route
+from dipaco.client import DownloadError, cached_path_dir
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

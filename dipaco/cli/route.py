@@ -11,7 +11,8 @@ import json
 import sys
 from typing import Any
 
-from dipaco.cli.download import Client, DownloadError, add_server_arguments
+from dipaco.cli.download import add_server_arguments
+from dipaco.client import Client, DownloadError
 
 SHOWN_SCORES = 8
 

@@ -121,6 +121,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not rescale a module's Δ by √(paths through it)",
     )
+    shape.add_argument(
+        "--overlap",
+        choices=["none", "delayed"],
+        help="outer.overlap: delayed = one-step-delayed outer updates (no idle time)",
+    )
     shape.add_argument("--router", choices=["kmeans", "product-kmeans"], help="routing method")
     shape.add_argument(
         "--base-steps",
@@ -213,7 +218,8 @@ def build_config(args: argparse.Namespace) -> Any:
     sections = {
         "inner": {"steps": args.inner_steps, "lr": args.inner_lr},
         "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum,
-                  "sqrt_paths_rescale": False if args.no_sqrt_rescale else None},
+                  "sqrt_paths_rescale": False if args.no_sqrt_rescale else None,
+                  "overlap": args.overlap},
         "comm": {"codec": args.codec},
         "data": {"corpus": args.corpus, "val_fraction": args.val_fraction},
         "router": {"method": args.router},

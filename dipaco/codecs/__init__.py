@@ -31,6 +31,13 @@ checked against hard limits and against each other before the payload is touched
 never allocate more than their declared (and, with ``expected``, the module's) size;
 ``accumulate`` is all-or-nothing. Every refusal is a ``CodecError`` with a stable ``code``.
 
+Compression (``comm.compression``): ``encode(..., compression="zstd")`` wraps the container in
+one zstd frame (lossless; int8 payloads shrink by a few percent). Every reader (``inspect``,
+``verify``, ``decode``, ``accumulate``) recognises the frame by its magic and decompresses it
+with a hard bound: the frame's declared size within ``max_bytes`` (or the limit the
+``expected`` spec implies; see ``dipaco.codecs.compression``), header validated first, so a
+zip bomb or a cut-off frame is a ``CodecError``, never an allocation of what it claims.
+
     data = encode({"w": delta}, "int8")                 # worker
     stats = accumulate(data, into, weight, expected)    # server, streaming outer step
 """
@@ -47,10 +54,12 @@ from dipaco.codecs.api import (
     spec_of,
     verify,
 )
+from dipaco.codecs.compression import COMPRESSIONS
 from dipaco.codecs.container import CODECS, FORMAT, VERSION, CodecError, ContainerHeader, TensorInfo
 
 __all__ = [
     "CODECS",
+    "COMPRESSIONS",
     "FORMAT",
     "VERSION",
     "CodecError",

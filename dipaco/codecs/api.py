@@ -8,11 +8,13 @@ import os
 import warnings
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
+from dipaco.codecs import compression as zstd
 from dipaco.codecs.container import (
     BLOCK_CODECS,
     CODECS,
@@ -46,7 +48,8 @@ class CodecStats:
 
     ``sq_norm`` is the squared L2 norm of the decoded values (before ``weight``), summed in fp32
     per chunk; it is ``inf`` when it exceeds fp32 range. Non-finite values never get this far:
-    they raise ``CodecError(code="non_finite")``.
+    they raise ``CodecError(code="non_finite")``. ``encoded_bytes`` is the size as stored or
+    sent: the zstd frame's when the container was compressed.
     """
 
     codec: str
@@ -126,10 +129,19 @@ def _build(
     return build_header(codec, block_size, infos, arrays)
 
 
-def encode(tensors: Mapping[str, torch.Tensor], codec: str, *, block_size: int = 64) -> bytes:
-    """Encode ``tensors`` (any float dtype, any device) with ``codec`` into container bytes."""
+def encode(
+    tensors: Mapping[str, torch.Tensor],
+    codec: str,
+    *,
+    block_size: int = 64,
+    compression: str = "none",
+) -> bytes:
+    """Encode ``tensors`` (any float dtype, any device) with ``codec`` into container bytes;
+    with ``compression="zstd"``, one zstd frame of those bytes (every reader takes both)."""
+    zstd.check_compression(compression)
     header, ordered = _build(tensors, codec, block_size)
-    return b"".join([header, *(_bytes_of(array) for _, array in ordered)])
+    data = b"".join([header, *(_bytes_of(array) for _, array in ordered)])
+    return zstd.compress(data) if compression == "zstd" else data
 
 
 def encode_with_feedback(
@@ -138,6 +150,7 @@ def encode_with_feedback(
     residual: Mapping[str, torch.Tensor] | None,
     *,
     block_size: int = 64,
+    compression: str = "none",
 ) -> tuple[bytes, dict[str, torch.Tensor]]:
     """Error feedback (1-bit SGD, Seide et al. 2014; EF21): encode Δ + e, keep the new error.
 
@@ -145,8 +158,10 @@ def encode_with_feedback(
     name; None or missing names: zero) before quantising, and returns the error of this
     encoding as the residual for next time, so quantisation errors cancel over rounds
     instead of accumulating. For the exact codecs (fp32) the residual stays zero.
-    Returns (container bytes, new residual: fp32 CPU tensors).
+    Returns (container bytes, zstd-compressed with ``compression="zstd"``; new residual:
+    fp32 CPU tensors).
     """
+    zstd.check_compression(compression)
     residual = residual or {}
     corrected = {}
     for name, tensor in tensors.items():
@@ -156,10 +171,11 @@ def encode_with_feedback(
             value = value + previous.to(torch.float32)
         corrected[name] = value
     data = encode(corrected, codec, block_size=block_size)
+    wire = zstd.compress(data) if compression == "zstd" else data
     if codec == "fp32":
-        return data, {}
+        return wire, {}
     sent = decode(data)
-    return data, {name: corrected[name] - sent[name] for name in corrected}
+    return wire, {name: corrected[name] - sent[name] for name in corrected}
 
 
 def encode_to_file(
@@ -168,50 +184,115 @@ def encode_to_file(
     path: str | os.PathLike[str],
     *,
     block_size: int = 64,
+    compression: str = "none",
 ) -> int:
     """Like ``encode`` but streams to ``path`` (written whole, then renamed); returns its size."""
+    zstd.check_compression(compression)
     header, ordered = _build(tensors, codec, block_size)
     target = Path(path)
     partial = target.with_name(target.name + ".partial")
     try:
         with open(partial, "wb") as out:
-            out.write(header)
-            for _, array in ordered:
-                out.write(_bytes_of(array))
+            if compression == "zstd":
+                size = len(header) + sum(_bytes_of(array).nbytes for _, array in ordered)
+                with zstd.compressor().stream_writer(out, size=size, closefd=False) as writer:
+                    writer.write(header)
+                    for _, array in ordered:
+                        writer.write(_bytes_of(array))
+            else:
+                out.write(header)
+                for _, array in ordered:
+                    out.write(_bytes_of(array))
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)  # after a failure: never leave half a file behind
     return target.stat().st_size
 
 
+def _check_max(total: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and total > max_bytes:
+        raise CodecError("too_large", f"{total} bytes exceed the {max_bytes} allowed")
+
+
+def _read_zstd(
+    frame: memoryview | BinaryIO,
+    wire_bytes: int,
+    expected: Mapping[str, TensorSpec] | None,
+    with_data: bool,
+    max_bytes: int | None,
+) -> tuple[ContainerHeader, memoryview]:
+    """`_read` for a zstd frame (`dipaco.codecs.compression`): the frame's declared size is
+    checked against the limit, then the container header against ``expected``, and only
+    then is the whole frame decompressed, to exactly the size that header implies."""
+    start = frame[:32] if isinstance(frame, memoryview) else frame.read(32)
+    total = zstd.declared_size(bytes(start), max_bytes, expected is not None)
+    if not isinstance(frame, memoryview):
+        frame.seek(0)
+    prefix, header_json = zstd.read_header(frame, total)
+    length = sniff_header_length(prefix, total) if len(prefix) == 8 else None
+    if length is None or len(header_json) != length:
+        raise CodecError(
+            "truncated", "the zstd frame ends inside the container header: the upload was cut off"
+        )
+    check_json_start(prefix, header_json)
+    header = parse_header(header_json, total)
+    _check_spec(header, expected)
+    header = replace(header, compression="zstd", wire_bytes=wire_bytes)
+    if not with_data:
+        return header, memoryview(b"")
+    if not isinstance(frame, memoryview):
+        frame.seek(0)
+        frame = memoryview(frame.read())
+        if frame.nbytes != wire_bytes:
+            raise CodecError(
+                "truncated", "file changed while it was read: read it once it is complete"
+            )
+    return header, memoryview(zstd.decompress(frame, total))[header.header_bytes :]
+
+
 def _read(
-    data: Source, expected: Mapping[str, TensorSpec] | None, with_data: bool
+    data: Source,
+    expected: Mapping[str, TensorSpec] | None,
+    with_data: bool,
+    max_bytes: int | None = None,
 ) -> tuple[ContainerHeader, memoryview]:
     """The validated header and, if asked, the data region (else an empty view).
 
     Bytes are used in place. A file is read only once its header, its size and ``expected``
-    check out, so a hostile header costs at most ``MAX_HEADER_BYTES``.
+    check out, so a hostile header costs at most ``MAX_HEADER_BYTES``. A zstd frame is
+    decompressed only once the same checks pass on its declared size and header
+    (``_read_zstd``). ``max_bytes`` caps the container's size (decompressed).
     """
     if isinstance(data, (bytes, bytearray, memoryview)):
         view = memoryview(data)
         view = view if view.format == "B" else view.cast("B")
+        if zstd.is_zstd(bytes(view[:4])):
+            return _read_zstd(view, view.nbytes, expected, with_data, max_bytes)
+        _check_max(view.nbytes, max_bytes)
         prefix = bytes(view[:8])
         length = sniff_header_length(prefix, view.nbytes)
         header_json = bytes(view[8 : 8 + length])
         check_json_start(prefix, header_json)
         header = parse_header(header_json, view.nbytes)
         _check_spec(header, expected)
+        header = replace(header, wire_bytes=view.nbytes)
         return header, view[header.header_bytes :] if with_data else view[:0]
     if not isinstance(data, (str, os.PathLike)):
         raise TypeError(f"expected bytes or a path, got {type(data).__name__}")
     with open(data, "rb") as file:
         total = os.fstat(file.fileno()).st_size
+        if zstd.is_zstd(file.read(4)):
+            file.seek(0)
+            return _read_zstd(file, total, expected, with_data, max_bytes)
+        file.seek(0)
+        _check_max(total, max_bytes)
         prefix = file.read(8)
         length = sniff_header_length(prefix, total)
         header_json = file.read(length)
         check_json_start(prefix, header_json)
         header = parse_header(header_json, total)
         _check_spec(header, expected)
+        header = replace(header, wire_bytes=total)
         buffer = bytearray(header.data_bytes if with_data else 0)
         if with_data and file.readinto(buffer) != header.data_bytes:
             raise CodecError(
@@ -220,9 +301,15 @@ def _read(
     return header, memoryview(buffer)
 
 
-def inspect(data: Source, expected: Mapping[str, TensorSpec] | None = None) -> ContainerHeader:
-    """Validate the header alone (for a path, only the header is read); raises CodecError."""
-    return _read(data, expected, with_data=False)[0]
+def inspect(
+    data: Source,
+    expected: Mapping[str, TensorSpec] | None = None,
+    *,
+    max_bytes: int | None = None,
+) -> ContainerHeader:
+    """Validate the header alone (for a path, only the header is read; for a zstd frame,
+    only the header is decompressed); raises CodecError."""
+    return _read(data, expected, with_data=False, max_bytes=max_bytes)[0]
 
 
 def _check_spec(header: ContainerHeader, expected: Mapping[str, TensorSpec] | None) -> None:
@@ -272,10 +359,13 @@ def _check_into(header: ContainerHeader, into: Mapping[str, torch.Tensor]) -> No
 
 
 def _open(
-    data: Source, expected: Mapping[str, TensorSpec] | None, verify_checksum: bool
+    data: Source,
+    expected: Mapping[str, TensorSpec] | None,
+    verify_checksum: bool,
+    max_bytes: int | None = None,
 ) -> tuple[ContainerHeader, dict[str, list[torch.Tensor]]]:
     """Validate everything but the decoded values; return each tensor's stored arrays."""
-    header, region = _read(data, expected, with_data=True)
+    header, region = _read(data, expected, with_data=True, max_bytes=max_bytes)
     layouts = {
         name: stored_layout(header.codec, info.numel, header.block_size)
         for name, info in header.tensors.items()
@@ -327,23 +417,31 @@ def _norm_pass(header: ContainerHeader, stored: dict[str, list[torch.Tensor]]) -
 
 def _stats(header: ContainerHeader, sq: float, verified: bool) -> CodecStats:
     return CodecStats(
-        header.codec, len(header.tensors), header.num_elements, header.total_bytes, sq, verified
+        header.codec, len(header.tensors), header.num_elements, header.wire_bytes, sq, verified
     )
 
 
 def verify(
-    data: Source, expected: Mapping[str, TensorSpec] | None = None, *, verify_checksum: bool = True
+    data: Source,
+    expected: Mapping[str, TensorSpec] | None = None,
+    *,
+    verify_checksum: bool = True,
+    max_bytes: int | None = None,
 ) -> CodecStats:
     """Check an encoded Δ completely (header, checksum, finiteness) and measure its norm."""
-    header, stored = _open(data, expected, verify_checksum)
+    header, stored = _open(data, expected, verify_checksum, max_bytes)
     return _stats(header, _norm_pass(header, stored), verify_checksum)
 
 
 def decode(
-    data: Source, expected: Mapping[str, TensorSpec] | None = None, *, verify_checksum: bool = True
+    data: Source,
+    expected: Mapping[str, TensorSpec] | None = None,
+    *,
+    verify_checksum: bool = True,
+    max_bytes: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Decode to fp32 tensors of the logical shapes; raises CodecError on any bad input."""
-    header, stored = _open(data, expected, verify_checksum)
+    header, stored = _open(data, expected, verify_checksum, max_bytes)
     out: dict[str, torch.Tensor] = {}
     for name, info in header.tensors.items():
         flat = torch.empty(info.numel, dtype=torch.float32)  # (n,): size validated against the data
@@ -362,6 +460,7 @@ def accumulate(
     expected: Mapping[str, TensorSpec] | None = None,
     *,
     verify_checksum: bool = True,
+    max_bytes: int | None = None,
 ) -> CodecStats:
     """``into[name] += weight * decoded[name]`` in fp32, one chunk at a time.
 
@@ -371,7 +470,7 @@ def accumulate(
     """
     if not math.isfinite(weight):
         raise ValueError(f"weight must be finite, got {weight}")
-    header, stored = _open(data, expected, verify_checksum)
+    header, stored = _open(data, expected, verify_checksum, max_bytes)
     _check_into(header, into)
     sq = 0.0
     for name, info in header.tensors.items():

@@ -63,7 +63,8 @@ class CodecError(ValueError):
 
     ``code`` is a stable id the server can count and show (``truncated``, ``bad_header``,
     ``not_safetensors``, ``unknown_codec``, ``bad_layout``, ``too_large``, ``spec_mismatch``,
-    ``non_finite``, ``bad_scales``, ``checksum_mismatch``, ``bad_input``); the message says
+    ``non_finite``, ``bad_scales``, ``checksum_mismatch``, ``bad_compression``,
+    ``bad_input``); the message says
     what was wrong and what to change.
     """
 
@@ -108,6 +109,8 @@ class ContainerHeader:
     entries: dict[str, StoredEntry] = field(repr=False)
     header_bytes: int  # 8 + N: where the data region starts
     data_bytes: int
+    compression: str = "none"  # "zstd": the container arrived inside a zstd frame
+    wire_bytes: int = 0  # the bytes as stored or sent (the frame's size when compressed)
 
     @property
     def num_elements(self) -> int:

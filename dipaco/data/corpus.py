@@ -16,7 +16,7 @@ in `CorpusStats`, never fatal.
 
 Long documents are chunked to at most ``max_chars`` characters, cut at a blank
 line (else a newline) in the second half of the window. Routing reads only the
-first 32 tokens of a document (DESIGN §1), so one 700 kB file routed as a single
+first 32 tokens of a document (docs/design.md §1), so one 700 kB file routed as a single
 document would put all of it into one path's shard; chunks route independently
 and keep the shards balanced. 8192 characters is about 2-3k tokens of code.
 

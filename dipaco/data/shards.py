@@ -1,6 +1,6 @@
 """Per-path token shards: the on-disk (and object-store) data format.
 
-Layout under a shard directory (DESIGN §5: ``runs/<run>/data/``)::
+Layout under a shard directory (docs/design.md §5: ``runs/<run>/data/``)::
 
     index.json          format version, dtype, vocab size, separator id,
                         and per path and split: tokens, documents, sha256

@@ -26,7 +26,7 @@ from torch import Tensor
 from dipaco.config import RunConfig
 from dipaco.data.shards import TokenShard
 
-__all__ = ["ShardSource", "path_seed", "unit_start", "unit_windows"]
+__all__ = ["RowSource", "ShardSource", "UnitSource", "path_seed", "unit_start", "unit_windows"]
 
 
 def path_seed(config: RunConfig, path: int) -> int:
@@ -47,6 +47,22 @@ def unit_start(config: RunConfig, round_index: int, replica: int) -> int:
             f"replicas from 0 to replicas_per_path - 1 = {config.replicas_per_path - 1}"
         )
     return (round_index * config.replicas_per_path + replica) * unit_windows(config)
+
+
+class RowSource:
+    """A TokenSource over given (N, T+1) sequences in one seeded shuffle: the demo's dense
+    baselines read every unit's sequences of the run this way."""
+
+    def __init__(self, rows: Tensor, seed: int) -> None:
+        self.rows = rows  # (N, T+1)
+        generator = torch.Generator().manual_seed(seed)
+        self.order = torch.randperm(rows.shape[0], generator=generator)  # (N,)
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        if seq_len + 1 != self.rows.shape[1]:
+            raise ValueError(f"sequences cut for seq_len {self.rows.shape[1] - 1}, asked {seq_len}")
+        picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
+        return self.rows[picks]  # (B, T+1)
 
 
 class ShardSource:
@@ -79,4 +95,35 @@ class ShardSource:
             raise ValueError(f"source cut for seq_len {self.seq_len}, asked for {seq_len}")
         picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
         rows = [self.shard.read_window(int(w) * seq_len, seq_len + 1) for w in picks]
+        return torch.from_numpy(np.stack(rows))  # (B, T+1)
+
+    def unit_rows(self, first: int, count: int) -> np.ndarray:
+        """The windows at positions first .. first + count - 1, one row each: (count, T+1),
+        in the shard's dtype. What a unit reads, cut once by the server (`UnitSource`)."""
+        picks = self.order[(first + torch.arange(count)) % self.order.numel()]  # (count,)
+        T = self.seq_len
+        rows = [self.shard.read_window(int(w) * T, T + 1) for w in picks]
+        return np.stack(rows).astype(self.shard.dtype)
+
+
+class UnitSource:
+    """A unit's own windows, as the server cut them with `ShardSource.unit_rows`: a file of
+    rows of T + 1 tokens where row i is the window at position `first` + i. The same
+    batches as the path's ShardSource at those positions, from a file that holds nothing
+    else of the path's shard (a lease's data URL covers only its unit's windows)."""
+
+    def __init__(self, rows: TokenShard, seq_len: int, first: int) -> None:
+        self.rows, self.seq_len, self.first = rows, seq_len, first
+        self.count, rest = divmod(len(rows), seq_len + 1)
+        if self.count < 1 or rest:
+            raise ValueError(
+                f"{rows.path} holds {len(rows)} tokens, not whole windows of {seq_len + 1}; "
+                "the unit's data file is truncated or cut for another seq_len"
+            )
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        if seq_len != self.seq_len:
+            raise ValueError(f"windows cut for seq_len {self.seq_len}, asked for {seq_len}")
+        picks = (position - self.first + torch.arange(batch_size)) % self.count  # (B,)
+        rows = [self.rows.read_window(int(i) * (seq_len + 1), seq_len + 1) for i in picks]
         return torch.from_numpy(np.stack(rows))  # (B, T+1)

@@ -1,5 +1,5 @@
 """Document features for routing, computed from the first ``prefix_tokens`` token
-ids of a document (DESIGN §1: routing reads the first 32 tokens).
+ids of a document (docs/design.md §1: routing reads the first 32 tokens).
 
 - `TfidfFeaturizer`: hashed unigram + bigram counts of the prefix, tf-idf
   weighted (idf fitted on the training documents and saved with the router),

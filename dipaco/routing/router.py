@@ -1,4 +1,4 @@
-"""The router: text -> path, once per document (DESIGN §1).
+"""The router: text -> path, once per document (docs/design.md §1).
 
 Pipeline: the first ``prefix_tokens`` token ids of the text -> features
 (`featurize.py`) -> negative squared distance to each path's centroid -> plus a

@@ -35,7 +35,6 @@ from dipaco.config import RunConfig
 from dipaco.inner import StepMetrics
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.baselines import BASELINES, BaselineRun, baseline_steps, train_baseline
-from dipaco.simulate.evaluate import val_windows
 from dipaco.simulate.prepare import DataBudget, PreparedData, default_work_dir, prepare_data
 from dipaco.simulate.report import SimulationResult, render
 from dipaco.simulate.train import train_dipaco
@@ -106,7 +105,7 @@ def simulate(
             log=log, on_step=on_base_step, device=options.device,
         )  # fmt: skip
         progress.update(base_task, completed=options.base_steps or 1)
-        windows = val_windows(data, config.model.seq_len, options.eval_windows)
+        windows = data.val_windows(config.model.seq_len, options.eval_windows)
         name = "DiLoCo" if config.num_paths == 1 else "DiPaCo"
         task = progress.add_task(name, total=config.rounds * units * config.inner.steps)
 

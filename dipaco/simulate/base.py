@@ -1,6 +1,6 @@
 """An optional dense warm-up phase every method and baseline starts from.
 
-DiPaCo starts its modules from a trained dense model (DESIGN §1, init_modules_from_base),
+DiPaCo starts its modules from a trained dense model (docs/design.md §1, init_modules_from_base),
 and DiLoCo's experiments start from a pretrained checkpoint (arXiv 2311.08105): averaging
 replicas that left one random initialisation 50 steps ago loses much of what they learnt,
 which at simulation scale (a few rounds) dominates every comparison. The base model trains

@@ -21,9 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from dipaco.config import RunConfig
+from dipaco.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
 from dipaco.inner import InnerResult, StepMetrics, TokenSource, run_inner_loop
 from dipaco.model import build_model
-from dipaco.simulate.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
 from dipaco.simulate.prepare import PreparedData
 
 __all__ = [
@@ -112,7 +112,7 @@ def fit_baseline(
     base_state: Mapping[str, Tensor] | None = None,
 ) -> tuple[nn.Module, InnerResult]:
     """Baseline `name`'s model trained on `source`: the simulation's i.i.d. stream, or
-    `dipaco demo`'s run units (dipaco.demo.baseline). ``result.completed`` is False when
+    `dipaco demo`'s run units (dipaco_demo.baseline). ``result.completed`` is False when
     `should_stop` ended it early."""
     steps, accum = baseline_steps(config, name)
     inner = config.inner.model_copy(update={"steps": steps, "grad_accum_steps": accum})

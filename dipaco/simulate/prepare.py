@@ -39,9 +39,11 @@ from torch import Tensor
 
 from dipaco.config import RunConfig
 from dipaco.data.corpus import CorpusStats, Document, iter_corpus, split_documents
+from dipaco.data.prepare import prepare_documents
 from dipaco.data.shards import ShardIndex, build_shards
-from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
+from dipaco.data.tokenizer import RunTokenizer
 from dipaco.data.windows import ShardSource  # the platform's window order (re-exported)
+from dipaco.evaluate import ValWindows, spread_windows
 from dipaco.routing.router import Router
 
 __all__ = ["DataBudget", "PreparedData", "ShardSource", "default_work_dir", "prepare_data"]
@@ -97,6 +99,11 @@ class PreparedData:
 
     def tokens(self, split: str) -> list[int]:
         return [self.shards.info(p, split).tokens for p in range(self.num_paths)]
+
+    def val_windows(self, seq_len: int, budget: int) -> ValWindows:
+        """About `budget` validation windows over the paths (dipaco.evaluate.spread_windows);
+        the DiPaCo run and every baseline are scored on the very same windows."""
+        return spread_windows([self.val_tokens(p) for p in range(self.num_paths)], seq_len, budget)
 
 
 def default_work_dir() -> Path:
@@ -189,31 +196,13 @@ def _build(
             f"the sample of {len(train_docs)} documents left none for validation; raise "
             "data.val_fraction (--val-fraction) or the budget (--max-docs)"
         )
-    num_paths = config.layout.num_paths
-    log(f"corpus: {len(train_docs)} train + {len(val_docs)} val documents; training tokenizer")
-    tokenizer = train_tokenizer(
-        train_docs, config.model.vocab_size, max_chars=budget.tokenizer_chars
-    )
-    tokenizer.save(out / "tokenizer")
-    router = None
-    if num_paths > 1:
-        model = _base_model(config, base_state)
-        log(f"fitting the {config.router.method} {config.router.featurizer} router")
-        router = Router.fit(
-            [doc.text for doc in train_docs],
-            tokenizer,
-            factors=config.layout.modules_per_level,
-            featurizer=config.router.featurizer,
-            model=model,
-            method=config.router.method,
-            prefix_tokens=config.router.prefix_tokens,
-            max_imbalance=config.router.max_imbalance,
-            seed=config.router.seed,
-        )
-        router.save(out / "router")
-    log("tokenizing and writing shards")
-    build_shards(train_docs, val_docs, tokenizer, router, out / "shards", progress=False)
-    if router is not None:  # the baselines' i.i.d. stream of every document
+    log(f"corpus: {len(train_docs)} train + {len(val_docs)} val documents")
+    prepared = prepare_documents(
+        config, train_docs, val_docs, out, model=_base_model(config, base_state),
+        tokenizer_chars=budget.tokenizer_chars, on_stage=lambda stage, detail: log(detail),
+    )  # fmt: skip
+    tokenizer = prepared.tokenizer
+    if prepared.router is not None:  # the baselines' i.i.d. stream of every document
         build_shards(train_docs, val_docs, tokenizer, None, out / "all", progress=False)
     return {
         "inputs": cache_inputs(config, budget, base_state),

@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dipaco.config import RunConfig
+from dipaco.evaluate import PathLoss, ValWindows, perplexity
 from dipaco.simulate.baselines import ALL_REDUCE_FORMULA, BaselineRun, data_parallel_bytes
-from dipaco.simulate.evaluate import PathLoss, ValWindows
 from dipaco.simulate.prepare import DataBudget, PreparedData
 from dipaco.simulate.train import DipacoRun
 
@@ -25,10 +25,6 @@ __all__ = ["RESULT_FORMAT", "SimulationResult", "render"]
 
 RESULT_FORMAT = "dipaco-simulate-result/1"
 SHORT = {"data-parallel": "DP", "dense": "dense", "dense-steps": "dense (equal steps)"}
-
-
-def _ppl(loss: float | None) -> float | None:
-    return None if loss is None else math.exp(loss)
 
 
 def _path_json(losses: list[PathLoss]) -> list[dict[str, Any]]:
@@ -59,7 +55,7 @@ class SimulationResult:
 
     @property
     def perplexity(self) -> float:
-        return math.exp(self.loss)
+        return perplexity(self.loss) or math.nan
 
     @property
     def bytes_total(self) -> int:
@@ -70,7 +66,7 @@ class SimulationResult:
         return data_parallel_bytes(self.config)
 
     def perplexity_ratio(self, baseline: str) -> float:
-        return self.perplexity / math.exp(self.baselines[baseline].loss)
+        return math.exp(min(self.loss - self.baselines[baseline].loss, 700.0))
 
     def docs_per_path(self, split: str) -> list[int]:
         return self.data.docs(split)

@@ -1,12 +1,19 @@
 """DiPaCo (and DiLoCo, its 1x1 case) in one process, on the same library calls as the platform.
 
-One outer round, as the server runs it (DESIGN §4):
+One outer round, as the server runs it (docs/design.md §4):
 1. every (path p, replica r) unit assembles path p from the current modules and trains H
    AdamW steps (dipaco.inner.train_path) on its own window of p's training stream;
 2. each module's Δ is encoded with the run's codec (dipaco.codecs) and decoded again
    exactly as the server would, so int8/int4 rounding reaches the outer step;
 3. per module, the token-weighted aggregate over every unit of every path through it, the
-   √(paths) rescale, and the Nesterov outer step (dipaco.outer).
+   √(paths) rescale, and the Nesterov outer step (dipaco.outer);
+4. with ``comm.download_codec`` int8 or fp16, the step is published as an encoded update
+   (error feedback on the server's side) and every module becomes its old weights plus
+   exactly the decoded update: what a worker holding the previous version rebuilds.
+
+Bytes are counted as they travel: each unit uploads its encoded Δs; it downloads its
+path's modules in fp32 in round 0 and, with a download codec, only the encoded updates
+after that (its worker holds the version before).
 
 Each (path, replica) keeps its inner AdamW state from round to round (train_path takes
 and returns it, as the worker agent keeps one per (run, path)), and with it the codec's
@@ -16,6 +23,7 @@ T·H steps); the outer lr follows dipaco.outer.outer_lr (its warm-up rounds).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -27,6 +35,7 @@ from torch import Tensor
 from dipaco import codecs
 from dipaco.config import RunConfig
 from dipaco.data.windows import path_seed, unit_start
+from dipaco.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
 from dipaco.inner import InnerState, StepMetrics, train_path
 from dipaco.model import build_model
 from dipaco.modular import (
@@ -38,10 +47,18 @@ from dipaco.modular import (
     modules_of_path,
 )
 from dipaco.outer import aggregate, outer_lr, outer_step
-from dipaco.simulate.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
 from dipaco.simulate.prepare import PreparedData, ShardSource
+from dipaco.updates import apply_update, publish_update
 
-__all__ = ["DipacoRun", "RoundRecord", "evaluate_paths", "train_dipaco", "training_sources"]
+__all__ = [
+    "DipacoRun",
+    "RoundRecord",
+    "apply_update",  # dipaco.updates's, re-exported
+    "evaluate_paths",
+    "publish_update",  # dipaco.updates's, re-exported
+    "train_dipaco",
+    "training_sources",
+]
 
 OnStep = Callable[[str, StepMetrics], None]
 Modules = dict[str, dict[str, Tensor]]
@@ -106,9 +123,17 @@ def _outer_round(
     momentum: Modules,
     contributions: dict[str, list[tuple[int, bytes, int]]],
     round_index: int,
-) -> None:
-    """Aggregate each module's encoded (path, Δ, tokens) and take its outer step (in place)."""
+    published: dict[str, dict[str, Tensor]] | None = None,
+) -> dict[str, int]:
+    """Aggregate each module's encoded (path, Δ, tokens) and take its outer step (in place).
+
+    With ``comm.download_codec`` other than fp32 the step is published as an encoded
+    update (`publish_update`), and the module becomes its old weights plus exactly the
+    decoded update, as on the platform; `published` keeps each module's error-feedback
+    residual between rounds. Returns the encoded update's bytes per stepped module.
+    """
     lr = outer_lr(config.outer, round_index)
+    sizes: dict[str, int] = {}
     for module_id in module_ids(config):
         encoded = contributions.get(module_id)
         if not encoded:
@@ -121,9 +146,46 @@ def _outer_round(
             paths_through=len({p for p, _, _ in encoded}),  # the paths that contributed
             spec=spec,
         )
-        modules[module_id], momentum[module_id] = outer_step(
-            modules[module_id], delta, momentum.get(module_id), config.outer, lr=lr
+        old = modules[module_id]
+        new, momentum[module_id] = outer_step(
+            old, delta, momentum.get(module_id), config.outer, lr=lr
         )
+        if config.comm.download_codec == "fp32":
+            modules[module_id] = new
+            sizes[module_id] = sum(4 * t.numel() for t in new.values())
+            continue
+        residual = (published or {}).get(module_id)
+        modules[module_id], data, kept = publish_update(
+            old,
+            new,
+            config.comm.download_codec,
+            residual,
+            block_size=config.comm.block_size,
+            compression=config.comm.compression,
+        )
+        sizes[module_id] = len(data)
+        if published is not None:
+            published[module_id] = kept
+    return sizes
+
+
+def _eager(
+    config: RunConfig, p: int, old: Modules, new: Modules, eager_at: float | None
+) -> Callable[[int], dict[str, Tensor] | None] | None:
+    """`train_dipaco`'s eager correction for one unit of path p: after step
+    ceil(eager_at x H), the shift from the version it trained from to the newest one."""
+    if eager_at is None or old is new:
+        return None
+    at = max(1, math.ceil(eager_at * config.inner.steps))
+
+    def rebase(step: int) -> dict[str, Tensor] | None:
+        if step != at:
+            return None
+        before = assemble_path_state(config, p, old)
+        after = assemble_path_state(config, p, new)
+        return {name: after[name] - before[name] for name in after}
+
+    return rebase
 
 
 def train_dipaco(
@@ -134,12 +196,18 @@ def train_dipaco(
     on_step: OnStep | None = None,
     device: torch.device | str = "cpu",
     base_state: Mapping[str, Tensor] | None = None,
+    eager_at: float | None = None,
 ) -> DipacoRun:
     """T outer rounds of P paths x R replicas; validation before training and after each round.
 
     Modules start from `base_state` (every module of a level equal) when given, else from
-    the run's seeded initialisation.
+    the run's seeded initialisation. With ``outer.overlap`` "delayed", `eager_at` in (0, 1]
+    models the eager correction (not on the platform yet): the version the previous round's
+    step publishes lands after that fraction of each unit's steps, and the unit adds it to
+    its live weights and rebases its Δ on it (dipaco.inner.run_inner_loop's `rebase`).
     """
+    if eager_at is not None and not 0 < eager_at <= 1:
+        raise ValueError(f"eager_at = {eager_at}: a fraction of the unit's steps, in (0, 1]")
     started = time.perf_counter()
     sources = training_sources(config, data)
     modules: Modules = (
@@ -150,7 +218,14 @@ def train_dipaco(
     run = DipacoRun(rounds=[RoundRecord(0, losses, routed_mean(losses))])
     reps = config.replicas_per_path
     states: dict[tuple[int, int], InnerState] = {}  # warm AdamW (+ residual) per replica
+    published: dict[str, dict[str, Tensor]] = {}  # the update's error feedback per module
+    update_bytes: dict[str, int] = {}  # the last published update's size per module
+    # outer.overlap "delayed": round t's units train from the versions before round t - 1's
+    # step (the latest published when round t opened, while that step ran), and round t's
+    # step applies their Δs onto the versions round t - 1 published (staleness 1).
+    previous: Modules = modules
     for t in range(config.rounds):
+        train_from = previous if config.outer.overlap == "delayed" else modules
         round_started = time.perf_counter()
         contributions: dict[str, list[tuple[int, bytes, int]]] = defaultdict(list)
         record = RoundRecord(t + 1, [], 0.0)
@@ -162,7 +237,7 @@ def train_dipaco(
                 result = train_path(
                     config,
                     p,
-                    modules,
+                    train_from,
                     sources[p],
                     round_index=t,
                     device=device,
@@ -171,6 +246,7 @@ def train_dipaco(
                     start_position=unit_start(config, t, r),
                     on_step=step_hook,
                     state=states.get((p, r)),
+                    rebase=_eager(config, p, train_from, modules, eager_at),
                 )
                 last_losses.append(result.losses[-1])
                 state = result.state or InnerState()
@@ -180,16 +256,26 @@ def train_dipaco(
                         config.comm.codec,
                         state.module_residual(module_id),
                         block_size=config.comm.block_size,
+                        compression=config.comm.compression,
                     )
                     state.set_module_residual(module_id, residual)
                     contributions[module_id].append((p, encoded, result.tokens))
                     record.upload_bytes += len(encoded)
                 states[(p, r)] = state
-                # The unit first downloaded the path's modules, in fp32.
-                record.download_bytes += _fp32_bytes(modules, modules_of_path(config, p))
+                # The unit first downloaded the path's modules: whole in fp32 the first time;
+                # after that its worker (one per path and replica) holds the version before
+                # and fetches only the published update, in comm.download_codec.
+                ids = modules_of_path(config, p)
+                if t == 0 or config.comm.download_codec == "fp32":
+                    record.download_bytes += _fp32_bytes(modules, ids)
+                else:
+                    record.download_bytes += sum(
+                        update_bytes.get(m, 0) for m in ids
+                    )  # a module no unit stepped has no update to fetch
                 run.tokens += result.tokens
                 run.units += 1
-        _outer_round(config, modules, momentum, contributions, t)
+        previous = dict(modules)  # _outer_round replaces each stepped module's dict
+        update_bytes = _outer_round(config, modules, momentum, contributions, t, published)
         record.paths = evaluate_paths(config, modules, windows)
         record.routed_loss = routed_mean(record.paths)
         record.train_loss = sum(last_losses) / len(last_losses)

@@ -15,6 +15,7 @@ including unknown routes under /api/v1 and wrong methods.
 
 from typing import Any
 
+from django.conf import settings
 from django.urls import URLPattern, URLResolver, re_path
 from ninja import NinjaAPI
 from ninja.openapi.schema import OpenAPISchema
@@ -28,6 +29,8 @@ from dipaco_server.rounds.api import router as lease_router
 from dipaco_server.runs.api import router as runs_router
 from dipaco_server.workers.api import router as workers_router
 from dipaco_server.workers.api import worker_router as registration_router
+
+PUBLIC_READ_SCHEME = "PublicReadOrStaff"  # the name ninja gives inference.api's auth
 
 
 class DipacoAPI(NinjaAPI):
@@ -47,7 +50,20 @@ class DipacoAPI(NinjaAPI):
     ) -> OpenAPISchema:
         schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
         errors.document_errors(schema)
+        _document_public_reads(schema)
         return schema
+
+
+def _document_public_reads(schema: OpenAPISchema) -> None:
+    """Routes under PublicReadOrStaff need no token while DIPACO_PUBLIC_READ is on (the
+    default): say so, as OpenAPI's optional security (an empty requirement first)."""
+    if not settings.DIPACO_PUBLIC_READ:
+        return
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            security = operation.get("security")
+            if security and any(PUBLIC_READ_SCHEME in entry for entry in security):
+                operation["security"] = [{}, *security]
 
 
 api = DipacoAPI(

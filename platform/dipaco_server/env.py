@@ -6,13 +6,14 @@ instead of surfacing later as a confusing connection error. Each helper takes
 the environment as an argument (default ``os.environ``) so tests can feed it
 values without touching the process.
 
-With nothing set, the result is the embedded default of DESIGN §3: SQLite,
+With nothing set, the result is the embedded default of docs/design.md §3: SQLite,
 the Celery broker and result store, and the blob store all live under
 ``DIPACO_DATA_DIR``.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
@@ -45,6 +46,10 @@ KNOWN_VARIABLES = frozenset(
         "DIPACO_PUBLIC_READ",
         "DIPACO_RATE_LIMIT_WORKER",
         "DIPACO_RATE_LIMIT_ADDRESS",
+        "DIPACO_DATA_ROOTS",
+        "DIPACO_RATE_LIMIT_PUBLIC",
+        "DIPACO_DB_POOL",
+        "DIPACO_GRANT_RATE",
     }
 )
 
@@ -188,7 +193,55 @@ def database(environ: Environ, data: Path) -> dict[str, Any]:
             "transaction_mode": "IMMEDIATE",
             "timeout": 20,
         }
+    pool = db_pool(environ)
+    if pool is not None and config["ENGINE"] == "django.db.backends.postgresql":
+        # Django's pooled psycopg connections (psycopg_pool): each process keeps at most
+        # `pool` connections, shared by its threads, instead of one per thread. Django asks
+        # for CONN_MAX_AGE 0 with a pool: a request returns its connection to the pool.
+        config["CONN_MAX_AGE"] = 0
+        config["CONN_HEALTH_CHECKS"] = False
+        options = dict(config.get("OPTIONS") or {})
+        options["pool"] = {"min_size": 1, "max_size": pool, "timeout": 10}
+        config["OPTIONS"] = options
     return dict(config)
+
+
+def grant_rate(environ: Environ = os.environ) -> float | None:
+    """``DIPACO_GRANT_RATE``: lease grants per second when a round opens (rounds.lease), or
+    None when unset (the scheduling policy's default, 50)."""
+    value = _get(environ, "DIPACO_GRANT_RATE")
+    if value is None:
+        return None
+    fix = "give grants per second, e.g. 50"
+    try:
+        rate = float(value)
+    except ValueError:
+        raise refuse("DIPACO_GRANT_RATE", value, "not a number", fix) from None
+    if not 0 < rate < math.inf:
+        raise refuse("DIPACO_GRANT_RATE", value, "must be a positive number", fix)
+    return rate
+
+
+def db_pool(environ: Environ = os.environ) -> int | None:
+    """``DIPACO_DB_POOL``: PostgreSQL connections per process in a pool (1 to 100); unset or
+    ``off``: one persistent connection per thread. See docs/deploy.md."""
+    value = _get(environ, "DIPACO_DB_POOL")
+    if value is None or value.strip().lower() == "off":
+        return None
+    fix = "give the connections per process, e.g. 4, or off"
+    try:
+        size = int(value)
+    except ValueError:
+        raise refuse("DIPACO_DB_POOL", value, "not a whole number", fix) from None
+    if not 1 <= size <= 100:
+        raise refuse("DIPACO_DB_POOL", value, "must be between 1 and 100", fix)
+    try:
+        import psycopg_pool  # noqa: F401 - the pool Django's PostgreSQL backend uses
+    except ImportError:
+        raise refuse(
+            "DIPACO_DB_POOL", value, "psycopg_pool is not installed", "pip install 'psycopg[pool]'"
+        ) from None
+    return size
 
 
 def redis_url(environ: Environ = os.environ) -> str | None:
@@ -322,6 +375,32 @@ def secret_key(environ: Environ, data: Path) -> str:
             f"delete {path} to generate a new key, or set SECRET_KEY",
         )
     return key
+
+
+def data_roots(environ: Environ, data: Path) -> list[Path]:
+    """``DIPACO_DATA_ROOTS``: the directories datasets and runs may read corpora from.
+
+    Absolute paths separated by ``:`` (os.pathsep); by default ``DIPACO_DATA_DIR/corpus``
+    (where ``dipaco demo`` samples its corpus), never the data dir itself, which holds the
+    secret key file and the database.
+    """
+    value = _get(environ, "DIPACO_DATA_ROOTS")
+    if value is None:
+        return [(data / "corpus").resolve()]
+    roots = []
+    for part in value.split(os.pathsep):
+        if not part.strip():
+            continue
+        path = Path(part.strip()).expanduser()
+        if not path.is_absolute():
+            raise refuse(
+                "DIPACO_DATA_ROOTS",
+                value,
+                f"{part!r} is not an absolute path",
+                f"list absolute directories separated by {os.pathsep!r}, e.g. /srv/corpora",
+            )
+        roots.append(path.resolve())
+    return roots
 
 
 def public_url(environ: Environ = os.environ) -> str:

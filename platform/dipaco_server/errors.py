@@ -24,6 +24,7 @@ from django.core.exceptions import RequestDataTooBig
 from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DataError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
+from django.http.multipartparser import MultiPartParserError
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
 from ninja.parser import Parser
@@ -82,7 +83,7 @@ class SizeLimitedParser(Parser):
         if too_long or len(request.body) > MAX_JSON_BODY_BYTES:
             raise _too_large()
         try:
-            return json.loads(request.body)
+            parsed = json.loads(request.body)
         except UnicodeDecodeError:
             raise ApiError(400, "malformed_json", "the body is not UTF-8 encoded JSON") from None
         except json.JSONDecodeError as exc:
@@ -91,6 +92,14 @@ class SizeLimitedParser(Parser):
                 "malformed_json",
                 f"the body is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})",
             ) from None
+        if not isinstance(parsed, dict):
+            # Every JSON body of this API is an object; ninja would read fields off a list.
+            raise ApiError(
+                422,
+                "invalid_request",
+                f"the body is a JSON {type(parsed).__name__}; send a JSON object",
+            )
+        return parsed
 
 
 def _too_large() -> ApiError:
@@ -172,6 +181,15 @@ def _out_of_range(request: HttpRequest, exc: DataError) -> HttpResponse:
     )
 
 
+def _bad_multipart(request: HttpRequest, exc: MultiPartParserError) -> HttpResponse:
+    return error_response(
+        400,
+        "malformed_multipart",
+        f"the multipart body cannot be read ({exc}); send multipart/form-data with a boundary, "
+        "as curl -F or requests' files= do",
+    )
+
+
 def _database_down(request: HttpRequest, exc: Exception) -> HttpResponse:
     # The database is unreachable (restarting, failing over): not a bug and not the client's
     # fault, so a 503 with Retry-After that agents and scripts retry, never a 500 (issue 11).
@@ -203,6 +221,7 @@ def install(api: NinjaAPI) -> None:
     api.add_exception_handler(HttpError, _http_error)
     api.add_exception_handler(ValidationError, _validation_error)
     api.add_exception_handler(RequestDataTooBig, _too_big)
+    api.add_exception_handler(MultiPartParserError, _bad_multipart)
     api.add_exception_handler(DataError, _out_of_range)
     api.add_exception_handler(OperationalError, _database_down)
     api.add_exception_handler(InterfaceError, _database_down)
@@ -237,9 +256,16 @@ def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
         "description": "A client fault, in the one error shape",
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
+    too_long = {
+        "description": "The request line (path and query) is over 4094 bytes: gunicorn "
+        "refuses it before the application, with its own HTML page",
+        "content": {"text/html": {"schema": {"type": "string"}}},
+    }
     for operations in schema.get("paths", {}).values():
         for operation in operations.values():
-            operation.setdefault("responses", {}).setdefault("4XX", answer)
+            responses = operation.setdefault("responses", {})
+            responses.setdefault("4XX", answer)
+            responses.setdefault("414", too_long)
     return schema
 
 

@@ -19,6 +19,11 @@ during that pause the cache is not asked again, so a dead Redis adds no latency.
 Rate limiting protects the service, and a worker API that answered 500 while Redis is
 away would do the opposite.
 
+The public endpoints that cost the server CPU or bandwidth, routing a text
+(``POST /api/v1/runs/{id}/route``) and a path's downloads (its manifest, zip and files),
+answer anyone while DIPACO_PUBLIC_READ is on; they count per client address against
+``DIPACO_RATE_LIMIT_PUBLIC`` (default 120/min), in the same way and the same shape.
+
 A middleware rather than a ninja decorator: it covers every worker route, including
 unknown ones and those refused by auth, and it runs before authentication queries the
 database, so a flood costs one cache round trip per request.
@@ -29,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,6 +52,10 @@ from dipaco_server.errors import error_response
 logger = logging.getLogger(__name__)
 
 WORKER_API_PREFIX = "/api/v1/worker/"
+# Public routes that cost CPU (routing runs the router) or bandwidth (a path's weights).
+PUBLIC_COSTLY = re.compile(
+    r"^/api/v1/runs/[^/]+/(?:route|paths/[^/]+/(?:manifest|download|files/[^/]*))/?$"
+)
 CACHE_ALIAS = "ratelimit"
 FAIL_OPEN_PAUSE_S = 30.0
 
@@ -76,13 +86,28 @@ def _bearer(request: HttpRequest) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+def _address(request: HttpRequest) -> str:
+    return request.META.get("REMOTE_ADDR") or "unknown"
+
+
+def _public_limits_for(request: HttpRequest) -> list[tuple[Limit, str]]:
+    """The public-endpoint limit (per address) when `request` is one of PUBLIC_COSTLY."""
+    rate = settings.DIPACO_RATE_LIMIT_PUBLIC
+    if rate is None or not PUBLIC_COSTLY.match(request.path):
+        return []
+    return [(Limit("public", "DIPACO_RATE_LIMIT_PUBLIC", *rate), _address(request))]
+
+
 def _limits_for(request: HttpRequest) -> list[tuple[Limit, str]]:
     """(limit, counter key) pairs that apply to `request`; settings are read per call."""
+    if not request.path.startswith(WORKER_API_PREFIX):
+        return _public_limits_for(request)
     pairs: list[tuple[Limit, str]] = []
     address_rate = settings.DIPACO_RATE_LIMIT_ADDRESS
     if address_rate is not None:
-        address = request.META.get("REMOTE_ADDR") or "unknown"
-        pairs.append((Limit("address", "DIPACO_RATE_LIMIT_ADDRESS", *address_rate), address))
+        pairs.append(
+            (Limit("address", "DIPACO_RATE_LIMIT_ADDRESS", *address_rate), _address(request))
+        )
     token = _bearer(request)
     worker_rate = settings.DIPACO_RATE_LIMIT_WORKER
     if worker_rate is not None and token is not None:
@@ -138,7 +163,7 @@ def _redis_client(cache: BaseCache) -> Any:
 
 
 class RateLimiter:
-    """Counts worker API requests and says which limit, if any, a request is over."""
+    """Counts worker API and costly public requests and says which limit, if any, a request is over."""
 
     def __init__(self) -> None:
         self._paused_until = 0.0
@@ -187,14 +212,14 @@ def too_many_requests(refusal: Refusal) -> HttpResponse:
 
 
 class RateLimitMiddleware:
-    """Refuses worker API requests over a limit with 429 before any view or auth runs."""
+    """Refuses worker API and costly public requests over a limit with 429 before any view or auth runs."""
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
         self.limiter = RateLimiter()
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        if request.path.startswith(WORKER_API_PREFIX):
+        if request.path.startswith(WORKER_API_PREFIX) or PUBLIC_COSTLY.match(request.path):
             refusal = self.limiter.check(request)
             if refusal is not None:
                 return too_many_requests(refusal)

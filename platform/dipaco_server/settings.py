@@ -2,7 +2,7 @@
 
 Everything comes from the environment through ``dipaco_server.env``, which
 refuses malformed values with a message naming the variable. Nothing set means
-the embedded default (DESIGN §3): SQLite, a filesystem Celery broker and a
+the embedded default (docs/design.md §3): SQLite, a filesystem Celery broker and a
 local blob directory, all under ``DIPACO_DATA_DIR``. Setting ``DATABASE_URL``,
 ``REDIS_URL`` and ``S3_BUCKET`` (+ endpoint and keys) gives the cluster mode;
 the code paths are the same.
@@ -20,6 +20,8 @@ DIPACO_DATA_DIR = env.data_dir(os.environ)
 DIPACO_PUBLIC_URL = env.public_url(os.environ)
 DIPACO_BLOB_STORE = env.blob_store(os.environ, DIPACO_DATA_DIR)
 REDIS_URL = env.redis_url(os.environ)
+# Directories datasets and runs may read corpora from (dipaco_server.runs.sources).
+DIPACO_DATA_ROOTS = env.data_roots(os.environ, DIPACO_DATA_DIR)
 
 # --- Django core --------------------------------------------------------------
 SECRET_KEY = env.secret_key(os.environ, DIPACO_DATA_DIR)
@@ -27,6 +29,25 @@ DEBUG = env.env_bool("DEBUG", False, os.environ)
 ALLOWED_HOSTS = env.allowed_hosts(os.environ, DIPACO_PUBLIC_URL)
 _public = urlsplit(DIPACO_PUBLIC_URL)
 CSRF_TRUSTED_ORIGINS = [f"{_public.scheme}://{_public.netloc}"]
+
+# --- HTTPS (what `manage.py check --deploy` asks for) --------------------------------
+# With an https DIPACO_PUBLIC_URL the server sits behind a TLS proxy (gunicorn speaks
+# plain HTTP), which must set X-Forwarded-Proto: cookies only over HTTPS, HSTS for a
+# year, and plain-HTTP requests redirected, except the health check that compose and
+# load balancers send to the container's own port.
+_https = _public.scheme == "https"
+SESSION_COOKIE_SECURE = _https
+CSRF_COOKIE_SECURE = _https
+SESSION_COOKIE_HTTPONLY = True
+SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if _https else None
+SECURE_SSL_REDIRECT = _https and not DEBUG
+SECURE_REDIRECT_EXEMPT = [r"^api/v1/health$"]
+SECURE_HSTS_SECONDS = 365 * 24 * 3600 if _https and not DEBUG else 0
+SECURE_HSTS_INCLUDE_SUBDOMAINS = _https
+SECURE_HSTS_PRELOAD = _https
+SECURE_CONTENT_TYPE_NOSNIFF = True
+SECURE_REFERRER_POLICY = "same-origin"
+X_FRAME_OPTIONS = "DENY"
 
 DATABASES = {"default": env.database(os.environ, DIPACO_DATA_DIR)}
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
@@ -91,6 +112,14 @@ USE_TZ = True
 # installed packages: no collectstatic step, no CDN.
 STATIC_URL = "static/"
 
+# --- password sign-in (dipaco_server.accounts.throttle) ----------------------------
+# Wrong passwords lock a user name (5) or an address (20) out for 15 minutes, counted in
+# the rate-limit cache; the right password is refused too until the window ends.
+AUTHENTICATION_BACKENDS = ["dipaco_server.accounts.throttle.ThrottledModelBackend"]
+SIGNIN_FAILURES_PER_USER = 5
+SIGNIN_FAILURES_PER_ADDRESS = 20
+SIGNIN_LOCKOUT_S = 15 * 60
+
 # --- dashboard (dipaco_web) -----------------------------------------------------
 # Runs and workers pages for anyone (default), or only for signed-in users when
 # false; the run buttons are for staff either way.
@@ -104,6 +133,12 @@ DIPACO_PUBLIC_READ = env.env_bool("DIPACO_PUBLIC_READ", True, os.environ)
 # token only stops a runaway client; the address limit is for one host's many workers.
 DIPACO_RATE_LIMIT_WORKER = env.rate_limit("DIPACO_RATE_LIMIT_WORKER", "600/min", os.environ)
 DIPACO_RATE_LIMIT_ADDRESS = env.rate_limit("DIPACO_RATE_LIMIT_ADDRESS", "6000/min", os.environ)
+# Routing a text and a path's downloads (manifest, zip, files), per client address: they
+# answer anyone (DIPACO_PUBLIC_READ) and cost CPU or a model's worth of bandwidth each.
+DIPACO_RATE_LIMIT_PUBLIC = env.rate_limit("DIPACO_RATE_LIMIT_PUBLIC", "120/min", os.environ)
+# Lease grants per second when a round opens (rounds.policy, rounds.lease; docs/deploy.md).
+if (_grant_rate := env.grant_rate(os.environ)) is not None:
+    DIPACO_GRANT_RATE = _grant_rate
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
     "ratelimit": env.rate_limit_cache(REDIS_URL),
@@ -117,7 +152,7 @@ CELERY_BROKER_TRANSPORT_OPTIONS = _celery["broker_transport_options"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
 # A task is acknowledged only after it finishes, and a worker takes one task at
 # a time: a worker that dies mid outer step hands the task to another worker
-# (outer-step tasks are idempotent, DESIGN §4).
+# (outer-step tasks are idempotent, docs/design.md §4).
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -128,7 +163,7 @@ CELERY_RESULT_ACCEPT_CONTENT = ["json"]
 CELERY_RESULT_EXPIRES = 24 * 3600
 CELERY_TIMEZONE = TIME_ZONE
 CELERY_BEAT_SCHEDULE_FILENAME = str(DIPACO_DATA_DIR / "celerybeat-schedule")
-# Periodic tasks: expired leases go back to the queue (DESIGN §4).
+# Periodic tasks: expired leases go back to the queue (docs/design.md §4).
 CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
     "sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0},
     # Rounds whose quorum is in and whose deadline has passed (or whose close was lost).
@@ -136,6 +171,8 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "task": "dipaco_server.rounds.tasks.close_ready_rounds",
         "schedule": 30.0,
     },
+    # Uploads and module versions past retention (rounds.retention, issue 19).
+    "sweep-blobs": {"task": "dipaco_server.rounds.tasks.sweep_blobs", "schedule": 600.0},
 }
 
 LOGGING = {

@@ -9,6 +9,12 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dipaco_server.settings")
 
 application = get_wsgi_application()
 
+# torch and transformers now, before the first request (not lazily inside one, where
+# transformers' lazy imports race between a gthread worker's threads).
+from dipaco_server.core.preload import import_heavy_libraries  # noqa: E402
+
+import_heavy_libraries()
+
 # Everything loaded so far (Django, the apps, pydantic schemas) lives as long as the
 # process: move it out of the collector's sight, so full collections under load scan
 # only what requests allocate (the practice CPython's gc.freeze was added for).

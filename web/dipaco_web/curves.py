@@ -8,11 +8,11 @@ has no point in a round.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any, TypedDict
 
-from django.db.models import Sum
+from django.db.models import Max, Sum
 
 from dipaco_server.rounds.models import Contribution, Lease
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Run
@@ -99,20 +99,36 @@ def with_phase_boundary(run: Run, charts: dict[str, Chart]) -> dict[str, Chart]:
 class Communication:
     """Bytes moved per round by DiPaCo, and by data-parallel training of the same steps.
 
-    DiPaCo moves, per completed unit, the path's weights down (the module versions it
-    started from) and its encoded Δ up. Data-parallel training of the same steps would
+    DiPaCo moves, per completed unit, the path's weights down and its encoded Δ up. Down
+    is what the unit's manifest sent its worker to (Lease.download_bytes,
+    rounds.downloads): with ``comm.download_codec`` int8/fp16 only the encoded updates
+    from the versions the worker held, else the fp32 files of the versions it started
+    from (as `dipaco simulate` counts them; leases from before it was recorded count the
+    fp32 files). Data-parallel training of the same steps would
     exchange every inner step's fp32 gradient of the whole path: sent and received,
     2 x 4 bytes per parameter per step (a parameter server; a ring all-reduce moves
-    about as much per worker).
+    about as much per worker). The steps are the ones each unit trained (its tokens over
+    batch x sequence length): units sized to a worker's speed, or salvaged partway, train
+    fewer than H.
     """
 
     rounds: list[int]
     moved: list[int]
     data_parallel: list[int]
+    downloaded: list[int] = field(default_factory=list)  # part of `moved`: weights down
+    uploaded: list[int] = field(default_factory=list)  # part of `moved`: Δs up
 
     @property
     def total_moved(self) -> int:
         return sum(self.moved)
+
+    @property
+    def total_downloaded(self) -> int:
+        return sum(self.downloaded)
+
+    @property
+    def total_uploaded(self) -> int:
+        return sum(self.uploaded)
 
     @property
     def total_data_parallel(self) -> int:
@@ -144,13 +160,15 @@ def communication(run: Run) -> Communication:
     configs = {phase: phase_config(config, phase) for phase in phases}
     params = {phase: c.module_param_counts() for phase, c in configs.items()}
     steps = {phase: c.inner.steps for phase, c in configs.items()}
+    step_tokens = {phase: c.inner.batch_size * c.model.seq_len for phase, c in configs.items()}
     sizes = {
         (phase, module_id, version): size
         for phase, module_id, version, size in ModuleVersion.objects.filter(
             module__run=run
         ).values_list("module__phase", "module__module_id", "version", "size")
     }
-    moved: dict[int, int] = defaultdict(int)
+    up: dict[int, int] = defaultdict(int)
+    down: dict[int, int] = defaultdict(int)
     data_parallel: dict[int, int] = defaultdict(int)
     for t, uploaded in (
         Contribution.objects.filter(unit__round__run=run)
@@ -158,24 +176,36 @@ def communication(run: Run) -> Communication:
         .annotate(total=Sum("size"))
         .order_by()
     ):
-        moved[t] += uploaded
-    for t, phase, base_versions, modules in Lease.objects.filter(
-        unit__round__run=run, state=Lease.State.COMPLETED
-    ).values_list(
-        "unit__round__t", "unit__path__phase", "unit__base_versions", "unit__path__modules"
+        up[t] += uploaded
+    for t, phase, base_versions, modules, tokens, downloaded in (
+        Lease.objects.filter(unit__round__run=run, state=Lease.State.COMPLETED)
+        .annotate(tokens=Max("contributions__tokens"))
+        .values_list(
+            "unit__round__t",
+            "unit__path__phase",
+            "unit__base_versions",
+            "unit__path__modules",
+            "tokens",
+            "download_bytes",
+        )
     ):
         counts = params.get(phase, {})
-        # A version not in the table (never expected) is counted at its fp32 size.
-        moved[t] += sum(
-            sizes.get((phase, m, v), FP32_BYTES * counts.get(m, 0))
-            for m, v in base_versions.items()
-        )
-        data_parallel[t] += (
-            steps.get(phase, 0) * 2 * FP32_BYTES * sum(counts.get(m, 0) for m in modules)
-        )
-    rounds = sorted(set(moved) | set(data_parallel))
+        if downloaded is not None:
+            down[t] += downloaded
+        else:  # A version not in the table (never expected) is counted at its fp32 size.
+            down[t] += sum(
+                sizes.get((phase, m, v), FP32_BYTES * counts.get(m, 0))
+                for m, v in base_versions.items()
+            )
+        trained = steps.get(phase, 0)
+        if tokens and step_tokens.get(phase):
+            trained = min(trained, tokens // step_tokens[phase])
+        data_parallel[t] += trained * 2 * FP32_BYTES * sum(counts.get(m, 0) for m in modules)
+    rounds = sorted(set(up) | set(down) | set(data_parallel))
     return Communication(
         rounds=rounds,
-        moved=[moved.get(t, 0) for t in rounds],
+        moved=[up.get(t, 0) + down.get(t, 0) for t in rounds],
         data_parallel=[data_parallel.get(t, 0) for t in rounds],
+        downloaded=[down.get(t, 0) for t in rounds],
+        uploaded=[up.get(t, 0) for t in rounds],
     )

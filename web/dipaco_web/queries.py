@@ -341,7 +341,7 @@ def run_actions(run: Run) -> list[str]:
     if run.state in TERMINAL:
         return []
     first = {
-        Run.State.DRAFT: "start",
+        Run.State.DRAFT: "prepare",
         Run.State.READY: "start",
         Run.State.RUNNING: "pause",
         Run.State.PAUSED: "resume",

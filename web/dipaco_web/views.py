@@ -28,6 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from dipaco import __version__
 from dipaco_server.audit.services import record
+from dipaco_server.errors import ApiError
 from dipaco_server.runs.errors import ServiceError
 from dipaco_server.runs.models import Run
 from dipaco_web import actions, curves, queries
@@ -128,7 +129,9 @@ def run_live(request: HttpRequest, run_id: int) -> HttpResponse:
 def run_action(request: HttpRequest, run_id: int, action: str) -> HttpResponse:
     """A staff button: apply ``action`` and go back to the run page with what happened."""
     if not is_staff(request):
-        raise PermissionDenied("only staff can start, pause, resume or cancel runs; sign in")
+        raise PermissionDenied(
+            "only staff can prepare, start, pause, resume or cancel runs; sign in"
+        )
     if action not in actions.ACTIONS:
         raise Http404(f"no action {action!r}; use one of {', '.join(actions.ACTIONS)}")
     run = get_object_or_404(Run, pk=run_id)
@@ -140,7 +143,7 @@ def run_action(request: HttpRequest, run_id: int, action: str) -> HttpResponse:
     }
     try:
         actions.perform(run, action)
-    except ServiceError as exc:
+    except (ServiceError, ApiError) as exc:
         record(request, f"run.{action}", status=exc.status, error_code=exc.code,
                message=exc.message, **audit)  # fmt: skip
         messages.error(request, exc.message)

@@ -5,3 +5,7 @@ class AccountsConfig(AppConfig):
     name = "dipaco_server.accounts"
     label = "accounts"
     verbose_name = "dipaco accounts"
+
+    def ready(self) -> None:
+        # Connects the sign-in throttle's signal receivers (failures counted, success clears).
+        from dipaco_server.accounts import throttle  # noqa: F401

@@ -9,13 +9,13 @@ from typing import Any
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from ninja import Field, FilterSchema, Query, Router, Schema
-from ninja.pagination import LimitOffsetPagination, paginate
+from ninja.pagination import paginate
 
 from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.models import AuditEntry
+from dipaco_server.bounds import Paging
 
 router = Router(tags=["admin: audit log"], auth=staff_auth)
-MAX_PAGE = 500
 
 
 class AuditEntryOut(Schema):
@@ -45,7 +45,7 @@ class AuditFilter(FilterSchema):
 
 
 @router.get("/audit-log", response=list[AuditEntryOut])
-@paginate(LimitOffsetPagination, max_limit=MAX_PAGE)
+@paginate(Paging)
 def list_audit_log(request: HttpRequest, filters: Query[AuditFilter]) -> QuerySet[AuditEntry]:
     """Admin actions, newest first; filter by action, target, actor or outcome."""
     return filters.filter(AuditEntry.objects.order_by("-created_at", "-pk"))

@@ -26,8 +26,10 @@ from django.urls import reverse
 from ninja import Field, Query, Router, Schema
 
 from dipaco_server.accounts.auth import StaffToken
+from dipaco_server.bounds import MAX_INT, PathIndex, RunId
 from dipaco_server.errors import ApiError
 from dipaco_server.inference import routing, services
+from dipaco_server.inference.routing import MAX_TEXT_CHARS
 from dipaco_server.inference.zipstream import ZipEntry, stream_zip
 from dipaco_server.storage import get_blob_store
 
@@ -46,7 +48,10 @@ router = Router(tags=["inference"], auth=PublicReadOrStaff())
 
 class RoundQuery(Schema):
     round: int | None = Field(
-        None, ge=0, description="The weights after this round closed; the last one if left out."
+        None,
+        ge=0,
+        le=MAX_INT,
+        description="The weights after this round closed; the last one if left out.",
     )
 
 
@@ -88,7 +93,12 @@ class ManifestOut(Schema):
 
 
 class RouteIn(Schema):
-    text: str = Field(description="A document or its start; the router reads its first tokens.")
+    text: str = Field(
+        min_length=1,
+        max_length=MAX_TEXT_CHARS,
+        pattern=r"\S",
+        description="A document or its start (not only spaces); the router reads its first tokens.",
+    )
 
 
 class RouteOut(Schema):
@@ -110,7 +120,7 @@ def _file_url(run_id: int, path_index: int, round: int) -> Callable[[str], str]:
 
 @router.get("/runs/{run_id}/paths/{path_index}/manifest", response=ManifestOut)
 def path_manifest(
-    request: HttpRequest, run_id: int, path_index: int, query: Query[RoundQuery]
+    request: HttpRequest, run_id: RunId, path_index: PathIndex, query: Query[RoundQuery]
 ) -> dict[str, Any]:
     """What `dipaco download` fetches: each file and module blob with size, sha256, URL."""
     selection = services.select(run_id, path_index, query.round)
@@ -119,7 +129,7 @@ def path_manifest(
 
 @router.get("/runs/{run_id}/paths/{path_index}/download", response={200: None})
 def path_download(
-    request: HttpRequest, run_id: int, path_index: int, query: Query[RoundQuery]
+    request: HttpRequest, run_id: RunId, path_index: PathIndex, query: Query[RoundQuery]
 ) -> StreamingHttpResponse:
     """The path as a zip of a Hugging Face model directory, streamed as it is read."""
     selection = services.select(run_id, path_index, query.round)
@@ -146,7 +156,7 @@ def path_download(
     url_name="inference-file",
 )
 def path_file(
-    request: HttpRequest, run_id: int, path_index: int, name: str, query: Query[RoundQuery]
+    request: HttpRequest, run_id: RunId, path_index: PathIndex, name: str, query: Query[RoundQuery]
 ) -> HttpResponse:
     """One file of the directory; a blob-backed one redirects to a presigned URL."""
     selection = services.select(run_id, path_index, query.round)
@@ -164,6 +174,6 @@ def path_file(
 
 
 @router.post("/runs/{run_id}/route", response=RouteOut)
-def route(request: HttpRequest, run_id: int, body: RouteIn) -> dict[str, Any]:
+def route(request: HttpRequest, run_id: RunId, body: RouteIn) -> dict[str, Any]:
     """The path the run's router picks for a text (the router that sharded the training data)."""
     return routing.route_text(run_id, body.text)

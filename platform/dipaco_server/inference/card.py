@@ -7,24 +7,23 @@ same bytes, and the streamed zip and `dipaco download` agree.
 from __future__ import annotations
 
 import json
-import math
 from typing import TYPE_CHECKING, Any
 
 from dipaco.config import RunConfig
+from dipaco.evaluate import perplexity
 from dipaco.inference import CARD_FILE, MODEL_FORMAT, RUN_FILE
 from dipaco_server.runs.models import MetricPoint
 
 if TYPE_CHECKING:
     from dipaco_server.inference.services import Selection
 
-VAL_LOSS_METRIC = "val_loss"  # the evaluation task's per-path series (DESIGN §4 step 5)
+VAL_LOSS_METRIC = "val_loss"  # the evaluation task's per-path series (docs/design.md §4 step 5)
 
 
 def _perplexity(loss: float | None) -> str:
     if loss is None:
         return "not evaluated yet"
-    ppl = math.exp(loss) if loss < 700 else math.inf  # exp overflows past ~709
-    return f"{loss:.4f} nats/token (perplexity {ppl:.2f})"
+    return f"{loss:.4f} nats/token (perplexity {perplexity(loss):.2f})"
 
 
 def _round_val_loss(selection: Selection) -> float | None:
@@ -61,7 +60,7 @@ def facts(selection: Selection) -> dict[str, Any]:
 
 
 def _training_phases(config: RunConfig, uploaded: bool) -> str:
-    """How the run was trained, in the DiPaCo paper's two phases (DESIGN §1)."""
+    """How the run was trained, in the DiPaCo paper's two phases (docs/design.md §1)."""
     if config.phase1 is not None:
         return (
             f"Trained in two phases. Phase 1: one dense model of this size, trained with DiLoCo "

@@ -29,11 +29,11 @@ from dipaco.inference import (
     MODEL_FORMAT,
     generation_config_json,
     hf_config_json,
-    load_module_file,
     sha256_file,
     tokenizer_files,
     write_model_file,
 )
+from dipaco.modules_file import load_module_file
 from dipaco_server.inference import card
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RunNotFound, ServiceError
@@ -147,7 +147,7 @@ def select(run_id: int, path_index: int, round: int | None = None) -> Selection:
 
 
 def _run_blob(run: Run, key: str, dataset_key: str, what: str) -> str:
-    """The run's own blob (DESIGN §5), else its dataset's; refused when neither exists."""
+    """The run's own blob (docs/design.md §5), else its dataset's; refused when neither exists."""
     store = get_blob_store()
     for candidate in (key, dataset_key):
         if candidate and store.exists(candidate):

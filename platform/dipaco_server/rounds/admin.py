@@ -1,19 +1,28 @@
-"""Read-only Django admin pages for rounds, units, leases and contributions."""
+"""Read-only Django admin pages for rounds, units, leases, contributions and outer steps.
+
+Nothing here can be added, changed or deleted from the admin, superusers included:
+scheduling state changes only through the round protocol (rounds.lease, complete,
+outer_step), and contributions and outer steps are the immutable record of what each
+module version was computed from.
+"""
 
 from django.contrib import admin
 from django.db.models import Model
 from django.http import HttpRequest
 
-from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
+from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
 
 
 class ReadOnly(admin.ModelAdmin):
-    """Scheduling state changes only through rounds.scheduler (conditional updates)."""
+    """Listed and viewed; never added, changed or deleted through the admin."""
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
     def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
         return False
 
 
@@ -40,3 +49,9 @@ class LeaseAdmin(ReadOnly):
 class ContributionAdmin(ReadOnly):
     list_display = ("pk", "unit", "module", "status", "tokens", "size")
     list_filter = ("status",)
+
+
+@admin.register(OuterStep)
+class OuterStepAdmin(ReadOnly):
+    list_display = ("pk", "round", "module", "outcome", "version", "accepted", "rejected")
+    list_filter = ("outcome",)

@@ -1,13 +1,13 @@
-"""The worker protocol over HTTP (DESIGN §4.2-4.3): lease, manifest, upload URLs, complete.
+"""The worker protocol over HTTP (docs/design.md §4.2-4.3): lease, manifest, upload URLs, complete.
 
 Mounted under /api/v1/worker with worker bearer tokens. A lease comes with a
 secret, shown once; every call about the lease sends it back in the
 ``X-Lease-Secret`` header. Keys of uploads are built from ids only (runs.keys);
 presigned URLs are short-lived and name one key each. Nothing here reads the
 uploaded bytes: completion records contributions pending, and the outer step
-verifies them (DESIGN §7).
+verifies them (docs/design.md §7).
 
-The logic is in rounds.scheduler and rounds.completion; these views translate.
+The logic is in rounds.lease and rounds.complete; these views translate.
 """
 
 import json
@@ -19,27 +19,30 @@ from django.db import transaction
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from kombu.exceptions import KombuError
-from ninja import Field, Header, Router, Schema, Status
+from ninja import Field, Header, Query, Router, Schema, Status
 
 from dipaco.data.windows import path_seed
 from dipaco_server.accounts.auth import current_worker, worker_auth
+from dipaco_server.bounds import JsonId, LeaseId
 from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
-from dipaco_server.rounds import scheduler
-from dipaco_server.rounds.completion import (
+from dipaco_server.rounds import lease as leasing
+from dipaco_server.rounds.close import round_ready_to_close
+from dipaco_server.rounds.complete import (
     ContributionReport,
     complete,
     max_upload_bytes,
     upload_key,
 )
-from dipaco_server.rounds.models import Lease, Round
+from dipaco_server.rounds.downloads import HELD_PATTERN, parse_held, plan_downloads
+from dipaco_server.rounds.models import Lease, OuterStep, Round
+from dipaco_server.rounds.open import overlaps
 from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.services import round_ready_to_close
+from dipaco_server.rounds.unit_data import unit_data
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
-from dipaco_server.runs.keys import data_key
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
-from dipaco_server.runs.prepare import data_index_key
+from dipaco_server.runs.prepare import data_index_key, work_root
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
 
@@ -89,37 +92,76 @@ class LeaseOut(Schema):
     path: int = Field(description="The path index.")
     modules: list[str] = Field(description="Module ids of the path, in assembly order.")
     base_versions: dict[str, int] = Field(description="Module version each module starts from.")
-    steps: int = Field(description="H: inner steps to train.")
+    steps: int = Field(
+        description="Inner steps to train, counted from the unit's start (a resumed "
+        "checkpoint's included): H, or fewer when the unit is sized to this worker's speed."
+    )
+    unit_steps: int = Field(description="H: the unit's full inner steps (its lr schedule).")
+    size_reason: str = Field(description="Why `steps` (speed x units.target_seconds, ...).")
+    seconds_limit: float | None = Field(
+        description="Stop training after this long and upload the steps done (a new "
+        "worker's calibration unit); null: train `steps` steps."
+    )
+    round_deadline: datetime | None = Field(
+        description="The round may close soon after this: upload what is trained by then."
+    )
     codec: str = Field(description="How to encode each module's Δ (dipaco.codecs).")
     config: dict[str, Any] = Field(description="The whole run config (dipaco.config.RunConfig).")
     data: DataWindowOut
 
 
-class ModuleBlobOut(Schema):
+class ModuleUpdateOut(Schema):
+    """One encoded outer update (comm.download_codec): version `from_version` + its decoded
+    values = version `version`, bit for bit (dipaco.updates.apply_update)."""
+
+    from_version: int
+    version: int
+    key: str
+    url: str = Field(description="Presigned GET of the update (a dipaco.codecs container).")
+    sha256: str = Field(description="Of the update's bytes, lowercase hex.")
+    size: int = Field(description="Bytes.")
+    from_sha256: str = Field(description="sha256 of version from_version's fp32 module file.")
+    to_sha256: str = Field(
+        description="sha256 of version `version`'s fp32 module file, as the worker rewrites "
+        "it (dipaco.modules_file): how it checks the result."
+    )
+
+
+class UnitModuleBlobOut(Schema):
     module_id: str
     version: int
     key: str
     sha256: str
     size: int
     url: str = Field(description="Presigned GET of the module's fp32 weights.")
+    updates: list[ModuleUpdateOut] = Field(
+        default_factory=list,
+        description="The encoded updates from the version the request said it `held` to "
+        "`version`, in order: fetch these instead of the fp32 weights (rounds.downloads). "
+        "Empty: fetch the fp32 weights (or keep them, when held at `version`).",
+    )
 
 
 class DataBlobOut(Schema):
     key: str
     url: str = Field(
-        description="Presigned GET of the path's whole train shard: a worker keeps it "
-        "(by sha256) for every unit of the path and reads the unit's windows from it."
+        description="Presigned GET of the unit's windows, nothing else of the path's shard: "
+        "row i (seq_len + 1 tokens) is the window at position first_position + i "
+        "(dipaco.data.windows.UnitSource)."
     )
-    sha256: str = Field(description="Of the shard's bytes, lowercase hex.")
+    sha256: str = Field(description="Of the blob's bytes, lowercase hex.")
     size: int = Field(description="Bytes.")
     tokens: int
     dtype: str
+    scope: str = Field(description='"unit": the blob holds this unit\'s windows only.')
+    windows: int = Field(description="Rows of seq_len + 1 tokens in the blob.")
+    first_position: int = Field(description="The position of the blob's first row.")
 
 
-class ManifestOut(Schema):
+class UnitManifestOut(Schema):
     lease_id: int
     expires_in_s: int
-    modules: list[ModuleBlobOut]
+    modules: list[UnitModuleBlobOut]
     data: DataBlobOut
 
 
@@ -132,7 +174,10 @@ class UploadOut(Schema):
     module_id: str
     key: str
     max_bytes: int
-    put_url: str
+    put_url: str | None = Field(
+        description="A raw PUT, only where the store itself bounds its size (the local "
+        "store); S3 cannot, so use `post` (content-length-range) there."
+    )
     post: PresignedPostOut
 
 
@@ -146,12 +191,12 @@ class UploadUrlsOut(Schema):
 class ContributionIn(Schema):
     module_id: str = Field(max_length=32)
     sha256: str = Field(max_length=64, description="Of the uploaded bytes, lowercase hex.")
-    size: int = Field(description="Bytes uploaded.")
+    size: JsonId = Field(description="Bytes uploaded.")
 
 
 class CompleteIn(Schema):
     contributions: list[ContributionIn] = Field(max_length=MAX_MODULES_PER_PATH)
-    tokens: int = Field(description="Training tokens the unit consumed.")
+    tokens: JsonId = Field(description="Training tokens the unit consumed.")
     metrics: dict[str, float] = Field(
         default_factory=dict, description="e.g. loss, tokens_per_second."
     )
@@ -176,10 +221,15 @@ class LeaseStateOut(Schema):
     state: str
     deadline: datetime
     hard_deadline: datetime
+    round_deadline: datetime | None = Field(
+        None,
+        description="On heartbeats: the round's deadline now (a quorum may move it up); "
+        "stop before it and upload the steps trained.",
+    )
 
 
 class HeartbeatIn(Schema):
-    lease_id: int | None = Field(None, description="The lease to extend (with X-Lease-Secret).")
+    lease_id: JsonId | None = Field(None, description="The lease to extend (with X-Lease-Secret).")
 
 
 class HeartbeatOut(Schema):
@@ -198,6 +248,7 @@ def _lease_state(lease: Lease) -> dict[str, Any]:
         "state": lease.state,
         "deadline": lease.deadline,
         "hard_deadline": lease.hard_deadline,
+        "round_deadline": lease.round_deadline,
     }
 
 
@@ -240,12 +291,13 @@ def heartbeat(
     if body.lease_id is None:
         return out
     if not lease_secret:
-        raise ApiError(400, "lease_secret_missing", f"send the lease's secret in {SECRET_HEADER}")
+        # 403, not 400: the request is well formed, and the secret is what authorises it.
+        raise ApiError(403, "lease_secret_missing", f"send the lease's secret in {SECRET_HEADER}")
     try:
-        lease = scheduler.heartbeat(worker, body.lease_id, lease_secret)
+        lease = leasing.heartbeat(worker, body.lease_id, lease_secret)
     except (RoundClosed, RunNotActive):
         # The unit's work can no longer be used: tell the agent to stop, not to retry.
-        lease = scheduler.load_own_lease(worker, body.lease_id, lease_secret)
+        lease = leasing.load_own_lease(worker, body.lease_id, lease_secret)
         out["instructions"] = ["release"]
     out["lease"] = _lease_state(lease)
     return out
@@ -253,12 +305,14 @@ def heartbeat(
 
 @router.post("/lease", response={200: LeaseOut, 204: None})
 def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any] | None]:
-    """Take one queued work unit; 204 when nothing is queued: ask again after Retry-After
-    seconds (more when many workers are idle; DIPACO_IDLE_POLL_RATE)."""
+    """Take one queued work unit; 204 when none can be granted now: ask again after
+    Retry-After seconds, a jittered slot (more when many workers are idle,
+    DIPACO_IDLE_POLL_RATE; after the next round's expected opening while one closes, spread
+    over the waiting workers at DIPACO_GRANT_RATE)."""
     worker = current_worker(request)
-    grant = scheduler.grant_lease(worker)
+    grant = leasing.grant_lease(worker)
     if grant is None:
-        response["Retry-After"] = str(scheduler.idle_retry_after_s())
+        response["Retry-After"] = str(leasing.retry_after_s())
         return Status(204, None)
     lease, unit = grant.lease, grant.unit
     # Each phase is a run of its own to a worker: its config (phase 1: the dense DiLoCo
@@ -282,7 +336,11 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
             "path": unit.path.index,
             "modules": list(unit.path.modules),
             "base_versions": dict(unit.base_versions),
-            "steps": config.inner.steps,
+            "steps": leasing.lease_steps(lease, config),
+            "unit_steps": config.inner.steps,
+            "size_reason": lease.size_reason,
+            "seconds_limit": lease.seconds_limit,
+            "round_deadline": unit.round.deadline,
             "codec": config.comm.codec,
             "config": run.config if config is run_config else config.model_dump(mode="json"),
             "data": {
@@ -295,30 +353,69 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
     )
 
 
-@router.get("/lease/{lease_id}/manifest", response=ManifestOut)
-def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[str, Any]:
-    """Presigned GETs for the path's module blobs (at the unit's base versions) and its train
-    shard (whole: the unit reads its windows in the path's shuffled order)."""
-    lease = scheduler.authorize_lease(current_worker(request), lease_id, lease_secret)
+@router.get("/lease/{lease_id}/manifest", response=UnitManifestOut)
+def manifest(
+    request: HttpRequest,
+    lease_id: LeaseId,
+    lease_secret: Secret,
+    held: Annotated[
+        str | None,
+        Query(
+            None,
+            max_length=12_000,
+            pattern=HELD_PATTERN,
+            description="Module versions the worker holds, 'module:version' comma-separated "
+            "(e.g. '0.0:3,1.1:3'): it is sent their encoded updates (rounds.downloads).",
+        ),
+    ] = None,
+) -> dict[str, Any]:
+    """Presigned GETs for the path's module blobs (at the unit's base versions), or the
+    encoded updates to them from the versions the worker `held`, and the unit's training
+    windows (rounds.unit_data: only those, not the path's whole shard)."""
+    lease = leasing.authorize_lease(current_worker(request), lease_id, lease_secret)
     unit, store = lease.unit, get_blob_store()
     run = unit.round.run
     wanted = dict(unit.base_versions)
-    rows = {
-        v.module.module_id: v
-        for v in ModuleVersion.objects.select_related("module").filter(
-            module__run=run, module__phase=unit.path.phase, module__module_id__in=list(wanted)
-        )
-        if v.version == wanted[v.module.module_id]
-    }
+    versions: dict[str, list[ModuleVersion]] = {}
+    for v in ModuleVersion.objects.select_related("module").filter(
+        module__run=run, module__phase=unit.path.phase, module__module_id__in=list(wanted)
+    ):
+        versions.setdefault(v.module.module_id, []).append(v)
+    rows = {m: v for m, found in versions.items() for v in found if v.version == wanted[m]}
     missing = sorted(set(wanted) - set(rows))
     if missing:
         raise ModulesNotReady(
             f"modules {missing} have no blob at their base version", modules=missing
         )
-    dtype = _token_dtype(run.run_config.model.vocab_size)
-    itemsize = int(dtype[-1])
+    config = phase_config(run.run_config, unit.path.phase)
+    dtype = _token_dtype(config.model.vocab_size)
     digest = _train_shard_sha256(store, data_index_key(run.pk, unit.path.phase), unit.path.index)
-    key = data_key(run.pk, unit.path.index, "train", unit.path.phase)
+    cut = unit_data(
+        store,
+        run_id=run.pk,
+        phase=unit.path.phase,
+        path=unit.path.index,
+        shard_sha256=digest,
+        dtype=dtype,
+        seq_len=config.model.seq_len,
+        seed=path_seed(config, unit.path.index),
+        first=unit.data_position,
+        count=unit.data_windows,
+        work=work_root(),
+    )
+    steps: dict[str, dict[int, int]] = {}
+    for module_id, version, base in OuterStep.objects.filter(
+        module__run=run,
+        module__phase=unit.path.phase,
+        module__module_id__in=list(wanted),
+        version__isnull=False,
+        base_version__isnull=False,
+    ).values_list("module__module_id", "version", "base_version"):
+        steps.setdefault(module_id, {})[version] = base
+    plans = plan_downloads(versions, wanted, parse_held(held), steps)
+    Lease.objects.filter(pk=lease.pk).update(
+        download_bytes=sum(plans[m].bytes for m in unit.path.modules)
+    )
     return {
         "lease_id": lease.pk,
         "expires_in_s": DOWNLOAD_URL_EXPIRES_S,
@@ -330,24 +427,32 @@ def manifest(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[
                 "sha256": rows[m].sha256,
                 "size": rows[m].size,
                 "url": store.presigned_get(rows[m].blob_key, DOWNLOAD_URL_EXPIRES_S),
+                "updates": [
+                    {**u, "url": store.presigned_get(u["key"], DOWNLOAD_URL_EXPIRES_S)}
+                    for u in plans[m].updates
+                ],
             }
             for m in unit.path.modules
         ],
         "data": {
-            "key": key,
-            "url": store.presigned_get(key, DOWNLOAD_URL_EXPIRES_S),
-            "sha256": digest,
-            "size": unit.path.train_tokens * itemsize,
-            "tokens": unit.path.train_tokens,
+            "key": cut.key,
+            "url": store.presigned_get(cut.key, DOWNLOAD_URL_EXPIRES_S),
+            "sha256": cut.sha256,
+            "size": cut.size,
+            "tokens": cut.tokens,
             "dtype": dtype,
+            "scope": "unit",
+            "windows": cut.windows,
+            "first_position": cut.first_position,
         },
     }
 
 
 @router.post("/lease/{lease_id}/upload-urls", response=UploadUrlsOut)
-def upload_urls(request: HttpRequest, lease_id: int, lease_secret: Secret) -> dict[str, Any]:
-    """One presigned PUT (and form POST) per module, scoped to this unit and lease."""
-    lease = scheduler.authorize_lease(current_worker(request), lease_id, lease_secret)
+def upload_urls(request: HttpRequest, lease_id: LeaseId, lease_secret: Secret) -> dict[str, Any]:
+    """One presigned PUT (and form POST) per module, scoped to this unit and lease; also
+    for an expired lease whose partial Δ can still be salvaged (rounds.complete)."""
+    lease = leasing.authorize_upload(current_worker(request), lease_id, lease_secret)
     store = get_blob_store()
     config = phase_config(lease.unit.round.run.run_config, lease.unit.path.phase)
     uploads = []
@@ -359,7 +464,11 @@ def upload_urls(request: HttpRequest, lease_id: int, lease_secret: Secret) -> di
                 "module_id": module_id,
                 "key": key,
                 "max_bytes": limit,
-                "put_url": store.presigned_put(key, UPLOAD_URL_EXPIRES_S, limit),
+                "put_url": (
+                    store.presigned_put(key, UPLOAD_URL_EXPIRES_S, limit)
+                    if store.bounds_put
+                    else None
+                ),
                 "post": {"url": post.url, "fields": post.fields},
             }
         )
@@ -373,14 +482,14 @@ def upload_urls(request: HttpRequest, lease_id: int, lease_secret: Secret) -> di
 
 @router.post("/lease/{lease_id}/complete", response=CompleteOut)
 def complete_lease(
-    request: HttpRequest, lease_id: int, body: CompleteIn, lease_secret: Secret
+    request: HttpRequest, lease_id: LeaseId, body: CompleteIn, lease_secret: Secret
 ) -> dict[str, Any]:
     """Report the uploads; recorded pending verification. A replay with the same report is 200."""
     worker = current_worker(request)
-    lease = scheduler.load_own_lease(worker, lease_id, lease_secret)
-    fresh = lease.state == Lease.State.ACTIVE
+    lease = leasing.load_own_lease(worker, lease_id, lease_secret)
+    fresh = lease.state in (Lease.State.ACTIVE, Lease.State.EXPIRED)
     if fresh:
-        scheduler.check_lease_live(lease, timezone.now())
+        leasing.check_salvage(lease, timezone.now())  # live, or expired but salvageable
         _check_uploads(lease, body)
     reports = [
         ContributionReport(c.module_id, c.size, c.sha256, body.tokens, body.metrics)
@@ -410,12 +519,26 @@ def complete_lease(
 
 
 def _close_if_ready(round_: Round) -> None:
-    """Send close_round when this completion made the round ready (rounds.tasks)."""
+    """Send close_round when this completion made the round ready (rounds.tasks).
+
+    With ``outer.overlap`` "delayed" the round moves to closing here and round t + 1 opens
+    (rounds.tasks.start_closing) before this worker asks for its next unit; close_round
+    (forced: the round is closing already) then sends the outer steps.
+    """
     if not round_ready_to_close(round_):
         return
+    force = False
+    if overlaps(round_.run.run_config, round_.t):
+        from dipaco_server.rounds.tasks import start_closing
+
+        if not start_closing(round_):
+            return  # a concurrent completion closed it
+        force = True
     try:
         celery_app.send_task(
-            "dipaco_server.rounds.tasks.close_round", args=[round_.run_id, round_.t]
+            "dipaco_server.rounds.tasks.close_round",
+            args=[round_.run_id, round_.t],
+            kwargs={"force": True} if force else {},
         )
     except (KombuError, OSError) as exc:
         # The completion is recorded; beat's close_ready_rounds sends the task later.
@@ -454,7 +577,7 @@ def _check_uploads(lease: Lease, body: CompleteIn) -> None:
 
 
 @router.post("/lease/{lease_id}/release", response=LeaseStateOut)
-def release_lease(request: HttpRequest, lease_id: int, lease_secret: Secret) -> Any:
+def release_lease(request: HttpRequest, lease_id: LeaseId, lease_secret: Secret) -> Any:
     """Give the unit back unfinished (it is queued again); releasing twice is a no-op."""
-    lease = scheduler.release(current_worker(request), lease_id, lease_secret)
+    lease = leasing.release(current_worker(request), lease_id, lease_secret)
     return _lease_state(lease)

@@ -1,10 +1,12 @@
 """Outer rounds, their work units, the leases that hand units to workers, and contributions.
 
-State changes go through rounds.services / rounds.scheduler / rounds.completion,
+State changes go through rounds.open / rounds.lease / rounds.complete,
 each written as a conditional UPDATE so that concurrent requests cannot both win.
 """
 
 from __future__ import annotations
+
+from datetime import datetime
 
 from django.db import models
 from django.utils import timezone
@@ -105,6 +107,18 @@ class Lease(models.Model):
     hard_deadline = models.DateTimeField()
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
+    # Inner steps of the unit this lease may train, counted from the unit's start (<= H),
+    # sized to the worker's measured speed (rounds.lease.size_unit); 0 on leases granted
+    # before sizing existed, meaning H. Its tokens cap the Δ's weight (rounds.complete).
+    steps = models.PositiveIntegerField(default=0)
+    seconds_limit = models.FloatField(null=True, blank=True)  # a calibration unit's time
+    size_reason = models.CharField(max_length=240, blank=True, default="")
+    # Bytes its manifest sent the worker to (rounds.api.manifest, the last one asked for):
+    # encoded updates for the modules it holds an earlier version of, fp32 files for the
+    # rest, 0 for those it holds already. Null on leases from before it was recorded.
+    download_bytes = models.PositiveBigIntegerField(null=True, blank=True)
+    # Not a column: the round's deadline as a heartbeat read it (rounds.lease.heartbeat).
+    round_deadline: datetime | None = None
 
     class Meta:
         indexes = (
@@ -154,7 +168,7 @@ class Contribution(models.Model):
 
 
 class OuterStep(models.Model):
-    """One module's outer step in one round: its outcome, recorded once (rounds.outer).
+    """One module's outer step in one round: its outcome, recorded once (rounds.outer_step).
 
     The row is written in the same transaction that publishes version t + 1 and settles
     the contributions, so its existence is what makes a retried step a no-op.

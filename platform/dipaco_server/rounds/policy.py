@@ -30,6 +30,13 @@ DEFAULTS: dict[str, float] = {
     "DIPACO_UNIT_MAX_ATTEMPTS": 5,
     # A round's deadline, from its opening; after it a quorum of units suffices to close.
     "DIPACO_ROUND_DEADLINE_S": 3600,
+    # Adaptive deadline (issue 20): once a quorum is done, the round's deadline moves up to
+    # its opening + the median + this many x the MAD (at least 10 % of the median) of the
+    # done units' arrival times; units still out are then expected to hand in partial Δs.
+    "DIPACO_ROUND_DEADLINE_MADS": 3.0,
+    # After the deadline, units still leased get this long to upload what they trained
+    # (agents stop a heartbeat interval before the deadline they last heard of).
+    "DIPACO_ROUND_SALVAGE_GRACE_S": 120,
     # The quorum: this share of a round's units done (DiLoCo tolerates missing replicas).
     "DIPACO_ROUND_QUORUM": 0.5,
     # A round still closing this long after close_round sent its outer steps lost them (the
@@ -41,6 +48,12 @@ DEFAULTS: dict[str, float] = {
     # last minutes / this (1 s to 60 s), so 5,000 idle volunteers at a round boundary
     # do not ask a thousand times a second, and a handful still notice a new round at once.
     "DIPACO_IDLE_POLL_RATE": 100,
+    # Lease grants per second the server aims for when a round opens (issue 23): waiting
+    # workers are given Retry-After slots spread over (waiting workers / this) seconds
+    # after the next round's expected opening, and grants ahead of that pace answer 204
+    # with a later slot. At 10,000 volunteers that is 200 s instead of a stampede of every
+    # waiting volunteer within one Retry-After (bench/control_plane.py, docs/deploy.md).
+    "DIPACO_GRANT_RATE": 50,
 }
 
 
@@ -55,8 +68,11 @@ class SchedulerPolicy:
     unit_max_attempts: int
     round_deadline_s: float
     round_quorum: float
+    round_deadline_mads: float
+    round_salvage_grace_s: float
     round_close_retry_s: float
     idle_poll_rate: float
+    grant_rate: float
 
     @property
     def heartbeat_interval_s(self) -> float:
@@ -95,8 +111,11 @@ def current_policy() -> SchedulerPolicy:
         unit_max_attempts=_number("DIPACO_UNIT_MAX_ATTEMPTS", integer=True),
         round_deadline_s=_number("DIPACO_ROUND_DEADLINE_S"),
         round_quorum=_number("DIPACO_ROUND_QUORUM", high=1.0),
+        round_deadline_mads=_number("DIPACO_ROUND_DEADLINE_MADS"),
+        round_salvage_grace_s=_number("DIPACO_ROUND_SALVAGE_GRACE_S"),
         round_close_retry_s=_number("DIPACO_ROUND_CLOSE_RETRY_S"),
         idle_poll_rate=_number("DIPACO_IDLE_POLL_RATE"),
+        grant_rate=_number("DIPACO_GRANT_RATE"),
     )
     if policy.lease_min_s > policy.lease_max_s:
         raise ImproperlyConfigured(

@@ -3,11 +3,15 @@
     close_round(run, t)  ──chord──▶  outer_step(run, m, t) for every module m
                                      ──▶ finish_round(run, t): evaluate, open t + 1 or finish
 
+With ``outer.overlap`` "delayed", close_round opens round t + 1 as it moves round t to
+closing (`start_closing`), and finish_round(run, t) sends close_round(run, t + 1), which
+could not close before round t published (rounds.close.previous_published).
+
 Call `close_round` whenever a round may have become ready (after each completion, and
 from beat through `close_ready_rounds`): it does nothing until every unit is in, or a
 quorum is in and the deadline passed, and of concurrent calls only one closes the round.
 A round already closing is left alone, unless `force`: then the chord is launched again,
-which is safe since every outer step is idempotent (rounds.outer). Beat does that for a
+which is safe since every outer step is idempotent (rounds.outer_step). Beat does that for a
 round closing longer than DIPACO_ROUND_CLOSE_RETRY_S (its steps were lost with the broker),
 and an operator does it to resume a round whose steps failed (`fail_round` leaves the
 reason in ``Run.error``). Tasks started here go to the queue their parent came from.
@@ -30,15 +34,16 @@ from celery.signals import worker_init
 from django.db import InterfaceError, OperationalError
 from django.utils import timezone
 
-from dipaco_server.rounds.models import Round
-from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.scheduler import expire_leases
-from dipaco_server.rounds.services import (
+from dipaco_server.rounds.close import (
     mark_round_closed,
     mark_round_closing,
-    open_round,
+    previous_published,
     round_ready_to_close,
 )
+from dipaco_server.rounds.lease import expire_leases
+from dipaco_server.rounds.models import Round
+from dipaco_server.rounds.open import open_round, overlaps
+from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.errors import ServiceError
 from dipaco_server.runs.models import Module, Run
 from dipaco_server.runs.models import Path as RunPath
@@ -77,7 +82,11 @@ def preload(**_: object) -> None:
     """Import torch, transformers and the outer step once in the worker's main process,
     before it forks its pool: every pool process (and each replacement of one that died)
     then starts warm instead of spending seconds on imports in its first task."""
-    for module in ("dipaco.modular", "dipaco_server.rounds.outer", "dipaco_server.runs.evaluate"):
+    for module in (
+        "dipaco.modular",
+        "dipaco_server.rounds.outer_step",
+        "dipaco_server.runs.evaluate",
+    ):
         importlib.import_module(module)
 
 
@@ -85,6 +94,14 @@ def preload(**_: object) -> None:
 def sweep_leases() -> int:
     """Requeue the units of leases past their deadline or held by revoked workers."""
     return expire_leases()
+
+
+@shared_task(name="dipaco_server.rounds.tasks.sweep_blobs")
+def sweep_blobs() -> dict[str, int]:
+    """Delete uploads and module versions past retention (rounds.retention)."""
+    from dipaco_server.rounds.retention import sweep_blobs as sweep
+
+    return sweep().as_dict()
 
 
 @shared_task(bind=True, name="dipaco_server.rounds.tasks.close_ready_rounds")
@@ -173,9 +190,12 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
     if round_.state == Round.State.CLOSED:
         return "closed"
     if round_.state == Round.State.OPEN:
+        if not previous_published(round_):
+            # outer.overlap delayed, even forced: finish_round(t - 1) sends this again.
+            return "waiting for round t - 1"
         if not force and not round_ready_to_close(round_):
             return "not ready"
-        if not mark_round_closing(round_):
+        if not start_closing(round_):
             return "closing elsewhere"  # a concurrent call won and launched the chord
     elif not force:
         return "closing elsewhere"  # its steps are in the queue already
@@ -193,6 +213,21 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
     return "closing"
 
 
+def start_closing(round_: Round) -> bool:
+    """open → closing (`mark_round_closing`), and with ``outer.overlap`` "delayed" open round
+    t + 1 at once from the versions published now, so that workers train it while round t's
+    outer step runs (rounds.open.overlaps says when). True for the one caller that won."""
+    if not mark_round_closing(round_):
+        return False
+    run = round_.run
+    if overlaps(run.run_config, round_.t):
+        try:
+            open_round(run, round_.t + 1)
+        except ServiceError as exc:  # finish_round's advance_run opens it, or says why not
+            logger.warning("run %s: round %d not opened early: %s", run.pk, round_.t + 1, exc)
+    return True
+
+
 @shared_task(
     bind=True,
     name="dipaco_server.rounds.tasks.outer_step",
@@ -202,7 +237,7 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
 )
 def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, object]:
     """Verify, aggregate and apply round t's contributions to one module, exactly once."""
-    from dipaco_server.rounds.outer import step_module
+    from dipaco_server.rounds.outer_step import step_module
 
     return step_module(run_id, module_id, t)
 
@@ -224,6 +259,10 @@ def finish_round(self: Task, run_id: int, t: int) -> str:
     Run.objects.filter(pk=run_id).exclude(state__in=TERMINAL).update(error="")
     run = round_.run
     config = run.run_config
+    if overlaps(config, t):
+        # Round t + 1, open since round t began closing, may have become ready meanwhile;
+        # it could not close before round t's versions were published (previous_published).
+        close_round.apply_async((run_id, t + 1), **same_queue(self))
     boundary = config.phase1 is not None and t + 1 == config.phase1.rounds
     if t + 1 < config.total_rounds and eval_settings(config).patience is None and not boundary:
         outcome = advance_run(run, t)

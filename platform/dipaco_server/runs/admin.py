@@ -2,6 +2,7 @@
 
 from django.contrib import admin
 
+from dipaco_server.rounds.admin import ReadOnly
 from dipaco_server.runs.models import Dataset, MetricPoint, Module, ModuleVersion, Path, Run
 
 
@@ -25,7 +26,9 @@ class ModuleAdmin(admin.ModelAdmin):
 
 
 @admin.register(ModuleVersion)
-class ModuleVersionAdmin(admin.ModelAdmin):
+class ModuleVersionAdmin(ReadOnly):
+    """Immutable: a published version is what workers trained from and downloads serve."""
+
     list_display = ("module", "version", "size", "sha256", "created_at")
 
 

@@ -20,22 +20,23 @@ from django.http import HttpRequest
 from kombu.exceptions import KombuError
 from ninja import Field, Query, Router, Schema, Status, UploadedFile
 from ninja import File as NinjaFile
-from ninja.pagination import LimitOffsetPagination, paginate
+from ninja.pagination import paginate
 
 from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.services import audited
+from dipaco_server.bounds import MAX_INT, DatasetId, JsonId, Paging, RunId
 from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
 from dipaco_server.rounds.models import Lease
-from dipaco_server.rounds.services import open_round
+from dipaco_server.rounds.open import open_round
 from dipaco_server.runs import keys, services
 from dipaco_server.runs.errors import ConfigInvalid, RunNotFound, ServiceError
 from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
+from dipaco_server.runs.sources import check_source
 from dipaco_server.storage import get_blob_store
 
 logger = logging.getLogger(__name__)
 router = Router(tags=["admin: runs"], auth=staff_auth)
-MAX_PAGE = 500
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
@@ -43,8 +44,14 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 
 class DatasetIn(Schema):
-    name: str = Field(description="Unique name: letters, digits, '.', '_' or '-'.")
-    source: str = Field(description='"stdlib", or an absolute path to a text directory or .jsonl.')
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$",
+        description="Unique name: 1-100 letters, digits, '.', '_' or '-'.",
+    )
+    source: str = Field(
+        description='"stdlib", or an absolute path to a text directory or .jsonl under one of '
+        "the server's data roots (DIPACO_DATA_ROOTS)."
+    )
 
 
 class DatasetOut(Schema):
@@ -62,11 +69,15 @@ class DatasetOut(Schema):
 
 
 class RunIn(Schema):
-    name: str = Field(description="Unique run name (also the config's name).")
+    name: str = Field(
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$",
+        description="Unique run name (also the config's name): 1-64 letters, digits, '.', "
+        "'_' or '-'.",
+    )
     config: dict[str, Any] = Field(
         default_factory=dict, description="A dipaco.config.RunConfig as JSON; defaults fill gaps."
     )
-    dataset_id: int | None = None
+    dataset_id: JsonId | None = None
 
 
 class RunOut(Schema):
@@ -164,8 +175,8 @@ class RunFilter(Schema):
 
 class MetricFilter(Schema):
     name: str | None = Field(None, max_length=64, description="Only this series, e.g. loss.")
-    path: int | None = Field(None, ge=0, description="Only this path index.")
-    round: int | None = Field(None, ge=0, description="Only this outer round.")
+    path: int | None = Field(None, ge=0, le=MAX_INT, description="Only this path index.")
+    round: int | None = Field(None, ge=0, le=MAX_INT, description="Only this outer round.")
 
 
 class MetricOut(Schema):
@@ -191,13 +202,7 @@ def create_dataset(request: HttpRequest, body: DatasetIn) -> Status[Dataset]:
         raise ApiError(
             422, "dataset_invalid", "name must be 1-100 letters, digits, '.', '_' or '-'"
         )
-    source = body.source.strip()
-    if source != "stdlib" and not (source.startswith("/") and len(source) <= 1000):
-        raise ApiError(
-            422,
-            "dataset_invalid",
-            f'source {source!r}: use "stdlib" or an absolute path on the server',
-        )
+    source = check_source(body.source)
     try:
         with transaction.atomic():
             dataset = Dataset.objects.create(name=body.name, source=source)
@@ -210,13 +215,13 @@ def create_dataset(request: HttpRequest, body: DatasetIn) -> Status[Dataset]:
 
 
 @router.get("/datasets", response=list[DatasetOut])
-@paginate(LimitOffsetPagination, max_limit=MAX_PAGE)
+@paginate(Paging)
 def list_datasets(request: HttpRequest) -> QuerySet[Dataset]:
     return Dataset.objects.order_by("-created_at", "-pk")
 
 
 @router.get("/datasets/{dataset_id}", response=DatasetOut)
-def get_dataset(request: HttpRequest, dataset_id: int) -> Dataset:
+def get_dataset(request: HttpRequest, dataset_id: DatasetId) -> Dataset:
     dataset = Dataset.objects.filter(pk=dataset_id).first()
     if dataset is None:
         raise ApiError(404, "dataset_not_found", f"no dataset with id {dataset_id}")
@@ -274,7 +279,7 @@ def create_run(request: HttpRequest, body: RunIn) -> Status[Run]:
 
 
 @router.get("/runs", response=list[RunOut])
-@paginate(LimitOffsetPagination, max_limit=MAX_PAGE)
+@paginate(Paging)
 def list_runs(request: HttpRequest, filters: Query[RunFilter]) -> QuerySet[Run]:
     """Runs, newest first; `state` keeps only runs in that state."""
     runs = Run.objects.order_by("-created_at", "-pk")
@@ -282,7 +287,7 @@ def list_runs(request: HttpRequest, filters: Query[RunFilter]) -> QuerySet[Run]:
 
 
 @router.get("/runs/{run_id}", response=RunStatusOut)
-def get_run(request: HttpRequest, run_id: int) -> dict[str, Any]:
+def get_run(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
     """A run with its config, current round, paths, modules (current versions) and workers."""
     run = _run(run_id)
     out = _run_out(run)
@@ -330,7 +335,7 @@ def get_run(request: HttpRequest, run_id: int) -> dict[str, Any]:
 
 @router.post("/runs/{run_id}/start", response=RunOut)
 @audited("run.start", "run")
-def start_run(request: HttpRequest, run_id: int) -> Run:
+def start_run(request: HttpRequest, run_id: RunId) -> Run:
     """draft → preparing (a task prepares data and modules, then the run is ready), or
     ready → running with its first round open."""
     run = _run(run_id)
@@ -378,7 +383,7 @@ class CheckpointOut(Schema):
 @audited("run.checkpoint", "run")
 def upload_checkpoint(
     request: HttpRequest,
-    run_id: int,
+    run_id: RunId,
     file: NinjaFile[UploadedFile],
     tokenizer: NinjaFile[UploadedFile | None] = None,
 ) -> Status[dict[str, Any]]:
@@ -439,29 +444,29 @@ def upload_checkpoint(
 
 @router.post("/runs/{run_id}/pause", response=RunOut)
 @audited("run.pause", "run")
-def pause_run(request: HttpRequest, run_id: int) -> Run:
+def pause_run(request: HttpRequest, run_id: RunId) -> Run:
     """running → paused: no new leases; units already leased may still complete."""
     return services.transition(_run(run_id), Run.State.PAUSED)
 
 
 @router.post("/runs/{run_id}/resume", response=RunOut)
 @audited("run.resume", "run")
-def resume_run(request: HttpRequest, run_id: int) -> Run:
+def resume_run(request: HttpRequest, run_id: RunId) -> Run:
     """paused → running."""
     return services.transition(_run(run_id), Run.State.RUNNING)
 
 
 @router.post("/runs/{run_id}/cancel", response=RunOut)
 @audited("run.cancel", "run")
-def cancel_run(request: HttpRequest, run_id: int) -> Run:
+def cancel_run(request: HttpRequest, run_id: RunId) -> Run:
     """Any live state → cancelled (final): workers are told to drop its units."""
     return services.transition(_run(run_id), Run.State.CANCELLED)
 
 
 @router.get("/runs/{run_id}/metrics", response=list[MetricOut])
-@paginate(LimitOffsetPagination, max_limit=MAX_PAGE)
+@paginate(Paging)
 def run_metrics(
-    request: HttpRequest, run_id: int, filters: Query[MetricFilter]
+    request: HttpRequest, run_id: RunId, filters: Query[MetricFilter]
 ) -> QuerySet[MetricPoint]:
     """A run's metric points, oldest first, filtered by series name, path and round."""
     points = MetricPoint.objects.filter(run=_run(run_id))

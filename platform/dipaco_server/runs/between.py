@@ -1,4 +1,4 @@
-"""Between the phases (DESIGN §1): from the dense phase-1 model to the first DiPaCo round.
+"""Between the phases (docs/design.md §1): from the dense phase-1 model to the first DiPaCo round.
 
 After phase 1's last round closes, `runs.tasks.prepare_phase2` runs these steps as Celery
 tasks, each recording ``Run.progress`` (stage, step/steps, detail) for the API and the
@@ -34,13 +34,13 @@ from django.db import transaction
 from django.utils import timezone
 from torch import Tensor
 
+from dipaco.modules_file import read_module
 from dipaco_server.runs import keys, phases
 from dipaco_server.runs.checkpoint import base_model, load_base_state, write_base_model
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.prepare import (
     init_module_versions,
-    read_module,
     report_progress,
     upload_shards,
     work_root,
@@ -168,7 +168,7 @@ def finish(run: Run, *, store: BlobStore | None = None) -> str:
     from dipaco.modular import init_modules_from_base
     from dipaco.routing.featurize import PrecomputedFeaturizer
     from dipaco.routing.router import Router, prefix_ids
-    from dipaco_server.rounds.services import OPENABLE, open_round
+    from dipaco_server.rounds.open import OPENABLE, open_round
 
     run.refresh_from_db()
     if run.state in TERMINAL:

@@ -1,4 +1,4 @@
-"""The run's base model: the dense, path-size model phase 2 starts from (DESIGN §1).
+"""The run's base model: the dense, path-size model phase 2 starts from (docs/design.md §1).
 
 It is either phase 1's last weights (runs.between writes them) or a checkpoint an operator
 uploads before the run starts (POST /api/v1/runs/<id>/checkpoint). Either way it is stored
@@ -8,7 +8,7 @@ does two things: its mean last hidden state over a document's first tokens route
 document (router.featurizer "base-lm"), and its layers initialise every module
 (dipaco.modular.init_modules_from_base).
 
-An uploaded file is untrusted (DESIGN §7): it is read with safetensors only, never
+An uploaded file is untrusted (docs/design.md §7): it is read with safetensors only, never
 ``torch.load``, and refused unless every tensor's name and shape is the run's model's.
 """
 

@@ -77,6 +77,12 @@ class WorkerRevoked(ServiceError):
     code, status = "worker_revoked", 403
 
 
+class WorkerDistrusted(ServiceError):
+    """Its work failed verification too often (workers.trust); details: trust, minimum."""
+
+    code, status = "worker_distrusted", 403
+
+
 class EnrollmentRefused(ServiceError):
     """details["reason"]: unknown, revoked, expired or used_up."""
 

@@ -1,4 +1,4 @@
-"""Held-out loss of each path after an outer round, and per-path early stopping (DESIGN §1).
+"""Held-out loss of each path after an outer round, and per-path early stopping (docs/design.md §1).
 
 `evaluate_run(run, t)` assembles every active path from its modules as they stand after
 round t (the newest version <= t + 1 of each), and scores it on fixed windows of its own
@@ -26,13 +26,13 @@ from django.db import transaction
 from torch import Tensor
 
 from dipaco.config import EvalConfig, RunConfig
-from dipaco.evaluate import mean_loss
-from dipaco.evaluate import shard_windows as val_windows
+from dipaco.evaluate import mean_loss, perplexity, shard_windows
+from dipaco.modules_file import read_module
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.phases import round_config
-from dipaco_server.runs.prepare import data_index_key, read_module, work_root
+from dipaco_server.runs.prepare import data_index_key, work_root
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import BlobStore, get_blob_store
 
@@ -55,8 +55,8 @@ class PathEval:
     finished: bool  # early-stopped by this evaluation
 
     @property
-    def perplexity(self) -> float:
-        return math.exp(self.loss)
+    def perplexity(self) -> float | None:
+        return perplexity(self.loss)
 
 
 def evaluate_run(
@@ -93,7 +93,7 @@ def evaluate_run(
             model.load_state_dict(assemble_path_state(config, path.index, modules.of(path)))
             val = work / f"val-{path.index}.bin"
             store.download_to(keys.data_key(run.pk, path.index, "val", phase), val)
-            windows = val_windows(
+            windows = shard_windows(
                 TokenShard(val, index.dtype),
                 config.model.seq_len,
                 settings.batches * settings.batch_size,

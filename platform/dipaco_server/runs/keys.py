@@ -1,6 +1,6 @@
-"""Object-store keys of DESIGN §5, built from database ids only.
+"""Object-store keys of docs/design.md §5, built from database ids only.
 
-No worker input ever becomes part of a key (DESIGN §7): every function takes
+No worker input ever becomes part of a key (docs/design.md §7): every function takes
 integers and module ids that the server itself created, re-checks them, and
 passes the result through the blob stores' `validate_key`.
 """
@@ -36,7 +36,7 @@ def run_prefix(run_id: int) -> str:
 
 
 def phase_prefix(run_id: int, phase: int) -> str:
-    """runs/<run> for phase 2 (DESIGN §5 as it is), runs/<run>/phase1 for the dense phase:
+    """runs/<run> for phase 2 (docs/design.md §5 as it is), runs/<run>/phase1 for the dense phase:
     the phase-1 modules and shard have phase 2's ids and indices (runs.phases)."""
     if phase not in (1, 2):
         raise ValueError(f"phase must be 1 or 2, got {phase!r}")
@@ -57,6 +57,24 @@ def momentum_key(run_id: int, module_id: str, version: int, phase: int = 2) -> s
     version = _id(version, "version")
     prefix = phase_prefix(run_id, phase)
     return validate_key(f"{prefix}/modules/{module}/momentum/v{version}.safetensors")
+
+
+def update_key(run_id: int, module_id: str, version: int, phase: int = 2) -> str:
+    """<phase prefix>/modules/<module>/updates/v<t>.safetensors: the encoded outer update
+    t - 1 -> t (comm.download_codec, dipaco.updates), what a worker holding t - 1 fetches."""
+    module = check_module_id(module_id)
+    version = _id(version, "version")
+    prefix = phase_prefix(run_id, phase)
+    return validate_key(f"{prefix}/modules/{module}/updates/v{version}.safetensors")
+
+
+def residual_key(run_id: int, module_id: str, version: int, phase: int = 2) -> str:
+    """<phase prefix>/modules/<module>/residual/v<t>.safetensors: what the encoding of
+    update t - 1 -> t rounded off (fp32), added to the next update (error feedback)."""
+    module = check_module_id(module_id)
+    version = _id(version, "version")
+    prefix = phase_prefix(run_id, phase)
+    return validate_key(f"{prefix}/modules/{module}/residual/v{version}.safetensors")
 
 
 def contribution_key(run_id: int, t: int, unit_id: int, lease_id: int, module_id: str) -> str:

@@ -53,7 +53,7 @@ class Run(models.Model):
         CANCELLED = "cancelled"
 
     class Phase(models.TextChoices):
-        """DESIGN §1: a dense DiLoCo phase, the Celery tasks between, then DiPaCo rounds."""
+        """docs/design.md §1: a dense DiLoCo phase, the Celery tasks between, then DiPaCo rounds."""
 
         DENSE = "1"  # phase 1: one dense path-size model, config.phase1.rounds rounds
         PREPARING = "preparing"  # routing and module initialisation from the phase-1 model
@@ -105,7 +105,7 @@ class Module(models.Model):
     module_id = models.CharField(max_length=32)
     level = models.PositiveSmallIntegerField(null=True, blank=True)  # None: shared, path.<p>
     index = models.PositiveIntegerField(default=0)  # k in its level, p for path.<p>
-    # The only thing that moves when an outer step lands (DESIGN §4); blobs never change.
+    # The only thing that moves when an outer step lands (docs/design.md §4); blobs never change.
     current_version = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
@@ -128,6 +128,14 @@ class ModuleVersion(models.Model):
     sha256 = models.CharField(max_length=64)
     size = models.PositiveBigIntegerField()
     momentum_key = models.CharField(max_length=1024, blank=True)
+    # With comm.download_codec int8/fp16 (rounds.publish): the encoded update from the
+    # version before (a dipaco.codecs container; the weights are exactly the version before
+    # plus its decoded values) and the encoding's residual (error feedback); blank when the
+    # version was not made by an outer step, or with fp32 downloads.
+    update_key = models.CharField(max_length=1024, blank=True, default="")
+    update_sha256 = models.CharField(max_length=64, blank=True, default="")
+    update_size = models.PositiveBigIntegerField(null=True, blank=True)
+    residual_key = models.CharField(max_length=1024, blank=True, default="")
     created_at = models.DateTimeField(default=timezone.now)
 
     class Meta:

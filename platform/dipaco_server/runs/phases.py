@@ -1,4 +1,4 @@
-"""The two phases of a run (DESIGN §1), in one place: which rounds, config and rows each has.
+"""The two phases of a run (docs/design.md §1), in one place: which rounds, config and rows each has.
 
 A run with ``phase1`` set trains a dense DiLoCo model first and DiPaCo paths after:
 

@@ -14,7 +14,7 @@ from datetime import datetime
 from typing import Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import F, Q, Value
+from django.db.models import F, Value
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 from pydantic import ValidationError
@@ -25,14 +25,13 @@ from dipaco_server.runs.errors import (
     InvalidTransition,
     RunNameTaken,
     RunNotFound,
-    VersionConflict,
 )
-from dipaco_server.runs.models import Dataset, MetricPoint, Module, ModuleVersion, Path, Run
+from dipaco_server.runs.models import Dataset, MetricPoint, Module, Path, Run
 
 logger = logging.getLogger(__name__)
 State = Run.State
 
-# The run's life (DESIGN §6): draft → preparing → ready → running ⇄ paused → finished | failed |
+# The run's life (docs/design.md §6): draft → preparing → ready → running ⇄ paused → finished | failed |
 # cancelled. A paused run may still finish (its last round can close while paused); any
 # live state can fail or be cancelled; the three end states are final.
 TRANSITIONS: dict[str, tuple[str, ...]] = {
@@ -98,6 +97,10 @@ def create_run(name: str, config: Mapping[str, Any], *, dataset: Dataset | None 
             problems=[{"field": "name", "value": given["name"], "rule": "must match"}],
         )
     spec = validate_config(given)
+    if dataset is None:
+        from dipaco_server.runs.sources import check_source
+
+        check_source(spec.data.corpus)
     # Imported here: dipaco.modular pulls in torch and transformers (seconds), which
     # only run creation and the outer step need, not every server process start.
     from dipaco.modular import module_ids, modules_of_path
@@ -190,45 +193,6 @@ def transition(run: Run, to: str, *, error: str = "", now: datetime | None = Non
         requested=str(target),
         allowed=[],
     )
-
-
-def publish_module_version(
-    module: Module, version: int, *, blob_key: str, sha256: str, size: int, momentum_key: str = ""
-) -> ModuleVersion:
-    """Record version `version` of `module` and make it current, idempotently.
-
-    Publishing the same content again (a retried task) is a no-op; other content
-    under an existing version raises VersionConflict. The current pointer only
-    moves forward.
-    """
-    with transaction.atomic():
-        row, created = ModuleVersion.objects.get_or_create(
-            module=module,
-            version=version,
-            defaults={
-                "blob_key": blob_key,
-                "sha256": sha256,
-                "size": size,
-                "momentum_key": momentum_key,
-            },
-        )
-        if not created and (row.blob_key, row.sha256, row.size) != (blob_key, sha256, size):
-            raise VersionConflict(
-                f"module {module.module_id} v{version} exists with other content; "
-                "versions are immutable, write the next version instead",
-                module=module.module_id,
-                version=version,
-            )
-        behind = Q(current_version__isnull=True) | Q(current_version__lt=version)
-        Module.objects.filter(behind, pk=module.pk).update(current_version=version)
-    module.refresh_from_db(fields=["current_version"])
-    return row
-
-
-def current_versions(run: Run, phase: int = 2) -> dict[str, int | None]:
-    """module id -> its current version (None before version 0 exists), in one phase."""
-    modules = run.modules.filter(phase=phase).order_by("pk")
-    return dict(modules.values_list("module_id", "current_version"))
 
 
 def record_metric(

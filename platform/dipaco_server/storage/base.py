@@ -11,7 +11,7 @@ Semantics both backends share:
   before any I/O.
 - Writes are atomic: a reader sees the old blob or the new one, never a
   part. Writing an existing key replaces it. Blobs are immutable by
-  convention (DESIGN §4: versions and leases are in the key, and the
+  convention (docs/design.md §4: versions and leases are in the key, and the
   database row naming the current version is what moves), not by refusal:
   an idempotent task that retries may rewrite its own output, and a worker
   may retry an upload whose response it lost.
@@ -20,7 +20,7 @@ Semantics both backends share:
   name exactly one key and one method. `max_bytes` is enforced by the local
   views for PUT and POST, and by S3 for POST (content-length-range); S3
   cannot limit a presigned PUT's size. Either way the server re-checks size
-  and checksum of every upload before using it (DESIGN §7).
+  and checksum of every upload before using it (docs/design.md §7).
 """
 
 from __future__ import annotations
@@ -53,6 +53,11 @@ class PresignedPost:
 
 class BlobStore(abc.ABC):
     """Flat key → bytes storage with presigned URLs for workers."""
+
+    # Whether a presigned PUT's max_bytes is enforced by the store itself. Workers are
+    # handed a PUT only where it is (issue 19); everywhere else they POST a form whose
+    # signed policy carries content-length-range.
+    bounds_put: bool = False
 
     # --- writing -----------------------------------------------------------
     @abc.abstractmethod
@@ -117,7 +122,7 @@ class BlobStore(abc.ABC):
 
     @abc.abstractmethod
     def presigned_put(self, key: str, expires_s: int, max_bytes: int) -> str:
-        """A URL for one raw-body PUT (S3 cannot enforce `max_bytes` here; see module doc)."""
+        """A URL for one raw-body PUT (S3 cannot enforce `max_bytes` here: `bounds_put`)."""
 
     @abc.abstractmethod
     def presigned_post(self, key: str, expires_s: int, max_bytes: int) -> PresignedPost: ...

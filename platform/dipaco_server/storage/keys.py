@@ -1,6 +1,6 @@
 """Blob keys: the one gate every key passes before it reaches a store.
 
-Keys come from the server's own layout (DESIGN §5) but also travel through
+Keys come from the server's own layout (docs/design.md §5) but also travel through
 URLs that untrusted workers hold, so every backend calls `validate_key` on
 every operation. A valid key is a relative POSIX path made of segments that
 each start with a letter or digit and then use only ``A-Z a-z 0-9 . _ -``.

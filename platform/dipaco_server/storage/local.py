@@ -1,6 +1,6 @@
 """A blob store in a local directory, served by this app's /blobs/ views.
 
-The embedded default (DESIGN §3): no object-store service, yet workers get
+The embedded default (docs/design.md §3): no object-store service, yet workers get
 URLs that behave like presigned S3 URLs (see signing.py and views.py).
 
 Every key maps to ``<root>/<key>``. `validate_key` already refuses anything
@@ -8,7 +8,7 @@ that could climb out, and `path_for` also checks that the resolved path
 (symlinks followed) is still under the root. Writes go to ``<root>/.tmp``
 and are renamed into place, so readers never see a partial blob. One
 limitation S3 does not have: a key cannot also be a directory of other keys
-(``a`` and ``a/b`` cannot both exist); DESIGN §5's layout never needs that.
+(``a`` and ``a/b`` cannot both exist); docs/design.md §5's layout never needs that.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ TMP_DIR = ".tmp"  # keys cannot start with '.', so no key can name it
 
 
 class LocalBlobStore(BlobStore):
+    bounds_put = True  # the blob view counts the body against the URL's signed max_bytes
+
     def __init__(self, root: Path, *, public_url: str, secret: str) -> None:
         if not secret:
             raise ValueError("LocalBlobStore needs a secret (settings.SECRET_KEY) to sign URLs")

@@ -7,7 +7,16 @@ from dipaco_server.workers.models import EnrollmentToken, Worker
 
 @admin.register(Worker)
 class WorkerAdmin(admin.ModelAdmin):
-    list_display = ("name", "owner", "revoked", "last_seen", "units_completed", "measured_speed")
+    list_display = (
+        "name",
+        "owner",
+        "revoked",
+        "last_seen",
+        "units_completed",
+        "trust",
+        "contributions_rejected",
+        "measured_speed",
+    )
     list_filter = ("revoked",)
     readonly_fields = ("token_hash", "enrollment", "device", "created_at", "last_seen")
 

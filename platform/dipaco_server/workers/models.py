@@ -47,12 +47,19 @@ class Worker(models.Model):
     last_seen = models.DateTimeField(null=True, blank=True)
     revoked = models.BooleanField(default=False)
     revoked_at = models.DateTimeField(null=True, blank=True)
-    # Counters for the dashboard and for judging a worker (DESIGN §4: drops count against it).
+    # Counters for the dashboard and for judging a worker (docs/design.md §4: drops count against it).
+    # units_completed and tokens_processed count only units whose every Δ was accepted.
     units_completed = models.PositiveIntegerField(default=0)
     leases_expired = models.PositiveIntegerField(default=0)
     contributions_accepted = models.PositiveIntegerField(default=0)
     contributions_rejected = models.PositiveIntegerField(default=0)
     tokens_processed = models.PositiveBigIntegerField(default=0)
+    # How far the server trusts its work, 0..1 (workers.trust): failed checks and replica
+    # disagreements lower it, accepted work raises it; it sets how many of its units are
+    # replicated, and below DIPACO_MIN_TRUST it gets no more work.
+    trust = models.FloatField(default=1.0)
+    replicas_agreed = models.PositiveIntegerField(default=0)
+    replicas_disagreed = models.PositiveIntegerField(default=0)
 
     def __str__(self) -> str:
         return f"worker {self.pk} ({self.name})"

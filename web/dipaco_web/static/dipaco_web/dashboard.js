@@ -139,6 +139,13 @@
       event.preventDefault();
     }
   });
+  // The prompt box shows refusals too (422, 429: their message says what to do).
+  document.addEventListener("htmx:beforeSwap", (event) => {
+    if (event.detail.target && event.detail.target.id === "generated" && event.detail.xhr.status >= 400) {
+      event.detail.shouldSwap = true;
+      event.detail.isError = false;
+    }
+  });
   document.addEventListener("DOMContentLoaded", draw);
   document.addEventListener("htmx:oobAfterSwap", draw);
   document.addEventListener("htmx:afterSettle", draw);

@@ -1,0 +1,133 @@
+"""The one retry policy, for every network call of the worker agent and ``dipaco download``.
+
+Built on tenacity: exponential backoff with "equal jitter", each wait drawn from
+[base/2, base] with base = min(max_s, initial_s x multiplier^k), so a fleet that lost the
+server at the same moment does not come back in lockstep and no wait exceeds max_s.
+Transient failures (the network, timeouts, 5xx, 408, 429) are retried; anything else is
+raised at once, since asking again cannot change the answer. A server's ``Retry-After``
+is honoured up to max_s (`retry_after`). A set ``stop`` event ends the waits early
+(shutdown) and the last error is raised at once.
+
+    value = retry(lambda: http.get(url), Backoff(attempts=5), what="GET manifest")
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TypeVar
+
+import httpx
+from tenacity import RetryCallState, Retrying, retry_if_exception
+
+__all__ = ["Backoff", "RetryAttempt", "delays", "is_transient", "retry"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """How long to keep trying. Defaults: 8 tries over about 2 minutes."""
+
+    attempts: int = 8  # tries in all, the first included
+    initial_s: float = 1.0  # base wait after the first failure
+    multiplier: float = 2.0  # base grows by this per failure...
+    max_s: float = 30.0  # ...up to this
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1 or self.initial_s < 0 or self.multiplier < 1 or self.max_s < 0:
+            raise ValueError(f"bad backoff {self}: need attempts >= 1, times >= 0, multiplier >= 1")
+
+    @property
+    def longest_total_s(self) -> float:
+        """Upper bound of the time spent waiting before giving up (for messages)."""
+        return sum(
+            min(self.max_s, self.initial_s * self.multiplier**k) for k in range(self.attempts - 1)
+        )
+
+
+@dataclass(frozen=True)
+class RetryAttempt:
+    """What `on_retry` hears before each wait."""
+
+    what: str
+    attempt: int  # the try that failed, 1-based
+    error: BaseException
+    wait_s: float
+
+
+def delays(policy: Backoff, rng: random.Random | None = None) -> Iterator[float]:
+    """The waits between tries: attempts - 1 of them, each in [base/2, base]."""
+    draw = (rng or random).random
+    for k in range(policy.attempts - 1):
+        base = min(policy.max_s, policy.initial_s * policy.multiplier**k)
+        yield base / 2 + draw() * base / 2
+
+
+def is_transient(error: BaseException) -> bool:
+    """True for failures a later try may not see: network, timeouts, 5xx, 408, 429."""
+    if isinstance(error, httpx.HTTPStatusError):
+        status = error.response.status_code
+        return status >= 500 or status in (408, 429)
+    return isinstance(error, httpx.TransportError | ConnectionError | TimeoutError)
+
+
+def retry(
+    call: Callable[[], T],
+    policy: Backoff,
+    *,
+    what: str,
+    transient: Callable[[BaseException], bool] = is_transient,
+    retry_after: Callable[[BaseException], float | None] | None = None,
+    stop: threading.Event | None = None,
+    on_retry: Callable[[RetryAttempt], None] | None = None,
+    sleep: Callable[[float], object] | None = None,
+    rng: random.Random | None = None,
+) -> T:
+    """`call()` until it succeeds, a non-transient error, `stop`, or the last attempt;
+    the last error is raised as it was."""
+    waits = delays(policy, rng)
+    last: list[BaseException] = []
+
+    def wait(state: RetryCallState) -> float:
+        error = state.outcome.exception() if state.outcome else None
+        seconds = next(waits, 0.0)
+        hinted = retry_after(error) if retry_after and error is not None else None
+        return min(policy.max_s, max(seconds, hinted)) if hinted is not None else seconds
+
+    def give_up(state: RetryCallState) -> bool:
+        return state.attempt_number >= policy.attempts or (stop is not None and stop.is_set())
+
+    def before_sleep(state: RetryCallState) -> None:
+        error = state.outcome.exception() if state.outcome else None
+        assert error is not None and state.next_action is not None
+        last[:] = [error]
+        seconds = state.next_action.sleep
+        log.info(
+            "%s failed (try %d): %s; again in %.1f s", what, state.attempt_number, error, seconds
+        )
+        if on_retry is not None:
+            on_retry(RetryAttempt(what, state.attempt_number, error, seconds))
+
+    def pause(seconds: float) -> None:
+        if sleep is not None:
+            sleep(seconds)
+        elif stop is not None:
+            if stop.wait(seconds):
+                raise last[0]  # shutting down: the error as it was, at once
+        else:
+            threading.Event().wait(seconds)
+
+    retrying = Retrying(
+        retry=retry_if_exception(transient),
+        stop=give_up,
+        wait=wait,
+        before_sleep=before_sleep,
+        sleep=pause,
+        reraise=True,
+    )
+    return retrying(call)

@@ -1,0 +1,227 @@
+"""``dipaco admin``: staff users, admin API tokens and enrollment tokens, from the shell.
+
+Works on the database the server's settings point at (DATABASE_URL, or the
+embedded SQLite in DIPACO_DATA_DIR), so run it where the server runs, with the
+same environment. Django is imported only when the command runs.
+
+Secrets (passwords, tokens) are printed once, alone on stdout, so a script can
+capture them; everything else goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from datetime import timedelta
+from typing import Any
+
+DESCRIPTION = """\
+Manage who may use this dipaco server:
+  createuser NAME        a user (add --staff for the admin API)
+  token create USER      an admin API token for a staff user (shown once)
+  token revoke ID        refuse a token from now on
+  enroll                 an enrollment token volunteers register workers with"""
+
+EPILOG = """\
+examples:
+  dipaco admin createuser alice --staff
+  TOKEN=$(dipaco admin token create alice --name laptop)
+  curl -H "Authorization: Bearer $TOKEN" http://127.0.0.1:8000/api/v1/runs
+  dipaco admin enroll --uses 10 --expires 7d"""
+
+_DURATION = re.compile(r"^(\d+)([smhdw])$")
+_UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+class AdminError(Exception):
+    """A refusal to print as ``dipaco admin: <message>`` with exit status 1."""
+
+
+def parse_duration(text: str) -> timedelta | None:
+    """'90s', '30m', '12h', '7d', '2w' as a timedelta; 'never' as None."""
+    if text == "never":
+        return None
+    match = _DURATION.match(text.strip().lower())
+    if match is None or int(match.group(1)) == 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a duration; use e.g. 30m, 12h, 7d or never"
+        )
+    return timedelta(seconds=int(match.group(1)) * _UNIT_SECONDS[match.group(2)])
+
+
+def parse_uses(text: str) -> int | None:
+    """A positive count, or 'unlimited' (None)."""
+    if text == "unlimited":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: use a count of at least 1, or unlimited")
+    return int(text)
+
+
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "admin",
+        help="manage users, admin API tokens and enrollment tokens",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_commands(parser)
+    parser.set_defaults(func=run)
+
+
+def add_commands(parser: argparse.ArgumentParser) -> None:
+    """The admin subcommands, on `parser` (``dipaco admin`` or a standalone parser)."""
+    commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+
+    user = commands.add_parser("createuser", help="create a user; prints its password")
+    user.add_argument("name", help="the user name")
+    user.add_argument("--email", default="", help="the user's email address")
+    user.add_argument("--staff", action="store_true", help="may use the admin API")
+    user.add_argument(
+        "--password-stdin",
+        action="store_true",
+        help="read the password from stdin instead of generating one",
+    )
+    user.set_defaults(handler=createuser)
+
+    token = commands.add_parser("token", help="create or revoke admin API tokens")
+    token_commands = token.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    create = token_commands.add_parser("create", help="a new token for USER; printed once")
+    create.add_argument("user", help="a staff user's name")
+    create.add_argument("--name", default="", help="what the token is for, e.g. laptop")
+    create.set_defaults(handler=token_create)
+    revoke = token_commands.add_parser("revoke", help="refuse a token from now on")
+    revoke.add_argument("id", type=int, help="the token's id (printed when it was created)")
+    revoke.set_defaults(handler=token_revoke)
+
+    enroll_parser = commands.add_parser("enroll", help="an enrollment token for volunteers")
+    enroll_parser.add_argument(
+        "--uses",
+        type=parse_uses,
+        default=1,
+        metavar="N",
+        help="workers it may register, or 'unlimited' (default: 1)",
+    )
+    enroll_parser.add_argument(
+        "--expires",
+        type=parse_duration,
+        default=parse_duration("7d"),
+        metavar="DURATION",
+        help="e.g. 30m, 12h, 7d, 2w or never (default: 7d)",
+    )
+    enroll_parser.add_argument("--label", default="", help="who or what it is for")
+    enroll_parser.set_defaults(handler=enroll)
+
+
+def setup_django() -> None:
+    """Configure Django from the environment (once); a no-op inside a running server or test."""
+    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dipaco_server.settings")
+    try:
+        import django
+        from django.apps import apps
+    except ModuleNotFoundError:
+        raise AdminError(
+            "Django is not installed; install the server extra: pip install 'dipaco[server]'"
+        ) from None
+    if not apps.ready:
+        django.setup()
+
+
+def _say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def createuser(args: argparse.Namespace) -> int:
+    from dipaco_server.accounts.services import create_user
+
+    password = None
+    if args.password_stdin:
+        password = sys.stdin.readline().rstrip("\n")
+        if len(password) < 8:
+            raise AdminError("the password read from stdin is shorter than 8 characters")
+    user, password_used = create_user(
+        args.name, email=args.email, staff=args.staff, password=password
+    )
+    _say(f"created user {user.username!r} (id {user.pk}{', staff' if args.staff else ''})")
+    if not args.password_stdin:
+        _say("its password (shown once):")
+        print(password_used, flush=True)
+    return 0
+
+
+def token_create(args: argparse.Namespace) -> int:
+    from dipaco_server.accounts.services import create_api_token, find_user
+
+    user = find_user(args.user)
+    if not user.is_staff:
+        _say(f"warning: {user.username!r} is not staff; the admin API refuses its tokens")
+    row, plaintext = create_api_token(user, name=args.name)
+    _say(f"created API token {row.pk} for {user.username!r}; it is shown once:")
+    print(plaintext, flush=True)
+    return 0
+
+
+def token_revoke(args: argparse.Namespace) -> int:
+    from dipaco_server.accounts.services import revoke_api_token
+
+    row = revoke_api_token(args.id)
+    _say(f"revoked API token {row.pk} of {row.user}")
+    return 0
+
+
+def enroll(args: argparse.Namespace) -> int:
+    from dipaco_server.workers.services import create_enrollment_token
+
+    row, plaintext = create_enrollment_token(
+        label=args.label, max_uses=args.uses, expires_in=args.expires
+    )
+    uses = "unlimited uses" if row.max_uses is None else f"{row.max_uses} use(s)"
+    until = f"until {row.expires_at:%Y-%m-%d %H:%M} UTC" if row.expires_at else "never expires"
+    _say(f"enrollment token {row.pk}: {uses}, {until}; it is shown once:")
+    print(plaintext, flush=True)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen command; refusals print one line and exit 1."""
+    try:
+        setup_django()
+        from django.db import DatabaseError
+
+        from dipaco_server.runs.errors import ServiceError
+
+        try:
+            code: Any = args.handler(args)
+        except ServiceError as exc:
+            raise AdminError(exc.message) from None
+        except DatabaseError as exc:
+            raise AdminError(
+                f"the database refused ({str(exc).strip()}); check DATABASE_URL and apply "
+                "migrations (dipaco server does), then retry"
+            ) from None
+        except ValueError as exc:
+            raise AdminError(str(exc)) from None
+    except AdminError as exc:
+        _say(f"dipaco admin: {exc}")
+        return 1
+    return int(code or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dipaco_server.cli.admin ...``: the same commands without the ``dipaco`` wrapper."""
+    parser = argparse.ArgumentParser(
+        prog="dipaco admin",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_commands(parser)
+    args = parser.parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,158 @@
+"""Closing a round: deciding when it may close, then open → closing → closed.
+
+Protocol step 3 of docs/design.md: a round closes when every unit is settled, or a
+quorum is done and its deadline has passed; closing expires the leases still out so a
+late completion is refused, and the outer step (rounds.outer_step) then runs once.
+
+The deadline adapts (issue 20): once a quorum is done and every unit has started, it moves
+up to what the done units' durations say (`adaptive_deadline`: median + k·MAD after the
+last grant), never later than the fixed one.
+Units still out when it passes are not lost: agents learn the deadline from their lease
+and heartbeats, stop before it and upload the Δ of the steps done (worker_agent), and the
+round waits DIPACO_ROUND_SALVAGE_GRACE_S after the deadline for those partial Δs.
+
+With ``outer.overlap`` "delayed" round t + 1 opens as round t starts closing
+(rounds.tasks.start_closing), and round t + 1 closes only once round t is closed
+(`previous_published`).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from datetime import datetime, timedelta
+
+from django.db import transaction
+from django.db.models import Count, Q
+from django.utils import timezone
+
+from dipaco_server.rounds.models import Lease, Round, WorkUnit
+from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.runs.models import Run
+from dipaco_server.runs.services import TERMINAL
+
+
+def round_ready_to_close(round_: Round, *, now: datetime | None = None) -> bool:
+    """True when every unit is settled, or a quorum is done and the deadline has passed."""
+    now = now or timezone.now()
+    # Mid-round, the usual answer after a completion: units still out and the deadline
+    # (as loaded) ahead. One indexed query instead of counting every unit of the round.
+    before_deadline = round_.deadline is None or now < round_.deadline
+    # A check copy (rounds.replication) holds the round up only while someone trains it.
+    unsettled = round_.units.filter(
+        Q(state=WorkUnit.State.LEASED) | Q(state=WorkUnit.State.QUEUED, replica__lt=CHECK_OFFSET)
+    )
+    if before_deadline and unsettled.exists() and not _adapted(round_, now):
+        return False
+    round_.refresh_from_db(fields=["state", "deadline"])
+    run_state = Run.objects.filter(pk=round_.run_id).values_list("state", flat=True).first()
+    if round_.state != Round.State.OPEN or run_state in TERMINAL:
+        return False  # a cancelled or failed run gets no more outer steps
+    if not previous_published(round_):
+        return False  # outer.overlap delayed: finish_round of round t - 1 tries again
+    counts = round_.units.filter(replica__lt=CHECK_OFFSET).aggregate(
+        total=Count("pk"),
+        done=Count("pk", filter=Q(state=WorkUnit.State.DONE)),
+        settled=Count("pk", filter=Q(state__in=[WorkUnit.State.DONE, WorkUnit.State.EXPIRED])),
+    )
+    if counts["done"] == 0:
+        return False  # nothing to average: wait, however late it is
+    if counts["settled"] == counts["total"]:
+        return True
+    policy = current_policy()
+    quorum = max(1, math.ceil(policy.round_quorum * counts["total"]))
+    if round_.deadline is None or counts["done"] < quorum:
+        return False
+    grace = 0.0
+    if round_.units.filter(state=WorkUnit.State.LEASED).exists():
+        grace = policy.round_salvage_grace_s  # time to hand in the partial Δs
+    return now >= round_.deadline + timedelta(seconds=grace)
+
+
+def previous_published(round_: Round) -> bool:
+    """Whether round t - 1 (if any) is closed: its outer step published its versions.
+
+    With ``outer.overlap`` "delayed", round t opened while round t - 1 was closing, and round
+    t's Δs are applied onto the versions round t - 1 publishes: round t may not close (and
+    so neither step nor open round t + 1) before that, which bounds the staleness at one
+    version. Without overlap round t opens only after round t - 1 closed, so this holds.
+    """
+    if round_.t == 0:
+        return True
+    previous = Round.objects.filter(run_id=round_.run_id, t=round_.t - 1)
+    return not previous.exclude(state=Round.State.CLOSED).exists()
+
+
+def adaptive_deadline(round_: Round) -> datetime | None:
+    """When the units still out should be done, from how long the done ones took.
+
+    The durations are the completed leases' (granted to completed); with k =
+    DIPACO_ROUND_DEADLINE_MADS and the MAD taken as at least 10 % of the median (so equal
+    durations still leave a margin), a unit granted at g is expected by g + median + k·MAD;
+    the deadline is that of the last one granted. None before a quorum is done, while any
+    unit still waits in the queue (fewer workers than units: a unit not yet started says
+    nothing about when the round can end), or when no lease is out.
+    """
+    policy = current_policy()
+    units = round_.units.filter(replica__lt=CHECK_OFFSET)
+    if units.filter(state=WorkUnit.State.QUEUED).exists():
+        return None
+    total = units.count()
+    leases = Lease.objects.filter(unit__round=round_, unit__replica__lt=CHECK_OFFSET)
+    took = [
+        (ended - granted).total_seconds()
+        for granted, ended in leases.filter(
+            state=Lease.State.COMPLETED, ended_at__isnull=False
+        ).values_list("granted_at", "ended_at")
+    ]
+    latest = leases.filter(state=Lease.State.ACTIVE).order_by("-granted_at").first()
+    if latest is None or not took or len(took) < max(1, math.ceil(policy.round_quorum * total)):
+        return None
+    median = statistics.median(took)
+    mad = statistics.median(abs(d - median) for d in took)
+    spread = policy.round_deadline_mads * max(mad, 0.1 * median)
+    return latest.granted_at + timedelta(seconds=median + spread)
+
+
+def _adapted(round_: Round, now: datetime) -> bool:
+    """Move the round's deadline up to `adaptive_deadline` (earlier only); True when the
+    deadline, so moved, has passed."""
+    adaptive = adaptive_deadline(round_)
+    if adaptive is None or round_.deadline is None or adaptive >= round_.deadline:
+        return False
+    Round.objects.filter(pk=round_.pk, deadline__gt=adaptive).update(deadline=adaptive)
+    round_.deadline = adaptive
+    return now >= adaptive
+
+
+def mark_round_closing(round_: Round, *, now: datetime | None = None) -> bool:
+    """open → closing, exactly once: True for the one caller that should run the outer step.
+
+    Units not done are given up and their active leases expire, so a late
+    completion under them is refused (docs/design.md §4: stale work is never used).
+    """
+    now = now or timezone.now()
+    with transaction.atomic():
+        if not Round.objects.filter(pk=round_.pk, state=Round.State.OPEN).update(
+            state=Round.State.CLOSING, closing_at=now
+        ):
+            return False
+        Lease.objects.filter(unit__round=round_, state=Lease.State.ACTIVE).update(
+            state=Lease.State.EXPIRED, ended_at=now
+        )
+        round_.units.filter(state__in=[WorkUnit.State.QUEUED, WorkUnit.State.LEASED]).update(
+            state=WorkUnit.State.EXPIRED, updated_at=now
+        )
+    round_.refresh_from_db(fields=["state"])
+    return True
+
+
+def mark_round_closed(round_: Round, *, now: datetime | None = None) -> bool:
+    """closing → closed once the outer step has published the next versions."""
+    now = now or timezone.now()
+    won = Round.objects.filter(pk=round_.pk, state=Round.State.CLOSING).update(
+        state=Round.State.CLOSED, closed_at=now
+    )
+    round_.refresh_from_db(fields=["state", "closed_at"])
+    return bool(won)

@@ -1,0 +1,294 @@
+"""schemathesis `--checks all` against a live server, on both backends, under three identities.
+
+For each backend, the embedded default (SQLite, the filesystem broker, local blobs) and
+the cluster (PostgreSQL, Redis, an S3 server), the server is started with
+docker-compose.yml's own migrate and web (gunicorn) commands, its database seeded by
+`tests.conformance_seed` (a real prepared run, started, with a lease granted to a
+registered worker), and schemathesis' CLI runs every check against the schema the
+server serves, as three identities, one after the other:
+
+- anonymous: no Authorization header;
+- worker: the registered worker's token (its lease id and X-Lease-Secret offered to
+  the lease routes through dictionaries, so requests get past the 404s);
+- staff: a staff API token (last: it may cancel the run and revoke the worker).
+
+Real ids are offered with a probability, so generated ones are tried too. The rate
+limits are off on this server (tests/test_rate_limits.py covers them); everything else
+is the production configuration. Under CI=true the seed is fixed and the examples per
+operation bounded, so the whole module takes a few minutes on two cores. Each run's
+output and JUnit report go to test-artifacts/conformance/.
+
+Two statuses are added to what `positive_data_acceptance` expects, each for operations
+whose schema cannot say everything the server checks (CONFIG_EXPECTATIONS below); every
+other check runs with schemathesis' defaults.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+import pytest
+
+from tests.conftest import (
+    CI,
+    ROOT,
+    S3Server,
+    compose_command,
+    compose_env,
+    log_tail,
+    start_process,
+    stop_process,
+)
+
+ARTIFACTS = ROOT / "test-artifacts" / "conformance"
+SCHEMATHESIS = Path(sys.executable).parent / "schemathesis"
+SEED = 21
+MAX_EXAMPLES = 4 if CI else 10
+READY_TIMEOUT_S = 120.0
+RUN_TIMEOUT_S = 300
+REDIS_DB = 12  # not the redis_url fixture's db 15, which other sessions flush
+IDENTITIES = ("anonymous", "worker", "staff")
+
+# Operations whose request schema cannot express every rule the server applies; their
+# refusals of schema-valid requests are the documented 4xx in the one error shape:
+# - POST /datasets: whether a source lies under DIPACO_DATA_ROOTS (server configuration);
+# - POST /runs: the run config's cross-field rules (dipaco.config, e.g. heads divide the
+#   hidden size), answered 400 config_invalid with each problem;
+# - POST /runs/{run_id}/checkpoint: whether the uploaded file is a model checkpoint;
+# - POST /worker/register: whether the enrollment token is valid, names free of control
+#   characters, the device JSON within its size;
+# - POST /worker/lease/{lease_id}/complete: whether the uploads exist with that sha256.
+CONFIG_EXPECTATIONS = {
+    ("POST", "/api/v1/datasets"): ["422"],
+    ("POST", "/api/v1/runs"): ["400", "422"],
+    ("POST", "/api/v1/runs/{run_id}/checkpoint"): ["400", "413", "422"],
+    ("POST", "/api/v1/worker/register"): ["422"],
+    ("POST", "/api/v1/worker/lease/{lease_id}/complete"): ["422"],
+}
+# schemathesis' defaults without "5xx" (never acceptable here), plus 414 for negatives.
+POSITIVE_DEFAULT = ["2xx", "3xx", "401", "403", "404", "409", "429"]
+NEGATIVE_DEFAULT = [
+    "400",
+    "401",
+    "403",
+    "404",
+    "405",
+    "406",
+    "409",
+    "414",
+    "415",
+    "422",
+    "428",
+    "429",
+]
+
+
+def schemathesis_config(seed: dict[str, Any], identity: str) -> str:
+    """schemathesis.toml: real ids (and the lease secret) offered to path parameters."""
+    ids = seed["ids"]
+    lines = []
+    for name in ("run_id", "dataset_id", "worker_id", "token_id", "lease_id", "path_index"):
+        lines += [f"[dictionaries.{name}]", f"values = [{int(ids[name])}]", ""]
+    lines += ["[dictionaries.secret]", f"values = [{json.dumps(seed['secret'])}]", ""]
+    lines += ["[parameters]"]
+    for name in ("run_id", "dataset_id", "worker_id", "token_id", "lease_id", "path_index"):
+        lines.append(f'"path.{name}" = {{ dictionary = "{name}", probability = 0.7 }}')
+    if identity == "worker":
+        lines.append('"header.X-Lease-Secret" = { dictionary = "secret", probability = 0.8 }')
+    lines.append("")
+    # A request line over gunicorn's 4094 bytes is refused by gunicorn itself (documented
+    # as 414 on every operation): a refusal of the invalid request, like a 4xx of Django's.
+    lines += [
+        "[checks.negative_data_rejection]",
+        f"expected-statuses = {json.dumps(NEGATIVE_DEFAULT)}",
+        "",
+    ]
+    for (method, path), extra in CONFIG_EXPECTATIONS.items():
+        statuses = json.dumps(POSITIVE_DEFAULT + extra)
+        lines += [
+            "[[operations]]",
+            f'include-name = "{method} {path}"',
+            f"checks.positive_data_acceptance.expected-statuses = {statuses}",
+            "",
+        ]
+    return "\n".join(lines)
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while time.monotonic() < deadline:
+        assert process.poll() is None, f"the web exited:\n{log_tail(log)}"
+        try:
+            if httpx.get(f"{url}/api/v1/health", timeout=3).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"the web never became healthy:\n{log_tail(log)}")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@contextlib.contextmanager
+def serve(environ: dict[str, str], work: Path) -> Iterator[dict[str, Any]]:
+    """Migrate, seed, start gunicorn (compose's commands); yields url and seed."""
+    port = free_port()
+    environ = {
+        **environ,
+        "DIPACO_DATA_DIR": str(work / "data"),
+        "DIPACO_PUBLIC_URL": f"http://127.0.0.1:{port}",
+        "DIPACO_HOST": "127.0.0.1",
+        "DIPACO_PORT": str(port),
+        "WEB_CONCURRENCY": "1",
+        # Limits are tested in test_rate_limits.py; here they would answer the fuzzer 429.
+        "DIPACO_RATE_LIMIT_WORKER": "off",
+        "DIPACO_RATE_LIMIT_ADDRESS": "off",
+        "DIPACO_RATE_LIMIT_PUBLIC": "off",
+    }
+    migrate = subprocess.run(
+        compose_command("migrate", environ), env=environ, capture_output=True, timeout=300
+    )
+    assert migrate.returncode == 0, migrate.stderr.decode(errors="replace")
+    seeded = subprocess.run(
+        [sys.executable, "-m", "tests.conformance_seed"],
+        env={**environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert seeded.returncode == 0, seeded.stderr[-4000:]
+    seed = json.loads(seeded.stdout.strip().splitlines()[-1])
+    log = work / "web.log"
+    web = start_process(compose_command("web", environ), environ, log)
+    try:
+        wait_healthy(environ["DIPACO_PUBLIC_URL"], web, log)
+        yield {"url": environ["DIPACO_PUBLIC_URL"], "seed": seed, "log": log}
+    finally:
+        stop_process(web)
+
+
+def fuzz_command(seed: dict[str, Any], identity: str, url: str, work: Path) -> list[str]:
+    config = work / f"schemathesis-{identity}.toml"
+    config.write_text(schemathesis_config(seed, identity))
+    # The coverage phase (every keyword's edge and every missing header, some 1,600 requests
+    # per identity) runs as the worker and as staff; it already sends each of their
+    # requests without the token. Anonymous requests change nothing, so that run fuzzes
+    # only, alongside the worker's.
+    phases = "examples,fuzzing" if identity == "anonymous" else "examples,coverage,fuzzing"
+    command = [
+        str(SCHEMATHESIS), "--no-color", "--config-file", str(config), "run",
+        f"{url}/api/v1/openapi.json",
+        "--checks", "all",
+        "--phases", phases,
+        "--max-examples", str(MAX_EXAMPLES),
+        "--workers", "1",  # hypothesis parses lambdas with ast, which races across threads
+        "--suppress-health-check", "all",
+        "--report", "junit",
+        "--report-junit-path", str(ARTIFACTS / f"{identity}.junit.xml"),
+    ]  # fmt: skip
+    if CI:
+        command += ["--seed", str(SEED), "--generation-deterministic"]
+    if identity != "anonymous":
+        command += ["-H", f"Authorization: Bearer {seed[identity]}"]
+    return command
+
+
+def outcome(backend: str, identity: str, process: subprocess.Popen[str]) -> str | None:
+    """None when the run found nothing, else its failures (without reproduction commands)."""
+    try:
+        output, _ = process.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+    name = f"{backend}-{identity}"
+    (ARTIFACTS / f"{name}.txt").write_text(output)
+    junit = ARTIFACTS / f"{identity}.junit.xml"
+    if junit.exists():
+        junit.rename(ARTIFACTS / f"{name}.junit.xml")
+    if process.returncode == 0:
+        return None
+    failures = output.split("FAILURES", 1)[-1]
+    failures = re.sub(r"Reproduce with:.*?st replay \w+", "", failures, flags=re.S)
+    return f"{name}: exit {process.returncode}\n{failures[:6000]}"
+
+
+def fuzz_every_identity(server: dict[str, Any], backend: str, work: Path) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+
+    def start(identity: str) -> subprocess.Popen[str]:
+        command = fuzz_command(server["seed"], identity, server["url"], work)
+        return subprocess.Popen(
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=work
+        )
+
+    anonymous, worker = start("anonymous"), start("worker")
+    found = [outcome(backend, "worker", worker), outcome(backend, "anonymous", anonymous)]
+    found.append(outcome(backend, "staff", start("staff")))  # last: it may revoke the worker
+    problems = [problem for problem in found if problem is not None]
+    server_errors = [
+        line for line in log_tail(server["log"], 100_000).splitlines() if "Traceback" in line
+    ]
+    assert not problems, "\n\n".join(problems) + f"\n(full output in {ARTIFACTS})"
+    assert not server_errors, log_tail(server["log"], 200)
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_nothing_on_the_embedded_default(tmp_path: Path) -> None:
+    environ = compose_env()  # nothing set: SQLite, filesystem broker, local blobs
+    with serve(environ, tmp_path) as server:
+        fuzz_every_identity(server, "embedded", tmp_path)
+
+
+@pytest.mark.slow
+def test_schemathesis_finds_nothing_on_the_cluster(
+    tmp_path: Path, postgres_url: str, redis_url: str, s3_server: S3Server, s3_bucket: str
+) -> None:
+    import redis
+
+    redis_db = urlunsplit(urlsplit(redis_url)._replace(path=f"/{REDIS_DB}"))
+    redis.Redis.from_url(redis_db).flushdb()
+    environ = compose_env(
+        DATABASE_URL=postgres_url, REDIS_URL=redis_db, **s3_server.environ(s3_bucket)
+    )
+    try:
+        with serve(environ, tmp_path) as server:
+            fuzz_every_identity(server, "cluster", tmp_path)
+    finally:
+        redis.Redis.from_url(redis_db).flushdb()
+
+
+def test_the_schemathesis_config_offers_the_seeded_ids_and_secret() -> None:
+    seed = {
+        "secret": "dpl_x",
+        "ids": dict.fromkeys(
+            ("run_id", "dataset_id", "worker_id", "token_id", "lease_id", "path_index"), 3
+        ),
+    }
+    import tomllib
+
+    config = tomllib.loads(schemathesis_config(seed, "worker"))
+    assert config["dictionaries"]["lease_id"]["values"] == [3]
+    assert config["dictionaries"]["secret"]["values"] == ["dpl_x"]
+    assert "header.X-Lease-Secret" in config["parameters"]
+    assert (
+        "header.X-Lease-Secret"
+        not in tomllib.loads(schemathesis_config(seed, "staff"))["parameters"]
+    )
+    assert os.fspath(ARTIFACTS).endswith("test-artifacts/conformance")
