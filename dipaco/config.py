@@ -286,14 +286,24 @@ class OuterConfig(_Section):
         description="Multiply a module's mean Δ by √(paths that contributed to it this round) "
         "(DiPaCo).",
     )
-    overlap: Literal["none", "delayed"] = Field(
+    overlap: Literal["none", "delayed", "eager"] = Field(
         default="none",
         description='"delayed": one-step-delayed outer updates (issue 20, no idle time). '
         "When round t closes, round t + 1 opens at once from the latest published versions "
         "while round t's outer step runs; round t + 1's Δs (relative to that base) are "
         "applied onto the versions round t published, never earlier (staleness at most 1). "
+        '"eager": as delayed, plus the eager correction: after step ceil(eager_at x H) a '
+        "unit adds (the versions round t publishes - its base) to its live weights and "
+        "reports its Δ relative to round t's versions (no staleness); a unit that cannot "
+        "get them in time reports it relative to its base, as delayed. "
         '"none": round t + 1 opens after round t\'s step, from its versions. Quality cost '
         'measured with dipaco simulate: docs/benchmarks.md, "Overlapped outer steps".',
+    )
+    eager_at: float = Field(
+        default=0.1,
+        description='overlap "eager": the fraction of a unit\'s H inner steps after which it '
+        "rebases onto the previous round's versions (waiting there until they are published); "
+        "in (0, 1].",
     )
     warmup_rounds: int = Field(
         default=0,
@@ -385,6 +395,17 @@ class OuterConfig(_Section):
     replica_norm_ratio: float = Field(
         default=1.5, ge=1, description="... and with norms within this ratio of each other."
     )
+
+    @model_validator(mode="after")
+    def _check_eager_at(self) -> OuterConfig:
+        if isinstance(self.eager_at, bool) or not 0 < self.eager_at <= 1:
+            raise refuse(
+                "outer.eager_at",
+                self.eager_at,
+                "must be in (0, 1]: the fraction of a unit's inner steps after which it "
+                "rebases (outer.overlap eager), e.g. 0.1",
+            )
+        return self
 
 
 class CommConfig(_Section):

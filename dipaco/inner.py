@@ -15,6 +15,7 @@ and is keyed by parameter name, so it survives a change of micro-batch or device
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -255,6 +256,17 @@ class _Progress:
     losses: list[float] = field(default_factory=list)
     lrs: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
+    # sha256 of the weights the unit started from, once a rebase moved θ_old off them
+    # (outer.overlap eager): what a resumed checkpoint is checked against then.
+    start_digest: str = ""
+
+
+def _weights_digest(weights: Mapping[str, Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].detach().cpu().contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
 
 
 def _save_checkpoint(
@@ -286,9 +298,11 @@ def _load_checkpoint(
     path: Path,
     model: nn.Module,
     optimizer: torch.optim.Optimizer,
-    theta_old: Mapping[str, Tensor],
+    theta_old: dict[str, Tensor],
     identity: dict[str, Any],
 ) -> _Progress:
+    """Model, optimiser and RNG from the checkpoint; `theta_old` too when a rebase had
+    moved it (checked then by the digest of the weights the unit started from)."""
     with safe_open(str(path), framework="pt") as handle:
         meta = json.loads((handle.metadata() or {}).get("dipaco", "{}"))
         if meta.get("format") != CHECKPOINT_FORMAT:
@@ -298,8 +312,17 @@ def _load_checkpoint(
                 f"{path} was written with other settings ({meta['identity']} vs {identity}); "
                 "delete it or pass resume=False"
             )
+        start_digest = str(meta["progress"].get("start_digest") or "")
+        if start_digest:  # rebased: θ_old moved, the weights it started from are its digest
+            if _weights_digest(theta_old) != start_digest:
+                raise CheckpointMismatch(
+                    f"{path} started from other weights (their sha256 differs); "
+                    "delete it or pass resume=False"
+                )
+            for name in theta_old:
+                theta_old[name] = handle.get_tensor(f"theta_old/{name}")
         for name, old in theta_old.items():
-            if not torch.equal(handle.get_tensor(f"theta_old/{name}"), old):
+            if not start_digest and not torch.equal(handle.get_tensor(f"theta_old/{name}"), old):
                 raise CheckpointMismatch(
                     f"{path} started from other weights ({name} differs); "
                     "delete it or pass resume=False"
@@ -354,6 +377,21 @@ def _delta(model: nn.Module, theta_old: Mapping[str, Tensor]) -> dict[str, Tenso
     return {key: by_param[names[t.data_ptr()]] for key, t in model.state_dict().items()}
 
 
+def path_shift(
+    config: RunConfig,
+    p: int,
+    old: Mapping[str, Mapping[str, Tensor]],
+    new: Mapping[str, Mapping[str, Tensor]],
+) -> dict[str, Tensor]:
+    """Path p's state-dict shift from modules `old` to modules `new` (θ_new − θ_old per
+    name): what `run_inner_loop(rebase=)` adds for outer.overlap's eager correction. One
+    home for the simulator (`train_dipaco(eager_at=)`) and the worker agent
+    (worker_agent.rebase), so both rebase by the same float arithmetic."""
+    before = assemble_path_state(config, p, old)
+    after = assemble_path_state(config, p, new)
+    return {name: after[name] - before[name] for name in after}
+
+
 def _rebase(model: nn.Module, theta_old: dict[str, Tensor], shift: Mapping[str, Tensor]) -> None:
     """Move the live weights and θ_old by `shift` (names without a shift stay)."""
     with torch.no_grad():
@@ -396,7 +434,9 @@ def run_inner_loop(
     `rebase(step)`, after each step, may return a shift (state-dict name -> tensor): a newer
     base version landed (θ_new_base − θ_old, outer.overlap's eager correction). It is added
     to the live weights and to θ_old, so training goes on from the newer version and the
-    Δ is relative to it. Not replayed when a checkpoint is resumed.
+    Δ is relative to it. A checkpoint written after it holds the moved θ_old (it is not
+    asked again on resume, the step being past) and is checked against the weights the
+    unit started from by their sha256.
     """
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every = {checkpoint_every}: must be >= 1 or None")
@@ -459,10 +499,14 @@ def run_inner_loop(
             )
         progress.lrs.append(lr)
         progress.grad_norms.append(float(grad_norm))
+        progress.seconds += time.perf_counter() - started
+        # After the timing: an eager unit may wait here for the newer version (the agent's
+        # worker_agent.rebase), which is not training time, nor its speed.
         shift = rebase(progress.step) if rebase is not None else None
         if shift:
+            if not progress.start_digest:
+                progress.start_digest = _weights_digest(theta_old)
             _rebase(model, theta_old, shift)
-        progress.seconds += time.perf_counter() - started
         if on_step is not None:
             metrics = StepMetrics(
                 progress.step, progress.losses[-1], lr, progress.grad_norms[-1],

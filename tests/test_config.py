@@ -58,6 +58,19 @@ def test_it_refuses_unknown_fields() -> None:
     assert field == "inner.step" and value == 10 and "Extra inputs" in rule
 
 
+def test_overlap_eager_takes_a_fraction_of_the_unit_and_refuses_anything_else() -> None:
+    cfg = RunConfig.tiny(outer={"overlap": "eager"})
+    assert (cfg.outer.overlap, cfg.outer.eager_at) == ("eager", 0.1)
+    assert RunConfig().outer.overlap == "none"  # the default stays: no overlap
+    assert RunConfig.tiny(outer={"overlap": "eager", "eager_at": 1.0}).outer.eager_at == 1.0
+    for bad in (0.0, -0.1, 1.5, float("nan")):
+        field, value, rule = refusal(outer={"overlap": "eager", "eager_at": bad})
+        assert field == "outer.eager_at" and "(0, 1]" in rule, (bad, rule)
+        assert value == bad or bad != bad
+    field, _, rule = refusal(outer={"overlap": "soon"})
+    assert field == "outer.overlap" and "eager" in rule
+
+
 def test_it_refuses_levels_that_leave_a_gap() -> None:
     gap = {"levels": [{"blocks": (0, 1), "modules": 2}, {"blocks": (2, 4)}]}
     field, value, rule = refusal(layout=gap)

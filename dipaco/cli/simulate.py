@@ -123,8 +123,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     shape.add_argument(
         "--overlap",
-        choices=["none", "delayed"],
-        help="outer.overlap: delayed = one-step-delayed outer updates (no idle time)",
+        choices=["none", "delayed", "eager"],
+        help="outer.overlap: delayed = one-step-delayed outer updates (no idle time); "
+        "eager = delayed with the eager correction at outer.eager_at of each unit",
     )
     shape.add_argument("--router", choices=["kmeans", "product-kmeans"], help="routing method")
     shape.add_argument(

@@ -36,7 +36,7 @@ from dipaco import codecs
 from dipaco.config import RunConfig
 from dipaco.data.windows import path_seed, unit_start
 from dipaco.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
-from dipaco.inner import InnerState, StepMetrics, train_path
+from dipaco.inner import InnerState, StepMetrics, path_shift, train_path
 from dipaco.model import build_model
 from dipaco.modular import (
     assemble_path_state,
@@ -181,9 +181,7 @@ def _eager(
     def rebase(step: int) -> dict[str, Tensor] | None:
         if step != at:
             return None
-        before = assemble_path_state(config, p, old)
-        after = assemble_path_state(config, p, new)
-        return {name: after[name] - before[name] for name in after}
+        return path_shift(config, p, old, new)
 
     return rebase
 
@@ -202,12 +200,15 @@ def train_dipaco(
 
     Modules start from `base_state` (every module of a level equal) when given, else from
     the run's seeded initialisation. With ``outer.overlap`` "delayed", `eager_at` in (0, 1]
-    models the eager correction (not on the platform yet): the version the previous round's
-    step publishes lands after that fraction of each unit's steps, and the unit adds it to
-    its live weights and rebases its Δ on it (dipaco.inner.run_inner_loop's `rebase`).
+    models the eager correction: the version the previous round's step publishes lands
+    after that fraction of each unit's steps, and the unit adds it to its live weights and
+    rebases its Δ on it (dipaco.inner.run_inner_loop's `rebase`). ``outer.overlap`` "eager"
+    is that with ``outer.eager_at`` (what the platform's agent does, worker_agent.rebase).
     """
     if eager_at is not None and not 0 < eager_at <= 1:
         raise ValueError(f"eager_at = {eager_at}: a fraction of the unit's steps, in (0, 1]")
+    if config.outer.overlap == "eager" and eager_at is None:
+        eager_at = config.outer.eager_at
     started = time.perf_counter()
     sources = training_sources(config, data)
     modules: Modules = (
@@ -220,12 +221,12 @@ def train_dipaco(
     states: dict[tuple[int, int], InnerState] = {}  # warm AdamW (+ residual) per replica
     published: dict[str, dict[str, Tensor]] = {}  # the update's error feedback per module
     update_bytes: dict[str, int] = {}  # the last published update's size per module
-    # outer.overlap "delayed": round t's units train from the versions before round t - 1's
+    # outer.overlap "delayed" (or "eager"): round t's units train from the versions before round t - 1's
     # step (the latest published when round t opened, while that step ran), and round t's
     # step applies their Δs onto the versions round t - 1 published (staleness 1).
     previous: Modules = modules
     for t in range(config.rounds):
-        train_from = previous if config.outer.overlap == "delayed" else modules
+        train_from = previous if config.outer.overlap != "none" else modules
         round_started = time.perf_counter()
         contributions: dict[str, list[tuple[int, bytes, int]]] = defaultdict(list)
         record = RoundRecord(t + 1, [], 0.0)
