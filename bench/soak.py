@@ -24,7 +24,12 @@ Random kills, so that the soak exercises recovery and not just the happy path:
   * the Celery worker: `kill -9` of its whole process group about every
     --celery-kill-every s (0: never), restarted at once. Its unacknowledged tasks come
     back after the broker's visibility timeout, which this soak sets to
-    --visibility-timeout (the project's default, kombu's, is one hour).
+    --visibility-timeout (the project's default is 30 min). kombu looks for them only
+    every unacked_restore_interval x unacked_restore_throttle s (10 x 10 by default, so
+    a task killed mid-run came back 100 s later, whatever the visibility timeout); the
+    soak makes that a fifth of the visibility timeout, so they come back in about 1.2x it,
+    and lets a scan's mutex, if the kill catches a worker holding it, lapse after 30 s
+    (not 300 s).
 
 Settings the soak changes (a settings module that imports the project's and overrides
 these): DIPACO_LEASE_TIMEOUT_S, DIPACO_ROUND_DEADLINE_S, the beat intervals, Celery's
@@ -92,7 +97,12 @@ from dipaco_server.settings import *  # noqa: F403
 DIPACO_LEASE_TIMEOUT_S = {lease_timeout!r}
 DIPACO_ROUND_DEADLINE_S = {round_deadline!r}
 CELERY_TASK_DEFAULT_QUEUE = {queue!r}
-CELERY_BROKER_TRANSPORT_OPTIONS = {{"visibility_timeout": {visibility!r}}}
+CELERY_BROKER_TRANSPORT_OPTIONS = {{
+    "visibility_timeout": {visibility!r},
+    "unacked_restore_interval": {restore_interval!r},
+    "unacked_restore_throttle": 1,
+    "unacked_mutex_expire": 30,
+}}
 CELERY_BEAT_SCHEDULE = {{
     "sweep-leases": {{"task": "dipaco_server.rounds.tasks.sweep_leases",
                      "schedule": {sweep!r}}},
@@ -621,6 +631,7 @@ def soak(args: argparse.Namespace) -> int:
     (work / "soak_settings.py").write_text(SETTINGS.format(
         lease_timeout=args.lease_timeout, round_deadline=args.round_deadline, queue=tag,
         visibility=args.visibility_timeout, sweep=args.sweep_every,
+        restore_interval=max(1, round(args.visibility_timeout / 5)),
     ))  # fmt: skip
     port, s3_port = free_port(), free_port()
     url = f"http://127.0.0.1:{port}"
