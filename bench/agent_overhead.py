@@ -4,6 +4,7 @@
     .venv/bin/python bench/agent_overhead.py --preset 150m --device cuda --steps 30
     .venv/bin/python bench/agent_overhead.py --e2e --rounds 3 --steps 40 # + utilisation
     .venv/bin/python bench/agent_overhead.py --e2e --overlap delayed       # outer.overlap
+    .venv/bin/python bench/agent_overhead.py --e2e --overlap eager         # + its rebase
 
 Both sides train the same Llama (dipaco.model.build_model, same seed) on the same
 token window with the same batch (micro-batch x accumulation x sequence length), AdamW,
@@ -34,7 +35,10 @@ rounds. Utilisation is the worker's training seconds (the sum of its units'
 the rest is fetching, encoding, uploading, completing, and waiting for outer steps
 (goal >= 0.97, issue 20). ``--overlap delayed`` runs it with one-step-delayed outer steps
 (outer.overlap): the next round opens as soon as one closes, so the worker does not wait
-for outer steps; its quality cost is bench/overlap_quality.py's.
+for outer steps; its quality cost is bench/overlap_quality.py's. ``--overlap eager`` adds
+the eager correction: each unit of an overlapped round waits at step ceil(0.1 H) for the
+previous round's versions and rebases onto them (worker_agent.rebase); that wait counts
+against utilisation (``rebase_wait_s``).
 """
 
 from __future__ import annotations
@@ -281,6 +285,10 @@ def end_to_end(
             "fetch_s": fetch, "between_units_s": waiting,
             "train_to_complete_s": wall - train - fetch - waiting,
             "idle_polls": sum(e["event"] == "idle" for e in events), "overlap": overlap,
+            # outer.overlap eager: units that rebased, fell back to delayed, seconds waited
+            "rebased": sum(e["event"] == "rebase" for e in events),
+            "rebase_fallbacks": sum(e["event"] == "rebase_fallback" for e in events),
+            "rebase_wait_s": sum(float(e.get("rebase_wait_s") or 0.0) for e in done),
             "load": os.getloadavg() if hasattr(os, "getloadavg") else None}  # fmt: skip
 
 
@@ -298,7 +306,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=3, help="--e2e: outer rounds")
     parser.add_argument(
         "--overlap",
-        choices=["none", "delayed"],
+        choices=["none", "delayed", "eager"],
         default=OuterConfig().overlap,
         help="--e2e: the run's outer.overlap (default %(default)s, the run default)",
     )

@@ -28,6 +28,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -38,7 +39,15 @@ from dipaco.config import GiB, InnerConfig, RunConfig
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource, UnitSource
 from dipaco.inner import InnerResult, StepMetrics
-from worker_agent.client import Client, Contribution, LeaseGrant, ShardRef, lease_from_json
+from worker_agent.client import (
+    BlobRef,
+    Client,
+    Contribution,
+    LeaseGrant,
+    Manifest,
+    ShardRef,
+    lease_from_json,
+)
 from worker_agent.device import DeviceInfo
 from worker_agent.downloads import HeldModules, ModuleFetcher
 from worker_agent.errors import (
@@ -52,6 +61,7 @@ from worker_agent.errors import (
 from worker_agent.heartbeat import HeartbeatThread
 from worker_agent.payload import encode_deltas
 from worker_agent.progress import Reporter
+from worker_agent.rebase import Rebaser, rebased_versions
 from worker_agent.retry import Backoff
 from worker_agent.state import LeaseRecord, LeaseStateFile
 from worker_agent.trainer import InnerStates, UnitWork, fit_micro_batch, train_unit
@@ -224,7 +234,10 @@ class Agent:
             )
             self.reporter.event("fetched", f"fetched {len(modules)} modules and the training data")
             ending = _Ending()
-            result, inner = self._train(grant, config, modules, (shard, data), record, work, ending)
+            rebasers: list[Rebaser] = []  # outer.overlap eager: this unit's hook, if any
+            result, inner = self._train(
+                grant, config, modules, (shard, data), record, work, ending, rebasers
+            )
             if not result.completed and not self._salvageable(grant, config, result, ending):
                 return
             record.phase, record.step = "uploading", len(result.losses)
@@ -242,8 +255,27 @@ class Agent:
             "train_seconds": result.seconds,
             "steps": float(len(result.losses)),
         }
+        relative_to = None
+        if grant.rebase is not None:
+            # The marker says whether this unit's Δ is relative to the rebased versions
+            # (also after a resume past the rebase); else to its base, as delayed.
+            relative_to = rebased_versions(work, grant.rebase, len(result.losses))
+            metrics["rebased"] = 0.0 if relative_to is None else 1.0
+            waited = rebasers[0].waited_s if rebasers else 0.0
+            metrics["rebase_wait_s"] = waited
+            if relative_to is None and len(result.losses) >= grant.rebase.at_step:
+                why = rebasers[0].fallback if rebasers and rebasers[0].fallback else "resumed"
+                self.reporter.event(
+                    "rebase_fallback", f"lease {grant.lease_id}: no rebase at step "
+                    f"{grant.rebase.at_step} ({why}); its Δ is relative to its base versions "
+                    f"{grant.base_versions} (as outer.overlap delayed)",
+                    at_step=grant.rebase.at_step, reason=why, waited_s=waited,
+                )  # fmt: skip
         contributions = [Contribution(d.module_id, d.sha256, d.size) for d in encoded]
-        self.client.complete(grant.lease_id, grant.secret, contributions, result.tokens, metrics)
+        self.client.complete(
+            grant.lease_id, grant.secret, contributions, result.tokens, metrics,
+            base_versions=relative_to,
+        )  # fmt: skip
         if not result.completed and ending.partial:
             self.reporter.event(
                 "salvaged", f"lease {grant.lease_id}: the partial Δ of {len(result.losses)} of "
@@ -260,7 +292,8 @@ class Agent:
             units_done=self.units_done, **metrics,
         )  # fmt: skip
         self._discard(grant)
-        keep = {ref.sha256 for ref in manifest.modules} | {manifest.data.sha256}
+        rebased = rebasers[0].refs if rebasers else []
+        keep = {ref.sha256 for ref in [*manifest.modules, *rebased]} | {manifest.data.sha256}
         self.cache.prune(keep, self.options.cache_max_bytes)
 
     def _train(
@@ -272,6 +305,7 @@ class Agent:
         record: LeaseRecord,
         work: Path,
         ending: _Ending,
+        rebasers: list[Rebaser] | None = None,
     ) -> tuple[InnerResult, InnerConfig]:
         inner = config.inner
         if (
@@ -320,6 +354,17 @@ class Agent:
             done[0] = m.step
             on_step(m)
 
+        def must_stop() -> str | None:
+            """Why the unit must stop now, whatever its steps (None: it may go on)."""
+            if stop.is_set():
+                return "stopped by a signal"
+            if lost.is_set():
+                return self.heartbeats.lost_reason or "lease lost"
+            left = round_end()
+            if left is not None and left <= 0 and done[0]:
+                return "the round's deadline is near"
+            return None
+
         def should_stop() -> bool:
             if stop.is_set():
                 return ending.set("stopped by a signal")
@@ -349,11 +394,56 @@ class Agent:
         unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules, source,
                         grant.data.start_position)  # fmt: skip
         state = self.inner_states.load(grant.run_id, grant.path, config)
+        rebaser = None
+        if grant.rebase is not None:
+            rebaser = self._rebaser(grant, config, modules, ref, work, must_stop)
+            if rebasers is not None:
+                rebasers.append(rebaser)
         return train_unit(
             unit, device=self.device.device, work_dir=work, inner=inner,
             state=state, checkpoint_every=every, should_stop=should_stop,
-            on_step=on_step_counted, on_fallback=on_fallback,
+            on_step=on_step_counted, on_fallback=on_fallback, rebase=rebaser,
         )  # fmt: skip
+
+    def _rebaser(
+        self,
+        grant: LeaseGrant,
+        config: RunConfig,
+        modules: dict[str, dict[str, Tensor]],
+        data: ShardRef,
+        work: Path,
+        must_stop: Callable[[], str | None],
+    ) -> Rebaser:
+        """outer.overlap eager's hook for this unit (worker_agent.rebase)."""
+        plan = grant.rebase
+        assert plan is not None
+
+        def load(refs: list[BlobRef]) -> dict[str, dict[str, Tensor]]:
+            with disk_errors(self.options.data_dir):
+                new, stats = self.modules.fetch(grant.run_id, Manifest(refs, data), config)
+            self.reporter.event(
+                "rebase", f"lease {grant.lease_id}: rebased at step {plan.at_step} onto round "
+                f"{plan.round}'s versions {dict((r.module_id, r.version) for r in refs)} "
+                f"after waiting {rebaser.waited_s:.1f} s ({stats.from_updates} from encoded "
+                f"updates, {stats.update_bytes:,} B; {stats.whole} whole, "
+                f"{stats.module_bytes:,} B)",
+                at_step=plan.at_step, waited_s=rebaser.waited_s,
+                **{f"download_{k}": v for k, v in asdict(stats).items()},
+            )  # fmt: skip
+            return new
+
+        rebaser = Rebaser(
+            plan=plan, config=config, path=grant.path, base=modules, work_dir=work,
+            ask=lambda: self.client.rebase(grant.lease_id, grant.secret), load=load,
+            give_up=must_stop, sleep=self.stop.wait, hard_deadline=grant.hard_deadline,
+            steps=grant.steps, margin_s=2 * grant.heartbeat_interval_s,
+            on_wait=lambda: self.reporter.event(
+                "rebase_wait", f"lease {grant.lease_id}: waiting at step {plan.at_step} for "
+                f"round {plan.round}'s versions (its outer step is still running)",
+                at_step=plan.at_step, round=plan.round,
+            ),
+        )  # fmt: skip
+        return rebaser
 
     # --- endings ----------------------------------------------------------------------
 

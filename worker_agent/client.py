@@ -7,7 +7,7 @@ server's 4xx refusals are raised at once as `ServerError` with their stable code
 and a server that never answers becomes `ServerUnreachable` naming the URL.
 
 Routes (under ``/api/v1``): ``GET health``; ``POST worker/register``,
-``worker/heartbeat``, ``worker/lease``; ``GET worker/lease/<id>/manifest``;
+``worker/heartbeat``, ``worker/lease``; ``GET worker/lease/<id>/manifest``, ``.../rebase``;
 ``POST worker/lease/<id>/upload-urls``, ``.../complete``, ``.../release``. The lease's
 secret travels in the ``X-Lease-Secret`` header, the worker token as a bearer token.
 """
@@ -39,6 +39,8 @@ __all__ = [
     "Heartbeat",
     "LeaseGrant",
     "Manifest",
+    "RebaseAnswer",
+    "RebasePlan",
     "Registration",
     "UpdateRef",
     "UploadTarget",
@@ -70,6 +72,14 @@ class DataWindow:
 
 
 @dataclass(frozen=True)
+class RebasePlan:
+    """outer.overlap eager: after step `at_step`, rebase onto what round `round` publishes."""
+
+    at_step: int
+    round: int
+
+
+@dataclass(frozen=True)
 class LeaseGrant:
     """One work unit: train `steps` inner steps of path `path` from the modules' base versions."""
 
@@ -93,6 +103,8 @@ class LeaseGrant:
     size_reason: str = ""  # why `steps`, from the server
     seconds_limit: float | None = None  # a calibration unit: stop after this long
     round_deadline: str | None = None  # ISO 8601: upload what is trained by then
+    hard_deadline: str | None = None  # ISO 8601: heartbeats never extend the lease past it
+    rebase: RebasePlan | None = None  # outer.overlap eager (worker_agent.rebase)
 
 
 @dataclass(frozen=True)
@@ -140,6 +152,16 @@ class ShardRef:
 class Manifest:
     modules: list[BlobRef]
     data: ShardRef
+
+
+@dataclass(frozen=True)
+class RebaseAnswer:
+    """GET .../rebase: "ready" (modules at `versions`), "waiting" or "none"."""
+
+    state: str
+    versions: dict[str, int]
+    retry_after_s: float
+    modules: list[BlobRef]
 
 
 @dataclass(frozen=True)
@@ -357,29 +379,7 @@ class Client:
         data = self._call("GET", route, secret=secret).json()
         shard = data["data"]
         return Manifest(
-            modules=[
-                BlobRef(
-                    str(m["module_id"]),
-                    int(m["version"]),
-                    str(m["key"]),
-                    str(m["sha256"]),
-                    int(m["size"]),
-                    str(m["url"]),
-                    tuple(
-                        UpdateRef(
-                            int(u["from_version"]),
-                            int(u["version"]),
-                            str(u["url"]),
-                            str(u["sha256"]),
-                            int(u["size"]),
-                            str(u["from_sha256"]),
-                            str(u["to_sha256"]),
-                        )
-                        for u in m.get("updates") or ()
-                    ),
-                )
-                for m in data["modules"]
-            ],
+            modules=[_blob_ref(m) for m in data["modules"]],
             data=ShardRef(
                 str(shard["url"]),
                 str(shard["key"]),
@@ -390,6 +390,17 @@ class Client:
                 str(shard.get("scope", "path")),
                 int(shard.get("first_position", 0)),
             ),
+        )
+
+    def rebase(self, lease_id: int, secret: str) -> RebaseAnswer:
+        """outer.overlap eager: the versions the unit rebases onto, once published; the
+        modules come with encoded updates from the unit's base versions where published."""
+        data = self._call("GET", f"worker/lease/{lease_id}/rebase", secret=secret).json()
+        return RebaseAnswer(
+            state=str(data["state"]),
+            versions={str(k): int(v) for k, v in (data.get("versions") or {}).items()},
+            retry_after_s=float(data.get("retry_after_s") or 0.0),
+            modules=[_blob_ref(m) for m in data.get("modules") or ()],
         )
 
     def upload_urls(self, lease_id: int, secret: str) -> dict[str, UploadTarget]:
@@ -413,8 +424,11 @@ class Client:
         contributions: list[Contribution],
         tokens: int,
         metrics: Mapping[str, float],
+        base_versions: Mapping[str, int] | None = None,
     ) -> dict[str, Any]:
-        body = {
+        """`base_versions`: the versions the Δs are relative to when not the unit's base
+        (an eager unit that rebased, worker_agent.rebase)."""
+        body: dict[str, Any] = {
             "contributions": [
                 {"module_id": c.module_id, "sha256": c.sha256, "size": c.size}
                 for c in contributions
@@ -422,6 +436,8 @@ class Client:
             "tokens": tokens,
             "metrics": dict(metrics),
         }
+        if base_versions is not None:
+            body["base_versions"] = {str(m): int(v) for m, v in base_versions.items()}
         route = f"worker/lease/{lease_id}/complete"
         answer: dict[str, Any] = self._call("POST", route, json=body, secret=secret).json()
         return answer
@@ -439,9 +455,33 @@ def _seconds(header: str | None) -> float | None:
     return value if value is not None and 0 <= value <= 3600 else None
 
 
+def _blob_ref(m: Mapping[str, Any]) -> BlobRef:
+    return BlobRef(
+        str(m["module_id"]),
+        int(m["version"]),
+        str(m["key"]),
+        str(m["sha256"]),
+        int(m["size"]),
+        str(m["url"]),
+        tuple(
+            UpdateRef(
+                int(u["from_version"]),
+                int(u["version"]),
+                str(u["url"]),
+                str(u["sha256"]),
+                int(u["size"]),
+                str(u["from_sha256"]),
+                str(u["to_sha256"]),
+            )
+            for u in m.get("updates") or ()
+        ),
+    )
+
+
 def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
     """A lease answer (or the copy saved for resuming) as a LeaseGrant."""
     window = data["data"]
+    plan = data.get("rebase")
     return LeaseGrant(
         lease_id=int(data["lease_id"]),
         secret=str(data["lease_secret"]),
@@ -459,6 +499,8 @@ def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
         size_reason=str(data.get("size_reason") or ""),
         seconds_limit=None if data.get("seconds_limit") is None else float(data["seconds_limit"]),
         round_deadline=None if data.get("round_deadline") is None else str(data["round_deadline"]),
+        hard_deadline=None if data.get("hard_deadline") is None else str(data["hard_deadline"]),
+        rebase=None if not plan else RebasePlan(int(plan["at_step"]), int(plan["round"])),
         codec=str(data["codec"]),
         config=dict(data["config"]),
         data=DataWindow(

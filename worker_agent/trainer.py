@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import gc
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -146,10 +146,12 @@ def train_unit(
     on_step: Callable[[StepMetrics], None] | None = None,
     on_fallback: Callable[[InnerConfig, InnerConfig], None] | None = None,
     fault: Fault | None = None,
+    rebase: Callable[[int], Mapping[str, Tensor] | None] | None = None,
 ) -> tuple[InnerResult, InnerConfig]:
     """Train the unit (resuming its checkpoint if any) from the path's warm `state` (None:
     fresh AdamW); returns the result, whose `state` is the path's next one, and the inner
-    config it finished with (the micro-batch may have shrunk)."""
+    config it finished with (the micro-batch may have shrunk). `rebase`: outer.overlap
+    eager's hook (worker_agent.rebase), `dipaco.inner.run_inner_loop`'s."""
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / CHECKPOINT_NAME
     current = inner or work.config.inner
@@ -167,7 +169,7 @@ def train_unit(
                 round_index=work.round_index, start_position=work.start_position,
                 device=device, checkpoint_path=checkpoint,
                 checkpoint_every=checkpoint_every, should_stop=should_stop, on_step=step_hook,
-                state=state,
+                state=state, rebase=rebase,
             )  # fmt: skip
         except CheckpointMismatch as mismatch:
             if restarted:

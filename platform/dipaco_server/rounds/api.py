@@ -16,6 +16,8 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from django.db import transaction
+from django.db.models import F
+from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from kombu.exceptions import KombuError
@@ -35,9 +37,10 @@ from dipaco_server.rounds.complete import (
     upload_key,
 )
 from dipaco_server.rounds.downloads import HELD_PATTERN, parse_held, plan_downloads
-from dipaco_server.rounds.models import Lease, OuterStep, Round
+from dipaco_server.rounds.models import Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.open import overlaps
 from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.rebase import rebase_plan, rebase_targets
 from dipaco_server.rounds.unit_data import unit_data
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion
@@ -54,6 +57,7 @@ router = Router(tags=["worker"], auth=worker_auth)
 DOWNLOAD_URL_EXPIRES_S = 900
 UPLOAD_URL_EXPIRES_S = 900
 MAX_MODULES_PER_PATH = 256
+REBASE_RETRY_S = 1.0  # an eager unit waiting for the previous round's versions asks again
 SECRET_HEADER = "X-Lease-Secret"
 Secret = Annotated[
     str, Header(alias=SECRET_HEADER, max_length=256, description="The lease's secret.")
@@ -75,6 +79,17 @@ class DataWindowOut(Schema):
     windows: int = Field(description="Windows (sequences of seq_len + 1 tokens) it reads: H·B.")
     seed: int = Field(description="Seed of the path's window order (config.seed + path).")
     dtype: str = Field(description="numpy dtype of the token file, e.g. '<u2' (little-endian).")
+
+
+class RebaseOut(Schema):
+    """outer.overlap eager (rounds.rebase): after step `at_step`, rebase onto the versions
+    round `round`'s outer step publishes (GET .../lease/{lease_id}/rebase)."""
+
+    at_step: int = Field(
+        description="Rebase after this many of the unit's inner steps (counted from the "
+        "unit's start): ceil(outer.eager_at x H). Wait there until the versions are published."
+    )
+    round: int = Field(description="The round whose outer step publishes them (lease round - 1).")
 
 
 class LeaseOut(Schema):
@@ -108,6 +123,11 @@ class LeaseOut(Schema):
     codec: str = Field(description="How to encode each module's Δ (dipaco.codecs).")
     config: dict[str, Any] = Field(description="The whole run config (dipaco.config.RunConfig).")
     data: DataWindowOut
+    rebase: RebaseOut | None = Field(
+        None,
+        description="outer.overlap eager: when and onto what to rebase (rounds.rebase); "
+        "null: the Δ is relative to base_versions.",
+    )
 
 
 class ModuleUpdateOut(Schema):
@@ -165,6 +185,27 @@ class UnitManifestOut(Schema):
     data: DataBlobOut
 
 
+class RebaseManifestOut(Schema):
+    """The versions an eager unit rebases onto (rounds.rebase), once they are published."""
+
+    lease_id: int
+    state: str = Field(
+        description='"ready": `versions` are published and `modules` fetch them; "waiting": '
+        "round `round`'s outer step is still running, ask again after `retry_after_s`; "
+        '"none": this unit has no rebase (its Δ stays relative to its base versions).'
+    )
+    round: int | None = Field(description="The round whose outer step publishes them.")
+    versions: dict[str, int] = Field(
+        description="Module id -> the version to rebase onto (when ready)."
+    )
+    retry_after_s: float = Field(description="When waiting: ask again after this long.")
+    expires_in_s: int
+    modules: list[UnitModuleBlobOut] = Field(
+        description="When ready: the modules at `versions`, with the encoded updates from "
+        "the unit's base versions where the run publishes them (as the manifest's)."
+    )
+
+
 class PresignedPostOut(Schema):
     url: str
     fields: dict[str, str] = Field(description="Form fields to send before the 'file' field.")
@@ -200,6 +241,13 @@ class CompleteIn(Schema):
     metrics: dict[str, float] = Field(
         default_factory=dict, description="e.g. loss, tokens_per_second."
     )
+    base_versions: dict[str, JsonId] | None = Field(
+        None,
+        max_length=MAX_MODULES_PER_PATH,
+        description="Module id -> the version each Δ is relative to: the unit's base "
+        "versions (the default), or, for an eager unit that rebased, the versions its "
+        "rebase named (outer.overlap eager). Anything else is refused (422).",
+    )
 
 
 class ContributionOut(Schema):
@@ -208,6 +256,9 @@ class ContributionOut(Schema):
     size: int
     sha256: str
     status: str
+    base_version: int | None = Field(
+        None, description="The module version the Δ is relative to (rounds.rebase)."
+    )
 
 
 class CompleteOut(Schema):
@@ -349,6 +400,7 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
                 "seed": path_seed(config, unit.path.index),
                 "dtype": _token_dtype(config.model.vocab_size),
             },
+            "rebase": rebase_plan(unit),
         },
     )
 
@@ -375,18 +427,7 @@ def manifest(
     lease = leasing.authorize_lease(current_worker(request), lease_id, lease_secret)
     unit, store = lease.unit, get_blob_store()
     run = unit.round.run
-    wanted = dict(unit.base_versions)
-    versions: dict[str, list[ModuleVersion]] = {}
-    for v in ModuleVersion.objects.select_related("module").filter(
-        module__run=run, module__phase=unit.path.phase, module__module_id__in=list(wanted)
-    ):
-        versions.setdefault(v.module.module_id, []).append(v)
-    rows = {m: v for m, found in versions.items() for v in found if v.version == wanted[m]}
-    missing = sorted(set(wanted) - set(rows))
-    if missing:
-        raise ModulesNotReady(
-            f"modules {missing} have no blob at their base version", modules=missing
-        )
+    modules, sent = _module_blobs(store, unit, dict(unit.base_versions), parse_held(held))
     config = phase_config(run.run_config, unit.path.phase)
     dtype = _token_dtype(config.model.vocab_size)
     digest = _train_shard_sha256(store, data_index_key(run.pk, unit.path.phase), unit.path.index)
@@ -403,37 +444,11 @@ def manifest(
         count=unit.data_windows,
         work=work_root(),
     )
-    steps: dict[str, dict[int, int]] = {}
-    for module_id, version, base in OuterStep.objects.filter(
-        module__run=run,
-        module__phase=unit.path.phase,
-        module__module_id__in=list(wanted),
-        version__isnull=False,
-        base_version__isnull=False,
-    ).values_list("module__module_id", "version", "base_version"):
-        steps.setdefault(module_id, {})[version] = base
-    plans = plan_downloads(versions, wanted, parse_held(held), steps)
-    Lease.objects.filter(pk=lease.pk).update(
-        download_bytes=sum(plans[m].bytes for m in unit.path.modules)
-    )
+    Lease.objects.filter(pk=lease.pk).update(download_bytes=sent)
     return {
         "lease_id": lease.pk,
         "expires_in_s": DOWNLOAD_URL_EXPIRES_S,
-        "modules": [
-            {
-                "module_id": m,
-                "version": rows[m].version,
-                "key": rows[m].blob_key,
-                "sha256": rows[m].sha256,
-                "size": rows[m].size,
-                "url": store.presigned_get(rows[m].blob_key, DOWNLOAD_URL_EXPIRES_S),
-                "updates": [
-                    {**u, "url": store.presigned_get(u["key"], DOWNLOAD_URL_EXPIRES_S)}
-                    for u in plans[m].updates
-                ],
-            }
-            for m in unit.path.modules
-        ],
+        "modules": modules,
         "data": {
             "key": cut.key,
             "url": store.presigned_get(cut.key, DOWNLOAD_URL_EXPIRES_S),
@@ -446,6 +461,83 @@ def manifest(
             "first_position": cut.first_position,
         },
     }
+
+
+def _module_blobs(
+    store: BlobStore, unit: WorkUnit, wanted: dict[str, int], held: dict[str, int]
+) -> tuple[list[dict[str, Any]], int]:
+    """The unit's modules at the `wanted` versions, in path order, each with the encoded
+    updates from the version the worker `held` (rounds.downloads), and the bytes they send."""
+    run = unit.round.run
+    versions: dict[str, list[ModuleVersion]] = {}
+    for v in ModuleVersion.objects.select_related("module").filter(
+        module__run=run, module__phase=unit.path.phase, module__module_id__in=list(wanted)
+    ):
+        versions.setdefault(v.module.module_id, []).append(v)
+    rows = {m: v for m, found in versions.items() for v in found if v.version == wanted[m]}
+    missing = sorted(set(wanted) - set(rows))
+    if missing:
+        raise ModulesNotReady(
+            f"modules {missing} have no blob at version {[wanted[m] for m in missing]}",
+            modules=missing,
+        )
+    steps: dict[str, dict[int, int]] = {}
+    for module_id, version, base in OuterStep.objects.filter(
+        module__run=run,
+        module__phase=unit.path.phase,
+        module__module_id__in=list(wanted),
+        version__isnull=False,
+        base_version__isnull=False,
+    ).values_list("module__module_id", "version", "base_version"):
+        steps.setdefault(module_id, {})[version] = base
+    plans = plan_downloads(versions, wanted, held, steps)
+    modules = [
+        {
+            "module_id": m,
+            "version": rows[m].version,
+            "key": rows[m].blob_key,
+            "sha256": rows[m].sha256,
+            "size": rows[m].size,
+            "url": store.presigned_get(rows[m].blob_key, DOWNLOAD_URL_EXPIRES_S),
+            "updates": [
+                {**u, "url": store.presigned_get(u["key"], DOWNLOAD_URL_EXPIRES_S)}
+                for u in plans[m].updates
+            ],
+        }
+        for m in unit.path.modules
+    ]
+    return modules, sum(plans[m].bytes for m in unit.path.modules)
+
+
+@router.get("/lease/{lease_id}/rebase", response=RebaseManifestOut)
+def rebase(request: HttpRequest, lease_id: LeaseId, lease_secret: Secret) -> dict[str, Any]:
+    """outer.overlap eager (rounds.rebase): the versions this unit rebases onto, with
+    presigned GETs for them (encoded updates from the unit's base versions, which the worker
+    holds, where the run publishes them); "waiting" while the previous round still steps."""
+    lease = leasing.authorize_lease(current_worker(request), lease_id, lease_secret)
+    unit = lease.unit
+    plan = rebase_plan(unit)
+    out: dict[str, Any] = {
+        "lease_id": lease.pk,
+        "state": "none",
+        "round": None if plan is None else plan["round"],
+        "versions": {},
+        "retry_after_s": 0.0,
+        "expires_in_s": DOWNLOAD_URL_EXPIRES_S,
+        "modules": [],
+    }
+    if plan is None:
+        return out
+    targets = rebase_targets(unit)
+    if targets is None:
+        # About a second between asks: the step of round t - 1 takes seconds to minutes.
+        out.update(state="waiting", retry_after_s=REBASE_RETRY_S)
+        return out
+    base = dict(unit.base_versions)
+    modules, sent = _module_blobs(get_blob_store(), unit, targets, base)
+    Lease.objects.filter(pk=lease.pk).update(download_bytes=Coalesce(F("download_bytes"), 0) + sent)
+    out.update(state="ready", versions=targets, modules=modules)
+    return out
 
 
 @router.post("/lease/{lease_id}/upload-urls", response=UploadUrlsOut)
@@ -495,7 +587,9 @@ def complete_lease(
         ContributionReport(c.module_id, c.size, c.sha256, body.tokens, body.metrics)
         for c in body.contributions
     ]
-    rows = complete(worker, lease_id, lease_secret, reports, lease=lease)
+    rows = complete(
+        worker, lease_id, lease_secret, reports, lease=lease, base_versions=body.base_versions
+    )
     if fresh:
         unit = lease.unit
         for name, value in body.metrics.items():
@@ -512,6 +606,7 @@ def complete_lease(
                 "size": row.size,
                 "sha256": row.sha256,
                 "status": row.status,
+                "base_version": row.base_version,
             }
             for row in rows
         ],

@@ -15,6 +15,11 @@ weights it by them. A lease that expired while its worker was still training is
 *salvaged*: its completion is accepted as long as the round is open and no other lease
 took the unit meanwhile.
 
+With ``outer.overlap`` "eager" the completion may name the versions its Δs are relative
+to (``base_versions``: those its unit rebased onto, rounds.rebase); each contribution
+records its module's (`Contribution.base_version`), and anything but the unit's base
+versions or, all together, the rebased ones is refused.
+
 A completion is recorded once. Replaying it with identical content (a worker
 that lost the response) returns the same contributions; different content is
 refused.
@@ -43,6 +48,7 @@ from dipaco_server.rounds.lease import (
     step_tokens,
 )
 from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
+from dipaco_server.rounds.rebase import check_delta_base
 from dipaco_server.runs.errors import (
     ContributionConflict,
     ContributionInvalid,
@@ -104,19 +110,23 @@ def complete(
     *,
     now: datetime | None = None,
     lease: Lease | None = None,
+    base_versions: Mapping[str, int] | None = None,
 ) -> list[Contribution]:
     """Record the unit as done and its contributions as pending verification.
 
     `lease`: the lease as `load_own_lease(worker, lease_id, secret)` just returned it, when
-    the caller has it (the API view does), to save reading it again.
+    the caller has it (the API view does), to save reading it again. `base_versions`: the
+    version each module's Δ is relative to (rounds.rebase.check_delta_base; None: the
+    unit's base versions).
     """
     now = now or timezone.now()
     if lease is None or lease.pk != lease_id or lease.worker_id != worker.pk:
         lease = load_own_lease(worker, lease_id, secret)
     if lease.state == Lease.State.COMPLETED:
-        return _replay(lease, reports)
+        return _replay(lease, reports, base_versions)
     salvage = check_salvage(lease, now)  # raises unless live, or expired but salvageable
     clean = _validated(lease, reports)
+    relative_to = check_delta_base(lease.unit, base_versions)
     modules = {
         m.module_id: m
         for m in Module.objects.filter(
@@ -131,7 +141,7 @@ def complete(
             if not live.update(state=Lease.State.COMPLETED, ended_at=now):
                 lease = fetch_lease(lease.pk) or lease
                 if lease.state == Lease.State.COMPLETED:  # a concurrent identical request won
-                    return _replay(lease, reports)
+                    return _replay(lease, reports, base_versions)
                 check_lease_live(lease, now)  # raises: it expired or was released meanwhile
                 raise LeaseNotActive(f"lease {lease.pk} is {lease.state}", state=lease.state)
             WorkUnit.objects.filter(pk=lease.unit_id, state=WorkUnit.State.LEASED).update(
@@ -147,6 +157,7 @@ def complete(
                 sha256=report.sha256,
                 tokens=report.tokens,
                 metrics=dict(report.metrics),
+                base_version=relative_to[module_id],
                 created_at=now,
             )
             for module_id, report in clean.items()
@@ -199,16 +210,31 @@ def _smoothed_speed(worker: Worker, clean: Mapping[str, ContributionReport]) -> 
     return worker.measured_speed
 
 
-def _replay(lease: Lease, reports: Sequence[ContributionReport]) -> list[Contribution]:
+def _replay(
+    lease: Lease,
+    reports: Sequence[ContributionReport],
+    base_versions: Mapping[str, int] | None = None,
+) -> list[Contribution]:
     """The recorded contributions if `reports` says the same thing, else ContributionConflict."""
     recorded = list(lease.contributions.select_related("module").order_by("pk"))
+    unit_base = dict(lease.unit.base_versions)
     try:
         clean = _validated(lease, reports)
     except ContributionInvalid:
         clean = None
-    before = {c.module.module_id: (c.size, c.sha256, c.tokens, c.metrics) for c in recorded}
+    relative_to = base_versions if base_versions is not None else unit_base
+    before = {
+        c.module.module_id: (
+            c.size, c.sha256, c.tokens, c.metrics,
+            c.base_version if c.base_version is not None else unit_base.get(c.module.module_id),
+        )
+        for c in recorded
+    }  # fmt: skip
     now_said = (
-        {m: (r.size, r.sha256, r.tokens, dict(r.metrics)) for m, r in clean.items()}
+        {
+            m: (r.size, r.sha256, r.tokens, dict(r.metrics), relative_to.get(m))
+            for m, r in clean.items()
+        }
         if clean is not None
         else None
     )

@@ -146,6 +146,10 @@ class Contribution(models.Model):
     sha256 = models.CharField(max_length=64)
     tokens = models.PositiveBigIntegerField()
     metrics = models.JSONField(default=dict, blank=True)
+    # The module version the Δ is relative to: the unit's base version, or with
+    # outer.overlap eager the version round t - 1 published, when the unit rebased onto it
+    # (rounds.rebase). Null on contributions from before it was recorded: the unit's base.
+    base_version = models.PositiveIntegerField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     reason = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)

@@ -118,10 +118,11 @@ def open_round(
 
 def overlaps(run_config: RunConfig, t: int) -> bool:
     """Whether round t + 1 opens as soon as round t starts closing (``outer.overlap``
-    "delayed"): not after a phase's last round or the run's, nor with ``eval.patience``
-    (early stopping after round t's evaluation decides which paths round t + 1 trains)."""
+    "delayed" or "eager"): not after a phase's last round or the run's, nor with
+    ``eval.patience`` (early stopping after round t's evaluation decides which paths round
+    t + 1 trains)."""
     phase, config = round_config(run_config, t)
-    if config.outer.overlap != "delayed" or t + 1 >= run_config.total_rounds:
+    if config.outer.overlap == "none" or t + 1 >= run_config.total_rounds:
         return False
     return round_config(run_config, t + 1)[0] == phase and run_config.eval.patience is None
 
@@ -137,7 +138,7 @@ def _check_previous(run: Run, t: int) -> None:
             return
         raise RunNotActive(
             f"round {t - 2} of run {run.name!r} has not published its versions; round {t} "
-            "would start two versions behind (outer.overlap delayed allows one)"
+            "would start two versions behind (outer.overlap delayed or eager allows one)"
         )
     raise RunNotActive(f"round {t - 1} of run {run.name!r} is not closed; close it first")
 

@@ -145,6 +145,10 @@ class Upload:
     # The fraction of a whole unit's H steps it trained: a lease sized down (to the round's
     # deadline, a calibration) or a salvaged Δ is honest work that moves the loss less.
     work: float = 1.0
+    # (module id, version) of every module of its path: the versions its unit's Δ is
+    # relative to (the unit's base, or with outer.overlap eager those it rebased onto,
+    # rounds.rebase); proof of useful work scores it there. (): the unit's base versions.
+    delta_base: tuple[tuple[str, int], ...] = ()
 
 
 @dataclass
@@ -353,6 +357,10 @@ def compare_replicas(
         if check.upload.tokens != original.upload.tokens:
             # One of them was salvaged partway (or sized to another speed): Δs of different
             # lengths of training are not comparable, and neither says the other is wrong.
+            continue
+        if check.upload.delta_base != original.upload.delta_base:
+            # outer.overlap eager: one rebased onto round t - 1's versions, the other could
+            # not in time (rounds.rebase). Relative to other versions, they are not comparable.
             continue
         assert check.file is not None and original.file is not None
         agree, why = verify.replicas_agree(
@@ -607,6 +615,7 @@ def step_module(
     # never only at what the completion claimed: a partial or sized unit weighs less.
     rows = list(ordered)
     unit_tokens = config.inner.steps * step_tokens(config)
+    delta_bases = _delta_bases(rows)
     replays = _replays(run_id, t, rows)
     checks = _check_copies(rows)  # identical bytes to their originals: agreement
     uploads = [
@@ -625,14 +634,16 @@ def step_module(
             check_of=checks.get(c.pk),
             partial=c.tokens < lease_tokens(c.lease, config),
             work=min(1.0, min(c.tokens, lease_tokens(c.lease, config)) / unit_tokens),
+            delta_base=delta_bases[c.lease_id],
         )
         for c in rows
     ]
     # The version the units trained from (their Δs' reference, scored on it by Scorer), and
     # the one the step applies onto: the same, or with outer.overlap delayed the newer one
-    # that round t - 1 published while round t trained.
+    # that round t - 1 published while round t trained. With "eager" the units that rebased
+    # are relative to that newer one already (rounds.rebase): applied onto it, no staleness.
     base = _base_version(round_, module)
-    if base is not None and config.outer.overlap == "delayed":
+    if base is not None and config.outer.overlap != "none":
         base = _latest_version(module, t)
     spec = module_spec(config, module_id)
     work = Path(tempfile.mkdtemp(prefix=f"outer-{run_id}-{module_id}-{t}-", dir=work_root()))
@@ -663,6 +674,18 @@ def step_module(
         "run %s round %d module %s: %s in %.2f s", run_id, t, module_id, report, result.seconds
     )
     return report
+
+
+def _delta_bases(rows: Sequence[Contribution]) -> dict[int, tuple[tuple[str, int], ...]]:
+    """Lease -> the versions its unit's Δ is relative to, every module of its path: the
+    unit's base versions, with each contribution's recorded `base_version` over them."""
+    bases = {c.lease_id: dict(c.unit.base_versions) for c in rows}
+    recorded = Contribution.objects.filter(
+        lease_id__in=list(bases), base_version__isnull=False
+    ).values_list("lease_id", "module__module_id", "base_version")
+    for lease_id, module_id, version in recorded:
+        bases[lease_id][module_id] = version
+    return {lease: tuple(sorted(versions.items())) for lease, versions in bases.items()}
 
 
 def _check_copies(rows: Sequence[Contribution]) -> dict[int, int]:
@@ -715,6 +738,9 @@ def _momentum(
         path.unlink(missing_ok=True)
 
 
+_PathKey = tuple[int, tuple[tuple[str, int], ...]]  # (path, the versions its Δ is relative to)
+
+
 class Scorer:
     """Proof of useful work for one module's step (rounds.verify.score_delta): each Δ
     applied alone to its path's base weights, on ``outer.score_windows`` windows of its
@@ -732,8 +758,10 @@ class Scorer:
         self.store, self.round, self.module = store, round_, module
         self.config, self.work = config, work
         self.model = build_model(config.model, config.seed)
-        self.paths: dict[int, tuple[dict[str, dict[str, Tensor]], Tensor]] = {}
-        self.base: dict[tuple[int, int], tuple[float, float]] = {}
+        # Keyed by path and the versions its Δs are relative to (outer.overlap eager: the
+        # unit's base versions, or those it rebased onto).
+        self.paths: dict[_PathKey, tuple[dict[str, dict[str, Tensor]], Tensor]] = {}
+        self.base: dict[tuple[_PathKey, int], tuple[float, float]] = {}
         self.train: dict[int, Any] = {}
         self.dtype: Any = None
         self.seconds = 0.0
@@ -744,7 +772,8 @@ class Scorer:
         module's upload of the unit is not what its worker declared."""
         clock = time.process_time()
         try:
-            modules, heldout = self._path(upload.path)
+            key = (upload.path, upload.delta_base)
+            modules, heldout = self._path(upload.path, upload.delta_base)
             train = self._train_windows(upload.path, upload.position)
             deltas = {**self._siblings(upload), self.module.module_id: delta}
             score = verify.score_delta(
@@ -755,7 +784,7 @@ class Scorer:
                 deltas,
                 train,
                 heldout,
-                before=self.base.get((upload.path, upload.position)),
+                before=self.base.get((key, upload.position)),
             )
         except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
             # Nothing to score it on: the other checks still hold.
@@ -763,7 +792,7 @@ class Scorer:
             return None
         finally:
             self.seconds += time.process_time() - clock
-        self.base[(upload.path, upload.position)] = (score.train_before, score.heldout_before)
+        self.base[(key, upload.position)] = (score.train_before, score.heldout_before)
         self.scored += 1
         return score
 
@@ -785,16 +814,22 @@ class Scorer:
                 path.unlink(missing_ok=True)
         return deltas
 
-    def _path(self, p: int) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
-        if p in self.paths:
-            return self.paths[p]
+    def _path(
+        self, p: int, delta_base: tuple[tuple[str, int], ...] = ()
+    ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
+        """Path p's modules at the versions its Δ is relative to (`delta_base`; (): its
+        units' base versions) and its held-out windows."""
+        if (p, delta_base) in self.paths:
+            return self.paths[(p, delta_base)]
         from dipaco.data.shards import ShardIndex
         from dipaco.evaluate import stream_windows
         from dipaco.modular import module_spec, modules_of_path
 
         run_id, phase = self.module.run_id, self.module.phase
-        unit = WorkUnit.objects.filter(round=self.round, path__index=p).first()
-        versions = unit.base_versions if unit is not None else {}
+        versions = dict(delta_base)
+        if not versions:
+            unit = WorkUnit.objects.filter(round=self.round, path__index=p).first()
+            versions = unit.base_versions if unit is not None else {}
         modules = {}
         for module_id in modules_of_path(self.config, p):
             version = ModuleVersion.objects.get(
@@ -819,8 +854,8 @@ class Scorer:
         heldout = windows[-self.config.outer.score_windows :].clone()
         if heldout.shape[0] == 0:
             raise ValueError(f"path {p} has no held-out window to score on")
-        self.paths[p] = (modules, heldout)
-        return self.paths[p]
+        self.paths[(p, delta_base)] = (modules, heldout)
+        return self.paths[(p, delta_base)]
 
     def _train_windows(self, p: int, position: int) -> Tensor:
         from dipaco.data.shards import TokenShard

@@ -3,7 +3,7 @@
     close_round(run, t)  ──chord──▶  outer_step(run, m, t) for every module m
                                      ──▶ finish_round(run, t): evaluate, open t + 1 or finish
 
-With ``outer.overlap`` "delayed", close_round opens round t + 1 as it moves round t to
+With ``outer.overlap`` "delayed" (or "eager"), close_round opens round t + 1 as it moves round t to
 closing (`start_closing`), and finish_round(run, t) sends close_round(run, t + 1), which
 could not close before round t published (rounds.close.previous_published).
 
@@ -214,7 +214,7 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
 
 
 def start_closing(round_: Round) -> bool:
-    """open → closing (`mark_round_closing`), and with ``outer.overlap`` "delayed" open round
+    """open → closing (`mark_round_closing`), and with ``outer.overlap`` (not "none") open round
     t + 1 at once from the versions published now, so that workers train it while round t's
     outer step runs (rounds.open.overlaps says when). True for the one caller that won."""
     if not mark_round_closing(round_):
