@@ -4,7 +4,9 @@ No Django and nothing of the server: the control plane lives in ``dipaco_server`
 (``platform/``), the demo that runs everything on one machine in ``dipaco_demo``, and the
 volunteer client in ``worker_agent``; tests/test_boundaries.py keeps it so. One module
 speaks HTTP: ``dipaco.client``, the client of a server's public API behind
-``dipaco download`` and ``load_path``. The rest is computation on tensors and files.
+``dipaco download`` and ``load_path``; ``dipaco.retry``, the retry policy it and the
+worker agent share, only classifies httpx's errors. The rest is computation on tensors
+and files.
 """
 
 from typing import Any

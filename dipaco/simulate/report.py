@@ -95,7 +95,7 @@ class SimulationResult:
                 {
                     "round": r.round,
                     "routed_loss": r.routed_loss,
-                    "routed_perplexity": math.exp(r.routed_loss),
+                    "routed_perplexity": perplexity(r.routed_loss),
                     "train_loss": r.train_loss,
                     "upload_bytes": r.upload_bytes,
                     "download_bytes": r.download_bytes,
@@ -106,7 +106,7 @@ class SimulationResult:
             ],
             "final": {
                 "routed_loss": final.routed_loss,
-                "routed_perplexity": math.exp(final.routed_loss),
+                "routed_perplexity": perplexity(final.routed_loss),
                 "paths": _path_json(final.paths),
             },
             "tokens": self.run.tokens,
@@ -123,7 +123,7 @@ class SimulationResult:
             "baselines": {
                 name: {
                     "loss": b.loss,
-                    "perplexity": math.exp(b.loss),
+                    "perplexity": perplexity(b.loss),
                     "perplexity_ratio": self.perplexity_ratio(name),
                     "steps": b.steps,
                     "batch_size": b.batch_size,
@@ -168,7 +168,7 @@ def _path_table(result: SimulationResult) -> Table:
         table.add_row(*row)
     mean = ["routed", "", str(sum(train_docs)), str(sum(result.windows.tokens))]
     mean += [_fmt(first.routed_loss), _fmt(last.routed_loss), _fmt(result.perplexity, 2)]
-    mean += [_fmt(math.exp(b.loss), 2) for b in result.baselines.values()]
+    mean += [_fmt(perplexity(b.loss), 2) for b in result.baselines.values()]
     table.add_row(*mean, style="bold")
     return table
 
@@ -196,7 +196,7 @@ def _method_table(result: SimulationResult) -> Table:
     for name, b in result.baselines.items():
         sent = _bytes(dp) if name == "data-parallel" else "0"
         table.add_row(
-            name, _fmt(b.loss), _fmt(math.exp(b.loss), 2),
+            name, _fmt(b.loss), _fmt(perplexity(b.loss), 2),
             f"{1 / result.perplexity_ratio(name):.3f}", f"{b.tokens:,}",
             f"{b.steps} x {b.batch_size}", sent,
         )  # fmt: skip

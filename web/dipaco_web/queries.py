@@ -7,7 +7,6 @@ without HTTP. Nothing here writes.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -17,6 +16,7 @@ from django.db.models import Count, F, Max, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
+from dipaco.evaluate import perplexity  # the project's one perplexity helper (issue 18)
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Path, Run
@@ -34,16 +34,6 @@ TRAIN_LOSS = "loss"
 
 ACCEPTED, REJECTED = Contribution.Status.ACCEPTED, Contribution.Status.REJECTED
 PENDING = Contribution.Status.PENDING
-
-
-def perplexity(loss: float | None) -> float | None:
-    """exp(loss), or None when there is no loss (or it overflows: a diverged path)."""
-    if loss is None:
-        return None
-    try:
-        return math.exp(loss)
-    except OverflowError:
-        return None
 
 
 def accepted_tokens_by(key: str, **filters: Any) -> dict[int, int]:

@@ -26,13 +26,14 @@ module); pass 2 the fp32 sum plus one upload plus chunks; the trimmed mean, whic
 every Δ per value, decodes them to disk and works in chunks. Uploads wait between the
 passes in the data dir's tmp/ (not a RAM-backed /tmp). Measured: docs/benchmarks.md.
 
-Crash safety: nothing in the database changes until one transaction, under a lock on the
-module row, uploads its blobs (weights, momentum, with comm.download_codec the encoded
-update and its residual) under their deterministic keys (runs.keys), publishes the
-ModuleVersion, settles every contribution and writes the OuterStep row. A crash before
-the commit leaves at most an unreferenced blob, which the retry overwrites; an OuterStep
-row makes any later delivery a no-op, and the lock makes a concurrent duplicate wait and
-then find it. Tests arm a `Fault` at that point through ``$DIPACO_FAULTS_DIR``.
+Crash safety: the step first writes its blobs (weights, momentum, with
+comm.download_codec the encoded update and its residual) under their deterministic keys
+(runs.keys), outside any transaction (a whole-module copy must not hold the row lock, or
+SQLite's one write lock). Then one transaction, under a lock on the module row, publishes
+the ModuleVersion, settles every contribution and writes the OuterStep row. Nothing is
+visible until that commit: a crash before it leaves at most unreferenced blobs, which the
+retry overwrites with the same step's bytes; an OuterStep row makes any later delivery a
+no-op, and the lock makes a concurrent duplicate wait and then find it. Tests arm a `Fault` at that point through ``$DIPACO_FAULTS_DIR``.
 """
 
 from __future__ import annotations
