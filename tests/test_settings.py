@@ -178,6 +178,18 @@ def test_a_bad_dipaco_db_pool_is_refused_naming_the_fix(tmp_path: Path, value: s
         env.database({"DATABASE_URL": "postgres://u@h:5432/d", "DIPACO_DB_POOL": value}, tmp_path)
 
 
+def test_dipaco_worker_install_is_the_enrolment_pages_command_and_refuses_several_lines() -> None:
+    assert env.worker_install({}) == "pip install dipaco"
+    assert env.worker_install({"DIPACO_WORKER_INSTALL": ""}) == "pip install dipaco"  # compose
+    pinned = "pip install --index-url https://pypi.example.org/simple dipaco==0.1.0"
+    assert env.worker_install({"DIPACO_WORKER_INSTALL": pinned}) == pinned
+    for bad in ("pip install dipaco\nrm -rf ~", "x" * 501):
+        with pytest.raises(
+            ImproperlyConfigured, match=r"DIPACO_WORKER_INSTALL=.*one shell command"
+        ):
+            env.worker_install({"DIPACO_WORKER_INSTALL": bad})
+
+
 def test_dipaco_grant_rate_sets_the_pace_of_grants_and_refuses_nonsense() -> None:
     assert env.grant_rate({}) is None
     assert env.grant_rate({"DIPACO_GRANT_RATE": "20"}) == 20.0

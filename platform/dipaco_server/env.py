@@ -50,6 +50,7 @@ KNOWN_VARIABLES = frozenset(
         "DIPACO_RATE_LIMIT_PUBLIC",
         "DIPACO_DB_POOL",
         "DIPACO_GRANT_RATE",
+        "DIPACO_WORKER_INSTALL",
     }
 )
 
@@ -60,6 +61,7 @@ _BUCKET_RE = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")
 _REGION_RE = re.compile(r"^[a-z0-9-]+$")
 _HOST_RE = re.compile(r"^(\.?[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]|\*)$")
 MIN_SECRET_KEY_LENGTH = 32
+DEFAULT_WORKER_INSTALL = "pip install dipaco"
 
 
 def refuse(name: str, shown: str, problem: str, fix: str) -> ImproperlyConfigured:
@@ -220,6 +222,18 @@ def grant_rate(environ: Environ = os.environ) -> float | None:
     if not 0 < rate < math.inf:
         raise refuse("DIPACO_GRANT_RATE", value, "must be a positive number", fix)
     return rate
+
+
+def worker_install(environ: Environ = os.environ) -> str:
+    """``DIPACO_WORKER_INSTALL``: the install command the enrolment page shows volunteers
+    before their ``dipaco-worker`` line, e.g. a pinned version or a wheel on your own index."""
+    value = _get(environ, "DIPACO_WORKER_INSTALL")
+    if value is None:
+        return DEFAULT_WORKER_INSTALL
+    fix = f"give one shell command, e.g. {DEFAULT_WORKER_INSTALL!r} or 'pip install dipaco==0.1.0'"
+    if len(value) > 500 or any(ch in value for ch in "\r\n\x00"):
+        raise refuse("DIPACO_WORKER_INSTALL", value[:80], "is not one short line", fix)
+    return value
 
 
 def db_pool(environ: Environ = os.environ) -> int | None:

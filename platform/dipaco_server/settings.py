@@ -139,6 +139,8 @@ DIPACO_RATE_LIMIT_PUBLIC = env.rate_limit("DIPACO_RATE_LIMIT_PUBLIC", "120/min",
 # Lease grants per second when a round opens (rounds.policy, rounds.lease; docs/deploy.md).
 if (_grant_rate := env.grant_rate(os.environ)) is not None:
     DIPACO_GRANT_RATE = _grant_rate
+# What the enrolment page tells volunteers to install before `dipaco-worker` (dipaco_web).
+DIPACO_WORKER_INSTALL = env.worker_install(os.environ)
 CACHES = {
     "default": {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"},
     "ratelimit": env.rate_limit_cache(REDIS_URL),

@@ -30,6 +30,7 @@ from django.views.decorators.http import require_http_methods, require_POST
 
 from dipaco.config import RunConfig
 from dipaco_server.audit.services import record
+from dipaco_server.env import DEFAULT_WORKER_INSTALL
 from dipaco_server.errors import ApiError
 from dipaco_server.runs import services as run_services
 from dipaco_server.runs.errors import ConfigInvalid, ServiceError
@@ -43,8 +44,6 @@ from dipaco_web import forms, runform
 from dipaco_web.views import View, _page, is_staff
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_WORKER_INSTALL = "pip install dipaco"
 
 
 def staff_page(view: View) -> View:
@@ -345,7 +344,7 @@ def enroll(request: HttpRequest) -> HttpResponse:
 
 def volunteer_commands(token: str) -> list[str]:
     """What a volunteer pastes: install the agent, then enroll this machine with the token."""
-    install = getattr(settings, "DIPACO_WORKER_INSTALL", DEFAULT_WORKER_INSTALL)
+    install = getattr(settings, "DIPACO_WORKER_INSTALL", DEFAULT_WORKER_INSTALL)  # env.py
     server = settings.DIPACO_PUBLIC_URL.rstrip("/")
     return [install, f"dipaco-worker --server {server} --enroll {token}"]
 
