@@ -217,7 +217,7 @@ def _start_server(root: Path) -> tuple[subprocess.Popen[bytes], str, dict[str, s
 
 
 def _prepared_run(
-    environ: dict[str, str], rounds: int, steps: int, overlap: str
+    environ: dict[str, str], rounds: int, steps: int, overlap: str, eager_at: float | None = None
 ) -> tuple[int, str, int]:
     """(run id, enrollment token, units) of a started tiny run, prepared by the server's code."""
     os.environ.update(environ)
@@ -229,9 +229,10 @@ def _prepared_run(
     from dipaco_server.runs.services import create_run
     from dipaco_server.workers.services import create_enrollment_token
 
-    config = RunConfig.tiny(
-        rounds=rounds, inner={"steps": steps, "warmup_steps": 2}, outer={"overlap": overlap}
-    )
+    outer: dict[str, Any] = {"overlap": overlap}
+    if eager_at is not None:
+        outer["eager_at"] = eager_at
+    config = RunConfig.tiny(rounds=rounds, inner={"steps": steps, "warmup_steps": 2}, outer=outer)
     spec = config.model_dump(mode="json")
     del spec["name"]
     run = prepare_run(create_run("utilisation", spec), max_files=200)
@@ -245,14 +246,19 @@ def _stamp(event: dict[str, Any]) -> float:
 
 
 def end_to_end(
-    rounds: int, steps: int, threads: int, keep: Path | None = None, overlap: str = "none"
+    rounds: int,
+    steps: int,
+    threads: int,
+    keep: Path | None = None,
+    overlap: str = "none",
+    eager_at: float | None = None,
 ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="agent-e2e-") as tmp:
         root = Path(tmp)
         server, url, environ = _start_server(root)
         worker: subprocess.CompletedProcess[str] | None = None
         try:
-            run_id, enrollment, units = _prepared_run(environ, rounds, steps, overlap)
+            run_id, enrollment, units = _prepared_run(environ, rounds, steps, overlap, eager_at)
             command = [str(Path(sys.executable).with_name("dipaco-worker")), "--server", url,
                        "--enroll", enrollment, "--data-dir", str(root / "worker"),
                        "--json-logs", "--threads", str(threads), "--max-units", str(units),
@@ -285,6 +291,7 @@ def end_to_end(
             "fetch_s": fetch, "between_units_s": waiting,
             "train_to_complete_s": wall - train - fetch - waiting,
             "idle_polls": sum(e["event"] == "idle" for e in events), "overlap": overlap,
+            "eager_at": eager_at,
             # outer.overlap eager: units that rebased, fell back to delayed, seconds waited
             "rebased": sum(e["event"] == "rebase" for e in events),
             "rebase_fallbacks": sum(e["event"] == "rebase_fallback" for e in events),
@@ -309,6 +316,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         choices=["none", "delayed", "eager"],
         default=OuterConfig().overlap,
         help="--e2e: the run's outer.overlap (default %(default)s, the run default)",
+    )
+    parser.add_argument(
+        "--eager-at",
+        type=float,
+        help="--e2e with --overlap eager: outer.eager_at, the fraction of a unit's steps after "
+        "which it waits for and rebases onto the previous round's versions (default: the "
+        "run default, 0.1); later waits less when the outer step is long",
     )
     parser.add_argument(
         "--keep", type=Path, help="--e2e: copy the server log and the worker's events here"
@@ -383,7 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if args.e2e:
         figures["e2e"] = e2e = end_to_end(
-            args.rounds, args.steps, args.threads or 1, args.keep, args.overlap
+            args.rounds, args.steps, args.threads or 1, args.keep, args.overlap, args.eager_at
         )
         console.print(
             f"end to end: {e2e['units']} units over {e2e['rounds']} rounds, training "
