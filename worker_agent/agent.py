@@ -30,7 +30,6 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from torch import Tensor
@@ -47,6 +46,7 @@ from worker_agent.client import (
     Manifest,
     ShardRef,
     lease_from_json,
+    seconds_until,
 )
 from worker_agent.device import DeviceInfo
 from worker_agent.downloads import HeldModules, ModuleFetcher
@@ -343,7 +343,7 @@ class Agent:
         # Stop early enough before the round's deadline to upload (a heartbeat interval);
         # a heartbeat may bring it forward (an adaptive close, rounds.close).
         def round_end() -> float | None:
-            left = _seconds_until(self.heartbeats.round_deadline or grant.round_deadline)
+            left = seconds_until(self.heartbeats.round_deadline or grant.round_deadline)
             return None if left is None else left - grant.heartbeat_interval_s
 
         # Steps of the unit done so far (a resumed checkpoint's included); a unit stopped
@@ -539,13 +539,3 @@ class _Ending:
         if not self.reason:
             self.reason, self.partial = reason, partial
         return True
-
-
-def _seconds_until(when: str | None) -> float | None:
-    if not when:
-        return None
-    try:
-        moment = datetime.fromisoformat(when.replace("Z", "+00:00"))
-    except ValueError:
-        return None
-    return moment.timestamp() - time.time()

@@ -15,8 +15,10 @@ secret travels in the ``X-Lease-Secret`` header, the worker token as a bearer to
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import httpx
@@ -511,3 +513,15 @@ def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
         ),
         raw=dict(data),
     )
+
+
+def seconds_until(when: str | None) -> float | None:
+    """Seconds from now to a time the server sent (ISO 8601), or None when it sent none
+    or an unreadable one (the lease's and the round's deadlines)."""
+    if not when:
+        return None
+    try:
+        moment = datetime.fromisoformat(when.replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return moment.timestamp() - time.time()

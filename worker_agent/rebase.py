@@ -30,14 +30,13 @@ import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 
 from torch import Tensor
 
 from dipaco.config import RunConfig
 from dipaco.inner import path_shift
-from worker_agent.client import BlobRef, RebaseAnswer, RebasePlan
+from worker_agent.client import BlobRef, RebaseAnswer, RebasePlan, seconds_until
 from worker_agent.errors import LEASE_GONE, Interrupted, ServerError, ServerUnreachable
 from worker_agent.payload import ModuleFileInvalid
 from worker_agent.transfer import ChecksumMismatch
@@ -159,19 +158,16 @@ class Rebaser:
 
     def _out_of_time(self) -> str | None:
         """A reason when waiting on would leave too little of the lease to train the rest."""
-        if not self.hard_deadline or self._first is None:
-            return None
-        try:
-            end = datetime.fromisoformat(self.hard_deadline.replace("Z", "+00:00")).timestamp()
-        except ValueError:
+        left = seconds_until(self.hard_deadline)
+        if left is None or self._first is None:
             return None
         first_step, first_at = self._first
         timed = self.plan.at_step - first_step  # steps trained between the two calls
         per_step = (self._reached - first_at) / timed if timed > 0 else 0.0
         need = max(0, self.steps - self.plan.at_step) * per_step + self.margin_s
-        if end - time.time() < need:
+        if left < need:
             return (
-                f"the lease's hard deadline is {end - time.time():.0f} s away and the "
+                f"the lease's hard deadline is {left:.0f} s away and the "
                 f"remaining steps need about {need:.0f} s"
             )
         return None
