@@ -40,7 +40,7 @@ from dipaco_server.rounds.downloads import HELD_PATTERN, parse_held, plan_downlo
 from dipaco_server.rounds.models import Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.open import overlaps
 from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.rebase import rebase_plan, rebase_targets
+from dipaco_server.rounds.rebase import rebase_plan, rebase_state
 from dipaco_server.rounds.unit_data import unit_data
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion
@@ -516,7 +516,7 @@ def rebase(request: HttpRequest, lease_id: LeaseId, lease_secret: Secret) -> dic
     holds, where the run publishes them); "waiting" while the previous round still steps."""
     lease = leasing.authorize_lease(current_worker(request), lease_id, lease_secret)
     unit = lease.unit
-    plan = rebase_plan(unit)
+    plan, targets = rebase_state(unit)
     out: dict[str, Any] = {
         "lease_id": lease.pk,
         "state": "none",
@@ -528,7 +528,6 @@ def rebase(request: HttpRequest, lease_id: LeaseId, lease_secret: Secret) -> dic
     }
     if plan is None:
         return out
-    targets = rebase_targets(unit)
     if targets is None:
         # About a second between asks: the step of round t - 1 takes seconds to minutes.
         out.update(state="waiting", retry_after_s=REBASE_RETRY_S)

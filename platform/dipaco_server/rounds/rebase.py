@@ -67,15 +67,21 @@ def rebase_plan(unit: WorkUnit) -> dict[str, Any] | None:
     """The lease's ``rebase`` instruction: {"at_step": s, "round": t - 1 (the phase's count,
     as the lease's "round")}, or None when the unit's base is already what its round's
     step applies onto (no overlap, "delayed", the first round, or round t - 1 kept them)."""
+    return rebase_state(unit)[0]
+
+
+def rebase_state(unit: WorkUnit) -> tuple[dict[str, Any] | None, dict[str, int] | None]:
+    """(`rebase_plan`, `rebase_targets`) from one look at the versions: the targets are
+    None without a plan, or while round t - 1 still steps."""
     run_config = unit.round.run.run_config
     t = unit.round.t
     _, config = round_config(run_config, t)
     if config.outer.overlap != "eager" or t == 0 or not overlaps(run_config, t - 1):
-        return None
+        return None, None
     targets = rebase_targets(unit)
     if targets is not None and targets == _versions(unit.base_versions):
-        return None
-    return {"at_step": rebase_step(config), "round": local_round(run_config, t - 1)}
+        return None, None
+    return {"at_step": rebase_step(config), "round": local_round(run_config, t - 1)}, targets
 
 
 def check_delta_base(unit: WorkUnit, given: Mapping[str, Any] | None) -> dict[str, int]:
@@ -102,8 +108,7 @@ def check_delta_base(unit: WorkUnit, given: Mapping[str, Any] | None) -> dict[st
         clean[str(module_id)] = version
     if clean == base:
         return base
-    plan = rebase_plan(unit)
-    targets = rebase_targets(unit) if plan is not None else None
+    _, targets = rebase_state(unit)
     if targets is None or clean != targets:
         wrong = sorted(m for m in clean if clean[m] != base[m])
         allowed = "" if targets is None else f" or the rebased versions {targets}"
