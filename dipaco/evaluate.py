@@ -14,12 +14,13 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
-import numpy as np
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+if TYPE_CHECKING:
+    from torch import Tensor, nn
+
+# torch and numpy are imported inside the functions that use them: the server's processes
+# import this module (perplexity, weighted_mean) at their start, and torch takes seconds.
 
 __all__ = [
     "PathLoss",
@@ -71,6 +72,8 @@ class PathLoss:
 
 def stream_windows(stream: Tensor, seq_len: int) -> Tensor:
     """Every non-overlapping (seq_len + 1)-token window of a 1-D token tensor: (n, T+1)."""
+    import torch
+
     count = max(0, (stream.numel() - 1) // seq_len)
     starts = torch.arange(count) * seq_len  # (n,)
     return stream[starts[:, None] + torch.arange(seq_len + 1)[None, :]]  # (n, T+1)
@@ -97,24 +100,30 @@ def spread_windows(streams: Sequence[Tensor], seq_len: int, budget: int) -> ValW
 def shard_windows(shard: Any, seq_len: int, count: int) -> Tensor:
     """(n, T+1) int64: the first n <= count non-overlapping windows of a validation shard
     (a dipaco.data.shards.TokenShard; one wrapping window when it is shorter than T + 1)."""
+    import numpy as np
+    import torch
+
     available = max(1, (len(shard) - 1) // seq_len)
     rows = [shard.read_window(i * seq_len, seq_len + 1) for i in range(min(count, available))]
     return torch.from_numpy(np.stack(rows)).to(torch.int64)
 
 
-@torch.no_grad()
 def window_losses(model: nn.Module, windows: Tensor, batch_size: int = EVAL_BATCH) -> Tensor:
     """Mean next-token cross-entropy of each window, (n,) float64 on the CPU."""
+    import torch
+    import torch.nn.functional as F
+
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
     out = []
-    for start in range(0, windows.shape[0], batch_size):
-        batch = windows[start : start + batch_size].to(device)  # (B, T+1)
-        inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T), (B, T)
-        logits = cast(Any, model)(input_ids=inputs).logits.float()  # (B, T, V)
-        loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T)
-        out.append(loss.mean(dim=1).double().cpu())  # (B,)
+    with torch.no_grad():
+        for start in range(0, windows.shape[0], batch_size):
+            batch = windows[start : start + batch_size].to(device)  # (B, T+1)
+            inputs, targets = batch[:, :-1], batch[:, 1:]  # (B, T), (B, T)
+            logits = cast(Any, model)(input_ids=inputs).logits.float()  # (B, T, V)
+            loss = F.cross_entropy(logits.transpose(1, 2), targets, reduction="none")  # (B, T)
+            out.append(loss.mean(dim=1).double().cpu())  # (B,)
     if was_training:
         model.train()
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.float64)

@@ -19,12 +19,18 @@ unit i.i.d. batches of its path's documents.
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-from torch import Tensor
+from typing import TYPE_CHECKING
 
 from dipaco.config import RunConfig
-from dipaco.data.shards import TokenShard
+
+if TYPE_CHECKING:
+    import numpy as np
+    from torch import Tensor
+
+    from dipaco.data.shards import TokenShard
+
+# torch and numpy are imported where they are used: the server's processes import this
+# module (path_seed, unit_start) at their start, and torch takes seconds to import.
 
 __all__ = ["RowSource", "ShardSource", "UnitSource", "path_seed", "unit_start", "unit_windows"]
 
@@ -54,6 +60,8 @@ class RowSource:
     baselines read every unit's sequences of the run this way."""
 
     def __init__(self, rows: Tensor, seed: int) -> None:
+        import torch
+
         self.rows = rows  # (N, T+1)
         generator = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(rows.shape[0], generator=generator)  # (N,)
@@ -61,6 +69,8 @@ class RowSource:
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
         if seq_len + 1 != self.rows.shape[1]:
             raise ValueError(f"sequences cut for seq_len {self.rows.shape[1] - 1}, asked {seq_len}")
+        import torch
+
         picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
         return self.rows[picks]  # (B, T+1)
 
@@ -82,6 +92,8 @@ class ShardSource:
                 f"{shard.path} holds {len(shard)} tokens, not one window of {seq_len + 1}; "
                 "give the path more data (or use fewer paths)"
             )
+        import torch
+
         generator = torch.Generator().manual_seed(seed)
         self.order = torch.randperm(windows, generator=generator)  # (W,)
 
@@ -93,6 +105,9 @@ class ShardSource:
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
         if seq_len != self.seq_len:
             raise ValueError(f"source cut for seq_len {self.seq_len}, asked for {seq_len}")
+        import numpy as np
+        import torch
+
         picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
         rows = [self.shard.read_window(int(w) * seq_len, seq_len + 1) for w in picks]
         return torch.from_numpy(np.stack(rows))  # (B, T+1)
@@ -100,6 +115,9 @@ class ShardSource:
     def unit_rows(self, first: int, count: int) -> np.ndarray:
         """The windows at positions first .. first + count - 1, one row each: (count, T+1),
         in the shard's dtype. What a unit reads, cut once by the server (`UnitSource`)."""
+        import numpy as np
+        import torch
+
         picks = self.order[(first + torch.arange(count)) % self.order.numel()]  # (count,)
         T = self.seq_len
         rows = [self.shard.read_window(int(w) * T, T + 1) for w in picks]
@@ -124,6 +142,9 @@ class UnitSource:
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
         if seq_len != self.seq_len:
             raise ValueError(f"windows cut for seq_len {self.seq_len}, asked for {seq_len}")
+        import numpy as np
+        import torch
+
         picks = (position - self.first + torch.arange(batch_size)) % self.count  # (B,)
         rows = [self.rows.read_window(int(i) * (seq_len + 1), seq_len + 1) for i in picks]
         return torch.from_numpy(np.stack(rows))  # (B, T+1)

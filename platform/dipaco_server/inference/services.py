@@ -33,7 +33,6 @@ from dipaco.inference import (
     tokenizer_files,
     write_model_file,
 )
-from dipaco.modules_file import load_module_file
 from dipaco_server.inference import card
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RunNotFound, ServiceError
@@ -245,6 +244,8 @@ def ensure_model_blob(selection: Selection) -> PathFile:
 
 def _fetch_modules(store: BlobStore, selection: Selection, tmp: FsPath) -> dict[str, Tensors]:
     """Each module's tensors from its blob, refused if the blob is not what was recorded."""
+    from dipaco.modules_file import load_module_file  # torch: not at every process's start
+
     config = selection.run.run_config
     modules: dict[str, Tensors] = {}
     for row in selection.versions:

@@ -10,15 +10,17 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from django.db import transaction
 from django.db.models import Q
 
 from dipaco.config import CommConfig
-from dipaco.modules_file import Spec, read_module, write_module
-from dipaco.updates import publish_update
 from dipaco_server.runs.errors import VersionConflict
 from dipaco_server.runs.models import Module, ModuleVersion, Run
+
+if TYPE_CHECKING:
+    from dipaco.modules_file import Spec
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ def encode_update(
     from the update's bytes. Returns the new weights' (sha256, size) and the update.
     Holds a few whole copies of the module in memory (base, new, update, residual).
     """
+    # torch here, not at the top: every server process imports this module (current_versions).
+    from dipaco.modules_file import read_module, write_module
+    from dipaco.updates import publish_update
+
     old = read_module(base, spec, base_sha256)
     new = read_module(weights, spec)
     kept = read_module(residual, spec) if residual is not None else None

@@ -37,21 +37,24 @@ import shutil
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
 from django.utils import timezone
-from torch import Tensor
 
-from dipaco.modules_file import write_module
 from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys, phases
-from dipaco_server.runs.checkpoint import base_model, load_base_state
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.services import transition
 from dipaco_server.runs.sources import check_source
 from dipaco_server.storage import BlobStore, get_blob_store
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+# torch (dipaco.modules_file, runs.checkpoint) is imported inside the functions that use it:
+# every server process imports this module (data_index_key, work_root) at its start.
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +110,8 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     config = run.run_config
     paths = config.num_paths
     dense = config.phase1 is not None
+    from dipaco_server.runs.checkpoint import base_model, load_base_state
+
     has_base = not dense and store.exists(keys.base_model_key(run.pk))
     if paths > 1 and config.router.featurizer == "base-lm" and not (dense or has_base):
         raise ValueError(
@@ -219,6 +224,8 @@ def init_module_versions(
     run: Run, store: BlobStore, work: Path, modules: dict[str, dict[str, Tensor]], phase: int
 ) -> None:
     """Version 0 of every module of one phase, from `modules` (module id -> tensors)."""
+    from dipaco.modules_file import write_module
+
     for module in Module.objects.filter(run=run, phase=phase).order_by("pk"):
         if ModuleVersion.objects.filter(module=module, version=0).exists():
             continue  # a retried preparation: version 0 is immutable
