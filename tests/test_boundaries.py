@@ -128,3 +128,24 @@ def test_a_worker_only_install_has_working_help(tmp_path: Path) -> None:
     assert "Traceback" not in server.stderr
     worker = subprocess.run([str(env_dir / "bin" / "dipaco-worker"), "--help"], **run)
     assert worker.returncode == 0 and "--server" in worker.stdout, worker.stderr
+
+
+def test_the_servers_urls_and_celery_app_load_without_torch() -> None:
+    """`migrate`, `check` and every management command import the URLs (system checks) and
+    the Celery app; torch (seconds to import) is loaded only where it is used, and by
+    gunicorn's own preload (dipaco_server.core.preload) for the inference views."""
+    script = (
+        "import sys, django\n"
+        "django.setup()\n"
+        "import dipaco_server.urls, dipaco_server.celery\n"
+        "from django.core.management import call_command\n"
+        "call_command('check', verbosity=0)\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules)\n"
+        "print('LOADED', heavy)\n"
+        "sys.exit(1 if heavy else 0)\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "dipaco_server.settings"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
