@@ -28,7 +28,7 @@ from dipaco.inner import train_path
 from dipaco_server.rounds.close import mark_round_closing
 from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
 from dipaco_server.rounds.lease import grant_lease
-from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
+from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.outer_step import step_module
 from dipaco_server.rounds.retention import sweep_blobs
 from dipaco_server.rounds.tasks import finish_round
@@ -218,6 +218,33 @@ def test_with_two_contributions_and_no_history_the_attack_is_rejected_for_its_re
     assert honest.units_completed == 1 and honest.tokens_processed > 0
     assert (attacker.units_completed, attacker.tokens_processed) == (0, 0)
     assert attacker.contributions_rejected == 2 and attacker.trust < honest.trust <= 1.0
+
+
+def test_a_units_score_is_computed_by_its_first_module_step_and_reused_by_the_others(
+    work: Path,
+) -> None:
+    run, sources = two_worker_run(work)
+    submit(run, "honest-a", sources)
+    honest_b, _ = submit(run, "honest-b", sources)
+    assert mark_round_closing(Round.objects.get(run=run, t=0))
+    step_module(run.pk, "0.0", 0)
+
+    leases = Lease.objects.filter(unit__round__run=run, state=Lease.State.COMPLETED)
+    assert leases.count() == 2
+    for lease in leases:  # the unit's whole Δ, relative to its base versions (0)
+        assert lease.score is not None and lease.score["base"] == [["0.0", 0], ["shared", 0]]
+        assert lease.score["train_after"] < lease.score["train_before"]
+    # The shared module's step reads the recorded score instead of scoring again: a recorded
+    # score without a gain makes it refuse honest-b's Δ there, where scoring would accept it.
+    lease_b = leases.get(worker=honest_b)
+    assert lease_b.score is not None
+    failing = {**lease_b.score, "train_after": lease_b.score["train_before"] + 1.0}
+    Lease.objects.filter(pk=lease_b.pk).update(score=failing)
+    step_module(run.pk, "shared", 0)
+
+    rows = Contribution.objects.filter(lease=lease_b).select_related("module")
+    verdicts = {c.module.module_id: c.reason.partition(":")[0] for c in rows}
+    assert verdicts == {"0.0": "", "shared": "no_training_gain"}
 
 
 # --- later rounds: the module's history and its outer momentum ---------------------------------

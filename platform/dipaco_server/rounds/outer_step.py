@@ -78,7 +78,7 @@ from dipaco.outer import (
 from dipaco_server.rounds import verify
 from dipaco_server.rounds.close import previous_published
 from dipaco_server.rounds.lease import lease_tokens, step_tokens
-from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
+from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.publish import EncodedUpdate, encode_update, publish_module_version
 from dipaco_server.rounds.replication import CHECK_OFFSET
 from dipaco_server.runs import keys
@@ -748,7 +748,12 @@ class Scorer:
     unit's own training data and as many held-out windows of the path's validation shard.
 
     A path's base modules, shards and base losses are loaded once per step, on first use;
-    each further Δ costs two forward passes. CPU seconds spent: `seconds`.
+    each further Δ costs two forward passes. The score is the unit's, not the module's: the
+    first step of the round to compute it records it on the lease (`Lease.score`, with the
+    versions it is relative to), and the steps of the path's other modules take it from there.
+    Each Δ's own checks (size, digest, content, norm, direction) still run in its own step,
+    and the digests pin what every step reads, so the recorded score is of the same bytes.
+    CPU seconds spent: `seconds`; scores reused: `reused`.
     """
 
     def __init__(
@@ -767,10 +772,15 @@ class Scorer:
         self.dtype: Any = None
         self.seconds = 0.0
         self.scored = 0
+        self.reused = 0
 
     def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> verify.Score | None:
         """The unit's whole Δ scored (rounds.verify.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
+        recorded = self._recorded(upload)
+        if recorded is not None:
+            self.reused += 1
+            return recorded
         clock = time.process_time()
         try:
             key = (upload.path, upload.delta_base)
@@ -795,7 +805,30 @@ class Scorer:
             self.seconds += time.process_time() - clock
         self.base[(key, upload.position)] = (score.train_before, score.heldout_before)
         self.scored += 1
+        # A concurrent step of another module may have recorded it meanwhile: same inputs,
+        # same score; the first write stays.
+        Lease.objects.filter(pk=upload.lease_id, score__isnull=True).update(
+            score={"base": [list(pair) for pair in upload.delta_base], **score.as_dict()}
+        )
         return score
+
+    def _recorded(self, upload: Upload) -> verify.Score | None:
+        """The unit's score as another module's step recorded it, when it is relative to the
+        same versions as this Δ; None otherwise."""
+        if not upload.lease_id:
+            return None
+        row = Lease.objects.filter(pk=upload.lease_id).values_list("score", flat=True).first()
+        if not isinstance(row, dict) or [list(p) for p in upload.delta_base] != row.get("base"):
+            return None
+        try:
+            return verify.Score(
+                float(row["train_before"]),
+                float(row["train_after"]),
+                float(row["heldout_before"]),
+                float(row["heldout_after"]),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
 
     def _siblings(self, upload: Upload) -> dict[str, dict[str, Tensor]]:
         """The unit's Δs of its path's other modules, fetched and checked like its own."""
