@@ -398,7 +398,12 @@ def idle_retry_after_s(*, now: datetime | None = None) -> int:
 #   pace costs no query.
 
 GRANT_BURST_S = 2.0  # grants allowed at once when a round opens, in seconds of the rate
-DEFAULT_OUTER_S = 10.0  # the expected outer step before any round of the run has closed
+# The expected outer step before any round of the run has closed. Low rather than high: a
+# waiter told too little asks again (its next answer spreads it over the crowd as before),
+# one told too much idles; at 10 s a small run's volunteers idled ~6 s after its first round
+# (the demo's first close takes ~4 s), and a crowd's slots are spread over waiters /
+# DIPACO_GRANT_RATE seconds after it anyway.
+DEFAULT_OUTER_S = 3.0
 CLOSING_TTL_S = 2.0
 # (when counted, (closing_at, expected outer step seconds) of the newest closing round)
 _closing: tuple[float, tuple[datetime, float] | None] = (-math.inf, None)
