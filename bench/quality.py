@@ -146,6 +146,7 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
     }
     inner = {"lr": args.inner_lr, "warmup_steps": args.warmup_steps}
     layers = RunConfig.tiny().model.num_layers
+    block = {} if args.block_size is None else {"block_size": args.block_size}  # int8/int4
     diloco = RunConfig.tiny(
         name="quality-diloco", rounds=args.diloco_rounds, replicas_per_path=4,
         layout=LayoutConfig.diloco(layers), comm={"codec": "fp32"},
@@ -159,7 +160,7 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
             rounds=args.rounds,
             replicas_per_path=1,
             layout=LayoutConfig.grid(layers, 2, 2),
-            comm={"codec": codec},
+            comm={"codec": codec, **block},
             inner={**inner, "steps": args.inner_steps},
             # The paper's router: the base model's features of each document's first tokens.
             router={"featurizer": "base-lm" if args.base_steps else "tfidf"},
@@ -178,7 +179,7 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
                    args.eval_windows, args.threads, args.base_steps)  # fmt: skip
 
     # Longest first, so two processes finish together.
-    return [
+    jobs = [
         job("a/diloco", "a", None),
         job("a/data-parallel", "a", "data-parallel"),
         job("b/dipaco-fp32", "b-fp32", None),
@@ -188,6 +189,22 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
         job("b/data-parallel", "b-fp32", "data-parallel"),
         job("b/dense-steps", "b-fp32", "dense-steps"),
     ]
+    if args.only:
+        unknown = set(args.only) - {j.name for j in jobs}
+        if unknown:
+            raise SystemExit(
+                f"--only: unknown jobs {sorted(unknown)}; known: {[j.name for j in jobs]}"
+            )
+        jobs = [j for j in jobs if j.name in args.only]
+    return jobs
+
+
+# Which config each job runs (make_jobs's second column), so --only prepares only those.
+JOB_CONFIG = {
+    "a/diloco": "a", "a/data-parallel": "a", "b/dipaco-fp32": "b-fp32", "b/dense": "b-fp32",
+    "c/dipaco-int8": "b-int8", "c/dipaco-int4": "b-int4", "b/data-parallel": "b-fp32",
+    "b/dense-steps": "b-fp32",
+}  # fmt: skip
 
 
 def summarize(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -201,6 +218,8 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
     }
     summary = {}
     for key, (ours, reference) in pairs.items():
+        if ours not in results or reference not in results:
+            continue  # --only left one of them out
         summary[key] = {
             "ours": ours,
             "reference": reference,
@@ -209,11 +228,17 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "ratio": results[ours]["perplexity"] / results[reference]["perplexity"],
             "goal": goal_text(key),
         }
-    a, b = results["a/diloco"], results["b/dipaco-fp32"]
-    summary["diloco_vs_dp"]["bytes_ratio_vs_data_parallel"] = a["bytes"] / a["data_parallel_bytes"]
+    a, b = results.get("a/diloco"), results.get("b/dipaco-fp32")
+    if "diloco_vs_dp" in summary and a is not None:
+        summary["diloco_vs_dp"]["bytes_ratio_vs_data_parallel"] = (
+            a["bytes"] / a["data_parallel_bytes"]
+        )
     for key in ("dipaco_vs_dense_equal_steps", "dipaco_vs_dense_equal_tokens", "dipaco_vs_dp"):
-        summary[key]["bytes_ratio_vs_data_parallel"] = b["bytes"] / b["data_parallel_bytes"]
+        if key in summary and b is not None:
+            summary[key]["bytes_ratio_vs_data_parallel"] = b["bytes"] / b["data_parallel_bytes"]
     for key in ("int8_vs_fp32", "int4_vs_fp32"):
+        if key not in summary or b is None:
+            continue
         ours = results[summary[key]["ours"]]
         summary[key]["upload_ratio_vs_fp32"] = ours["upload_bytes"] / b["upload_bytes"]
     platform = results.get("p/platform")
@@ -253,6 +278,8 @@ def print_tables(
         )  # fmt: skip
     console.print(table)
     for name in ("a/diloco", "b/dipaco-fp32", "c/dipaco-int8", "c/dipaco-int4"):
+        if name not in results:
+            continue
         curve = " ".join(f"{loss:.3f}" for loss in results[name]["curve"])
         console.print(f"{name} routed val loss by round: {curve}")
 
@@ -311,6 +338,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--base-steps", type=int, default=300, help="dense warm-up before all (%(default)s)"
     )
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--only", type=lambda text: [name for name in text.split(",") if name], default=None,
+        metavar="JOB,JOB", help="run only these jobs (e.g. b/dipaco-fp32,c/dipaco-int4); "
+        "figures whose two jobs both ran are reported; no platform run",
+    )  # fmt: skip
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="comm.block_size of the int8/int4 runs (default: CommConfig's)",
+    )
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="processes (default: %(default)s)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -334,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     budget = DataBudget(max_docs=args.max_docs or None)
     # One base for all: it is keyed by the stream of all documents, which every layout shares.
     console.log(f"base model: {args.base_steps} steps (cached in {args.work_dir})")
-    for key in cfgs:
+    needed = {JOB_CONFIG[name] for name in args.only} if args.only else set(cfgs)
+    for key in sorted(needed):
         prepare_with_base(cfgs[key], budget, args.work_dir, args.base_steps, log=console.log)
     jobs = make_jobs(args, cfgs)
     results: dict[str, dict[str, Any]] = {}
@@ -346,7 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     starts = {name: r["base_steps"] for name, r in results.items()}
     if len(set(starts.values())) != 1:  # every comparison must share its starting point
         raise RuntimeError(f"jobs started from different base models: {starts}")
-    if not args.no_platform:  # last and alone: it runs a server, Celery and two workers
+    # last and alone: it runs a server, Celery and two workers; --only skips it
+    if not args.no_platform and not args.only:
         results["p/platform"] = run_platform(args, console)
     summary = summarize(results)
     print_tables(summary, results, console)
