@@ -7,8 +7,9 @@ Codecs
               relative precision; values beyond ±65504 are refused at encode).
     ``int8``  blockwise absmax: per block of B values (default 64) one fp32 scale m/127 and
               B int8 values; |error| <= m/254 per block (m = the block's absmax).
-    ``int4``  the same with scale m/7 and two's-complement nibbles, two per byte;
-              |error| <= m/14 per block. Exact bounds: ``dipaco.codecs.kernels``.
+    ``int4``  two's-complement nibbles, two per byte, and per block the scale m/c (c from
+              7, absmax, to 10) whose rounding has the least squared error; squared error
+              <= B (m/14)**2 per block. Exact bounds: ``dipaco.codecs.kernels``.
 
 Container (format version 1): a plain safetensors file, readable by ``safetensors`` itself.
 Its ``__metadata__`` (string to string, as safetensors requires) holds::

@@ -1,14 +1,21 @@
 """Per-tensor encode and chunked decode for each codec, as vectorised torch ops.
 
-Block codecs (absmax): the flattened tensor is cut into blocks of ``B`` values (the last one
-zero-padded); each block stores one fp32 scale ``s = fl(absmax / Q)`` and integers
-``q = clamp(round(x / s), -Q, Q)`` with Q = 127 (int8) or 7 (int4). Decoding is ``q * s``.
+Block codecs: the flattened tensor is cut into blocks of ``B`` values (the last one
+zero-padded); each block stores one fp32 scale ``s`` and integers ``q``; decoding is ``q * s``.
+int8 (absmax): ``s = fl(absmax / 127)``, ``q = clamp(round(x / s), -127, 127)``. int4 (least
+squares): of the scales ``fl(absmax / c)``, c in ``INT4_DIVISORS`` (7 = absmax first), the one
+whose ``q = clamp(round(x / s), -8, 7)`` decodes closest to the block in squared error; the
+larger c clip a block's few largest values but refine the 15-level grid for the rest
+(squared error -18% on real DiPaCo Δs at blocks of 128 and 32, -25% on Gaussian blocks of
+128). The decoder and the container are unchanged; encoding takes ~5x absmax's time.
 int4 stores two's-complement nibbles: with H = ceil(blocks / 2), byte i holds element i in its
 low nibble and element i + H*B in its high nibble, so decoding reads contiguous bytes and
 never interleaves (an interleaving ``stack`` made int4 accumulate 2.7x slower than int8,
 docs/benchmarks.md).
 
-Error bound, per block with absmax m (what tests/test_codecs.py asserts). With u = 2**-24:
+Error bound, per block with absmax m (what tests/test_codecs.py asserts; for int4, which may
+clip single values, the bound holds for the absmax candidate, so the block's squared error
+is at most n times its square: the least-squares choice never does worse). With u = 2**-24:
 s = (m/Q)(1+d1); the quotient x/s (|x/s| <= Q(1+2u), so the clamp never bites on the
 encoder's own data) and the decoded product q*s each add a relative error <= u, and rounding
 to an integer costs <= 1/2 step, so
@@ -32,6 +39,8 @@ from dipaco.codecs.container import LOGICAL_NAME, CodecError
 
 CHUNK_ELEMENTS = 1 << 20
 QMAX = {"int8": 127, "int4": 7}
+# int4's candidate scales m / c (kernels._int4_least_squares); 7 first: absmax, the fallback.
+INT4_DIVISORS = (7.0, 7.5, 8.0, 8.5, 9.0, 10.0)
 FLOAT_CODEC_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_MAX = torch.finfo(torch.float32).max
 # Decoded values |q * s| must stay finite even for hostile q (-128 in int8, -8 in int4): any
@@ -121,9 +130,12 @@ def _encode_blocks(name: str, flat: torch.Tensor, codec: str, block: int) -> lis
                 f"tensor {name!r} has |values| up to {top:.3g}, beyond what {codec} encodes "
                 f"({SCALE_LIMIT * qmax:.3g}); a Δ this large means training diverged",
             )
-        scale = absmax / qmax  # (r1-r0,)
-        safe = torch.where(scale > 0, scale, 1.0)  # all-zero (or tiny) blocks quantise to 0
-        q = torch.div(values, safe[:, None]).round_().clamp_(-qmax, qmax)  # (r1-r0, B)
+        if codec == "int4":
+            q, scale = _int4_least_squares(values, absmax)
+        else:
+            scale = absmax / qmax  # (r1-r0,)
+            safe = torch.where(scale > 0, scale, 1.0)  # all-zero (or tiny) blocks quantise to 0
+            q = torch.div(values, safe[:, None]).round_().clamp_(-qmax, qmax)  # (r1-r0, B)
         quantised[r0 * block : r1 * block] = q.view(-1)
         scales[r0:r1] = scale
     if codec == "int8":
@@ -131,6 +143,38 @@ def _encode_blocks(name: str, flat: torch.Tensor, codec: str, block: int) -> lis
     low, high = quantised.view(2, -1)  # (H*B,) each: blocks [0, H) and [H, 2H)
     packed = (low & 15) | (high << 4)  # (H*B,) two's-complement nibbles
     return [packed.view(torch.uint8).cpu(), scales.cpu()]
+
+
+def _int4_least_squares(
+    values: torch.Tensor, absmax: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4's (q, scale) per block: of the scales m / c, c in ``INT4_DIVISORS``, the one
+    whose decoded block is closest to ``values`` in squared error (ties: the first, absmax).
+
+    c = 7 is plain absmax (q in [-7, 7]); larger c use the nibble's -8 and clip the few
+    largest values to 7s or -8s, which at 15 levels costs less than the coarser grid
+    (squared error -25% on Gaussian blocks of 128 values). values: (rows, B), absmax: (rows,).
+    """
+    safe_max = torch.where(absmax > 0, absmax, 1.0)  # (rows,)
+    unit = values / safe_max[:, None]  # (rows, B) in [-1, 1]: errors neither overflow nor vanish
+    # Squares of fp32 values are exact in fp64, so the sums (hence the choice) agree across
+    # devices but for ties within 2**-50; MPS has no fp64.
+    wide = torch.float32 if values.device.type == "mps" else torch.float64
+    best_q = best_scale = best_error = None
+    for divisor in INT4_DIVISORS:
+        scale = absmax / divisor  # (rows,)
+        safe = torch.where(scale > 0, scale, 1.0)  # all-zero (or tiny) blocks quantise to 0
+        q = torch.div(values, safe[:, None]).round_().clamp_(-8, 7)  # (rows, B)
+        error = (q / divisor - unit).to(wide).square_().sum(dim=1)  # (rows,): in absmax**2
+        if best_q is None or best_scale is None or best_error is None:
+            best_q, best_scale, best_error = q, scale, error
+            continue
+        better = error < best_error  # (rows,)
+        best_q = torch.where(better[:, None], q, best_q)
+        best_scale = torch.where(better, scale, best_scale)
+        best_error = torch.minimum(error, best_error)
+    assert best_q is not None and best_scale is not None
+    return best_q, best_scale
 
 
 def check_scales(name: str, codec: str, scales: torch.Tensor) -> None:
