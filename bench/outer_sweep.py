@@ -15,6 +15,7 @@ command: docs/benchmarks.md, "Outer-step defaults".
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -61,13 +62,21 @@ def add_preset_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
 
 
-def config(args: argparse.Namespace, outer: dict[str, Any], name: str = "outer-sweep") -> RunConfig:
+BASE_INNER_LR = 3e-3  # the base model's lr, whatever the runs' (--inner-lr)
+
+
+def config(
+    args: argparse.Namespace,
+    outer: dict[str, Any],
+    name: str = "outer-sweep",
+    inner_lr: float = BASE_INNER_LR,
+) -> RunConfig:
     layers = RunConfig.tiny().model.num_layers
     layout = LayoutConfig.diloco(layers) if args.diloco else LayoutConfig.grid(layers, 2, 2)
     return RunConfig.tiny(
         name=name, rounds=args.rounds, replicas_per_path=4 if args.diloco else 1,
         layout=layout, comm={"codec": "fp32"}, outer=outer, seed=args.seed,
-        inner={"steps": args.inner_steps, "lr": 3e-3, "warmup_steps": 20,
+        inner={"steps": args.inner_steps, "lr": inner_lr, "warmup_steps": 20,
                "micro_batch_size": args.batch},
         data={"val_fraction": 0.05, "corpus": args.corpus},
     )  # fmt: skip
@@ -78,7 +87,9 @@ def run(job: tuple[str, str, str | None, int, str]) -> tuple[str, float, list[fl
     torch.set_num_threads(1)
     started = time.perf_counter()
     cfg = RunConfig.model_validate_json(config_json)
-    data, base = prepare_with_base(cfg, DataBudget(), Path(work_dir), base_steps)
+    # Every run starts from the same base, trained at BASE_INNER_LR whatever the run's lr.
+    base_cfg = cfg.model_copy(update={"inner": cfg.inner.model_copy(update={"lr": BASE_INNER_LR})})
+    data, base = prepare_with_base(base_cfg, DataBudget(), Path(work_dir), base_steps)
     windows = data.val_windows(cfg.model.seq_len, 256)
     if baseline is not None:
         result = train_baseline(cfg, data, windows, baseline, base_state=base)
@@ -95,6 +106,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--setting", type=setting, action="append", help="LR,MOMENTUM,RESCALE,WARMUP"
     )
+    parser.add_argument(
+        "--no-reference",
+        action="store_true",
+        help="skip the reference run (dense at equal steps / data-parallel at equal tokens)",
+    )
+    parser.add_argument(
+        "--reference-loss",
+        type=float,
+        default=None,
+        help="with --no-reference: the reference's loss, for the perplexity ratios",
+    )
+    parser.add_argument(
+        "--inner-lr",
+        type=float,
+        default=BASE_INNER_LR,
+        help="the runs' peak inner AdamW lr (default %(default)s); the base and the "
+        "reference keep the default",
+    )
     add_preset_arguments(parser)
     args = parser.parse_args(argv)
     settings = args.setting or DEFAULT_SETTINGS
@@ -105,17 +134,28 @@ def main(argv: list[str] | None = None) -> int:
              str(args.work_dir))]  # fmt: skip
     if args.diloco:
         jobs[0] = ("data-parallel, equal tokens", *jobs[0][1:2], "data-parallel", *jobs[0][3:])
+    if args.no_reference:
+        jobs = []
     for lr, momentum, rescale, warmup in settings:
         outer = {"lr": lr, "momentum": momentum, "sqrt_paths_rescale": rescale,
                  "warmup_rounds": warmup}  # fmt: skip
         label = f"lr {lr} momentum {momentum} rescale {int(rescale)} warm-up {warmup}"
-        jobs.append((label, config(args, outer).model_dump_json(), None, args.base_steps,
+        if args.inner_lr != BASE_INNER_LR:
+            label += f" inner lr {args.inner_lr:g}"
+        jobs.append((label, config(args, outer, inner_lr=args.inner_lr).model_dump_json(), None,
+                     args.base_steps,
                      str(args.work_dir)))  # fmt: skip
-    print(f"{'setting':45s} {'round 1':>8s} {'final':>8s} {'seconds':>8s}")
+    reference_loss = args.reference_loss
+    print(f"{'setting':45s} {'round 1':>8s} {'final':>8s} {'ppl ratio':>9s} {'seconds':>8s}")
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
         for label, loss, curve, seconds in pool.map(run, jobs):
+            if not curve and reference_loss is None:
+                reference_loss = loss  # the reference comes first
             first = f"{curve[1]:.3f}" if len(curve) > 1 else "-"
-            print(f"{label:45s} {first:>8s} {loss:8.3f} {seconds:8.0f}", flush=True)
+            ratio = f"{math.exp(loss - reference_loss):.3f}" if reference_loss else "-"
+            print(f"{label:45s} {first:>8s} {loss:8.3f} {ratio:>9s} {seconds:8.0f}", flush=True)
+            if curve:
+                print("    by round: " + " ".join(f"{x:.3f}" for x in curve), flush=True)
     return 0
 
 

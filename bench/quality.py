@@ -134,10 +134,19 @@ def run_job(job: Job) -> dict[str, Any]:
 def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
     """The run configs: DiLoCo (its own batch and H), DiPaCo with each codec.
 
-    Outer settings are RunConfig's defaults unless --outer-lr / --outer-momentum are given.
+    Outer settings are RunConfig's defaults unless --outer-lr / --outer-momentum are given;
+    --diloco-outer-lr / --diloco-outer-momentum override them for the DiLoCo run alone.
     """
     outer = {
         k: v for k, v in (("lr", args.outer_lr), ("momentum", args.outer_momentum)) if v is not None
+    }
+    diloco_outer = {
+        **outer,
+        **{
+            k: v
+            for k, v in (("lr", args.diloco_outer_lr), ("momentum", args.diloco_outer_momentum))
+            if v is not None
+        },
     }
     common: dict[str, Any] = {
         "outer": outer,
@@ -152,7 +161,7 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
         layout=LayoutConfig.diloco(layers), comm={"codec": "fp32"},
         inner={**inner, "steps": args.diloco_inner_steps,
                "micro_batch_size": args.diloco_batch},
-        **common,
+        **{**common, "outer": diloco_outer},
     )  # fmt: skip
     dipaco = {
         codec: RunConfig.tiny(
@@ -328,6 +337,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup-steps", type=int, default=20, help="inner warm-up (%(default)s)")
     parser.add_argument("--outer-lr", type=float, default=None, help="outer lr (RunConfig's)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="outer μ (RunConfig's)")
+    parser.add_argument(
+        "--diloco-outer-lr", type=float, default=None, help="DiLoCo's outer lr (--outer-lr's)"
+    )
+    parser.add_argument(
+        "--diloco-outer-momentum", type=float, default=None,
+        help="DiLoCo's outer μ (--outer-momentum's)",
+    )  # fmt: skip
     parser.add_argument(
         "--no-platform", action="store_true", help="skip platform_vs_simulate (no server run)"
     )
