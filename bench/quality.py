@@ -15,7 +15,11 @@ keyed in --json as:
                                 shorter H, where averaging replicas is not dominated by
                                 a batch far below the critical batch size;
   int8_vs_fp32, int4_vs_fp32    DiPaCo with int8 / int4 pseudo-gradients (with error
-                                feedback) vs fp32, at equal steps;
+                                feedback) vs fp32, at equal steps: the mean of the ratios
+                                over --codec-seeds seeds (--seed, --seed + 1, ...; each its
+                                own split, base model and data order), since one seed's
+                                rounding moves a ratio by about +-1% (each seed's ratio is
+                                in the JSON's summary);
   platform_vs_simulate          a short real platform run (server, Celery, two dipaco-worker
                                 processes; bench/platform_run.py) vs `dipaco simulate` on the
                                 same config, seed and data: final routed validation *loss*.
@@ -177,7 +181,18 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
         )
         for codec in ("fp32", "int8", "int4")
     }
-    return {"a": diloco, **{f"b-{codec}": cfg for codec, cfg in dipaco.items()}}
+    out = {"a": diloco, **{f"b-{codec}": cfg for codec, cfg in dipaco.items()}}
+    for k in range(1, args.codec_seeds):  # the codec comparison's further seeds
+        for codec, cfg in dipaco.items():
+            out[f"s{k}-{codec}"] = cfg.model_copy(update={"seed": args.seed + k})
+    return out
+
+
+def codec_job_names(codec: str, k: int) -> tuple[str, str]:
+    """(job name, config key) of DiPaCo with `codec` at the codec comparison's seed k."""
+    if k == 0:
+        return ("b/dipaco-fp32" if codec == "fp32" else f"c/dipaco-{codec}"), f"b-{codec}"
+    return f"c{k}/dipaco-{codec}", f"s{k}-{codec}"
 
 
 def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]:
@@ -197,6 +212,11 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
         job("c/dipaco-int4", "b-int4", None),
         job("b/data-parallel", "b-fp32", "data-parallel"),
         job("b/dense-steps", "b-fp32", "dense-steps"),
+        *(
+            job(*codec_job_names(codec, k), None)
+            for k in range(1, args.codec_seeds)
+            for codec in ("fp32", "int8", "int4")
+        ),
     ]
     if args.only:
         unknown = set(args.only) - {j.name for j in jobs}
@@ -213,6 +233,8 @@ JOB_CONFIG = {
     "a/diloco": "a", "a/data-parallel": "a", "b/dipaco-fp32": "b-fp32", "b/dense": "b-fp32",
     "c/dipaco-int8": "b-int8", "c/dipaco-int4": "b-int4", "b/data-parallel": "b-fp32",
     "b/dense-steps": "b-fp32",
+    **{codec_job_names(c, k)[0]: codec_job_names(c, k)[1]
+       for k in range(1, 10) for c in ("fp32", "int8", "int4")},
 }  # fmt: skip
 
 
@@ -250,6 +272,15 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             continue
         ours = results[summary[key]["ours"]]
         summary[key]["upload_ratio_vs_fp32"] = ours["upload_bytes"] / b["upload_bytes"]
+        # Further seeds (--codec-seeds): the figure is the mean of the per-seed ratios.
+        codec, per_seed = key.split("_")[0], [summary[key]["ratio"]]
+        for k in range(1, 10):
+            mine, fp32 = codec_job_names(codec, k)[0], codec_job_names("fp32", k)[0]
+            if mine not in results or fp32 not in results:
+                break
+            per_seed.append(results[mine]["perplexity"] / results[fp32]["perplexity"])
+        summary[key]["ratio_per_seed"] = per_seed
+        summary[key]["ratio"] = sum(per_seed) / len(per_seed)
     platform = results.get("p/platform")
     if platform is not None:
         summary["platform_vs_simulate"] = {
@@ -281,11 +312,17 @@ def print_tables(
             sent = "-"
         ours = row.get("perplexity", row.get("loss"))
         reference = row.get("reference_perplexity", row.get("reference_loss"))
+        seeds = len(row.get("ratio_per_seed", [])) or 1
+        label = LABELS[key] + (f" (mean of {seeds} seeds; seed 0 ppl)" if seeds > 1 else "")
         table.add_row(
-            key, LABELS[key], f"{ours:.3f}", f"{reference:.3f}",
+            key, label, f"{ours:.3f}", f"{reference:.3f}",
             f"{row['ratio']:.4f}", goal_text(key), sent,
         )  # fmt: skip
     console.print(table)
+    for key, row in summary.items():
+        if len(row.get("ratio_per_seed", [])) > 1:
+            each = " ".join(f"{r:.4f}" for r in row["ratio_per_seed"])
+            console.print(f"{key} per seed: {each}")
     for name in ("a/diloco", "b/dipaco-fp32", "c/dipaco-int8", "c/dipaco-int4"):
         if name not in results:
             continue
@@ -360,6 +397,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "figures whose two jobs both ran are reported; no platform run",
     )  # fmt: skip
     parser.add_argument(
+        "--codec-seeds", type=int, default=3,
+        help="seeds of the fp32/int8/int4 comparison; its figures are the mean ratio "
+        "(default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
         "--block-size",
         type=int,
         default=None,
@@ -374,6 +416,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.rounds, args.inner_steps, args.diloco_rounds, args.diloco_inner_steps = 2, 10, 2, 5
         args.max_docs, args.eval_windows, args.warmup_steps = 300, 64, 5
         args.base_steps, args.diloco_batch = 20, 4
+    if not 1 <= args.codec_seeds <= 9:
+        parser.error(f"--codec-seeds {args.codec_seeds}: give 1 to 9")
     return args
 
 
