@@ -418,9 +418,10 @@ class CommConfig(_Section):
     block_size: int = Field(
         default=128,
         ge=2,
-        description="Values per absmax scale for int8/int4. 128: int8 + zstd traffic at "
-        "H = 500 is 2,034x below data-parallel at quality int8/fp32 0.9997; 256 gives "
-        '2,124x at 1.0042, 512 2,199x at 1.0057 (docs/benchmarks.md, "Traffic").',
+        description="Values per scale for int8 (absmax) and int4 (least squares). 128: "
+        "int8 + zstd traffic at H = 500 is 2,034x below data-parallel at quality int8/fp32 "
+        "0.9997; 256 gives 2,124x at 1.0042, 512 2,199x at 1.0057 (docs/benchmarks.md, "
+        '"Traffic").',
     )
     compression: Literal["none", "zstd"] = Field(
         default="zstd",
