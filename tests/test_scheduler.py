@@ -611,6 +611,38 @@ def test_a_quorum_moves_the_deadline_up_to_median_plus_k_mad_of_durations_then_w
     assert WorkUnit.objects.get(pk=straggler.unit.pk).state == WorkUnit.State.DONE
 
 
+@override_settings(DIPACO_ROUND_QUORUM=0.5, DIPACO_ROUND_DEADLINE_MADS=3.0)
+def test_the_completion_path_recomputes_the_adaptive_deadline_at_most_every_few_seconds(
+    round0: Round,
+) -> None:
+    """Every completion asks whether its round may close; the adaptive deadline reads all of
+    the round's completed leases, so the completion path (adapt_every_s) recomputes it once
+    per ADAPT_EVERY_S per process and round, and beat's sweep (no throttle) every time."""
+    from dipaco_server.rounds import close
+
+    close._adapted_at.clear()
+    finishers = [grant(make_worker(f"finisher{i}"), now=T0) for i in range(4)]
+    for held, minutes in zip(finishers, (10, 10, 12, 14), strict=True):
+        complete(held.lease.worker, held.lease.pk, held.secret, reports(held),
+                 now=T0 + minutes * MINUTE)  # fmt: skip
+    for i in range(4):
+        grant(make_worker(f"late{i}"), now=T0 + i * MINUTE)
+    expected = T0 + timedelta(minutes=3 + 11 + 3 * 1.1)
+    fixed = T0 + timedelta(seconds=current_policy().round_deadline_s)
+
+    assert not round_ready_to_close(round0, now=T0 + 16 * MINUTE, adapt_every_s=60.0)
+    round0.refresh_from_db()
+    assert abs((round0.deadline - expected).total_seconds()) < 1e-3, "the first one recomputes"
+    Round.objects.filter(pk=round0.pk).update(deadline=fixed)
+    round0.refresh_from_db()
+    assert not round_ready_to_close(round0, now=T0 + 16 * MINUTE, adapt_every_s=60.0)
+    round0.refresh_from_db()
+    assert round0.deadline == fixed, "within the interval the stored deadline decides"
+    assert not round_ready_to_close(round0, now=T0 + 16 * MINUTE)  # beat's sweep: always
+    round0.refresh_from_db()
+    assert abs((round0.deadline - expected).total_seconds()) < 1e-3
+
+
 def test_closing_wins_once_and_refuses_late_work(round0: Round) -> None:
     list(finish(4, T0))
     straggler = make_worker("straggler")

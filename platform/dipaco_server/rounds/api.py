@@ -29,7 +29,7 @@ from dipaco_server.bounds import JsonId, LeaseId
 from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
 from dipaco_server.rounds import lease as leasing
-from dipaco_server.rounds.close import round_ready_to_close
+from dipaco_server.rounds.close import ADAPT_EVERY_S, round_ready_to_close
 from dipaco_server.rounds.complete import (
     ContributionReport,
     complete,
@@ -43,6 +43,7 @@ from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.rebase import rebase_plan, rebase_state
 from dipaco_server.rounds.unit_data import unit_data
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
+from dipaco_server.runs.keys import lease_prefix
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
 from dipaco_server.runs.prepare import data_index_key, work_root
@@ -619,7 +620,7 @@ def _close_if_ready(round_: Round) -> None:
     (rounds.tasks.start_closing) before this worker asks for its next unit; close_round
     (forced: the round is closing already) then sends the outer steps.
     """
-    if not round_ready_to_close(round_):
+    if not round_ready_to_close(round_, adapt_every_s=ADAPT_EVERY_S):
         return
     force = False
     if overlaps(round_.run.run_config, round_.t):
@@ -646,21 +647,26 @@ def _close_if_ready(round_: Round) -> None:
 
 
 def _check_uploads(lease: Lease, body: CompleteIn) -> None:
-    """Each reported module's blob is there with the reported size (content: the outer step)."""
-    store = get_blob_store()
+    """Each reported module's blob is there with the reported size (content: the outer step).
+
+    One listing of the lease's prefix answers for every module: completions arrive in
+    bursts as a round's units end together, and a HEAD per module cost the web process
+    (and the store) a request each (bench/control_plane.py, docs/benchmarks.md)."""
+    unit = lease.unit
+    uploaded = get_blob_store().sizes(
+        lease_prefix(unit.round.run_id, unit.round.t, unit.pk, lease.pk)
+    )
     for c in body.contributions:
-        if c.module_id not in lease.unit.path.modules:
+        if c.module_id not in unit.path.modules:
             continue  # completion refuses it with the full list of expected modules
-        key = upload_key(lease, c.module_id)
-        try:
-            size = store.size(key)
-        except BlobNotFound:
+        size = uploaded.get(upload_key(lease, c.module_id))
+        if size is None:
             raise ApiError(
                 409,
                 "upload_missing",
                 f"nothing was uploaded for module {c.module_id}; PUT it to its upload URL first",
                 module=c.module_id,
-            ) from None
+            )
         if size != c.size:
             raise ApiError(
                 422,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .keys import BlobStoreError, validate_key
+from .keys import BlobNotFound, BlobStoreError, validate_key
 
 MAX_EXPIRES_S = 7 * 24 * 3600  # SigV4 presigned URLs cannot outlive 7 days.
 CHUNK_SIZE = 1024 * 1024
@@ -90,15 +90,8 @@ class BlobStore(abc.ABC):
 
     def download_to(self, key: str, path: str | Path) -> None:
         """Copy the blob to `path` through a temporary file, so `path` is never partial."""
-        path = Path(path)
         with self.open(key) as stream:
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-            try:
-                with os.fdopen(fd, "wb") as out:
-                    shutil.copyfileobj(stream, out, CHUNK_SIZE)
-                os.replace(tmp, path)
-            finally:
-                Path(tmp).unlink(missing_ok=True)
+            write_atomically(stream, Path(path))
 
     # --- metadata ----------------------------------------------------------
     @abc.abstractmethod
@@ -116,6 +109,17 @@ class BlobStore(abc.ABC):
     def list(self, prefix: str = "") -> list[str]:
         """Every key that starts with `prefix` (a string prefix, as in S3), sorted."""
 
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """Every key that starts with `prefix`, with its size in bytes: one listing where
+        the backend's listing carries sizes (S3), instead of a `size` call per key."""
+        found = {}
+        for key in self.list(prefix):
+            try:
+                found[key] = self.size(key)
+            except BlobNotFound:  # deleted between the listing and now
+                continue
+        return found
+
     # --- presigned URLs ----------------------------------------------------
     @abc.abstractmethod
     def presigned_get(self, key: str, expires_s: int) -> str: ...
@@ -126,6 +130,17 @@ class BlobStore(abc.ABC):
 
     @abc.abstractmethod
     def presigned_post(self, key: str, expires_s: int, max_bytes: int) -> PresignedPost: ...
+
+
+def write_atomically(stream: BinaryIO, path: Path) -> None:
+    """`stream` to `path` through a temporary file beside it, so `path` is never partial."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            shutil.copyfileobj(stream, out, CHUNK_SIZE)
+        os.replace(tmp, path)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def check_presign_args(key: str, expires_s: int, max_bytes: int | None = None) -> None:

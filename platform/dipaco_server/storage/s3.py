@@ -26,7 +26,7 @@ from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import ClientError
 
-from .base import BlobStore, PresignedPost, check_presign_args
+from .base import BlobStore, PresignedPost, check_presign_args, write_atomically
 from .keys import BlobNotFound, BlobStoreError, validate_key, validate_prefix
 
 MiB = 1024 * 1024
@@ -105,11 +105,21 @@ class S3BlobStore(BlobStore):
         return cast(BinaryIO, body)  # botocore's StreamingBody is an io.IOBase
 
     def download_to(self, key: str, path: str | Path) -> None:
-        # s3transfer fetches large objects in parallel ranges into a temporary
-        # file and renames it, so `path` is never left partial.
+        # One GET, streamed through a temporary file: what the outer step fetches (module
+        # versions, shards, Δs) is mostly far below multipart_threshold, where s3transfer's
+        # HEAD, thread pool and futures cost more CPU than the bytes. Larger objects go to
+        # s3transfer, which fetches them in parallel ranges (also renaming a finished file).
         validate_key(key)
         with self._errors(key):
-            self.client.download_file(self.bucket, key, str(path), Config=self._transfer)
+            response = self.client.get_object(Bucket=self.bucket, Key=key)
+        body = response["Body"]
+        if int(response.get("ContentLength") or 0) >= self.multipart_threshold:
+            body.close()
+            with self._errors(key):
+                self.client.download_file(self.bucket, key, str(path), Config=self._transfer)
+            return
+        with body:
+            write_atomically(cast(BinaryIO, body), Path(path))
 
     # --- metadata ----------------------------------------------------------
     def exists(self, key: str) -> bool:
@@ -140,6 +150,17 @@ class S3BlobStore(BlobStore):
             for page in pages:
                 keys.extend(item["Key"] for item in page.get("Contents", []))
         return sorted(keys)
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        validate_prefix(prefix)
+        found: dict[str, int] = {}
+        with self._errors(prefix):
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=prefix
+            )
+            for page in pages:
+                found.update((item["Key"], int(item["Size"])) for item in page.get("Contents", []))
+        return found
 
     # --- presigned URLs ----------------------------------------------------
     def presigned_get(self, key: str, expires_s: int) -> str:
