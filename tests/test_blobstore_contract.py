@@ -131,24 +131,6 @@ def test_list_returns_the_keys_under_a_string_prefix_sorted(store: BlobStore) ->
     assert store.list("runs/3/") == []
 
 
-def test_sizes_lists_a_prefix_with_each_blobs_size(store: BlobStore) -> None:
-    """One listing answers a completion's check of every module's upload (rounds.api)."""
-    uploads = {
-        "runs/1/rounds/0/7/12/0.0.safetensors": b"a" * 10,
-        "runs/1/rounds/0/7/12/1.1.safetensors": b"",
-        "runs/1/rounds/0/7/120/0.0.safetensors": b"other lease",
-        "runs/1/rounds/0/8/13/0.0.safetensors": b"other unit",
-    }
-    for key, data in uploads.items():
-        store.put_bytes(key, data)
-
-    assert store.sizes("runs/1/rounds/0/7/12/") == {
-        "runs/1/rounds/0/7/12/0.0.safetensors": 10,
-        "runs/1/rounds/0/7/12/1.1.safetensors": 0,
-    }
-    assert store.sizes("runs/1/rounds/0/9/") == {}
-
-
 def test_download_to_writes_a_small_blob_whole_and_replaces_the_file(
     store: BlobStore, tmp_path: Path
 ) -> None:

@@ -43,7 +43,6 @@ from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.rebase import rebase_plan, rebase_state
 from dipaco_server.rounds.unit_data import unit_data
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
-from dipaco_server.runs.keys import lease_prefix
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
 from dipaco_server.runs.prepare import data_index_key, work_root
@@ -647,26 +646,21 @@ def _close_if_ready(round_: Round) -> None:
 
 
 def _check_uploads(lease: Lease, body: CompleteIn) -> None:
-    """Each reported module's blob is there with the reported size (content: the outer step).
-
-    One listing of the lease's prefix answers for every module: completions arrive in
-    bursts as a round's units end together, and a HEAD per module cost the web process
-    (and the store) a request each (bench/control_plane.py, docs/benchmarks.md)."""
-    unit = lease.unit
-    uploaded = get_blob_store().sizes(
-        lease_prefix(unit.round.run_id, unit.round.t, unit.pk, lease.pk)
-    )
+    """Each reported module's blob is there with the reported size (content: the outer step)."""
+    store = get_blob_store()
     for c in body.contributions:
-        if c.module_id not in unit.path.modules:
+        if c.module_id not in lease.unit.path.modules:
             continue  # completion refuses it with the full list of expected modules
-        size = uploaded.get(upload_key(lease, c.module_id))
-        if size is None:
+        key = upload_key(lease, c.module_id)
+        try:
+            size = store.size(key)
+        except BlobNotFound:
             raise ApiError(
                 409,
                 "upload_missing",
                 f"nothing was uploaded for module {c.module_id}; PUT it to its upload URL first",
                 module=c.module_id,
-            )
+            ) from None
         if size != c.size:
             raise ApiError(
                 422,

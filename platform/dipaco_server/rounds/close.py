@@ -33,7 +33,6 @@ from dipaco_server.rounds.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import TERMINAL
 
-
 # The completion path's check (rounds.api) recomputes the adaptive deadline at most this
 # often per round and process: it reads every completed lease of the round, so doing it on
 # every completion cost O(units) each, O(units²) a round (10,000 units: 50 million rows).

@@ -80,13 +80,10 @@ def residual_key(run_id: int, module_id: str, version: int, phase: int = 2) -> s
 def contribution_key(run_id: int, t: int, unit_id: int, lease_id: int, module_id: str) -> str:
     """runs/<run>/rounds/<t>/<unit>/<lease>/<module>.safetensors: one encoded Δ."""
     module = check_module_id(module_id)
-    return validate_key(f"{lease_prefix(run_id, t, unit_id, lease_id)}{module}.safetensors")
-
-
-def lease_prefix(run_id: int, t: int, unit_id: int, lease_id: int) -> str:
-    """runs/<run>/rounds/<t>/<unit>/<lease>/: every Δ uploaded under one lease."""
     parts = [_id(t, "round"), _id(unit_id, "unit id"), _id(lease_id, "lease id")]
-    return f"{run_prefix(run_id)}/rounds/{'/'.join(map(str, parts))}/"
+    return validate_key(
+        f"{run_prefix(run_id)}/rounds/{'/'.join(map(str, parts))}/{module}.safetensors"
+    )
 
 
 def data_key(run_id: int, path_index: int, split: Literal["train", "val"], phase: int = 2) -> str:

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
-from .keys import BlobNotFound, BlobStoreError, validate_key
+from .keys import BlobStoreError, validate_key
 
 MAX_EXPIRES_S = 7 * 24 * 3600  # SigV4 presigned URLs cannot outlive 7 days.
 CHUNK_SIZE = 1024 * 1024
@@ -108,17 +108,6 @@ class BlobStore(abc.ABC):
     @abc.abstractmethod
     def list(self, prefix: str = "") -> list[str]:
         """Every key that starts with `prefix` (a string prefix, as in S3), sorted."""
-
-    def sizes(self, prefix: str) -> dict[str, int]:
-        """Every key that starts with `prefix`, with its size in bytes: one listing where
-        the backend's listing carries sizes (S3), instead of a `size` call per key."""
-        found = {}
-        for key in self.list(prefix):
-            try:
-                found[key] = self.size(key)
-            except BlobNotFound:  # deleted between the listing and now
-                continue
-        return found
 
     # --- presigned URLs ----------------------------------------------------
     @abc.abstractmethod

@@ -151,17 +151,6 @@ class S3BlobStore(BlobStore):
                 keys.extend(item["Key"] for item in page.get("Contents", []))
         return sorted(keys)
 
-    def sizes(self, prefix: str) -> dict[str, int]:
-        validate_prefix(prefix)
-        found: dict[str, int] = {}
-        with self._errors(prefix):
-            pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=prefix
-            )
-            for page in pages:
-                found.update((item["Key"], int(item["Size"])) for item in page.get("Contents", []))
-        return found
-
     # --- presigned URLs ----------------------------------------------------
     def presigned_get(self, key: str, expires_s: int) -> str:
         check_presign_args(key, expires_s)
