@@ -611,6 +611,12 @@ def main() -> int:
     parser.add_argument("--web-servers", type=int, default=2,
                         help="gunicorn masters on one port (SO_REUSEPORT)")  # fmt: skip
     parser.add_argument("--web-workers", type=int, default=1, help="processes per master")
+    parser.add_argument(
+        "--web-threads",
+        type=int,
+        default=None,
+        help="gthread threads per web process (default: dipaco server's)",
+    )
     parser.add_argument("--celery-workers", type=int, default=2, help="Celery worker processes")
     parser.add_argument("--db-pool", default="4",
                         help="DIPACO_DB_POOL: connections per process, or off")  # fmt: skip
@@ -629,7 +635,7 @@ def main() -> int:
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
     from dipaco_demo.control import free_port
-    from dipaco_server.cli.server import child_commands
+    from dipaco_server.cli.server import WEB_THREADS, child_commands
 
     name = f"dipaco_bench_{os.getpid()}"
     database = create_database(args.postgres, name)
@@ -654,7 +660,8 @@ def main() -> int:
         from django.db import connections
 
         connections.close_all()
-        commands = child_commands("127.0.0.1", port, args.web_workers, 1)
+        threads = {"web_threads": args.web_threads} if args.web_threads else {}
+        commands = child_commands("127.0.0.1", port, args.web_workers, 1, **threads)
         logs = []
         for i in range(args.web_servers):
             logs.append(work / f"web-{i}.log")
@@ -729,7 +736,8 @@ def main() -> int:
             "boundaries_in_window": len(inside),
             "duration_s": seconds, "warmup_s": args.warmup, "unit_seconds": args.unit_seconds,
             "ramp_s": args.ramp, "web_servers": args.web_servers,
-            "web_workers": args.web_workers, "celery_workers": args.celery_workers,
+            "web_workers": args.web_workers, "web_threads": args.web_threads or WEB_THREADS,
+            "celery_workers": args.celery_workers,
             "db_pool": args.db_pool, "grant_rate": grant_rate, "units_per_round": units,
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "cpu": capacity(cpu, latency, seconds, args.volunteers),

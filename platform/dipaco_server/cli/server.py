@@ -91,7 +91,7 @@ WEB_THREADS = 4  # per gunicorn worker process; each thread holds its own databa
 
 
 def child_commands(
-    host: str, port: int, web_workers: int, task_concurrency: int
+    host: str, port: int, web_workers: int, task_concurrency: int, web_threads: int = WEB_THREADS
 ) -> dict[str, list[str]]:
     """The processes ``dipaco server`` supervises; docker-compose.yml runs the same ones."""
     python = sys.executable
@@ -104,7 +104,7 @@ def child_commands(
             # connection at a time and, since gunicorn 25, lingers up to 2 s after each
             # response for the peer to close, so a few slow volunteers stall it. gthread
             # also keeps connections alive between a worker's calls. See bench/control_plane.py.
-            "--worker-class", "gthread", "--threads", str(WEB_THREADS),
+            "--worker-class", "gthread", "--threads", str(web_threads),
             "--access-logfile", "-",
             # gunicorn >= 25.1 otherwise opens ~/.gunicorn/gunicorn.ctl, which two
             # servers on one machine (or a test beside a dev server) would share.
