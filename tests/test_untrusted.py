@@ -247,6 +247,35 @@ def test_a_units_score_is_computed_by_its_first_module_step_and_reused_by_the_ot
     assert verdicts == {"0.0": "", "shared": "no_training_gain"}
 
 
+def test_a_path_that_cannot_be_scored_is_looked_up_once_per_step_not_once_per_delta(
+    work: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its validation shard gone: each Δ keeps its other checks and goes unscored, and the
+    step asks the store for the path's data once (before, every Δ fetched the path's
+    modules and the missing shard again: a step of 10,000 Δs, 10,000 times)."""
+    run, sources = two_worker_run(work)
+    honest_a, _ = submit(run, "honest-a", sources)
+    honest_b, _ = submit(run, "honest-b", sources)
+    store = get_blob_store()
+    phase = Module.objects.get(run=run, module_id="0.0").phase
+    missing = keys.data_key(run.pk, 0, "val", phase)
+    store.delete(missing)
+    fetched: list[str] = []
+    download_to = type(store).download_to
+
+    def counting(self: Any, key: str, path: Any) -> None:
+        fetched.append(key)
+        download_to(self, key, path)
+
+    monkeypatch.setattr(type(store), "download_to", counting)
+    assert mark_round_closing(Round.objects.get(run=run, t=0))
+    step_module(run.pk, "0.0", 0)
+
+    assert fetched.count(missing) == 1
+    assert reasons(run, honest_a) == reasons(run, honest_b) == {""}
+    assert not Lease.objects.filter(unit__round__run=run).exclude(score=None).exists()
+
+
 # --- later rounds: the module's history and its outer momentum ---------------------------------
 
 

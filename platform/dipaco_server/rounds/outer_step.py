@@ -767,6 +767,9 @@ class Scorer:
         # Keyed by path and the versions its Δs are relative to (outer.overlap eager: the
         # unit's base versions, or those it rebased onto).
         self.paths: dict[_PathKey, tuple[dict[str, dict[str, Tensor]], Tensor]] = {}
+        # Why a path could not be loaded (a shard or version missing): asked once per step,
+        # not again for each of its Δs (each attempt downloaded the path's modules anew).
+        self.unloadable: dict[_PathKey, Exception] = {}
         self.base: dict[tuple[_PathKey, int], tuple[float, float]] = {}
         self.train: dict[int, Any] = {}
         self.dtype: Any = None
@@ -855,6 +858,18 @@ class Scorer:
         units' base versions) and its held-out windows."""
         if (p, delta_base) in self.paths:
             return self.paths[(p, delta_base)]
+        if (p, delta_base) in self.unloadable:
+            raise self.unloadable[(p, delta_base)]
+        try:
+            self.paths[(p, delta_base)] = self._load_path(p, delta_base)
+        except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
+            self.unloadable[(p, delta_base)] = exc
+            raise
+        return self.paths[(p, delta_base)]
+
+    def _load_path(
+        self, p: int, delta_base: tuple[tuple[str, int], ...]
+    ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
         from dipaco.data.shards import ShardIndex
         from dipaco.evaluate import stream_windows
         from dipaco.modular import module_spec, modules_of_path
@@ -888,8 +903,7 @@ class Scorer:
         heldout = windows[-self.config.outer.score_windows :].clone()
         if heldout.shape[0] == 0:
             raise ValueError(f"path {p} has no held-out window to score on")
-        self.paths[(p, delta_base)] = (modules, heldout)
-        return self.paths[(p, delta_base)]
+        return modules, heldout
 
     def _train_windows(self, p: int, position: int) -> Tensor:
         from dipaco.data.shards import TokenShard
