@@ -140,18 +140,94 @@ def server_environ(database: str, redis: str, data_dir: Path, url: str,
     return environ
 
 
-def seed(volunteers: int, units: int, paths: int) -> tuple[int, list[str], dict[str, bytes]]:
-    """A running run with about `units` queued units per round, its modules' real version-0
-    blobs in S3, a token per volunteer, and the Δ bytes each module's upload carries."""
-    import torch
+SHARD_TOKENS = {"train": 65_536, "val": 4_096}  # per path: 2,048 and 128 windows of 32
 
-    from dipaco import codecs
+
+def corpus(n: int, seed: int, vocab: int) -> Any:
+    """A learnable token stream: a few repeating phrases with 5 % noise. Trained Δs lower
+    its loss on any window, so the outer step's proof of useful work accepts them."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    phrases = [np.random.default_rng(k).integers(1, vocab, size=12) for k in range(6)]
+    out = np.concatenate([phrases[i] for i in rng.integers(0, 6, size=n // 12 + 1)])[:n]
+    noise = rng.random(n) < 0.05
+    out[noise] = rng.integers(1, vocab, size=int(noise.sum()))
+    return out
+
+
+class Deltas:
+    """Each unit's Δ bytes per module: trained, as a volunteer would, on the unit's path
+    shard from the module versions its lease names, once per (path, versions) and shared by
+    the units that have both (each upload made unique by `unique`). A Δ replayed from an
+    older version stops lowering the loss after a round or two, and the outer step's proof
+    of useful work then refuses it, as it should. Trained in a thread beside the client:
+    about a second per path per round for this model."""
+
+    def __init__(self, run_id: int, shards: Path) -> None:
+        from dipaco.data.shards import TokenShard, token_dtype
+        from dipaco.data.windows import ShardSource
+        from dipaco_server.runs.models import Run
+
+        self.run_id = run_id
+        self.config = Run.objects.get(pk=run_id).run_config
+        dtype = token_dtype(self.config.model.vocab_size)
+        self.sources = {
+            p: ShardSource.for_path(TokenShard(shards / str(p) / "train.bin", dtype), self.config, p)
+            for p in range(self.config.layout.num_paths)
+        }  # fmt: skip
+        self.ready: dict[tuple[int, tuple[tuple[str, int], ...]], asyncio.Future[Any]] = {}
+
+    async def get(self, path: int, versions: Mapping[str, int], t: int) -> Mapping[str, bytes]:
+        key = (path, tuple(sorted(versions.items())))
+        if key not in self.ready:
+            loop = asyncio.get_running_loop()
+            self.ready[key] = loop.run_in_executor(None, self.train, path, dict(versions), t)
+        result: Mapping[str, bytes] = await self.ready[key]
+        return result
+
+    def train(self, path: int, versions: dict[str, int], t: int) -> dict[str, bytes]:
+        from django.db import connection
+
+        from dipaco import codecs
+        from dipaco.inner import train_path
+        from dipaco.modular import module_spec
+        from dipaco.modules_file import read_module
+        from dipaco_server.runs.models import ModuleVersion
+        from dipaco_server.storage import get_blob_store
+
+        store, base = get_blob_store(), {}
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                for module_id, version in versions.items():
+                    row = ModuleVersion.objects.get(
+                        module__run_id=self.run_id, module__module_id=module_id, version=version
+                    )
+                    file = Path(tmp) / f"{module_id}.safetensors"
+                    store.download_to(row.blob_key, file)
+                    spec = module_spec(self.config, module_id)
+                    base[module_id] = read_module(file, spec, row.sha256)
+        finally:
+            connection.close()  # this executor thread's own connection
+        trained = train_path(self.config, path, base, self.sources[path], round_index=t,
+                             start_position=0)  # fmt: skip
+        return {
+            m: codecs.encode(d, self.config.comm.codec) for m, d in trained.module_deltas.items()
+        }
+
+
+def seed(volunteers: int, units: int, paths: int, work: Path) -> tuple[int, list[str], Deltas]:
+    """A running run with about `units` queued units per round, its modules' real version-0
+    blobs and its paths' real token shards (written under `work`) in S3, a token per
+    volunteer, and the Δs its units upload (`Deltas`)."""
     from dipaco.config import LayoutConfig, RunConfig
-    from dipaco.modular import init_modules, module_spec
+    from dipaco.data.shards import ShardIndex, ShardInfo, token_dtype
+    from dipaco.modular import init_modules
     from dipaco.modules_file import write_module
     from dipaco_server.rounds.open import start_run
     from dipaco_server.rounds.publish import publish_module_version
     from dipaco_server.runs import keys
+    from dipaco_server.runs.prepare import upload_shards
     from dipaco_server.runs.services import create_run, transition
     from dipaco_server.storage import get_blob_store
     from dipaco_server.workers.services import create_enrollment_token, register_worker
@@ -165,19 +241,31 @@ def seed(volunteers: int, units: int, paths: int) -> tuple[int, list[str], dict[
         model=MODEL, layout=LayoutConfig.grid(2, levels, modules),
     )  # fmt: skip
     run = create_run("bench", config.model_dump(mode="json"))
-    store, weights = get_blob_store(), init_modules(run.run_config)
-    payloads, generator = {}, torch.Generator().manual_seed(0)
-    with tempfile.TemporaryDirectory() as work:
-        for module in run.modules.all():
-            file = Path(work) / f"{module.module_id}.safetensors"
-            sha256, size = write_module(file, weights[module.module_id])
-            key = keys.module_key(run.pk, module.module_id, 0)
-            store.put_file(key, file)
-            publish_module_version(module, 0, blob_key=key, sha256=sha256, size=size)
-            delta = {name: torch.randn(shape, generator=generator) * 1e-3
-                     for name, (shape, _) in module_spec(run.run_config, module.module_id).items()}  # fmt: skip
-            payloads[module.module_id] = codecs.encode(delta, run.run_config.comm.codec)
-    run.paths.update(train_tokens=10_000_000)
+    config = run.run_config
+    store, weights = get_blob_store(), init_modules(config)
+    phase = run.modules.first().phase
+    dtype = token_dtype(config.model.vocab_size)
+    blobs, shards = work / "blobs", work / "shards"
+    blobs.mkdir()
+    for module in run.modules.all():
+        file = blobs / f"{module.module_id}.safetensors"
+        sha256, size = write_module(file, weights[module.module_id])
+        key = keys.module_key(run.pk, module.module_id, 0, phase)
+        store.put_file(key, file)
+        publish_module_version(module, 0, blob_key=key, sha256=sha256, size=size)
+    entries = []
+    for p in range(paths):
+        (shards / str(p)).mkdir(parents=True)
+        entry = {}
+        for split, n in SHARD_TOKENS.items():
+            file = shards / str(p) / f"{split}.bin"
+            corpus(n, 2 * p + (split == "val"), config.model.vocab_size).astype(dtype).tofile(file)
+            sha = hashlib.sha256(file.read_bytes()).hexdigest()
+            entry[split] = ShardInfo(f"{p}/{split}.bin", n, 1, sha)
+        entries.append(entry)
+    index = ShardIndex(dtype.name, config.model.vocab_size, 0, paths, "bench", entries)
+    index.save(shards)
+    upload_shards(run, store, index, shards, phase)
     for state in ("preparing", "ready"):
         transition(run, state)
     start_run(run)
@@ -185,7 +273,7 @@ def seed(volunteers: int, units: int, paths: int) -> tuple[int, list[str], dict[
     tokens = [
         register_worker(enrollment, f"bench-{i}", {"gpu": "none"})[1] for i in range(volunteers)
     ]
-    return run.pk, tokens, payloads
+    return run.pk, tokens, Deltas(run.pk, shards)
 
 
 def process_cpu_s(roots: list[int]) -> float:
@@ -356,7 +444,7 @@ async def upload(client: Session, stats: Stats, target: Mapping[str, Any],
 
 
 async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Namespace,
-                    payloads: Mapping[str, bytes], stop: asyncio.Event) -> None:  # fmt: skip
+                    payloads: Deltas, stop: asyncio.Event) -> None:  # fmt: skip
     auth = {"Authorization": f"Bearer {token}"}
     rng = random.Random(token)
     await asyncio.sleep(rng.uniform(0, args.ramp))
@@ -420,7 +508,8 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
             stats.unfinished[lease_id] = kind + "upload-urls failed"
             continue
         uploads = urls.json()["uploads"]
-        deltas = {u["module_id"]: unique(payloads[u["module_id"]], f"{token[-16:]}-{lease_id}")
+        trained = await payloads.get(lease["path"], lease["base_versions"], lease["round"])
+        deltas = {u["module_id"]: unique(trained[u["module_id"]], f"{token[-16:]}-{lease_id}")
                   for u in uploads}  # fmt: skip
         sent = [upload(client, stats, u, deltas[u["module_id"]]) for u in uploads]
         if any(r is None for r in await asyncio.gather(*sent)):
@@ -443,7 +532,7 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
 
 
 async def load(url: str, tokens: list[str], args: argparse.Namespace,
-               payloads: Mapping[str, bytes]) -> tuple[Stats, float, float]:  # fmt: skip
+               payloads: Deltas) -> tuple[Stats, float, float]:  # fmt: skip
     stats, stop = Stats(), asyncio.Event()
     client = Session(url)
     try:
@@ -574,6 +663,8 @@ def verify(run_id: int, stats: Stats) -> dict[str, int]:
         "duplicated": twice + sum(1 for n in stats.completed.values() if n > 1),
         "orphaned_leases": active.exclude(pk__in=stats.granted).count(),
         "outer_steps": OuterStep.objects.filter(module__run_id=run_id).count(),
+        # units the outer step's proof of useful work scored (rounds.outer_step.Scorer)
+        "scored": Lease.objects.filter(unit__round__run_id=run_id, score__isnull=False).count(),
         "contributions": dict(contributions),
     }  # fmt: skip
 
@@ -656,7 +747,7 @@ def main() -> int:
         logging.getLogger("dipaco_server").setLevel(logging.WARNING)  # one line per worker
         units = round(args.volunteers * args.units_per_volunteer)
         print(f"seeding {units} units per round and {args.volunteers} workers ...", flush=True)
-        run_id, tokens, payloads = seed(args.volunteers, units, args.paths)
+        run_id, tokens, payloads = seed(args.volunteers, units, args.paths, work)
         from django.db import connections
 
         connections.close_all()
