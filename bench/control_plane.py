@@ -10,9 +10,12 @@ last answer said (`heartbeat_interval_s`, as worker_agent.heartbeat does; with i
 "release" instruction ends the unit), lease a unit (when none is granted, wait as the
 agent does: 1 s, then 1.5x longer up to 30 s, or the server's Retry-After when longer),
 "train" for --unit-seconds (± 20%), ask for upload URLs, send a real encoded Δ of each
-module (small, the run's codec: the same Δ for every volunteer, each upload's bytes made
-unique in its header, or the outer step would reject all but one as replays) to its presigned S3
-form POST, then complete. Every request opens its own connection (aiohttp), as volunteers 30 s
+module to its presigned S3 form POST, then complete. The Δs are real: the run has token
+shards in S3 as preparation leaves them, and the bench trains each path once per set of
+module versions a lease names (`Deltas`, in a thread beside the client), so the outer step
+verifies and scores every upload as it would a volunteer's; the units of one path and
+round share that Δ, each upload's bytes made unique in its header (or the outer step would
+reject all but one as replays). Every request opens its own connection (aiohttp), as volunteers 30 s
 apart would.
 
 The server is the real thing, scaled out on one machine: --web-servers gunicorn masters
