@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
@@ -144,6 +145,27 @@ def test_a_grant_leases_the_unit_with_a_secret_and_deadlines(round0: Round) -> N
     policy = current_policy()
     assert lease.deadline == T0 + timedelta(seconds=policy.lease_timeout_s)
     assert lease.hard_deadline == T0 + timedelta(seconds=policy.lease_default_s)
+
+
+@override_settings(DIPACO_LEASE_TIMEOUT_S=30, DIPACO_HEARTBEAT_RATE=0.1)
+def test_with_more_workers_about_than_the_heartbeat_rate_allows_heartbeats_slow_down(
+    round0: Round,
+) -> None:
+    """Five workers seen at 0.1 heartbeats/s: every 50 s instead of the timeout's 10 s, and a
+    lease lives three intervals (150 s) without one; told in every heartbeat answer."""
+    from dipaco_server.rounds import lease as leasing
+
+    leasing._heartbeating = (-math.inf, 0)  # this process's count from earlier tests
+    workers = [make_worker(f"crowd{i}") for i in range(5)]
+    Worker.objects.filter(pk__in=[w.pk for w in workers]).update(last_seen=timezone.now())
+    assert leasing.heartbeat_interval_s() == 50.0 and leasing.lease_timeout_s() == 150.0
+    held = grant(workers[0])
+    assert held.lease.deadline == T0 + timedelta(seconds=150)
+    renewed = heartbeat(workers[0], held.lease.pk, held.secret, now=T0 + MINUTE)
+    assert renewed.deadline == T0 + MINUTE + timedelta(seconds=150)
+    with override_settings(DIPACO_HEARTBEAT_RATE=100):
+        leasing._heartbeating = (-math.inf, 0)
+        assert leasing.heartbeat_interval_s() == 10.0, "few workers: the timeout's third"
 
 
 @pytest.mark.django_db(transaction=True)

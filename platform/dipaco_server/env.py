@@ -50,6 +50,7 @@ KNOWN_VARIABLES = frozenset(
         "DIPACO_RATE_LIMIT_PUBLIC",
         "DIPACO_DB_POOL",
         "DIPACO_GRANT_RATE",
+        "DIPACO_HEARTBEAT_RATE",
         "DIPACO_WORKER_INSTALL",
     }
 )
@@ -211,16 +212,25 @@ def database(environ: Environ, data: Path) -> dict[str, Any]:
 def grant_rate(environ: Environ = os.environ) -> float | None:
     """``DIPACO_GRANT_RATE``: lease grants per second when a round opens (rounds.lease), or
     None when unset (the scheduling policy's default, 50)."""
-    value = _get(environ, "DIPACO_GRANT_RATE")
+    return _rate("DIPACO_GRANT_RATE", environ, "give grants per second, e.g. 50")
+
+
+def heartbeat_rate(environ: Environ = os.environ) -> float | None:
+    """``DIPACO_HEARTBEAT_RATE``: heartbeats per second the server aims for, all workers
+    together (rounds.lease.heartbeat_interval_s), or None when unset (the policy's 50)."""
+    return _rate("DIPACO_HEARTBEAT_RATE", environ, "give heartbeats per second, e.g. 50")
+
+
+def _rate(name: str, environ: Environ, fix: str) -> float | None:
+    value = _get(environ, name)
     if value is None:
         return None
-    fix = "give grants per second, e.g. 50"
     try:
         rate = float(value)
     except ValueError:
-        raise refuse("DIPACO_GRANT_RATE", value, "not a number", fix) from None
+        raise refuse(name, value, "not a number", fix) from None
     if not 0 < rate < math.inf:
-        raise refuse("DIPACO_GRANT_RATE", value, "must be a positive number", fix)
+        raise refuse(name, value, "must be a positive number", fix)
     return rate
 
 

@@ -139,6 +139,9 @@ DIPACO_RATE_LIMIT_PUBLIC = env.rate_limit("DIPACO_RATE_LIMIT_PUBLIC", "120/min",
 # Lease grants per second when a round opens (rounds.policy, rounds.lease; docs/deploy.md).
 if (_grant_rate := env.grant_rate(os.environ)) is not None:
     DIPACO_GRANT_RATE = _grant_rate
+# Heartbeats per second, all workers together (rounds.policy, rounds.lease; docs/deploy.md).
+if (_heartbeat_rate := env.heartbeat_rate(os.environ)) is not None:
+    DIPACO_HEARTBEAT_RATE = _heartbeat_rate
 # What the enrolment page tells volunteers to install before `dipaco-worker` (dipaco_web).
 DIPACO_WORKER_INSTALL = env.worker_install(os.environ)
 CACHES = {

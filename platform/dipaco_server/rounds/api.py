@@ -39,7 +39,6 @@ from dipaco_server.rounds.complete import (
 from dipaco_server.rounds.downloads import HELD_PATTERN, parse_held, plan_downloads
 from dipaco_server.rounds.models import Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.open import overlaps
-from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.rebase import rebase_plan, rebase_state
 from dipaco_server.rounds.unit_data import unit_data
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
@@ -335,7 +334,7 @@ def heartbeat(
     out: dict[str, Any] = {
         "server_time": timezone.now(),
         "worker_id": worker.pk,
-        "heartbeat_interval_s": current_policy().heartbeat_interval_s,
+        "heartbeat_interval_s": leasing.heartbeat_interval_s(),
         "lease": None,
         "instructions": [],
     }
@@ -378,7 +377,7 @@ def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any]
             "attempt": lease.attempt,
             "deadline": lease.deadline,
             "hard_deadline": lease.hard_deadline,
-            "heartbeat_interval_s": current_policy().heartbeat_interval_s,
+            "heartbeat_interval_s": leasing.heartbeat_interval_s(),
             "run_id": run.pk,
             "run_name": run.name,
             "round": local_round(run_config, unit.round.t),

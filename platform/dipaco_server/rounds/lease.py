@@ -139,7 +139,7 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
                 if size.seconds is not None:  # time to stop, upload and complete
                     budget = max(budget, size.seconds + policy.lease_min_s)
                 hard_deadline = now + timedelta(seconds=budget)
-                timeout = timedelta(seconds=policy.lease_timeout_s)
+                timeout = timedelta(seconds=lease_timeout_s(policy))
                 lease = Lease.objects.create(
                     unit=unit,
                     worker=locked,
@@ -378,6 +378,34 @@ def idle_retry_after_s(*, now: datetime | None = None) -> int:
         active = Worker.objects.filter(last_seen__gte=since, revoked=False).count()
         _active_workers = (clock, active)
     return int(min(60, max(1, math.ceil(active / current_policy().idle_poll_rate))))
+
+
+# Workers seen within the lease timeout, counted at most every ACTIVE_WORKERS_TTL_S per
+# process: (when, n). The window is a lease timeout, so every live worker, heartbeating once
+# an interval, is in it however long the interval grows.
+_heartbeating: tuple[float, int] = (-math.inf, 0)
+
+
+def heartbeat_interval_s(policy: SchedulerPolicy | None = None) -> float:
+    """How often agents should heartbeat: DIPACO_LEASE_TIMEOUT_S / 3, or (workers seen within
+    a lease timeout / DIPACO_HEARTBEAT_RATE) seconds when that is longer, so heartbeats add up
+    to about that rate whatever the crowd. Told in every lease and heartbeat answer."""
+    global _heartbeating
+    policy = policy or current_policy()
+    counted_at, seen = _heartbeating
+    clock = time.monotonic()
+    if clock - counted_at > ACTIVE_WORKERS_TTL_S:
+        window = 3 * max(policy.heartbeat_interval_s, seen / policy.heartbeat_rate)
+        since = timezone.now() - timedelta(seconds=window)
+        seen = Worker.objects.filter(last_seen__gte=since, revoked=False).count()
+        _heartbeating = (clock, seen)
+    return max(policy.heartbeat_interval_s, seen / policy.heartbeat_rate)
+
+
+def lease_timeout_s(policy: SchedulerPolicy | None = None) -> float:
+    """How long a lease lives without a heartbeat: three heartbeat intervals, so one or two
+    lost heartbeats are survivable (DIPACO_LEASE_TIMEOUT_S with few workers about)."""
+    return 3 * heartbeat_interval_s(policy)
 
 
 # --- round boundaries without a stampede (issue 23) ----------------------------------------
@@ -667,7 +695,7 @@ def heartbeat(worker: Worker, lease_id: int, secret: str, *, now: datetime | Non
     now = now or timezone.now()
     if worker.revoked:
         raise WorkerRevoked(f"worker {worker.pk} was revoked")
-    timeout = timedelta(seconds=current_policy().lease_timeout_s)
+    timeout = timedelta(seconds=lease_timeout_s())
     renew = _renew_on_postgres if connection.vendor == "postgresql" else _renew_with_orm
     row = renew(worker.pk, lease_id, secret, now, now + timeout)
     if row is not None:

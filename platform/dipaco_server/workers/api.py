@@ -20,8 +20,8 @@ from dipaco_server.accounts.auth import current_worker, staff_auth, worker_auth
 from dipaco_server.audit.services import audited
 from dipaco_server.bounds import JSON_INTEGER, MAX_INT, Paging, TokenId, WorkerId
 from dipaco_server.errors import ApiError
+from dipaco_server.rounds.lease import heartbeat_interval_s
 from dipaco_server.rounds.models import Contribution
-from dipaco_server.rounds.policy import current_policy
 from dipaco_server.workers import services
 from dipaco_server.workers.models import EnrollmentToken, Worker
 from dipaco_server.workers.services import MAX_NAME_LENGTH
@@ -253,7 +253,7 @@ def register(request: HttpRequest, body: RegisterIn) -> Status[dict[str, Any]]:
             "worker_id": worker.pk,
             "name": worker.name,
             "token": plaintext,
-            "heartbeat_interval_s": current_policy().heartbeat_interval_s,
+            "heartbeat_interval_s": heartbeat_interval_s(),
         },
     )
 
