@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -25,11 +26,12 @@ from dipaco import codecs
 from dipaco.data.shards import ShardIndex, ShardInfo, TokenShard
 from dipaco.data.windows import ShardSource
 from dipaco.inner import train_path
-from dipaco_server.rounds.close import mark_round_closing
+from dipaco_server.rounds.close import mark_round_closing, round_ready_to_close
 from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
 from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.outer_step import step_module
+from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.retention import sweep_blobs
 from dipaco_server.rounds.tasks import finish_round
 from dipaco_server.runs import keys
@@ -462,6 +464,26 @@ def test_a_replicated_unit_goes_to_a_second_worker_and_agreeing_replicas_earn_tr
         assert worker.units_completed == 1  # both credited
     step = OuterStep.objects.get(round__run=run, round__t=0, module__module_id="shared")
     assert step.accepted == 2 and step.version == 1
+
+
+def test_a_check_copy_in_training_holds_its_round_up_to_the_deadline_and_grace(
+    work: Path, settings: Any
+) -> None:
+    """The original is in; its check copy, granted to a second worker, is still training.
+    Past the round's deadline it gets the salvage grace an original would, then the round
+    closes; a check copy nobody took never holds the round up."""
+    run, sources = replicated_run(work, settings)
+    submit(run, "first", sources)
+    round0 = Round.objects.get(run=run, t=0)
+    assert round_ready_to_close(round0), "the copy is only queued"
+    second, _ = register_worker(create_enrollment_token(max_uses=None)[1], "second", {})
+    assert grant_lease(second) is not None  # the check copy, now in training
+    round0.refresh_from_db()
+    assert round0.deadline is not None
+    grace = timedelta(seconds=current_policy().round_salvage_grace_s)
+    assert not round_ready_to_close(round0, now=round0.deadline - grace)
+    assert not round_ready_to_close(round0, now=round0.deadline + grace / 2)
+    assert round_ready_to_close(round0, now=round0.deadline + grace)
 
 
 def test_disagreeing_replicas_are_both_rejected_and_lose_trust_until_no_more_grants(

@@ -45,6 +45,9 @@ def round_ready_to_close(
 ) -> bool:
     """True when every unit is settled, or a quorum is done and the deadline has passed.
 
+    A queued check copy (rounds.replication) never holds the round up; one being trained
+    does, until the deadline and DIPACO_ROUND_SALVAGE_GRACE_S, like an original.
+
     `adapt_every_s`: recompute the adaptive deadline only if this process has not done so for
     this round within that many seconds (the completion path); otherwise the deadline as
     stored decides, and beat's close_ready_rounds (every 30 s) recomputes it regardless.
@@ -72,9 +75,15 @@ def round_ready_to_close(
     )
     if counts["done"] == 0:
         return False  # nothing to average: wait, however late it is
-    if counts["settled"] == counts["total"]:
-        return True
     policy = current_policy()
+    if counts["settled"] == counts["total"]:
+        checks_out = round_.units.filter(state=WorkUnit.State.LEASED, replica__gte=CHECK_OFFSET)
+        if round_.deadline is None or not checks_out.exists():
+            return True
+        # Only check copies are still training (the deadline, fixed or adaptive, has passed,
+        # or this round would not be here): they get the salvage grace an original would, so
+        # that their Δs are compared with their originals' rather than refused and lost.
+        return now >= round_.deadline + timedelta(seconds=policy.round_salvage_grace_s)
     quorum = max(1, math.ceil(policy.round_quorum * counts["total"]))
     if round_.deadline is None or counts["done"] < quorum:
         return False
