@@ -371,13 +371,21 @@ def idle_retry_after_s(*, now: datetime | None = None) -> int:
     between 1 and 60: idle polls then add up to about that rate, whatever the crowd.
     """
     global _active_workers
-    counted_at, active = _active_workers
-    clock = time.monotonic()
-    if clock - counted_at > ACTIVE_WORKERS_TTL_S:
-        since = (now or timezone.now()) - ACTIVE_WORKERS_WINDOW
-        active = Worker.objects.filter(last_seen__gte=since, revoked=False).count()
-        _active_workers = (clock, active)
+    _active_workers = _recounted(_active_workers, ACTIVE_WORKERS_WINDOW, now)
+    active = _active_workers[1]
     return int(min(60, max(1, math.ceil(active / current_policy().idle_poll_rate))))
+
+
+def _recounted(
+    cached: tuple[float, int], window: timedelta, now: datetime | None = None
+) -> tuple[float, int]:
+    """`cached` (when counted, workers seen), counted again when older than
+    ACTIVE_WORKERS_TTL_S: the unrevoked workers seen within `window` of now."""
+    clock = time.monotonic()
+    if clock - cached[0] <= ACTIVE_WORKERS_TTL_S:
+        return cached
+    since = (now or timezone.now()) - window
+    return clock, Worker.objects.filter(last_seen__gte=since, revoked=False).count()
 
 
 # Workers seen within the lease timeout, counted at most every ACTIVE_WORKERS_TTL_S per
@@ -392,14 +400,10 @@ def heartbeat_interval_s(policy: SchedulerPolicy | None = None) -> float:
     to about that rate whatever the crowd. Told in every lease and heartbeat answer."""
     global _heartbeating
     policy = policy or current_policy()
-    counted_at, seen = _heartbeating
-    clock = time.monotonic()
-    if clock - counted_at > ACTIVE_WORKERS_TTL_S:
-        window = 3 * max(policy.heartbeat_interval_s, seen / policy.heartbeat_rate)
-        since = timezone.now() - timedelta(seconds=window)
-        seen = Worker.objects.filter(last_seen__gte=since, revoked=False).count()
-        _heartbeating = (clock, seen)
-    return max(policy.heartbeat_interval_s, seen / policy.heartbeat_rate)
+    # The window: the lease timeout at the last count.
+    window = 3 * max(policy.heartbeat_interval_s, _heartbeating[1] / policy.heartbeat_rate)
+    _heartbeating = _recounted(_heartbeating, timedelta(seconds=window))
+    return max(policy.heartbeat_interval_s, _heartbeating[1] / policy.heartbeat_rate)
 
 
 def lease_timeout_s(policy: SchedulerPolicy | None = None) -> float:

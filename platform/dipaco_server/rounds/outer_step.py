@@ -858,8 +858,8 @@ class Scorer:
         units' base versions) and its held-out windows."""
         if (p, delta_base) in self.paths:
             return self.paths[(p, delta_base)]
-        if (p, delta_base) in self.unloadable:
-            raise self.unloadable[(p, delta_base)]
+        if (p, delta_base) in self.unloadable:  # without the traceback of each earlier raise
+            raise self.unloadable[(p, delta_base)].with_traceback(None)
         try:
             self.paths[(p, delta_base)] = self._load_path(p, delta_base)
         except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:

@@ -99,19 +99,19 @@ class S3BlobStore(BlobStore):
 
     # --- reading -----------------------------------------------------------
     def open(self, key: str) -> BinaryIO:
+        return cast(BinaryIO, self._get(key)["Body"])  # botocore's StreamingBody is an io.IOBase
+
+    def _get(self, key: str) -> dict[str, Any]:
         validate_key(key)
         with self._errors(key):
-            body = self.client.get_object(Bucket=self.bucket, Key=key)["Body"]
-        return cast(BinaryIO, body)  # botocore's StreamingBody is an io.IOBase
+            return cast(dict[str, Any], self.client.get_object(Bucket=self.bucket, Key=key))
 
     def download_to(self, key: str, path: str | Path) -> None:
         # One GET, streamed through a temporary file: what the outer step fetches (module
         # versions, shards, Δs) is mostly far below multipart_threshold, where s3transfer's
         # HEAD, thread pool and futures cost more CPU than the bytes. Larger objects go to
         # s3transfer, which fetches them in parallel ranges (also renaming a finished file).
-        validate_key(key)
-        with self._errors(key):
-            response = self.client.get_object(Bucket=self.bucket, Key=key)
+        response = self._get(key)
         body = response["Body"]
         if int(response.get("ContentLength") or 0) >= self.multipart_threshold:
             body.close()
