@@ -140,6 +140,8 @@ def server_environ(database: str, redis: str, data_dir: Path, url: str,
     )  # fmt: skip
     if args.grant_rate:
         environ["DIPACO_GRANT_RATE"] = str(args.grant_rate)
+    if args.shed_after:
+        environ["DIPACO_SHED_AFTER_S"] = args.shed_after
     return environ
 
 
@@ -386,11 +388,12 @@ class Session:
 
 async def call(client: Any, stats: Stats, kind: str, method: str, url: str,
                transport_errors: tuple[type[BaseException], ...] = (aiohttp.ClientError,),
-               **kwargs: Any) -> Any:  # fmt: skip
+               answers: tuple[int, ...] = (), **kwargs: Any) -> Any:  # fmt: skip
     """One request; None when it failed. A failure counts in the percentiles at the time it
-    took (a time-out: REQUEST_TIMEOUT_S) and in the error rate. `client` is this bench's
-    Session or any client with the same ``request`` (bench/soak.py passes httpx's, with
-    its `transport_errors`)."""
+    took (a time-out: REQUEST_TIMEOUT_S) and in the error rate; one whose status is in
+    `answers` is still returned (the caller acts on it) but counts as failed all the same.
+    `client` is this bench's Session or any client with the same ``request``
+    (bench/soak.py passes httpx's, with its `transport_errors`)."""
     started = time.monotonic()
     try:
         response = await client.request(method, url, **kwargs)
@@ -406,7 +409,7 @@ async def call(client: Any, stats: Stats, kind: str, method: str, url: str,
         except (ValueError, KeyError, TypeError):
             code = ""
         stats.errors[f"{kind} {response.status_code} {code}".strip()] += 1
-        return None
+        return response if response.status_code in answers else None
     return response
 
 
@@ -473,12 +476,15 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
     idle_wait = IDLE_WAIT_S[0]
     while not stop.is_set():
         await beat(None)
-        response = await call(client, stats, "lease", "POST", "/api/v1/worker/lease", headers=auth)
-        if response is None or response.status_code == 204:
+        # 503 is the server shedding load (dipaco_server.shedding): an error in the figures,
+        # but, as for the agent, an idle answer whose Retry-After is honoured.
+        response = await call(client, stats, "lease", "POST", "/api/v1/worker/lease",
+                              headers=auth, answers=(503,))  # fmt: skip
+        if response is None or response.status_code in (204, 503):
             # As the agent does: back off 1 s, x1.5, up to 30 s, or the server's
             # Retry-After when that is longer (a slot after the next round's opening).
             hint = float(response.headers.get("Retry-After", 0)) if response is not None else 0
-            stats.idle += response is not None
+            stats.idle += response is not None and response.status_code == 204
             pause = max(idle_wait, min(hint, 2 * IDLE_WAIT_S[1]) if hint else 0)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), pause)
@@ -716,6 +722,9 @@ def main() -> int:
                         help="DIPACO_DB_POOL: connections per process, or off")  # fmt: skip
     parser.add_argument("--grant-rate", type=float, default=None,
                         help=f"DIPACO_GRANT_RATE (default {GRANT_RATE:.0f}/s)")  # fmt: skip
+    parser.add_argument("--shed-after", default=None, metavar="SECONDS",
+                        help="DIPACO_SHED_AFTER_S: shed new work queued longer, or off "
+                        "(default: the server's, 5 s)")  # fmt: skip
     parser.add_argument("--paths", type=int, default=4, help="paths of the run (1 or a square)")
     parser.add_argument("--units-per-volunteer", type=float, default=1.0,
                         help="work units per round, per volunteer (default: one each)")  # fmt: skip
@@ -833,6 +842,7 @@ def main() -> int:
             "web_workers": args.web_workers, "web_threads": args.web_threads or WEB_THREADS,
             "celery_workers": args.celery_workers,
             "db_pool": args.db_pool, "grant_rate": grant_rate, "units_per_round": units,
+            "shed_after_s": environ.get("DIPACO_SHED_AFTER_S", "default (5)"),
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "cpu": capacity(cpu, latency, seconds, args.volunteers),
             "rounds": [{"t": e["t"], "outer_step_s": round(e["outer_step_s"], 1),

@@ -130,3 +130,24 @@ def test_an_idle_agent_waits_as_long_as_the_servers_retry_after_says(
     waited = float(idle[0]["message"].rsplit("asking again in ", 1)[1].split()[0])
     assert waited in (4.0, 5.0, 6.0), idle  # the server's jittered Retry-After, not 0.5 s
     client.close()
+
+
+def test_an_overloaded_server_is_asked_again_at_its_pace_not_given_up_on(
+    live_server: Any, db: None, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lease request shed under load (503 overloaded, dipaco_server.shedding) is an idle
+    answer with a Retry-After, not a failure: with a policy of two tries, three shed lease
+    requests in a row would otherwise end in ServerUnreachable and the agent would exit."""
+    from dipaco_server import shedding
+
+    client = enrolled(live_server.url)
+    settings.DIPACO_SHED_AFTER_S = 5.0
+    # The live server is not gunicorn: the wait QueueTimingWorker would have measured.
+    monkeypatch.setattr(shedding, "queued_s", lambda: 10.0)
+    for _ in range(3):
+        assert client.lease() is None
+        assert client.overloaded
+        assert client.idle_retry_after_s is not None and 10 <= client.idle_retry_after_s <= 20
+    monkeypatch.setattr(shedding, "queued_s", lambda: None)
+    assert client.lease() is None and not client.overloaded  # a plain 204: nothing queued
+    client.close()

@@ -146,7 +146,8 @@ class Agent:
             # The server's Retry-After, when longer, wins: it grows with the idle crowd.
             hint = self.client.idle_retry_after_s
             pause = wait if hint is None else max(wait, min(hint, 2 * longest))
-            self.reporter.event("idle", f"no work queued; asking again in {pause:.1f} s")
+            why = "the server is overloaded" if self.client.overloaded else "no work queued"
+            self.reporter.event("idle", f"{why}; asking again in {pause:.1f} s")
             self.stop.wait(pause)
             wait = min(longest, wait * 1.5)  # gently: a round often reopens within seconds
         return None

@@ -52,6 +52,7 @@ __all__ = [
 
 API = "/api/v1"
 SECRET_HEADER = "X-Lease-Secret"
+OVERLOADED = "overloaded"  # 503: new work shed under load; come back after Retry-After
 USER_AGENT = f"dipaco-worker/{__version__}"
 
 
@@ -240,6 +241,7 @@ class Client:
         self.stop = stop
         self.on_retry = on_retry
         self.idle_retry_after_s: float | None = None
+        self.overloaded = False
         self.http = httpx.Client(
             timeout=httpx.Timeout(timeout_s, connect=10.0),
             headers={"User-Agent": USER_AGENT},
@@ -262,6 +264,7 @@ class Client:
         policy: Backoff | None = None,
         auth: bool = True,
         accept: tuple[int, ...] = (),
+        answers: tuple[str, ...] = (),
     ) -> httpx.Response:
         url = f"{self.server}{API}/{route}"
         headers = {}
@@ -273,7 +276,9 @@ class Client:
         def attempt() -> httpx.Response:
             response = self.http.request(method, url, json=json, headers=headers)
             if response.status_code >= 400 and response.status_code not in accept:
-                raise parse_error(response)
+                error = parse_error(response)
+                if error.code not in answers:  # an error code the caller takes as an answer
+                    raise error
             return response
 
         try:
@@ -358,14 +363,18 @@ class Client:
         )
 
     def lease(self) -> LeaseGrant | None:
-        """A work unit, or None when nothing is queued (HTTP 204).
+        """A work unit, or None when nothing is queued (HTTP 204) or the server is too busy
+        to hand out work now (503 ``overloaded``: dipaco_server.shedding).
 
-        After a 204, `idle_retry_after_s` holds the server's Retry-After (seconds before
-        asking again; it grows with the number of idle workers), or None without one.
+        After either, `idle_retry_after_s` holds the server's Retry-After (seconds before
+        asking again; it grows with the number of idle workers), or None without one, and
+        `overloaded` says which it was. An overloaded server is not a failure to give up
+        on: an idle agent keeps asking at the pace the server sets, however long it lasts.
         """
-        response = self._call("POST", "worker/lease")
+        response = self._call("POST", "worker/lease", answers=(OVERLOADED,))
         self.idle_retry_after_s = None
-        if response.status_code == 204:
+        self.overloaded = response.status_code == 503
+        if response.status_code in (204, 503):
             self.idle_retry_after_s = _seconds(response.headers.get("Retry-After"))
             return None
         return lease_from_json(response.json())

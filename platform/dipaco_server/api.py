@@ -27,6 +27,7 @@ from dipaco_server.core.api import router as core_router
 from dipaco_server.inference.api import router as inference_router
 from dipaco_server.rounds.api import router as lease_router
 from dipaco_server.runs.api import router as runs_router
+from dipaco_server.shedding import document_shedding
 from dipaco_server.workers.api import router as workers_router
 from dipaco_server.workers.api import worker_router as registration_router
 
@@ -50,6 +51,7 @@ class DipacoAPI(NinjaAPI):
     ) -> OpenAPISchema:
         schema = super().get_openapi_schema(path_prefix=path_prefix, path_params=path_params)
         errors.document_errors(schema)
+        document_shedding(schema)
         _document_public_reads(schema)
         return schema
 

@@ -51,6 +51,7 @@ KNOWN_VARIABLES = frozenset(
         "DIPACO_DB_POOL",
         "DIPACO_GRANT_RATE",
         "DIPACO_HEARTBEAT_RATE",
+        "DIPACO_SHED_AFTER_S",
         "DIPACO_WORKER_INSTALL",
     }
 )
@@ -219,6 +220,27 @@ def heartbeat_rate(environ: Environ = os.environ) -> float | None:
     """``DIPACO_HEARTBEAT_RATE``: heartbeats per second the server aims for, all workers
     together (rounds.lease.heartbeat_interval_s), or None when unset (the policy's 50)."""
     return _rate("DIPACO_HEARTBEAT_RATE", environ, "give heartbeats per second, e.g. 50")
+
+
+DEFAULT_SHED_AFTER_S = 5.0
+
+
+def shed_after_s(environ: Environ = os.environ) -> float | None:
+    """``DIPACO_SHED_AFTER_S``: a request for new work that waited longer than this for a
+    web thread is answered 503 overloaded (dipaco_server.shedding); default 5, ``off``: never."""
+    value = _get(environ, "DIPACO_SHED_AFTER_S")
+    if value is None:
+        return DEFAULT_SHED_AFTER_S
+    if value.lower() in _FALSE - {"0"}:  # 0 would read as "shed everything"
+        return None
+    fix = "give seconds, e.g. 5 (well under the agent's 30 s time-out), or off"
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise refuse("DIPACO_SHED_AFTER_S", value, "not a number", fix) from None
+    if not 0 < seconds < math.inf:
+        raise refuse("DIPACO_SHED_AFTER_S", value, "must be a positive number", fix)
+    return seconds
 
 
 def _rate(name: str, environ: Environ, fix: str) -> float | None:

@@ -74,6 +74,8 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # First of ours: shedding a request under overload must cost as little as possible.
+    "dipaco_server.shedding.LoadSheddingMiddleware",
     # Before sessions and auth: a refused worker request costs one cache round trip.
     "dipaco_server.ratelimit.RateLimitMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
@@ -142,6 +144,9 @@ if (_grant_rate := env.grant_rate(os.environ)) is not None:
 # Heartbeats per second, all workers together (rounds.policy, rounds.lease; docs/deploy.md).
 if (_heartbeat_rate := env.heartbeat_rate(os.environ)) is not None:
     DIPACO_HEARTBEAT_RATE = _heartbeat_rate
+# A request for new work that waited longer than this for a web thread is told to come
+# back later (dipaco_server.shedding; docs/deploy.md); None: never.
+DIPACO_SHED_AFTER_S = env.shed_after_s(os.environ)
 # What the enrolment page tells volunteers to install before `dipaco-worker` (dipaco_web).
 DIPACO_WORKER_INSTALL = env.worker_install(os.environ)
 CACHES = {

@@ -87,6 +87,7 @@ def _bind_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
+WEB_WORKER_CLASS = "dipaco_server.web_worker.QueueTimingWorker"  # gthread, timed (shedding.py)
 WEB_THREADS = 4  # per gunicorn worker process; each thread holds its own database connection
 
 
@@ -104,7 +105,8 @@ def child_commands(
             # connection at a time and, since gunicorn 25, lingers up to 2 s after each
             # response for the peer to close, so a few slow volunteers stall it. gthread
             # also keeps connections alive between a worker's calls. See bench/control_plane.py.
-            "--worker-class", "gthread", "--threads", str(web_threads),
+            # Ours times each request's wait for a thread, for load shedding.
+            "--worker-class", WEB_WORKER_CLASS, "--threads", str(web_threads),
             "--access-logfile", "-",
             # gunicorn >= 25.1 otherwise opens ~/.gunicorn/gunicorn.ctl, which two
             # servers on one machine (or a test beside a dev server) would share.
