@@ -164,3 +164,15 @@ def test_dipaco_servers_gunicorn_measures_the_queue_and_sheds_only_new_work(
     # Completions waited in the same queue and were all served (refused by auth).
     assert {code for url, code, _ in answers if not url.endswith(LEASE)} == {401}
     assert "overloaded: shed" in log_tail(log, 400)
+
+
+def test_a_process_holds_as_many_connections_as_the_open_files_limit_allows() -> None:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    assert web_worker.raise_open_files_limit() >= soft  # raised to the hard limit at most
+    assert web_worker.connection_room(10_000, 4, open_files=20_000) == 10_000
+    assert web_worker.connection_room(10_000, 4, open_files=1_024) == 1_024 - 256
+    assert web_worker.connection_room(10_000, 4, open_files=100) == 5  # the threads' own
+    assert web_worker.connection_room(500, 4, open_files=resource.RLIM_INFINITY) == 500
+    assert "--worker-connections" in child_commands("127.0.0.1", 1, 1, 1)["web"]

@@ -16,6 +16,7 @@ Nothing here imports Django: gunicorn's master imports the worker class before i
 
 from __future__ import annotations
 
+import resource
 import threading
 import time
 from typing import Any
@@ -23,6 +24,35 @@ from typing import Any
 from gunicorn.workers.gthread import ThreadWorker
 
 _local = threading.local()
+# File descriptors kept for everything but client connections (database pool, Redis,
+# logs, the listening sockets, imports).
+FD_RESERVE = 256
+
+
+def raise_open_files_limit() -> int:
+    """Raise this process's open-files limit (ulimit -n) to its hard limit; the new soft one."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # keep the soft limit we have
+    return soft
+
+
+def connection_room(wanted: int, threads: int, open_files: int) -> int:
+    """How many connections one process may hold: `wanted` (gunicorn's
+    ``--worker-connections``) within `open_files` less FD_RESERVE, and at least one more
+    than its threads.
+
+    A connection gthread has not accepted waits in the kernel's accept queue, where no one
+    measures its wait, so it cannot be shed: ``dipaco server`` asks for 10,000 so that,
+    under overload, requests queue where they are timed. Past the open-files limit an
+    accept would fail and end the worker, hence the bound."""
+    if open_files == resource.RLIM_INFINITY:
+        return wanted
+    return max(threads + 1, min(wanted, open_files - FD_RESERVE))
 
 
 def queued_s() -> float | None:
@@ -32,6 +62,20 @@ def queued_s() -> float | None:
 
 class QueueTimingWorker(ThreadWorker):  # type: ignore[misc]  # gunicorn is untyped
     """gthread, plus the time each request spent queued for a thread."""
+
+    def init_process(self) -> None:
+        open_files = raise_open_files_limit()
+        room = connection_room(self.worker_connections, self.cfg.threads, open_files)
+        if room < self.worker_connections:
+            self.log.warning(
+                "holding at most %d connections, not %d: the open-files limit (ulimit -n) "
+                "is too low; raise it for more",
+                room,
+                self.worker_connections,
+            )
+            self.worker_connections = room
+            self.max_keepalived = room - self.cfg.threads
+        super().init_process()
 
     def enqueue_req(self, conn: Any) -> None:
         # Every way in (a new connection, a kept-alive one with a new request, one

@@ -88,6 +88,7 @@ def _bind_address(host: str, port: int) -> str:
 
 
 WEB_WORKER_CLASS = "dipaco_server.web_worker.QueueTimingWorker"  # gthread, timed (shedding.py)
+WEB_CONNECTIONS = 10_000  # per gunicorn worker process (web_worker.connection_room)
 WEB_THREADS = 4  # per gunicorn worker process; each thread holds its own database connection
 
 
@@ -107,6 +108,9 @@ def child_commands(
             # also keeps connections alive between a worker's calls. See bench/control_plane.py.
             # Ours times each request's wait for a thread, for load shedding.
             "--worker-class", WEB_WORKER_CLASS, "--threads", str(web_threads),
+            # Connections a process takes in (within ulimit -n): past gunicorn's 1,000, they
+            # would wait in the kernel's accept queue, untimed and so never shed.
+            "--worker-connections", str(WEB_CONNECTIONS),
             "--access-logfile", "-",
             # gunicorn >= 25.1 otherwise opens ~/.gunicorn/gunicorn.ctl, which two
             # servers on one machine (or a test beside a dev server) would share.
