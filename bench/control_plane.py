@@ -31,7 +31,8 @@ request kind and overall, counting timed-out and failed requests (at the time th
 in the percentiles and in `error_rate`; p99 over the round boundaries in the window
 (from a round's closing to DIPACO_GRANT_RATE's spread after the next opening). Units:
 lost (a volunteer trained it but could not hand it in: a refused or failed upload or
-completion, a "release" instruction, unless the database shows it completed anyway; or a
+completion after the agent's retries (8 tries over about 2 minutes, every try counted in
+the figures), a "release" instruction, unless the database shows it completed anyway; or a
 completion the client got 200 for that is not recorded) and duplicated (a unit completed
 under two leases, or twice to a client). Latencies are also read from gunicorn's access
 log (in the server: from the parsed request to the response), and the CPU the web, Celery
@@ -43,6 +44,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import hashlib
 import itertools
 import json
@@ -68,9 +70,16 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import httpx
 
+from dipaco.retry import Backoff, delays
+
 HEARTBEAT_S = 30.0  # worker_agent.run: HeartbeatThread(interval_s=30.0), until the server says
 IDLE_WAIT_S = (1.0, 30.0)  # worker_agent.agent: first and longest wait after a 204 (x1.5)
 REQUEST_TIMEOUT_S = 30.0
+# worker_agent.client: every call is tried again after a failure a later try may not see
+# (transport, time-out, 5xx, 408, 429), up to Backoff()'s 8 tries over about 2 minutes,
+# waiting the server's Retry-After when longer; then the agent gives up the unit.
+RETRY = Backoff()
+ANY_ERROR = tuple(range(400, 600))
 BOUNDARY_TAIL_S = 30.0  # a boundary's window: closing .. opening + units / grant rate + this
 GRANT_RATE = 50.0
 CHECK_OFFSET = 1_000_000  # rounds.replication: check copies' replica indices start here  # rounds.policy's DIPACO_GRANT_RATE default, unless --grant-rate
@@ -413,6 +422,27 @@ async def call(client: Any, stats: Stats, kind: str, method: str, url: str,
     return response
 
 
+def transient(reply: Any) -> bool:
+    """worker_agent.retry.is_transient for one answer (None: a transport error or time-out)."""
+    return reply is None or reply.status_code >= 500 or reply.status_code in (408, 429)
+
+
+async def persist(send: Any, rng: random.Random) -> Any:
+    """`send()` (a `call` with ``answers=ANY_ERROR``) as the agent's client retries: its
+    reply once it succeeds, None once a failure is final or the tries are spent. Every try
+    counts in the figures; only a unit whose tries all failed is lost."""
+    waits = delays(RETRY, rng)
+    while True:
+        reply = await send()
+        if reply is not None and reply.status_code < 400:
+            return reply
+        wait = next(waits, None)
+        if not transient(reply) or wait is None:
+            return None
+        hint = float(reply.headers.get("Retry-After", 0)) if reply is not None else 0.0
+        await asyncio.sleep(min(RETRY.max_s, max(wait, hint)))
+
+
 def trained_tokens(lease: Mapping[str, Any]) -> int:
     """The tokens a worker reports for training the lease's steps (rounds.complete accepts
     between the run's least partial steps and the lease's steps of them)."""
@@ -436,17 +466,24 @@ def unique(data: bytes, nonce: str) -> bytes:
 
 
 async def upload(client: Session, stats: Stats, target: Mapping[str, Any],
-                 data: bytes) -> Reply | None:  # fmt: skip
-    """One module's Δ to the store: the presigned PUT where the store bounds its size, else
-    the presigned form POST (S3: its content-length-range condition bounds it)."""
-    if target.get("put_url"):
-        return await call(client, stats, "upload", "PUT", target["put_url"], content=data)
-    form = aiohttp.FormData()
-    for name, value in target["post"]["fields"].items():
-        form.add_field(name, value)
-    form.add_field("file", data, filename="delta.safetensors",
-                   content_type="application/octet-stream")  # fmt: skip
-    return await call(client, stats, "upload", "POST", target["post"]["url"], content=form)
+                 data: bytes, rng: random.Random) -> Reply | None:  # fmt: skip
+    """One module's Δ to the store, retried as the agent does: the presigned PUT where the
+    store bounds its size, else the presigned form POST (S3: its content-length-range
+    condition bounds it)."""
+
+    async def send() -> Reply | None:
+        if target.get("put_url"):
+            return await call(client, stats, "upload", "PUT", target["put_url"],
+                              content=data, answers=ANY_ERROR)  # fmt: skip
+        form = aiohttp.FormData()
+        for name, value in target["post"]["fields"].items():
+            form.add_field(name, value)
+        form.add_field("file", data, filename="delta.safetensors",
+                       content_type="application/octet-stream")  # fmt: skip
+        return await call(client, stats, "upload", "POST", target["post"]["url"],
+                          content=form, answers=ANY_ERROR)  # fmt: skip
+
+    return await persist(send, rng)
 
 
 async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Namespace,
@@ -511,8 +548,9 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
             stats.unfinished[lease_id] = kind + "release instruction"
             continue
         prefix = f"/api/v1/worker/lease/{lease_id}"
-        urls = await call(client, stats, "upload-urls", "POST", f"{prefix}/upload-urls",
-                          headers=headers)  # fmt: skip
+        urls = await persist(functools.partial(
+            call, client, stats, "upload-urls", "POST", f"{prefix}/upload-urls",
+            headers=headers, answers=ANY_ERROR), rng)  # fmt: skip
         if urls is None:
             stats.unfinished[lease_id] = kind + "upload-urls failed"
             continue
@@ -520,7 +558,7 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
         trained = await payloads.get(lease["path"], lease["base_versions"], lease["round"])
         deltas = {u["module_id"]: unique(trained[u["module_id"]], f"{token[-16:]}-{lease_id}")
                   for u in uploads}  # fmt: skip
-        sent = [upload(client, stats, u, deltas[u["module_id"]]) for u in uploads]
+        sent = [upload(client, stats, u, deltas[u["module_id"]], rng) for u in uploads]
         if any(r is None for r in await asyncio.gather(*sent)):
             stats.unfinished[lease_id] = kind + "upload failed"
             continue
@@ -533,8 +571,9 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
             ],
             "tokens": trained_tokens(lease), "metrics": {"loss": 1.0},
         }  # fmt: skip
-        if await call(client, stats, "complete", "POST", f"{prefix}/complete", json=body,
-                      headers=headers) is not None:  # fmt: skip
+        if await persist(functools.partial(
+            call, client, stats, "complete", "POST", f"{prefix}/complete", json=body,
+            headers=headers, answers=ANY_ERROR), rng) is not None:  # fmt: skip
             stats.completed[lease["unit_id"]] += 1
         else:
             stats.unfinished[lease_id] = kind + "complete failed"
