@@ -642,7 +642,7 @@ def soak(args: argparse.Namespace) -> int:
     database = create_database(args.postgres, name)
     try:
         # Soak sets its own S3 variables below; no DB pool (as before), the default grant rate.
-        defaults = argparse.Namespace(db_pool="off", grant_rate=None)
+        defaults = argparse.Namespace(db_pool="off", grant_rate=None, shed_after=None)
         environ = server_environ(database, args.redis, work / "data", url, {}, defaults)
         environ.update(
             DJANGO_SETTINGS_MODULE="soak_settings", OMP_NUM_THREADS="1",

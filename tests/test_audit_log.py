@@ -213,3 +213,18 @@ def test_secret_looking_parameters_are_logged_as_stars() -> None:
     assert redact(params) == {
         "body": {"enrollment_token": "***", "password": "***", "name": "box", "n": [1]}
     }
+
+
+def test_a_refused_body_with_a_nul_or_a_lone_surrogate_is_still_logged(
+    staff: tuple[ApiToken, str],
+) -> None:
+    """PostgreSQL refuses U+0000 in text and jsonb; a fuzzer's body held one in a key, and
+    the audit entry of the refused request was lost (tests/test_conformance.py found it)."""
+    _, token = staff
+    config = {**tiny_config(), "b\u0000ad": {"x\u0000": "\ud800"}}
+    refused = call("POST", "/runs", token, {"name": "nul-test", "config": config})
+    assert refused.status_code == 400, refused.content
+    (entry,) = log(token, "&action=run.create")
+    assert entry["outcome"] == "refused" and entry["status"] == 400
+    assert entry["params"]["body"]["config"]["b\ufffdad"] == {"x\ufffd": "\ufffd"}
+    assert "b\ufffdad" in entry["message"]

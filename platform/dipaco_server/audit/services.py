@@ -52,6 +52,24 @@ def redact(value: Any) -> Any:
     return str(value)
 
 
+def storable(value: Any) -> Any:
+    """`value` with every string as PostgreSQL stores it: a NUL character, which no text or
+    jsonb value may hold, and a lone surrogate, which is no Unicode text, become U+FFFD.
+
+    A refused request is logged with what it sent, and what it sent is untrusted: without
+    this, one such character in a body made the audit entry's write fail (schemathesis
+    found it), and the entry was lost."""
+    if isinstance(value, str):
+        if value.isascii() and "\x00" not in value:
+            return value
+        return "".join("\ufffd" if c == "\x00" or "\ud800" <= c <= "\udfff" else c for c in value)
+    if isinstance(value, Mapping):
+        return {storable(k): storable(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [storable(v) for v in value]
+    return value
+
+
 def client_address(request: HttpRequest) -> str | None:
     """REMOTE_ADDR when it is an IP address (behind a proxy: the proxy's address)."""
     raw = request.META.get("REMOTE_ADDR") or ""
@@ -103,13 +121,13 @@ def record(
                 api_token_id=_api_token_id(request) if channel == AuditEntry.Channel.API else None,
                 action=action,
                 target_type=target_type,
-                target_id="" if target_id is None else str(target_id)[:64],
-                params=redact(dict(params or {})),
+                target_id="" if target_id is None else storable(str(target_id)[:64]),
+                params=storable(redact(dict(params or {}))),
                 address=client_address(request),
                 outcome=outcome,
                 status=status,
-                error_code=error_code[:64],
-                message=message[:MAX_MESSAGE],
+                error_code=storable(error_code[:64]),
+                message=storable(message[:MAX_MESSAGE]),
             )
     except Exception:
         logger.exception("could not write the audit entry for %s on %s", action, target_id)
