@@ -234,13 +234,7 @@ def shed_after_s(environ: Environ = os.environ) -> float | None:
     if value.lower() in _FALSE - {"0"}:  # 0 would read as "shed everything"
         return None
     fix = "give seconds, e.g. 5 (well under the agent's 30 s time-out), or off"
-    try:
-        seconds = float(value)
-    except ValueError:
-        raise refuse("DIPACO_SHED_AFTER_S", value, "not a number", fix) from None
-    if not 0 < seconds < math.inf:
-        raise refuse("DIPACO_SHED_AFTER_S", value, "must be a positive number", fix)
-    return seconds
+    return _rate("DIPACO_SHED_AFTER_S", environ, fix)
 
 
 def _rate(name: str, environ: Environ, fix: str) -> float | None:
