@@ -70,7 +70,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import httpx
 
-from dipaco.retry import Backoff, delays
+from dipaco.retry import Backoff, delays, transient_status
 
 HEARTBEAT_S = 30.0  # worker_agent.run: HeartbeatThread(interval_s=30.0), until the server says
 IDLE_WAIT_S = (1.0, 30.0)  # worker_agent.agent: first and longest wait after a 204 (x1.5)
@@ -424,7 +424,7 @@ async def call(client: Any, stats: Stats, kind: str, method: str, url: str,
 
 def transient(reply: Any) -> bool:
     """worker_agent.retry.is_transient for one answer (None: a transport error or time-out)."""
-    return reply is None or reply.status_code >= 500 or reply.status_code in (408, 429)
+    return reply is None or transient_status(reply.status_code)
 
 
 async def persist(send: Any, rng: random.Random) -> Any:

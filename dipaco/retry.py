@@ -68,11 +68,15 @@ def delays(policy: Backoff, rng: random.Random | None = None) -> Iterator[float]
         yield base / 2 + draw() * base / 2
 
 
+def transient_status(status: int) -> bool:
+    """True for an HTTP status a later try may not see: 5xx, 408, 429 (never another 4xx)."""
+    return status >= 500 or status in (408, 429)
+
+
 def is_transient(error: BaseException) -> bool:
     """True for failures a later try may not see: network, timeouts, 5xx, 408, 429."""
     if isinstance(error, httpx.HTTPStatusError):
-        status = error.response.status_code
-        return status >= 500 or status in (408, 429)
+        return transient_status(error.response.status_code)
     return isinstance(error, httpx.TransportError | ConnectionError | TimeoutError)
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from enum import IntEnum
 from typing import Any
 
+from dipaco.retry import transient_status
+
 
 class ExitCode(IntEnum):
     OK = 0  # stopped cleanly: --once/--max-units done, or SIGINT/SIGTERM after a release
@@ -85,7 +87,7 @@ class ServerError(Exception):
     @property
     def transient(self) -> bool:
         """Worth retrying: the server's fault or overload, never the client's (4xx)."""
-        return self.status >= 500 or self.status in (408, 429)
+        return transient_status(self.status)
 
 
 # Codes that mean "this lease is over": drop the unit, ask for another (not an error).

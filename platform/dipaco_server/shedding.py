@@ -29,6 +29,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
 from dipaco_server.errors import error_response
+from dipaco_server.ratelimit import WORKER_API_PREFIX
 from dipaco_server.web_worker import queued_s
 
 logger = logging.getLogger(__name__)
@@ -36,9 +37,9 @@ logger = logging.getLogger(__name__)
 # Requests that ask for new work: (method, path without a trailing slash).
 SHEDDABLE = frozenset(
     {
-        ("POST", "/api/v1/worker/lease"),
-        ("POST", "/api/v1/worker/heartbeat"),  # only without a lease: see is_sheddable
-        ("POST", "/api/v1/worker/register"),
+        ("POST", f"{WORKER_API_PREFIX}lease"),
+        ("POST", f"{WORKER_API_PREFIX}heartbeat"),  # only without a lease: see is_sheddable
+        ("POST", f"{WORKER_API_PREFIX}register"),
     }
 )
 LEASE_SECRET_META = "HTTP_X_LEASE_SECRET"

@@ -37,37 +37,32 @@ MAX_MESSAGE = 2000
 
 
 def redact(value: Any) -> Any:
-    """`value` as JSON-ready data with the values of secret-looking keys replaced."""
+    """`value` as JSON-ready data with the values of secret-looking keys replaced, and every
+    string `storable`."""
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     if isinstance(value, Mapping):
         return {
-            str(k): "***" if any(w in str(k).lower() for w in SECRET_WORDS) else redact(v)
+            storable(str(k)): "***" if any(w in str(k).lower() for w in SECRET_WORDS) else redact(v)
             for k, v in value.items()
         }
     if isinstance(value, list | tuple):
         return [redact(v) for v in value]
-    if value is None or isinstance(value, str | int | float | bool):
+    if value is None or isinstance(value, int | float | bool):
         return value
-    return str(value)
+    return storable(str(value))
 
 
-def storable(value: Any) -> Any:
-    """`value` with every string as PostgreSQL stores it: a NUL character, which no text or
-    jsonb value may hold, and a lone surrogate, which is no Unicode text, become U+FFFD.
+def storable(value: str) -> str:
+    """`value` as PostgreSQL stores it: a NUL character, which no text or jsonb value may
+    hold, and a lone surrogate, which is no Unicode text, become U+FFFD.
 
     A refused request is logged with what it sent, and what it sent is untrusted: without
     this, one such character in a body made the audit entry's write fail (schemathesis
     found it), and the entry was lost."""
-    if isinstance(value, str):
-        if value.isascii() and "\x00" not in value:
-            return value
-        return "".join("\ufffd" if c == "\x00" or "\ud800" <= c <= "\udfff" else c for c in value)
-    if isinstance(value, Mapping):
-        return {storable(k): storable(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [storable(v) for v in value]
-    return value
+    if value.isascii() and "\x00" not in value:
+        return value
+    return "".join("\ufffd" if c == "\x00" or "\ud800" <= c <= "\udfff" else c for c in value)
 
 
 def client_address(request: HttpRequest) -> str | None:
@@ -122,7 +117,7 @@ def record(
                 action=action,
                 target_type=target_type,
                 target_id="" if target_id is None else storable(str(target_id)[:64]),
-                params=storable(redact(dict(params or {}))),
+                params=redact(dict(params or {})),
                 address=client_address(request),
                 outcome=outcome,
                 status=status,

@@ -400,10 +400,14 @@ def heartbeat_interval_s(policy: SchedulerPolicy | None = None) -> float:
     to about that rate whatever the crowd. Told in every lease and heartbeat answer."""
     global _heartbeating
     policy = policy or current_policy()
+
+    def interval(workers: int) -> float:
+        return max(policy.heartbeat_interval_s, workers / policy.heartbeat_rate)
+
     # The window: the lease timeout at the last count.
-    window = 3 * max(policy.heartbeat_interval_s, _heartbeating[1] / policy.heartbeat_rate)
-    _heartbeating = _recounted(_heartbeating, timedelta(seconds=window))
-    return max(policy.heartbeat_interval_s, _heartbeating[1] / policy.heartbeat_rate)
+    window = timedelta(seconds=3 * interval(_heartbeating[1]))
+    _heartbeating = _recounted(_heartbeating, window)
+    return interval(_heartbeating[1])
 
 
 def lease_timeout_s(policy: SchedulerPolicy | None = None) -> float:
