@@ -70,7 +70,7 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import httpx
 
-from dipaco.retry import Backoff, delays, transient_status
+from dipaco.retry import Backoff, delays, idle_pause_s, transient_status
 
 HEARTBEAT_S = 30.0  # worker_agent.run: HeartbeatThread(interval_s=30.0), until the server says
 IDLE_WAIT_S = (1.0, 30.0)  # worker_agent.agent: first and longest wait after a 204 (x1.5)
@@ -81,8 +81,8 @@ REQUEST_TIMEOUT_S = 30.0
 RETRY = Backoff()
 ANY_ERROR = tuple(range(400, 600))
 BOUNDARY_TAIL_S = 30.0  # a boundary's window: closing .. opening + units / grant rate + this
-GRANT_RATE = 50.0
-CHECK_OFFSET = 1_000_000  # rounds.replication: check copies' replica indices start here  # rounds.policy's DIPACO_GRANT_RATE default, unless --grant-rate
+GRANT_RATE = 50.0  # rounds.policy's DIPACO_GRANT_RATE default, unless --grant-rate
+CHECK_OFFSET = 1_000_000  # rounds.replication: check copies' replica indices start here
 # gunicorn's access log, with the time each request took in the server (%(M)s, ms): the
 # server-side latency, without the client's own queueing when it is short of CPU.
 ACCESS_FORMAT = 'bench-access %(t)s "%(m)s %(U)s" %(s)s %(M)s'
@@ -522,7 +522,7 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
             # Retry-After when that is longer (a slot after the next round's opening).
             hint = float(response.headers.get("Retry-After", 0)) if response is not None else 0
             stats.idle += response is not None and response.status_code == 204
-            pause = max(idle_wait, min(hint, 2 * IDLE_WAIT_S[1]) if hint else 0)
+            pause = idle_pause_s(idle_wait, hint)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), pause)
             idle_wait = min(IDLE_WAIT_S[1], idle_wait * 1.5)
@@ -661,13 +661,15 @@ def boundaries(run_id: int, grant_rate: float) -> list[dict[str, Any]]:
     rounds = list(Round.objects.filter(run_id=run_id).order_by("t"))
     out = []
     for previous, current in itertools.pairwise(rounds):
-        if previous.closing_at is None:
+        # When it began closing: closing_at moves when beat resends a slow round's steps.
+        started = previous.closing_started_at
+        if started is None:
             continue
         units = current.units.count()
         opened = current.opened_at.timestamp()
         out.append({
-            "t": current.t, "closing_at": previous.closing_at.timestamp(), "opened_at": opened,
-            "outer_step_s": opened - previous.closing_at.timestamp(),
+            "t": current.t, "closing_at": started.timestamp(), "opened_at": opened,
+            "outer_step_s": opened - started.timestamp(),
             "until": opened + units / grant_rate + BOUNDARY_TAIL_S,
         })  # fmt: skip
     return out

@@ -18,6 +18,7 @@ import cProfile
 import hashlib
 import os
 import pstats
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,7 +45,10 @@ def main() -> int:
     name = f"dipaco_cost_{os.getpid()}"
     database = cp.create_database(args.postgres, name)
     redis.Redis.from_url(args.redis).flushdb()
-    environ = cp.server_environ(database, args.redis, Path(tempfile.mkdtemp()), "http://x")
+    work = Path(tempfile.mkdtemp(prefix="dipaco-cost-"))
+    # The local blob store under the data dir (no S3 variables), the server's defaults.
+    defaults = argparse.Namespace(db_pool="off", grant_rate=None, shed_after=None)
+    environ = cp.server_environ(database, args.redis, work / "data", "http://x", {}, defaults)
     os.environ.update(environ)
     try:
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
@@ -55,7 +59,8 @@ def main() -> int:
         import logging
 
         logging.getLogger("dipaco_server").setLevel(logging.WARNING)
-        _, tokens = cp.seed(args.workers, args.workers, 4)
+        (work / "seed").mkdir()
+        _, tokens, _ = cp.seed(args.workers, args.workers, 4, work / "seed")
         measure(tokens, args.profile)
     finally:
         from django.db import connections
@@ -63,6 +68,7 @@ def main() -> int:
         connections.close_all()
         cp.drop_database(args.postgres, name)
         redis.Redis.from_url(args.redis).flushdb()
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 
@@ -114,7 +120,7 @@ def measure(tokens: list[str], profile: str | None) -> None:
         f"{api}/heartbeat", t, g["lease_secret"], {"lease_id": g["lease_id"]}) for t, g in pairs])  # fmt: skip
     urls = timed("upload-urls", [lambda t=t, g=g: post(
         f"{api}/lease/{g['lease_id']}/upload-urls", t, g["lease_secret"]) for t, g in pairs])  # fmt: skip
-    payload = b"x" * cp.PAYLOAD_BYTES
+    payload = b"x" * 4096  # the completion does not read it (the outer step does)
     digest, store = hashlib.sha256(payload).hexdigest(), get_blob_store()
     for answer in urls:  # what the PUTs to the presigned URLs would leave
         for upload in answer.json()["uploads"]:
@@ -123,7 +129,7 @@ def measure(tokens: list[str], profile: str | None) -> None:
     def complete(token: str, grant: dict[str, Any], answer: Any) -> Any:
         body = {"contributions": [{"module_id": u["module_id"], "sha256": digest,
                                    "size": len(payload)} for u in answer.json()["uploads"]],
-                "tokens": 1, "metrics": {"loss": 1.0}}  # fmt: skip
+                "tokens": cp.trained_tokens(grant), "metrics": {"loss": 1.0}}  # fmt: skip
         return post(f"{api}/lease/{grant['lease_id']}/complete", token, grant["lease_secret"], body)
 
     timed("complete", [lambda t=t, g=g, a=a: complete(t, g, a)

@@ -23,10 +23,27 @@ from typing import TypeVar
 import httpx
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
-__all__ = ["Backoff", "RetryAttempt", "delays", "is_transient", "retry"]
+__all__ = ["Backoff", "RetryAttempt", "delays", "idle_pause_s", "is_transient", "retry"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+# The longest Retry-After an idle worker honours: only a guard against a broken header. The
+# server paces a waiting crowd itself (dipaco_server.rounds.lease.retry_after_s): N workers
+# waiting for the next round are spread over N / DIPACO_GRANT_RATE seconds after its
+# expected opening, 200 s for 10,000 at the default 50/s. A cap of twice the agent's own
+# longest wait (60 s) squeezed that crowd into 60 s: ~170 polls/s instead of 100/s while an
+# outer step ran, on the cores the outer step needed (docs/benchmarks.md).
+LONGEST_IDLE_WAIT_S = 1800.0
+
+
+def idle_pause_s(backoff_s: float, retry_after_s: float | None) -> float:
+    """How long an idle worker (nothing queued, or a shed lease request) waits before it
+    asks again: its own backoff, or the server's Retry-After when that is longer."""
+    if retry_after_s is None or not retry_after_s > 0:
+        return backoff_s
+    return max(backoff_s, min(retry_after_s, LONGEST_IDLE_WAIT_S))
 
 
 @dataclass(frozen=True)

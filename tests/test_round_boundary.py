@@ -165,3 +165,73 @@ def test_a_grant_whose_answer_was_lost_is_given_again_under_a_new_secret_until_i
     leasing.heartbeat(worker, again.lease.pk, again.secret, now=T0 + timedelta(seconds=32))
     with pytest.raises(LeaseLimitReached):
         leasing.grant_lease(worker, now=T0 + timedelta(seconds=33))
+
+
+def test_waiters_of_an_outer_step_slower_than_expected_ask_at_the_grant_rate_not_twice_it(
+    db: None, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Past the expected opening (round 0's prior, or a step slower than the last), each
+    waiter asks again after waiting workers / DIPACO_GRANT_RATE seconds on average: their
+    asks add up to the grant rate, the most the opening will grant. (Drawn over [0, spread]
+    before: twice the rate, every extra ask a 204 on the cores the outer step runs on.)"""
+    settings.DIPACO_GRANT_RATE = GRANT_RATE
+    round0 = start_run(prepare_run(make_run(replicas_per_path=2)), now=T0)
+    seen = [make_worker(f"waiting-{i}") for i in range(VOLUNTEERS)]
+    closing_at = T0 + timedelta(minutes=10)
+    Worker.objects.filter(pk__in=[w.pk for w in seen]).update(last_seen=closing_at)
+    assert mark_round_closing(round0, now=closing_at)
+    fresh_caches(monkeypatch)
+    late = closing_at + timedelta(seconds=leasing.DEFAULT_OUTER_S + 60)
+    waits = [leasing.retry_after_s(now=late, rng=random.Random(i)) for i in range(400)]
+    spread = VOLUNTEERS / GRANT_RATE  # 10 s
+    assert min(waits) >= 1 and max(waits) <= 2 * spread
+    mean = sum(waits) / len(waits)  # ceil adds about half a second
+    # mean >= waiting / rate: their asks add up to at most the grant rate
+    assert spread <= mean <= spread + 1.5, mean
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_slow_outer_step_is_not_sent_again_while_its_modules_keep_stepping(
+    settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Beat's sweep sends a closing round's steps again only when none of its modules stepped
+    within DIPACO_ROUND_CLOSE_RETRY_S (the broker lost them), not merely because the round has
+    been closing that long; and the next round's expected opening counts from when the round
+    began closing, whatever the resend does to closing_at."""
+    from types import SimpleNamespace
+
+    from dipaco_server.rounds.models import OuterStep
+    from dipaco_server.rounds.tasks import resend_stalled_rounds
+    from tests.test_worker_api import sent_tasks
+
+    settings.DIPACO_ROUND_CLOSE_RETRY_S = 600
+    round0 = start_run(prepare_run(make_run(replicas_per_path=1)), now=T0)
+    began = datetime.now(UTC) - timedelta(minutes=15)
+    assert mark_round_closing(round0, now=began)
+    module = round0.run.modules.first()
+    assert module is not None
+    step = OuterStep.objects.create(round=round0, module=module, outcome="kept")
+    task = SimpleNamespace(request=SimpleNamespace(delivery_info=None))
+    sent_tasks()  # the broker folder from empty
+
+    assert resend_stalled_rounds(task) == [], "a module stepped a minute ago: slow, not lost"
+    assert not [name for name, _ in sent_tasks() if name.endswith("close_round")]
+
+    OuterStep.objects.filter(pk=step.pk).update(created_at=began + timedelta(minutes=1))
+    assert resend_stalled_rounds(task) == [(round0.run_id, 0)], "no step for 14 minutes: lost"
+    assert [name for name, _ in sent_tasks() if name.endswith("close_round")]
+    resent = Round.objects.get(pk=round0.pk)
+    assert resent.closing_at > began and resent.closing_started_at == began
+
+    fresh_caches(monkeypatch)
+    assert leasing._closing_round() == (began, leasing.DEFAULT_OUTER_S)
+
+    # Round 1's waiters expect its close to take as long as round 0's did: from when round 0
+    # began closing to round 1's opening, 20 minutes, not the 5 since the resend.
+    opened = began + timedelta(minutes=20)
+    mark_round_closed(round0, now=opened)
+    round1 = open_round(round0.run, 1, now=opened)
+    round1_closing = opened + timedelta(minutes=30)
+    assert mark_round_closing(round1, now=round1_closing)
+    fresh_caches(monkeypatch)
+    assert leasing._closing_round() == (round1_closing, 20 * 60.0)

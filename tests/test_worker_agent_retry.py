@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 import socket
 import threading
@@ -10,6 +11,7 @@ import httpx
 import pytest
 
 from dipaco import __version__
+from dipaco.retry import LONGEST_IDLE_WAIT_S, idle_pause_s
 from tests.test_worker_agent_transfer import StubServer, stub  # noqa: F401 (fixture)
 from worker_agent.client import Client, compatible
 from worker_agent.errors import IncompatibleServer, ServerError, ServerUnreachable
@@ -123,3 +125,14 @@ def test_versions_are_compatible_on_the_same_major_and_while_zero_the_same_minor
     assert compatible("1.4.0", "1.2.9") and compatible("0.1.7", "0.1.0")
     assert not compatible("2.0.0", "1.9.0") and not compatible("0.2.0", "0.1.0")
     assert not compatible("garbage", "0.1.0")
+
+
+def test_an_idle_worker_waits_the_servers_retry_after_up_to_a_guard_only() -> None:
+    """The server paces an idle crowd (rounds.lease.retry_after_s): its Retry-After wins when
+    longer than the worker's own backoff, however long, up to a guard against a broken one."""
+    assert idle_pause_s(1.0, None) == 1.0
+    assert idle_pause_s(1.5, 0.0) == 1.5
+    assert idle_pause_s(1.5, math.nan) == 1.5
+    assert idle_pause_s(30.0, 12.0) == 30.0  # the worker's own backoff, when longer
+    assert idle_pause_s(30.0, 200.0) == 200.0  # 10,000 waiters over 200 s: not squeezed
+    assert idle_pause_s(30.0, 1e9) == LONGEST_IDLE_WAIT_S

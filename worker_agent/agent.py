@@ -38,6 +38,7 @@ from dipaco.config import GiB, InnerConfig, RunConfig
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource, UnitSource
 from dipaco.inner import InnerResult, StepMetrics
+from dipaco.retry import idle_pause_s
 from worker_agent.client import (
     BlobRef,
     Client,
@@ -143,9 +144,8 @@ class Agent:
                 grant = None
             if grant is not None:
                 return grant
-            # The server's Retry-After, when longer, wins: it grows with the idle crowd.
-            hint = self.client.idle_retry_after_s
-            pause = wait if hint is None else max(wait, min(hint, 2 * longest))
+            # The server's Retry-After, when longer, wins: it paces the idle crowd.
+            pause = idle_pause_s(wait, self.client.idle_retry_after_s)
             why = "the server is overloaded" if self.client.overloaded else "no work queued"
             self.reporter.event("idle", f"{why}; asking again in {pause:.1f} s")
             self.stop.wait(pause)

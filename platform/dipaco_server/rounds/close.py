@@ -167,7 +167,7 @@ def mark_round_closing(round_: Round, *, now: datetime | None = None) -> bool:
     now = now or timezone.now()
     with transaction.atomic():
         if not Round.objects.filter(pk=round_.pk, state=Round.State.OPEN).update(
-            state=Round.State.CLOSING, closing_at=now
+            state=Round.State.CLOSING, closing_at=now, closing_started_at=now
         ):
             return False
         Lease.objects.filter(unit__round=round_, state=Lease.State.ACTIVE).update(

@@ -449,9 +449,10 @@ def retry_after_s(*, now: datetime | None = None, rng: random.Random | None = No
     """The Retry-After of a lease request answered 204: a jittered slot, spread over time.
 
     Three cases, in order: a round is closing (slot after its expected next opening, spread
-    over waiting workers / DIPACO_GRANT_RATE), grants are ahead of the pace of an opening
-    (slot after the backlog, spread over as long again), or nothing is queued (the idle wait of
-    `idle_retry_after_s`, up to 1.5 times longer so that waiters drift apart).
+    over waiting workers / DIPACO_GRANT_RATE; past that opening, asks again at that rate),
+    grants are ahead of the pace of an opening (slot after the backlog, spread over as long
+    again), or nothing is queued (the idle wait of `idle_retry_after_s`, up to 1.5 times
+    longer so that waiters drift apart).
     """
     now = now or timezone.now()
     rng = rng or _rng
@@ -462,7 +463,14 @@ def retry_after_s(*, now: datetime | None = None, rng: random.Random | None = No
     if closing is not None:
         closing_at, outer_s = closing
         opens_in = (closing_at - now).total_seconds() + outer_s
-        return max(1, math.ceil(max(0.0, opens_in) + rng.uniform(0.0, max(1.0, spread))))
+        if opens_in > 0:
+            return max(1, math.ceil(opens_in + rng.uniform(0.0, max(1.0, spread))))
+        # Later than expected: this outer step is slower than the last (or than round 0's
+        # prior). Each waiter asks again after `spread` seconds on average, so that their
+        # asks add up to DIPACO_GRANT_RATE, the most the opening will grant (the pace), not
+        # twice that: at 10,000 waiters, 50 polls a second instead of 100 on the cores the
+        # outer step is using (docs/benchmarks.md).
+        return max(1, math.ceil(rng.uniform(0.0, 2 * max(1.0, spread))))
     deficit = _pace_deficit_s(_cached_groups()[0], now, policy)
     if deficit > 0:  # spread over as long again: the late ones keep about the pace
         return max(1, math.ceil(deficit + rng.uniform(0.0, max(1.0, deficit))))
@@ -496,8 +504,8 @@ def _pace_deficit_s(groups: list[dict[str, Any]], now: datetime, policy: Schedul
 
 
 def _closing_round() -> tuple[datetime, float] | None:
-    """(closing_at, expected outer step seconds) of the newest closing round of a running run,
-    counted at most every CLOSING_TTL_S per process; None when no round is closing."""
+    """(when it began closing, expected outer step seconds) of the newest closing round of a
+    running run, counted at most every CLOSING_TTL_S per process; None when none is closing."""
     global _closing
     counted_at, closing = _closing
     clock = time.monotonic()
@@ -505,28 +513,31 @@ def _closing_round() -> tuple[datetime, float] | None:
         return closing
     row = (
         Round.objects.filter(state=Round.State.CLOSING, run__state=Run.State.RUNNING)
-        .exclude(closing_at=None)
-        .order_by("-closing_at")
-        .values("run_id", "t", "closing_at")
+        .exclude(closing_started_at=None)
+        .order_by("-closing_started_at")
+        .values("run_id", "t", "closing_started_at")
         .first()
     )
     closing = None
     if row is not None:
-        closing = (row["closing_at"], _last_outer_step_s(row["run_id"], row["t"]))
+        closing = (row["closing_started_at"], _last_outer_step_s(row["run_id"], row["t"]))
     _closing = (clock, closing)
     return closing
 
 
 def _last_outer_step_s(run_id: int, t: int) -> float:
-    """How long round t - 1's close took: its closing to round t's opening (outer step,
-    evaluation when it comes first, opening); DEFAULT_OUTER_S for a run's first round."""
-    rows = dict(Round.objects.filter(run_id=run_id, t__in=[t - 1, t]).values_list("t", "opened_at"))
-    closing_at = (
-        Round.objects.filter(run_id=run_id, t=t - 1).values_list("closing_at", flat=True).first()
-    )
-    if closing_at is None or t not in rows:
+    """How long round t - 1's close took: its closing's start to round t's opening (outer
+    step, evaluation when it comes first, opening); DEFAULT_OUTER_S for a run's first round."""
+    rows = {
+        row[0]: row[1:]
+        for row in Round.objects.filter(run_id=run_id, t__in=[t - 1, t]).values_list(
+            "t", "opened_at", "closing_started_at"
+        )
+    }
+    started = rows.get(t - 1, (None, None))[1]
+    if started is None or t not in rows:
         return DEFAULT_OUTER_S
-    return max(0.0, (rows[t] - closing_at).total_seconds())
+    return max(0.0, (rows[t][0] - started).total_seconds())
 
 
 # The groups, counted at most every GROUPS_TTL_S per process. When a round opens, every

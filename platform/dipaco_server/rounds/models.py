@@ -31,6 +31,9 @@ class Round(models.Model):
     closed_at = models.DateTimeField(null=True, blank=True)
     # When close_round last sent the outer steps: a round closing for long lost them.
     closing_at = models.DateTimeField(null=True, blank=True)
+    # When the round began closing (its outer step's start): what the next round's expected
+    # opening is counted from (rounds.lease), whatever the resends do to closing_at.
+    closing_started_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = (models.UniqueConstraint(fields=["run", "t"], name="round_unique_per_run"),)

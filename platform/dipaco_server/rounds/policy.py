@@ -39,9 +39,10 @@ DEFAULTS: dict[str, float] = {
     "DIPACO_ROUND_SALVAGE_GRACE_S": 120,
     # The quorum: this share of a round's units done (DiLoCo tolerates missing replicas).
     "DIPACO_ROUND_QUORUM": 0.5,
-    # A round still closing this long after close_round sent its outer steps lost them (the
-    # broker's state went with a Redis restart, say): the beat sweep sends close_round again.
-    # Steps already done are not redone, so a slow step sent twice costs time, not weights.
+    # A round still closing this long after close_round sent its outer steps, and none of
+    # whose modules stepped in that time, lost them (the broker's state went with a Redis
+    # restart, say): the beat sweep sends close_round again. Steps already done are not
+    # redone, so a slow step sent twice costs time (a second worker on it), not weights.
     "DIPACO_ROUND_CLOSE_RETRY_S": 900,
     # Idle lease polls per second the server aims for, all workers together: a lease
     # request that finds nothing queued answers 204 with Retry-After = workers seen in the

@@ -41,7 +41,7 @@ from dipaco_server.rounds.close import (
     round_ready_to_close,
 )
 from dipaco_server.rounds.lease import expire_leases
-from dipaco_server.rounds.models import Round
+from dipaco_server.rounds.models import OuterStep, Round
 from dipaco_server.rounds.open import open_round, overlaps
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.errors import ServiceError
@@ -148,12 +148,16 @@ def resend_stalled_phase2(task: Task) -> list[int]:
 
 
 def resend_stalled_rounds(task: Task) -> list[tuple[int, int]]:
-    """Send close_round again for rounds closing longer than DIPACO_ROUND_CLOSE_RETRY_S.
+    """Send close_round again for rounds closing longer than DIPACO_ROUND_CLOSE_RETRY_S
+    during which none of their modules finished its step.
 
     The outer steps of a closing round live in the broker as a chord; if Redis loses them
     (restarted without persistence), nothing would ever finish the round. The steps are
     idempotent (an OuterStep row per module and round), so sending them again is safe; the
-    conditional UPDATE of ``closing_at`` makes one sweep, of several, the sender.
+    conditional UPDATE of ``closing_at`` makes one sweep, of several, the sender. A round
+    whose modules are still finishing steps is slow, not lost: at 10,000 units a round its
+    five steps took 18 minutes here, and the resend at 15 minutes set a second worker on the
+    step a first was still running (docs/benchmarks.md).
     """
     now = timezone.now()
     cutoff = now - timedelta(seconds=current_policy().round_close_retry_s)
@@ -163,6 +167,8 @@ def resend_stalled_rounds(task: Task) -> list[tuple[int, int]]:
     closing.filter(closing_at__isnull=True).update(closing_at=now)  # start the clock
     resent = []
     for round_ in closing.filter(closing_at__lt=cutoff):
+        if OuterStep.objects.filter(round=round_, created_at__gte=cutoff).exists():
+            continue  # a module stepped lately: the others are running, not lost
         if Round.objects.filter(pk=round_.pk, closing_at=round_.closing_at).update(closing_at=now):
             logger.warning(
                 "run %s round %d: still closing since %s; sending its outer steps again",
