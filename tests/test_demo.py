@@ -212,7 +212,13 @@ def test_a_short_demo_on_a_terminal_trains_both_phases_compares_with_both_dense_
     assert summary["config"]["outer"] == OuterConfig().model_dump(mode="json"), "no demo-only outer"
 
     sent = summary["bytes"]
-    assert (sent["units"], sent["phase1_units"]) == (2 * 2 + 2 * 4, 2 * 2)
+    assert (sent["units"], sent["phase1_units"]) == (2 * 2 + 2 * 4, 2 * 2)  # check copies apart
+    # A new worker's units are all replicated: an idle worker may train a check copy. Its
+    # tokens verify, they do not train (never averaged in), so they are counted apart.
+    assert tokens["check_copies"] == sent["check_tokens"]
+    assert (
+        (sent["check_units"] > 0) == (sent["check_tokens"] > 0) == ("check cop" in lines["bytes"])
+    )
     assert sent["upload_bytes"] > 0 and sent["download_bytes"] > 0
     assert 0 < sent["ratio_vs_data_parallel"] < 1, "fewer bytes than an all-reduce per step"
     assert summary["dashboard"] == f"http://127.0.0.1:{port}/runs/{run['id']}/"

@@ -21,6 +21,7 @@ from dipaco_server.rounds.lease import (
     expire_leases,
     grant_lease,
     heartbeat,
+    heartbeat_interval_s,
     release,
 )
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
@@ -471,6 +472,10 @@ def test_units_are_sized_to_the_workers_speed_and_a_new_worker_calibrates() -> N
     assert crawl.steps == 1 and "raised to 1" in crawl.reason
     soon = size_unit(config, per_step / 10, round_deadline=T0 + MINUTE, now=T0)
     assert soon.steps == 6 and "before the round's deadline" in soon.reason
+    # The agent stops a heartbeat interval early: a unit sized to the deadline itself would
+    # be cut short again, so the margin comes off the time it is sized to.
+    margin = size_unit(config, per_step / 10, round_deadline=T0 + MINUTE, now=T0, stop_margin_s=20)
+    assert margin.steps == 4 and "the 40 s left to train" in margin.reason
     back = size_unit(config, per_step / 10, resumed_steps=90)
     assert (back.steps, back.trained_steps) == (180, 90) and "resumes" in back.reason
 
@@ -604,8 +609,9 @@ def test_a_quorum_moves_the_deadline_up_to_median_plus_k_mad_of_durations_then_w
 ) -> None:
     """Units that took 10, 10, 12 and 14 min: median 11, MAD 1 (under 10 % of the median,
     so 1.1), and the last unit out was granted at 5 min: the deadline moves from an hour to
-    5 + 11 + 3 x 1.1 = 19.3 min, but only once every unit has started. A unit still leased
-    then gets DIPACO_ROUND_SALVAGE_GRACE_S to hand in its partial Δ."""
+    5 + 11 + 3 x 1.1 = 19.3 min plus the heartbeat interval by which agents stop before a
+    deadline, but only once every unit has started. A unit still leased then gets
+    DIPACO_ROUND_SALVAGE_GRACE_S to hand in its partial Δ."""
     finishers = [grant(make_worker(f"finisher{i}"), now=T0) for i in range(4)]
     for held, minutes in zip(finishers[:3], (10, 10, 12), strict=True):
         complete(held.lease.worker, held.lease.pk, held.secret, reports(held),
@@ -622,8 +628,12 @@ def test_a_quorum_moves_the_deadline_up_to_median_plus_k_mad_of_durations_then_w
     assert len(out) == 2 and more
     assert not round_ready_to_close(round0, now=T0 + 16 * MINUTE)
     round0.refresh_from_db()
-    expected = T0 + timedelta(minutes=5 + 11 + 3 * 1.1)
+    margin = timedelta(seconds=heartbeat_interval_s())
+    expected = T0 + timedelta(minutes=5 + 11 + 3 * 1.1) + margin
     assert abs((round0.deadline - expected).total_seconds()) < 1e-3
+    # The last unit out can train its expected median + k·MAD before its agent stops.
+    trains = round0.deadline - margin - more.lease.granted_at
+    assert abs((trains - timedelta(minutes=11 + 3 * 1.1)).total_seconds()) < 1e-3
     grace = timedelta(seconds=current_policy().round_salvage_grace_s)
     assert not round_ready_to_close(round0, now=expected + grace / 2), "the stragglers' turn"
     assert round_ready_to_close(round0, now=expected + grace)
@@ -649,7 +659,8 @@ def test_the_completion_path_recomputes_the_adaptive_deadline_at_most_every_few_
                  now=T0 + minutes * MINUTE)  # fmt: skip
     for i in range(4):
         grant(make_worker(f"late{i}"), now=T0 + i * MINUTE)
-    expected = T0 + timedelta(minutes=3 + 11 + 3 * 1.1)
+    margin = timedelta(seconds=heartbeat_interval_s())
+    expected = T0 + timedelta(minutes=3 + 11 + 3 * 1.1) + margin
     fixed = T0 + timedelta(seconds=current_policy().round_deadline_s)
 
     assert not round_ready_to_close(round0, now=T0 + 16 * MINUTE, adapt_every_s=60.0)

@@ -513,6 +513,48 @@ def test_disagreeing_replicas_are_both_rejected_and_lose_trust_until_no_more_gra
         grant_lease(cheat)
 
 
+def test_an_honest_pair_with_warm_and_cold_adamw_moments_agrees_and_an_attack_does_not() -> None:
+    """A check copy usually goes to a worker that holds no AdamW moments for the path, while
+    its original's worker continues its own (dipaco.inner): same base, windows and lr, but
+    the Δs differ in length and direction. Measured on this model at H = 50: norms 1.62 x
+    apart (1.56-1.94 x in `dipaco demo` at H = 10, where the old tolerance of 1.5 x rejected
+    honest pairs and cost both workers trust), cosine 0.81. The defaults must let that pair
+    through and still refuse the attacks replication exists for."""
+    from dipaco.config import OuterConfig
+    from dipaco.inner import train_path
+    from dipaco.modular import init_modules
+    from dipaco_server.rounds.verify import replicas_agree
+    from tests.test_inner import CFG, SOURCE
+
+    h = 50
+    cfg = CFG.model_copy(update={"inner": CFG.inner.model_copy(update={"steps": h})})
+    modules = init_modules(CFG)
+    first = train_path(cfg, 0, modules, SOURCE)  # the original's worker, its previous unit
+    base = {  # the outer step moved the path's modules (lr 1 here)
+        m: {
+            k: v - first.module_deltas[m][k] if m in first.module_deltas else v
+            for k, v in w.items()
+        }
+        for m, w in modules.items()
+    }
+    unit: dict[str, Any] = {"round_index": 1, "start_position": h * 8}
+    warm = train_path(cfg, 0, base, SOURCE, state=first.state, **unit).delta
+    cold = train_path(cfg, 0, base, SOURCE, **unit).delta
+    outer = OuterConfig()
+    agree, why = replicas_agree(warm, cold, outer)
+    assert agree, why
+    legacy = outer.model_copy(update={"replica_norm_ratio": 1.5})
+    assert not replicas_agree(warm, cold, legacy)[0], "the pair this default was raised for"
+    for name, attack in (
+        ("scaled x10", {k: 10 * v for k, v in warm.items()}),
+        ("sign flip", {k: -v for k, v in warm.items()}),
+        ("noise", {k: torch.randn_like(v) * v.std() for k, v in warm.items()}),
+    ):
+        agree, why = replicas_agree(attack, cold, outer)
+        assert not agree, name
+        assert "outer.replica_norm_ratio" in why or "outer.replica_min_cosine" in why, why
+
+
 # --- uploads bounded at the store ---------------------------------------------------------------
 
 

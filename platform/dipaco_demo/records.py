@@ -23,6 +23,11 @@ class Traffic:
     tokens: int  # training tokens of phase 2's completed units (the baselines' budget)
     phase1_units: int = 0
     phase1_tokens: int = 0  # the dense phase's, the head start both sides share
+    # Sampled replication's check copies (rounds.replication, both phases): a second worker
+    # trains a unit again to vouch for the first. Their Δs are compared, never averaged in,
+    # so their tokens are verification, not training: counted here, not above.
+    check_units: int = 0
+    check_tokens: int = 0
 
 
 def traffic(run_id: int) -> Traffic:
@@ -31,6 +36,7 @@ def traffic(run_id: int) -> Traffic:
     from django.db.models import Sum
 
     from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
+    from dipaco_server.rounds.replication import CHECK_OFFSET
     from dipaco_server.runs.models import ModuleVersion
     from dipaco_server.runs.phases import DENSE
 
@@ -43,7 +49,7 @@ def traffic(run_id: int) -> Traffic:
     }
     units = list(
         WorkUnit.objects.filter(round__run_id=run_id, state=WorkUnit.State.DONE).values_list(
-            "pk", "path__phase", "base_versions"
+            "pk", "path__phase", "base_versions", "replica"
         )
     )
     sent = dict(
@@ -53,18 +59,26 @@ def traffic(run_id: int) -> Traffic:
     )
     download = sum(
         sent[pk] if pk in sent else sum(sizes.get((phase, m, v), 0) for m, v in base.items())
-        for pk, phase, base in units
+        for pk, phase, base, _ in units
     )
     uploads = Contribution.objects.filter(unit__round__run_id=run_id)
     upload = uploads.aggregate(total=Sum("size"))["total"] or 0
     tokens = {phase: 0 for phase in (DENSE, 2)}
+    checked = 0
     # One count per unit (each of its modules' contributions repeats it).
-    for _, phase, count in set(uploads.values_list("unit_id", "unit__path__phase", "tokens")):
-        tokens[phase] = tokens.get(phase, 0) + count
+    for _, phase, replica, count in set(
+        uploads.values_list("unit_id", "unit__path__phase", "unit__replica", "tokens")
+    ):
+        if replica >= CHECK_OFFSET:
+            checked += count
+        else:
+            tokens[phase] = tokens.get(phase, 0) + count
     connections.close_all()
+    originals = [phase for _, phase, _, replica in units if replica < CHECK_OFFSET]
     return Traffic(
-        int(upload), int(download), len(units), tokens[2],
-        phase1_units=sum(phase == DENSE for _, phase, _ in units), phase1_tokens=tokens[DENSE],
+        int(upload), int(download), len(originals), tokens[2],
+        phase1_units=originals.count(DENSE), phase1_tokens=tokens[DENSE],
+        check_units=len(units) - len(originals), check_tokens=checked,
     )  # fmt: skip
 
 

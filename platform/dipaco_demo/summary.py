@@ -218,12 +218,14 @@ class DemoSummary:
         if sent:
             ratio = self.data_parallel_bytes / sent
             both = " of both phases" if self.config.phase1 else ""
+            n = self.traffic.check_units
+            checks = f" and {n} check cop{'y' if n == 1 else 'ies'}" if n else ""
             lines.append(
                 SummaryLine(
                     "bytes",
                     f"DiPaCo sent {_bytes(sent)} ({_bytes(self.traffic.upload_bytes)} of "
                     f"{self.config.comm.codec} Δs up, {_bytes(self.traffic.download_bytes)} of "
-                    f"weights down) for {self.traffic.units} units{both}; data-parallel "
+                    f"weights down) for {self.traffic.units} units{both}{checks}; data-parallel "
                     f"training of the same tokens would all-reduce "
                     f"{_bytes(self.data_parallel_bytes)} ({ALL_REDUCE_FORMULA}): "
                     f"{ratio:.0f}x less",
@@ -320,7 +322,8 @@ class DemoSummary:
             "versus_dense": versus,
             "paths": paths,
             "tokens": {"dipaco": self.traffic.tokens, "phase1": self.traffic.phase1_tokens,
-                       **{f"dense_{key}": d["tokens"] for key, d in versus.items()}},
+                       **{f"dense_{key}": d["tokens"] for key, d in versus.items()},
+                       "check_copies": self.traffic.check_tokens},
             "bytes": {**asdict(self.traffic), "total": sent,
                       "data_parallel": self.data_parallel_bytes,
                       "data_parallel_formula": ALL_REDUCE_FORMULA,

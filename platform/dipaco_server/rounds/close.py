@@ -27,6 +27,7 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
+from dipaco_server.rounds.lease import heartbeat_interval_s
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.replication import CHECK_OFFSET
@@ -113,7 +114,8 @@ def adaptive_deadline(round_: Round) -> datetime | None:
     The durations are the completed leases' (granted to completed); with k =
     DIPACO_ROUND_DEADLINE_MADS and the MAD taken as at least 10 % of the median (so equal
     durations still leave a margin), a unit granted at g is expected by g + median + k·MAD;
-    the deadline is that of the last one granted. None before a quorum is done, while any
+    the deadline is that of the last one granted, plus the heartbeat interval by which
+    agents stop before the deadline they hear (`heartbeat_interval_s`). None before a quorum is done, while any
     unit still waits in the queue (fewer workers than units: a unit not yet started says
     nothing about when the round can end), or when no lease is out.
     """
@@ -135,7 +137,12 @@ def adaptive_deadline(round_: Round) -> datetime | None:
     median = statistics.median(took)
     mad = statistics.median(abs(d - median) for d in took)
     spread = policy.round_deadline_mads * max(mad, 0.1 * median)
-    return latest.granted_at + timedelta(seconds=median + spread)
+    # Agents stop a heartbeat interval before the deadline they hear (time to upload on top
+    # of the salvage grace): without it the last unit out had median + spread - interval to
+    # train, nothing at all when units are short. In `dipaco demo` (1 s units, a 100 s
+    # interval) a worker granted just after the first completion stopped after one step.
+    margin = heartbeat_interval_s(policy)
+    return latest.granted_at + timedelta(seconds=median + spread + margin)
 
 
 def _adapted(round_: Round, now: datetime, every_s: float = 0.0) -> bool:

@@ -132,6 +132,7 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
                 size = size_unit(
                     config, locked.measured_speed, resumed_steps=resumed_steps,
                     round_deadline=unit.round.deadline, now=now,
+                    stop_margin_s=heartbeat_interval_s(policy),
                 )  # fmt: skip
                 budget = policy.lease_budget_s(
                     size.trained_steps * step_tokens(config), locked.measured_speed
@@ -198,6 +199,7 @@ def size_unit(
     resumed_steps: int = 0,
     round_deadline: datetime | None = None,
     now: datetime | None = None,
+    stop_margin_s: float = 0.0,
 ) -> UnitSize:
     """Steps for a unit on a worker of `speed` tokens/s, so that it takes about
     ``units.target_seconds`` (at most H, at least one step).
@@ -207,7 +209,8 @@ def size_unit(
     speed that sizes its next units, and a slow GPU loses no more than that time. A worker taking back a unit it held (`resumed_steps`:
     the steps its earlier lease allowed, which its checkpoint cannot exceed) may add a
     unit's worth to them. Before the round's deadline the unit is also cut to what the
-    worker can train by then, so a slow worker's unit still ends in time.
+    worker can train by then, `stop_margin_s` before it (agents stop a heartbeat interval
+    early), so a slow worker's unit still ends in time and is not cut short again.
     """
     h, per_step = config.inner.steps, step_tokens(config)
     units = config.units
@@ -227,11 +230,13 @@ def size_unit(
             + (", raised to 1" if fit < 1 else "")
         )
         if round_deadline is not None and now is not None:
-            left = max(0.0, (round_deadline - now).total_seconds())
+            left = max(0.0, (round_deadline - now).total_seconds() - stop_margin_s)
             by_deadline = int(left * speed // per_step)
             if by_deadline < fresh:
                 fresh = max(1, by_deadline)
-                reason += f"; {fresh} fit before the round's deadline in {left:,.0f} s"
+                reason += (
+                    f"; {fresh} fit in the {left:,.0f} s left to train before the round's deadline"
+                )
     steps = min(h, resumed_steps + fresh)
     if resumed_steps:
         reason += f"; resumes its checkpoint of up to {resumed_steps} steps"

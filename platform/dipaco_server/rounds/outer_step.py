@@ -372,8 +372,8 @@ def compare_replicas(
         pairs.append((original.upload.worker_id, check.upload.worker_id, agree))
         if not agree:
             message = f"two workers trained unit {original.upload.unit_id}: {why}"
-            original.reject(verify.REPLICA, message + " (outer.replica_min_cosine)")
-            check.reject(verify.REPLICA, message + " (outer.replica_min_cosine)")
+            original.reject(verify.REPLICA, message)
+            check.reject(verify.REPLICA, message)
     return pairs
 
 

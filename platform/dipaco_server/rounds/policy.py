@@ -31,8 +31,9 @@ DEFAULTS: dict[str, float] = {
     # A round's deadline, from its opening; after it a quorum of units suffices to close.
     "DIPACO_ROUND_DEADLINE_S": 3600,
     # Adaptive deadline (issue 20): once a quorum is done, the round's deadline moves up to
-    # its opening + the median + this many x the MAD (at least 10 % of the median) of the
-    # done units' arrival times; units still out are then expected to hand in partial Δs.
+    # the last unit's grant + the median + this many x the MAD (at least 10 % of the median)
+    # of the done units' durations, + the heartbeat interval by which agents stop before a
+    # deadline; units still out are then expected to hand in partial Δs.
     "DIPACO_ROUND_DEADLINE_MADS": 3.0,
     # After the deadline, units still leased get this long to upload what they trained
     # (agents stop a heartbeat interval before the deadline they last heard of).

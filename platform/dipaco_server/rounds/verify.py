@@ -199,10 +199,13 @@ def replicas_agree(a: Tensors, b: Tensors, cfg: OuterConfig) -> tuple[bool, str]
         return (na == nb), "one of the two Δs is zero"
     ratio = max(na, nb) / min(na, nb)
     if ratio > cfg.replica_norm_ratio:
-        return False, f"norms {na:.4g} and {nb:.4g} differ by {ratio:.2f} x"
+        return False, (
+            f"norms {na:.4g} and {nb:.4g} differ by {ratio:.2f} x, more than "
+            f"outer.replica_norm_ratio = {cfg.replica_norm_ratio:g}"
+        )
     cos = cosine(a, b) or 0.0
     if cos < cfg.replica_min_cosine:
-        return False, f"cosine {cos:.3f} < {cfg.replica_min_cosine:g}"
+        return False, f"cosine {cos:.3f} < outer.replica_min_cosine = {cfg.replica_min_cosine:g}"
     return True, ""
 
 
