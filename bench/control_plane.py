@@ -354,6 +354,7 @@ class Stats:
     granted: set[int] = field(default_factory=set)  # lease ids the clients learned of
     unfinished: dict[int, str] = field(default_factory=dict)  # lease id -> why not handed in
     idle = 0  # lease answers 204
+    partial = 0  # units stopped before their steps for the round's deadline, Δ handed in
 
 
 @dataclass
@@ -443,12 +444,20 @@ async def persist(send: Any, rng: random.Random) -> Any:
         await asyncio.sleep(min(RETRY.max_s, max(wait, hint)))
 
 
-def trained_tokens(lease: Mapping[str, Any]) -> int:
-    """The tokens a worker reports for training the lease's steps (rounds.complete accepts
-    between the run's least partial steps and the lease's steps of them)."""
+def trained_tokens(lease: Mapping[str, Any], steps: int | None = None) -> int:
+    """The tokens a worker reports for training the lease's steps, or `steps` of them
+    (rounds.complete accepts between the run's least partial steps and the lease's)."""
     inner, model = lease["config"]["inner"], lease["config"]["model"]
     batch = inner.get("batch_size") or inner["micro_batch_size"] * inner["grad_accum_steps"]
-    return int(lease["steps"]) * batch * model["seq_len"]
+    return int(lease["steps"] if steps is None else steps) * batch * model["seq_len"]
+
+
+def monotonic_at(iso: str | None) -> float | None:
+    """A server timestamp (ISO 8601) on this process's monotonic clock (one machine)."""
+    if not iso:
+        return None
+    when = datetime.fromisoformat(iso.replace("Z", "+00:00")).timestamp()
+    return time.monotonic() + (when - time.time())
 
 
 def unique(data: bytes, nonce: str) -> bytes:
@@ -492,10 +501,11 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
     rng = random.Random(token)
     await asyncio.sleep(rng.uniform(0, args.ramp))
     next_beat, interval = time.monotonic(), HEARTBEAT_S
+    round_end: float | None = None  # the lease's round deadline as last heard (monotonic)
 
     async def beat(lease: dict[str, Any] | None) -> bool:
         """Heartbeat when one is due; False when the server says to release the lease."""
-        nonlocal next_beat, interval
+        nonlocal next_beat, interval, round_end
         if time.monotonic() < next_beat:
             return True
         next_beat = time.monotonic() + interval
@@ -508,6 +518,8 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
         answer = reply.json()
         interval = float(answer.get("heartbeat_interval_s") or interval)
         next_beat = time.monotonic() + interval  # the server's pace from now on
+        if lease is not None and answer.get("round_deadline"):
+            round_end = monotonic_at(answer["round_deadline"])  # an adaptive close moves it
         return "release" not in answer.get("instructions", [])
 
     idle_wait = IDLE_WAIT_S[0]
@@ -535,10 +547,27 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
         kind = "check copy: " if lease["replica"] >= CHECK_OFFSET else ""
         stats.granted.add(lease_id)
         headers = {**auth, "X-Lease-Secret": lease["lease_secret"]}
-        done_at = time.monotonic() + args.unit_seconds * rng.uniform(0.8, 1.2)
+        # As the agent trains: the lease's steps (sized to the worker's speed and to what
+        # fits before the round's deadline) at unit_seconds per full unit of H steps, and a
+        # heartbeat interval before the round's deadline as last heard it stops after the
+        # step in progress and hands in the partial Δ (worker_agent.agent).
+        steps, started = int(lease["steps"]), time.monotonic()
+        step_s = args.unit_seconds * rng.uniform(0.8, 1.2) / int(lease["unit_steps"])
+        done_at = started + steps * step_s
+        round_end = monotonic_at(lease.get("round_deadline"))
         released = False
         while (left := done_at - time.monotonic()) > 0 and not stop.is_set():
-            await asyncio.sleep(min(left, max(0.0, next_beat - time.monotonic()) + 0.01))
+            if round_end is not None and round_end - interval <= time.monotonic():
+                # the step in progress ends, then the partial Δ goes up
+                trained = max(1, math.ceil((time.monotonic() - started) / step_s))
+                steps = min(steps, trained)
+                done_at = started + step_s * steps
+                await asyncio.sleep(max(0.0, done_at - time.monotonic()))
+                break
+            wake = min(left, max(0.0, next_beat - time.monotonic()) + 0.01)
+            if round_end is not None:
+                wake = min(wake, max(0.0, round_end - interval - time.monotonic()) + 0.01)
+            await asyncio.sleep(wake)
             if not await beat(lease):
                 released = True
                 break
@@ -547,6 +576,7 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
         if released:
             stats.unfinished[lease_id] = kind + "release instruction"
             continue
+        stats.partial += steps < int(lease["steps"])
         prefix = f"/api/v1/worker/lease/{lease_id}"
         urls = await persist(functools.partial(
             call, client, stats, "upload-urls", "POST", f"{prefix}/upload-urls",
@@ -569,7 +599,7 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
                  "size": len(deltas[u["module_id"]])}
                 for u in uploads
             ],
-            "tokens": trained_tokens(lease), "metrics": {"loss": 1.0},
+            "tokens": trained_tokens(lease, steps), "metrics": {"loss": 1.0},
         }  # fmt: skip
         if await persist(functools.partial(
             call, client, stats, "complete", "POST", f"{prefix}/complete", json=body,
@@ -891,7 +921,7 @@ def main() -> int:
                        for e in edges],
             "latency": latency, "errors": dict(stats.errors),
             "server_latency": server_side(logs, start + wall_offset, end + wall_offset),
-            "units": {**counts, "idle_polls": stats.idle},
+            "units": {**counts, "idle_polls": stats.idle, "partial": stats.partial},
         }  # fmt: skip
         print_report(result)
         if args.json:
