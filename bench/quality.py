@@ -94,6 +94,7 @@ class Job:
     eval_windows: int
     threads: int
     base_steps: int
+    device: str
 
 
 def run_job(job: Job) -> dict[str, Any]:
@@ -104,7 +105,7 @@ def run_job(job: Job) -> dict[str, Any]:
     if job.baseline is None:
         options = SimulateOptions(
             budget=job.budget, work_dir=Path(job.work_dir), eval_windows=job.eval_windows,
-            baselines=(), base_steps=job.base_steps,
+            baselines=(), base_steps=job.base_steps, device=job.device,
         )  # fmt: skip
         result = simulate(config, options)
         return {
@@ -119,9 +120,11 @@ def run_job(job: Job) -> dict[str, Any]:
             "data_parallel_bytes": result.data_parallel_bytes,
             "seconds": time.perf_counter() - started,
         }
-    data, base = prepare_with_base(config, job.budget, Path(job.work_dir), job.base_steps)
+    data, base = prepare_with_base(
+        config, job.budget, Path(job.work_dir), job.base_steps, device=job.device
+    )
     windows = data.val_windows(config.model.seq_len, job.eval_windows)
-    run = train_baseline(config, data, windows, job.baseline, base_state=base)
+    run = train_baseline(config, data, windows, job.baseline, base_state=base, device=job.device)
     return {
         "name": job.name,
         "base_steps": job.base_steps if base is not None else 0,
@@ -174,7 +177,7 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
             replicas_per_path=1,
             layout=LayoutConfig.grid(layers, 2, 2),
             comm={"codec": codec, **block},
-            inner={**inner, "steps": args.inner_steps},
+            inner={**inner, "steps": args.inner_steps, "micro_batch_size": args.batch},
             # The paper's router: the base model's features of each document's first tokens.
             router={"featurizer": "base-lm" if args.base_steps else "tfidf"},
             **common,
@@ -200,7 +203,7 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
 
     def job(name: str, key: str, baseline: str | None) -> Job:
         return Job(name, cfgs[key].model_dump_json(), baseline, budget, str(args.work_dir),
-                   args.eval_windows, args.threads, args.base_steps)  # fmt: skip
+                   args.eval_windows, args.threads, args.base_steps, args.device)  # fmt: skip
 
     # Longest first, so two processes finish together.
     jobs = [
@@ -348,6 +351,18 @@ def run_platform(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     return result
 
 
+def machine(device: str) -> dict[str, Any]:
+    """What the figures were measured on."""
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__,
+        "python": platform.python_version(), "device": device,
+    }  # fmt: skip
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda
+    return info
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -361,6 +376,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=8, help="DiPaCo's T (default %(default)s)")
     parser.add_argument("--inner-steps", type=int, default=25, help="DiPaCo's H (%(default)s)")
+    parser.add_argument(
+        "--batch", type=int, default=4,
+        help="DiPaCo's sequences per inner step and path; the dense baselines take the same, "
+        "data-parallel P x (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--diloco-rounds", type=int, default=8, help="DiLoCo's T (%(default)s)")
     parser.add_argument(
         "--diloco-inner-steps", type=int, default=16, help="DiLoCo's H (%(default)s)"
@@ -410,12 +430,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="processes (default: %(default)s)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument(
+        "--device", default="cpu", choices=("cpu", "cuda"),
+        help="where every job trains; cuda trains in bf16 autocast, as dipaco-worker does on "
+        "a GPU, and several --jobs share the one GPU (default %(default)s)",
+    )  # fmt: skip
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.inner_steps, args.diloco_rounds, args.diloco_inner_steps = 2, 10, 2, 5
         args.max_docs, args.eval_windows, args.warmup_steps = 300, 64, 5
         args.base_steps, args.diloco_batch = 20, 4
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(
+            "--device cuda: this torch has no CUDA device (torch.cuda.is_available() is "
+            "False); install a CUDA build of torch or use --device cpu"
+        )
     if not 1 <= args.codec_seeds <= 9:
         parser.error(f"--codec-seeds {args.codec_seeds}: give 1 to 9")
     return args
@@ -434,7 +464,9 @@ def main(argv: list[str] | None = None) -> int:
     console.log(f"base model: {args.base_steps} steps (cached in {args.work_dir})")
     needed = {JOB_CONFIG[name] for name in args.only} if args.only else set(cfgs)
     for key in sorted(needed):
-        prepare_with_base(cfgs[key], budget, args.work_dir, args.base_steps, log=console.log)
+        prepare_with_base(
+            cfgs[key], budget, args.work_dir, args.base_steps, log=console.log, device=args.device
+        )
     jobs = make_jobs(args, cfgs)
     results: dict[str, dict[str, Any]] = {}
     # spawn, not fork: a forked child of a process that ran torch's thread pool can hang.
@@ -468,8 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             "wall_seconds": wall,
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
-            "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                        "torch": torch.__version__},
+            "machine": machine(args.device),
         }  # fmt: skip
         args.json.write_text(json.dumps(report, indent=2) + "\n")
         console.print(f"wrote {args.json}")
