@@ -6,7 +6,8 @@
 One record per file, ``{"text": ..., "source": <path relative to the directory>}``, so
 `dipaco.data.corpus` chunks each file and splits train/validation by file, as it does for
 the directory itself. Files are read the way the corpus reader reads a directory (its text
-suffixes, UTF-8 without NUL bytes, at most 8 MB each; test folders and bytecode left out)
+suffixes, UTF-8 without NUL bytes, at most 8 MB each, no symlinks; `dipaco.data.corpus`'s
+iter_text_files) with the stdlib's excluded folders (tests, bytecode) left out,
 and kept in the order of a hash of their path until --max-chars is reached, so a cap
 samples the whole tree instead of its first folders. A name ending in .gz is gzipped.
 """
@@ -20,17 +21,13 @@ import json
 import sys
 from pathlib import Path
 
-from dipaco.data.corpus import DEFAULT_MAX_BYTES, STDLIB_EXCLUDED_DIRS, TEXT_SUFFIXES
-
-
-def files_of(root: Path, suffixes: frozenset[str]) -> list[Path]:
-    return sorted(
-        p
-        for p in root.rglob("*")
-        if p.is_file()
-        and p.suffix.lower() in suffixes
-        and not STDLIB_EXCLUDED_DIRS.intersection(p.relative_to(root).parts[:-1])
-    )
+from dipaco.data.corpus import (
+    STDLIB_EXCLUDED_DIRS,
+    TEXT_SUFFIXES,
+    CorpusStats,
+    iter_text_files,
+    walk_files,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,27 +52,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     root = args.directory.resolve()
     order = sorted(
-        files_of(root, suffixes),
-        key=lambda p: hashlib.sha256(str(p.relative_to(root)).encode()).digest(),
+        walk_files(root, suffixes, STDLIB_EXCLUDED_DIRS),
+        key=lambda p: hashlib.sha256(p.relative_to(root).as_posix().encode()).digest(),
     )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     opener = gzip.open if args.out.name.endswith(".gz") else open
     kept = chars = 0
+    stats = CorpusStats()
     with opener(args.out, "wt", encoding="utf-8") as out:
-        for path in order:
-            data = path.read_bytes()
-            if not data or len(data) > DEFAULT_MAX_BYTES or b"\0" in data:
-                continue
-            try:
-                text = data.decode("utf-8")
-            except UnicodeDecodeError:
+        for name, text in iter_text_files(root, order, stats):
+            if not text:
                 continue
             if chars + len(text) > args.max_chars:
                 break
-            record = {"text": text, "source": str(path.relative_to(root))}
-            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.write(json.dumps({"text": text, "source": name}, ensure_ascii=False) + "\n")
             kept, chars = kept + 1, chars + len(text)
-    print(f"{kept} files, {chars:,} characters -> {args.out}")
+    print(f"{kept} files, {chars:,} characters -> {args.out}; skipped: {dict(stats.skipped)}")
     return 0
 
 

@@ -13,8 +13,10 @@ from dipaco.data.corpus import (
     is_validation,
     iter_blob_documents,
     iter_corpus,
+    iter_text_files,
     load_corpus,
     split_documents,
+    walk_files,
 )
 
 
@@ -59,6 +61,20 @@ def test_it_skips_and_counts_bad_files(tmp_path: Path) -> None:
     assert stats.documents == len(docs)
     assert stats.chars == sum(len(d.text) for d in docs)
     assert any("latin1.md: undecodable" in e for e in stats.skipped_examples)
+
+
+def test_whole_text_files_are_read_by_the_directory_rules(tmp_path: Path) -> None:
+    _write_messy_directory(tmp_path)
+    (tmp_path / "sub" / "link.py").symlink_to(tmp_path / "sub" / "code.py")
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "t.py").write_text("x = 1\n")
+    files = walk_files(tmp_path, frozenset({".txt", ".md", ".py"}), frozenset({"tests"}))
+    stats = CorpusStats()
+    texts = dict(iter_text_files(tmp_path, files, stats, max_bytes=4096))
+    # No symlink, nothing under an excluded folder, whole files (blank ones too).
+    assert list(texts) == ["blank.txt", "good.txt", "sub/code.py"]
+    assert texts["sub/code.py"] == "def f():\n    return 1\n"
+    assert dict(stats.skipped) == {"binary": 1, "undecodable": 1, "too_large": 1}
 
 
 def test_a_jsonl_corpus_reads_the_configured_field(tmp_path: Path) -> None:

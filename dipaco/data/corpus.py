@@ -254,6 +254,29 @@ def _read_files(
         yield name, data
 
 
+def iter_text_files(
+    root: Path,
+    files: Iterable[Path],
+    stats: CorpusStats,
+    *,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Iterator[tuple[str, str]]:
+    """``(name relative to root, text)`` of each file in `files`, in their order, under the
+    rules that iter_corpus reads a directory by (size, binary, UTF-8); whole, not chunked."""
+    for name, data in _read_files(root, files, stats, max_bytes):
+        stats.files += 1
+        text = _decode(name, data, stats, max_bytes)
+        if text is not None:
+            yield name, text
+
+
+def walk_files(
+    root: Path, suffixes: frozenset[str], excluded_dirs: frozenset[str] = frozenset()
+) -> list[Path]:
+    """The files under `root` with one of `suffixes`, in iter_corpus's deterministic order."""
+    return [p for p in _walk(root, excluded_dirs) if p.suffix.lower() in suffixes]
+
+
 def stdlib_root() -> Path:
     """The standard library directory of the running interpreter."""
     return Path(sysconfig.get_paths()["stdlib"])
