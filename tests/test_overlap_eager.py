@@ -60,7 +60,7 @@ from tests.test_outer_tasks import (  # noqa: F401 (module-scoped fixtures used 
     stored_version,
     wait_for,
 )
-from tests.test_overlap import accepted_of, momentum_of
+from tests.test_overlap import CLOSING, accepted_of, momentum_of
 from tests.test_worker_agent_e2e import (  # noqa: F401 (a fixture used below)
     SHARD_TOKENS,
     SMALL_MODEL,
@@ -301,7 +301,7 @@ def test_an_eager_units_delta_is_relative_to_round_ts_versions_and_lands_on_them
     # Proof of useful work scores it on the versions it is relative to (rounds.outer_step).
     assert _delta_bases(rows)[granted.lease.pk] == (("0.0", 1), ("shared", 1))
 
-    assert send(on_s3, "close_round", run.pk, 1).get(timeout=30) == "closing"
+    assert send(on_s3, "close_round", run.pk, 1).get(timeout=30) in CLOSING
     wait_for(lambda: Round.objects.filter(run=run, t=1, state="closed").exists(), on_s3)
     round1 = Round.objects.get(run=run, t=1)
     for module_id in ("0.0", "shared"):
@@ -325,7 +325,7 @@ def test_an_eager_units_delta_is_relative_to_round_ts_versions_and_lands_on_them
     contribute(run, good, seed=3, name="third")
     last = Contribution.objects.filter(unit__round__run=run, unit__round__t=2)
     assert {c.base_version for c in last} == {c.unit.base_versions["0.0"] for c in last} == {1}
-    assert send(on_s3, "close_round", run.pk, 2).get(timeout=30) == "closing"
+    assert send(on_s3, "close_round", run.pk, 2).get(timeout=30) in CLOSING
     wait_for(lambda: Run.objects.get(pk=run.pk).state == "finished", on_s3)
     assert not Contribution.objects.filter(unit__round__run=run, status="pending").exists()
     accepted = [a for t in range(3) for a in accepted_of(run, t)]

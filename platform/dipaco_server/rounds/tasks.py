@@ -200,6 +200,8 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
             # outer.overlap delayed, even forced: finish_round(t - 1) sends this again.
             return "waiting for round t - 1"
         if not force and not round_ready_to_close(round_):
+            if round_.state != Round.State.OPEN:  # as refreshed: a concurrent call moved it on
+                return "closing elsewhere"
             return "not ready"
         if not start_closing(round_):
             return "closing elsewhere"  # a concurrent call won and launched the chord
