@@ -230,7 +230,9 @@ class Deltas:
         }
 
 
-def seed(volunteers: int, units: int, paths: int, work: Path) -> tuple[int, list[str], Deltas]:
+def seed(
+    volunteers: int, units: int, paths: int, work: Path, overlap: str = "none"
+) -> tuple[int, list[str], Deltas]:
     """A running run with about `units` queued units per round, its modules' real version-0
     blobs and its paths' real token shards (written under `work`) in S3, a token per
     volunteer, and the Δs its units upload (`Deltas`)."""
@@ -252,7 +254,7 @@ def seed(volunteers: int, units: int, paths: int, work: Path) -> tuple[int, list
         raise SystemExit(f"--paths {paths}: give 1 or a square (4, 9, 16, ...)")
     config = RunConfig.tiny(
         name="bench", rounds=100_000, replicas_per_path=math.ceil(units / paths),
-        model=MODEL, layout=LayoutConfig.grid(2, levels, modules),
+        model=MODEL, layout=LayoutConfig.grid(2, levels, modules), outer={"overlap": overlap},
     )  # fmt: skip
     run = create_run("bench", config.model_dump(mode="json"))
     config = run.run_config
@@ -312,6 +314,7 @@ def process_cpu_s(roots: list[int]) -> float:
     return total
 
 
+LAG_TICK_S = 0.5  # how often loop_lag measures the client's event loop
 BACKEND_SAMPLE_S = 20.0  # how often the window samples the database backends' CPU
 
 
@@ -323,6 +326,27 @@ def database_backends(admin_url: str, name: str) -> dict[int, float]:
         pids = [r[0] for r in conn.execute(
             "SELECT pid FROM pg_stat_activity WHERE datname = %s", (name,))]  # fmt: skip
     return {pid: process_cpu_s([pid]) for pid in pids}
+
+
+def redis_pids() -> list[int]:
+    """The redis-server processes on this machine (the bench's broker and cache)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and (entry / "comm").read_text().strip() == "redis-server":
+                pids.append(int(entry.name))
+        except OSError:
+            continue
+    return pids
+
+
+async def loop_lag(lags: list[float], every_s: float = LAG_TICK_S) -> None:
+    """How late this client's event loop wakes from a sleep, every `every_s` (appended to
+    `lags`): the share of a client-side latency that is the client waiting for its own CPU."""
+    while True:
+        asked = time.monotonic()
+        await asyncio.sleep(every_s)
+        lags.append(max(0.0, time.monotonic() - asked - every_s))
 
 
 def capacity(cpu: Mapping[str, float], latency: Mapping[str, Any], seconds: float,
@@ -341,6 +365,10 @@ def capacity(cpu: Mapping[str, float], latency: Mapping[str, Any], seconds: floa
         "postgres_ms_per_request": round(1e3 * cpu["postgres"] / max(1, web_requests), 2),
         "celery_and_s3_ms_per_request": round(
             1e3 * (cpu["celery"] + cpu["s3"]) / max(1, web_requests), 2),
+        # Every part's CPU over the window, in cores of this machine: near os.cpu_count(), the
+        # machine, not the server, is the limit (the client, S3 and Celery share its cores).
+        "cores_busy": round(sum(cpu.values()) / seconds, 2),
+        "cores": os.cpu_count() or 0,
         "requests_per_core_s": round(per_core, 1),
         "projected_volunteers_per_core": round(per_core / per_volunteer) if per_volunteer else 0,
     }  # fmt: skip
@@ -700,9 +728,13 @@ def boundaries(run_id: int, grant_rate: float) -> list[dict[str, Any]]:
             continue
         units = current.units.count()
         opened = current.opened_at.timestamp()
+        # With outer.overlap the next round opens as the step starts: the step's own length
+        # is closing to closed, and volunteers wait only closing to the next opening.
+        step_s = (previous.closed_at - started).total_seconds() if previous.closed_at else None
         out.append({
             "t": current.t, "closing_at": started.timestamp(), "opened_at": opened,
-            "outer_step_s": opened - started.timestamp(),
+            "outer_step_s": step_s,  # None: still stepping when the window ended
+            "wait_s": opened - started.timestamp(),
             "until": opened + units / grant_rate + BOUNDARY_TAIL_S,
         })  # fmt: skip
     return out
@@ -773,6 +805,7 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"units: {result['units']}")
     print(f"rounds: {result['rounds']}")
     print(f"cpu: {result['cpu']}")
+    print(f"client event-loop lag (ms): {result['client_loop_lag_ms']}")
 
 
 def main() -> int:
@@ -805,6 +838,9 @@ def main() -> int:
     parser.add_argument("--postgres", default=os.environ.get(
         "DATABASE_URL", "postgres://postgres@127.0.0.1:5432/postgres"))  # fmt: skip
     parser.add_argument("--redis", default="redis://127.0.0.1:6379/12", help="flushed")
+    parser.add_argument("--overlap", choices=("none", "delayed", "eager"), default="none",
+                        help="the run's outer.overlap: with delayed, round t + 1 opens as "
+                             "round t's outer step starts, so volunteers train through it")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the result here")
     args = parser.parse_args()
 
@@ -833,7 +869,7 @@ def main() -> int:
         logging.getLogger("dipaco_server").setLevel(logging.WARNING)  # one line per worker
         units = round(args.volunteers * args.units_per_volunteer)
         print(f"seeding {units} units per round and {args.volunteers} workers ...", flush=True)
-        run_id, tokens, payloads = seed(args.volunteers, units, args.paths, work)
+        run_id, tokens, payloads = seed(args.volunteers, units, args.paths, work, args.overlap)
         from django.db import connections
 
         connections.close_all()
@@ -870,12 +906,15 @@ def main() -> int:
             "web": [p.pid for n, p in children.items() if n.startswith("web")],
             "celery": [p.pid for n, p in children.items() if n.startswith(("celery", "beat"))],
             "s3": [s3.pid],
+            "redis": redis_pids(),
         }
 
         async def measured() -> tuple[Stats, float, float, dict[str, float]]:
             task = asyncio.create_task(load(url, tokens, args, payloads))
             await asyncio.sleep(args.warmup)
             before = {k: process_cpu_s(v) for k, v in groups.items()}
+            client_before = time.process_time()  # this process: the volunteers and Δ thread
+            lagging = asyncio.create_task(loop_lag(lags))
             first = database_backends(args.postgres, name)
             # Every backend's CPU as last seen, sampled through the window: the pool closes
             # connections (psycopg_pool's max_lifetime, an hour) and a backend gone by the
@@ -889,9 +928,12 @@ def main() -> int:
                     seen[pid] = max(seen.get(pid, 0.0), cpu)  # 0 if it ended meanwhile
             spent = {k: process_cpu_s(v) - before[k] for k, v in groups.items()}
             spent["postgres"] = sum(cpu - first.get(pid, 0.0) for pid, cpu in seen.items())
+            spent["client"] = time.process_time() - client_before
+            lagging.cancel()
             stats, start, end = await task
             return stats, start, end, spent
 
+        lags: list[float] = []
         stats, start, end, cpu = asyncio.run(measured())
         seconds = end - start
         window = [s for s in stats.samples if start <= s[0] < end]
@@ -922,10 +964,18 @@ def main() -> int:
             "web_workers": args.web_workers, "web_threads": args.web_threads or WEB_THREADS,
             "celery_workers": args.celery_workers,
             "db_pool": args.db_pool, "grant_rate": grant_rate, "units_per_round": units,
+            "overlap": args.overlap,
             "shed_after_s": environ.get("DIPACO_SHED_AFTER_S", "default (5)"),
             "load_average": [round(x, 1) for x in os.getloadavg()],
             "cpu": capacity(cpu, latency, seconds, args.volunteers),
-            "rounds": [{"t": e["t"], "outer_step_s": round(e["outer_step_s"], 1),
+            "client_loop_lag_ms": {
+                "p50": round(1e3 * percentile(lags, 0.5), 1),
+                "p99": round(1e3 * percentile(lags, 0.99), 1),
+                "max": round(1e3 * max(lags, default=math.nan), 1),
+            },
+            "rounds": [{"t": e["t"],
+                        "outer_step_s": e["outer_step_s"] and round(e["outer_step_s"], 1),
+                        "wait_s": round(e["wait_s"], 1),
                         "opened_at_s": round(e["opened_at"] - start + args.warmup, 1)}
                        for e in edges],
             "latency": latency, "errors": dict(stats.errors),
