@@ -48,6 +48,7 @@ class DemoProcess:
         # No service URLs: the demo must not need them (and must ignore them if set).
         environ = {**compose_env(), "COLUMNS": "200", "PYTHONUNBUFFERED": "1"}
         command = [*DEMO, *args, "--data-dir", str(data_dir)]
+        self.data_dir = data_dir
         self.chunks: list[str] = []
         if terminal:
             self.terminal, screen = pty.openpty()
@@ -90,9 +91,25 @@ class DemoProcess:
     def wait_for(self, text: str, timeout: float = DEMO_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout
         while text not in self.output:
-            assert self.process.poll() is None, f"the demo exited early:\n{self.output[-4000:]}"
+            code = self.process.poll()
+            if code is not None:
+                # What it printed last (its error) may still be in the pipe or terminal.
+                self._reader.join(timeout=10)
+                if text in self.output:
+                    return
+                raise AssertionError(
+                    f"the demo exited early (code {code}):\n{self.output[-6000:]}\n{self.logs()}"
+                )
             assert time.monotonic() < deadline, f"no {text!r} in:\n{self.output[-4000:]}"
             time.sleep(0.2)
+
+    def logs(self, tail: int = 2000) -> str:
+        """The end of every log the demo wrote (its server's and its workers'), for failures."""
+        parts = []
+        for log in sorted(self.data_dir.glob("**/*.log")):
+            text = log.read_text(errors="replace")[-tail:]
+            parts.append(f"--- {log.relative_to(self.data_dir)} (last {tail} characters)\n{text}")
+        return "\n".join(parts)
 
     def finish(self, timeout: float = DEMO_TIMEOUT_S) -> int:
         try:
