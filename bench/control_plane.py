@@ -81,6 +81,8 @@ REQUEST_TIMEOUT_S = 30.0
 RETRY = Backoff()
 ANY_ERROR = tuple(range(400, 600))
 BOUNDARY_TAIL_S = 30.0  # a boundary's window: closing .. opening + units / grant rate + this
+LAG_TICK_S = 0.5  # how often loop_lag measures the client's event loop
+BACKEND_SAMPLE_S = 20.0  # how often the window samples the database backends' CPU
 GRANT_RATE = 50.0  # rounds.policy's DIPACO_GRANT_RATE default, unless --grant-rate
 CHECK_OFFSET = 1_000_000  # rounds.replication: check copies' replica indices start here
 # gunicorn's access log, with the time each request took in the server (%(M)s, ms): the
@@ -312,10 +314,6 @@ def process_cpu_s(roots: list[int]) -> float:
         total += times.get(pid, 0.0)
         todo.extend(child for child, parent in parents.items() if parent == pid)
     return total
-
-
-LAG_TICK_S = 0.5  # how often loop_lag measures the client's event loop
-BACKEND_SAMPLE_S = 20.0  # how often the window samples the database backends' CPU
 
 
 def database_backends(admin_url: str, name: str) -> dict[int, float]:
