@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Any
 
+import httpx
 import pytest
 from django.utils import timezone
 
@@ -152,3 +153,60 @@ def test_an_overloaded_server_is_asked_again_at_its_pace_not_given_up_on(
     monkeypatch.setattr(shedding, "queued_s", lambda: None)
     assert client.lease() is None and not client.overloaded  # a plain 204: nothing queued
     client.close()
+
+
+class FlakyNetwork(httpx.HTTPTransport):
+    """The volunteer's line dropping requests: the first `drops[route]` requests whose path
+    ends with `route` fail to connect; `passed` counts those that went through."""
+
+    def __init__(self, drops: dict[str, int]) -> None:
+        super().__init__()
+        self.drops, self.passed = dict(drops), dict.fromkeys(drops, 0)
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        for route, left in self.drops.items():
+            if request.url.path.endswith(route):
+                if left > 0:
+                    self.drops[route] = left - 1
+                    raise httpx.ConnectError("the line is down", request=request)
+                self.passed[route] += 1
+        return super().handle_request(request)
+
+
+def test_a_trained_delta_is_handed_in_through_outages_longer_than_the_clients_tries(
+    store: BlobStore, live_server: Any, tmp_path: Any
+) -> None:
+    """The network fails the upload-URL request through all the client's tries and one
+    more, then the completion through all of them: before, the first give-up ended the agent
+    (ServerUnreachable) with a trained unit in hand. Now the agent tries the hand-in again
+    while its round may take it; the completion's retry does not upload again."""
+    import io
+    import json
+    import threading
+
+    from dipaco_server.rounds.models import WorkUnit
+    from worker_agent.agent import Agent, AgentOptions
+    from worker_agent.device import detect_device
+    from worker_agent.progress import JsonReporter
+
+    running_run(store, steps=2)
+    token = enrolled(live_server.url).token
+    network = FlakyNetwork({"/upload-urls": FAST.attempts + 1, "/complete": FAST.attempts})
+    client = Client(live_server.url, token, policy=FAST, transport=network)
+    out, stop = io.StringIO(), threading.Event()
+    options = AgentOptions(data_dir=tmp_path, max_units=1, hand_in_pause_s=0.05, policy=FAST)
+    agent = Agent(client, HeartbeatThread(client, 30.0), detect_device("cpu"), options,
+                  JsonReporter(out), stop)  # fmt: skip
+    try:
+        agent.run()
+    finally:
+        agent.close()
+        client.close()
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    waits = [e for e in events if e["event"] == "hand_in_wait"]
+    assert len(waits) == 2, out.getvalue()  # one give-up of upload URLs, one of completion
+    assert all("trying again in" in e["message"] for e in waits), waits
+    assert [e["event"] for e in events].count("completed") == 1, out.getvalue()
+    assert network.passed == {"/upload-urls": 1, "/complete": 1}, network.passed
+    lease = Lease.objects.select_related("unit").get()
+    assert lease.state == Lease.State.COMPLETED and lease.unit.state == WorkUnit.State.DONE

@@ -13,6 +13,9 @@ when:
 - the lease expires while the agent is alive (a heartbeat says so): the server still
   takes the Δ while no other lease holds the unit;
 - the round's deadline is near (`LeaseGrant.round_deadline`): the round may close soon.
+A trained Δ is handed in (upload URLs, uploads, completion) for as long as its round may
+take it (`hand_in`): a server or store out of reach past the client's own tries (about 2
+minutes) is tried again every 30 s until the round's deadline as last heard has passed.
 A round that closed or a run that stopped (heartbeat "release") makes the work useless:
 it is dropped. Fewer than ``units.min_partial_steps`` steps are released, not uploaded.
 
@@ -32,6 +35,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import httpx
 from torch import Tensor
 
 from dipaco.config import GiB, InnerConfig, RunConfig
@@ -46,6 +50,7 @@ from worker_agent.client import (
     LeaseGrant,
     Manifest,
     ShardRef,
+    UploadTarget,
     lease_from_json,
     seconds_until,
 )
@@ -58,6 +63,7 @@ from worker_agent.errors import (
     Interrupted,
     OutOfMemory,
     ServerError,
+    ServerUnreachable,
 )
 from worker_agent.heartbeat import HeartbeatThread
 from worker_agent.payload import encode_deltas
@@ -73,6 +79,46 @@ __all__ = ["Agent", "AgentOptions"]
 log = logging.getLogger(__name__)
 
 
+# The longest a trained Δ is kept being handed in while the server or the store cannot be
+# reached (Agent._hand_in_until); the client's own tries last about 2 minutes.
+HAND_IN_LONGEST_S = 3600.0
+HAND_IN_PAUSE_S = 30.0  # between two hand-in attempts (each its own client tries)
+
+
+def hand_in(
+    send: Callable[[], None],
+    *,
+    until: float,
+    stop: threading.Event,
+    on_wait: Callable[[BaseException, float], None] | None = None,
+    pause_s: float = HAND_IN_PAUSE_S,
+    clock: Callable[[], float] = time.monotonic,
+) -> None:
+    """`send()` a trained unit's Δ (upload URLs, uploads, completion) until it goes through.
+
+    Work in hand is worth more than a request: a server or store that cannot be reached, or
+    answers 5xx/429, through the client's own tries (about 2 minutes: an overload, a restart,
+    the volunteer's network) is tried again every `pause_s` until `until` (monotonic), the
+    last moment its round may still take it. An answer that cannot change (a 4xx: the round
+    closed, the lease was taken over) is raised at once, as is the last failure once
+    `until` has passed or `stop` is set (the state file keeps the unit for a restart).
+    """
+    while True:
+        try:
+            send()
+            return
+        except (ServerUnreachable, httpx.TransportError, ServerError) as error:
+            if isinstance(error, ServerError) and not error.transient:
+                raise
+            pause = min(pause_s, until - clock())
+            if pause <= 0 or stop.is_set():
+                raise
+            if on_wait is not None:
+                on_wait(error, pause)
+            if stop.wait(pause):
+                raise
+
+
 @dataclass
 class AgentOptions:
     data_dir: Path
@@ -83,6 +129,7 @@ class AgentOptions:
     cache_max_bytes: int = 20 * GiB
     step_delay_s: float = 0.0  # --step-delay: a slower device (tests, benchmarks)
     policy: Backoff = field(default_factory=Backoff)
+    hand_in_pause_s: float = HAND_IN_PAUSE_S  # between tries to hand in a trained Δ
 
 
 class Agent:
@@ -246,9 +293,6 @@ class Agent:
             encoded, state = encode_deltas(
                 result.module_deltas, config, work / "deltas", result.state
             )
-        targets = self.client.upload_urls(grant.lease_id, grant.secret)
-        for delta in encoded:
-            self.upload_transfers.upload(targets[delta.module_id], delta.path)
         tail = result.losses[-max(1, len(result.losses) // 10) :]
         metrics = {
             "loss": sum(tail) / len(tail),
@@ -273,9 +317,31 @@ class Agent:
                     at_step=grant.rebase.at_step, reason=why, waited_s=waited,
                 )  # fmt: skip
         contributions = [Contribution(d.module_id, d.sha256, d.size) for d in encoded]
-        self.client.complete(
-            grant.lease_id, grant.secret, contributions, result.tokens, metrics,
-            base_versions=relative_to,
+        targets: dict[str, UploadTarget] = {}
+        uploaded: set[str] = set()
+
+        def send() -> None:
+            """Upload URLs, the uploads not yet done, the completion (a replay of which
+            answers as the first); fresh URLs after a failure short of the completion."""
+            if not targets or len(uploaded) < len(encoded):
+                targets.update(self.client.upload_urls(grant.lease_id, grant.secret))
+            for delta in encoded:
+                if delta.module_id not in uploaded:
+                    self.upload_transfers.upload(targets[delta.module_id], delta.path)
+                    uploaded.add(delta.module_id)
+            self.client.complete(
+                grant.lease_id, grant.secret, contributions, result.tokens, metrics,
+                base_versions=relative_to,
+            )  # fmt: skip
+
+        hand_in(
+            send, until=self._hand_in_until(grant), stop=self.stop,
+            pause_s=self.options.hand_in_pause_s,
+            on_wait=lambda error, pause: self.reporter.event(
+                "hand_in_wait", f"lease {grant.lease_id}: handing in its Δ failed ({error}); "
+                f"trying again in {pause:.3g} s, as long as its round may take it",
+                lease_id=grant.lease_id, wait_s=pause,
+            ),
         )  # fmt: skip
         if not result.completed and ending.partial:
             self.reporter.event(
@@ -296,6 +362,19 @@ class Agent:
         rebased = rebasers[0].refs if rebasers else []
         keep = {ref.sha256 for ref in [*manifest.modules, *rebased]} | {manifest.data.sha256}
         self.cache.prune(keep, self.options.cache_max_bytes)
+
+    def _hand_in_until(self, grant: LeaseGrant) -> float:
+        """Until when (monotonic) a trained Δ is worth handing in: its round's deadline as
+        last heard plus two heartbeat intervals (a round closes after its deadline and the
+        salvage grace), never less than the client's own tries, at most HAND_IN_LONGEST_S;
+        HAND_IN_LONGEST_S when the round has no deadline. The server's refusal (the round
+        closed, the lease taken over) ends it sooner."""
+        left = seconds_until(self.heartbeats.round_deadline or grant.round_deadline)
+        floor = self.client.policy.longest_total_s
+        if left is None:
+            return time.monotonic() + HAND_IN_LONGEST_S
+        patience = left + 2 * grant.heartbeat_interval_s
+        return time.monotonic() + min(HAND_IN_LONGEST_S, max(floor, patience))
 
     def _train(
         self,
