@@ -79,7 +79,7 @@ def config(args: argparse.Namespace, **outer: Any) -> RunConfig:
 
 
 def unit_token_cap(cfg: RunConfig) -> int:
-    """rounds.open.unit_tokens: the most tokens a unit can claim."""
+    """dipaco.data.windows.unit_tokens: the most tokens a unit can claim."""
     return unit_windows(cfg) * cfg.model.seq_len
 
 

@@ -79,6 +79,7 @@ REQUEST_TIMEOUT_S = 30.0
 # (transport, time-out, 5xx, 408, 429), up to Backoff()'s 8 tries over about 2 minutes,
 # waiting the server's Retry-After when longer; then the agent gives up the unit.
 RETRY = Backoff()
+HAND_IN_PAUSE_S = 30.0  # worker_agent.agent.HAND_IN_PAUSE_S
 ANY_ERROR = tuple(range(400, 600))
 BOUNDARY_TAIL_S = 30.0  # a boundary's window: closing .. opening + units / grant rate + this
 LAG_TICK_S = 0.5  # how often loop_lag measures the client's event loop
@@ -384,6 +385,7 @@ class Stats:
     unfinished: dict[int, str] = field(default_factory=dict)  # lease id -> why not handed in
     idle = 0  # lease answers 204
     partial = 0  # units stopped before their steps for the round's deadline, Δ handed in
+    hand_in_waits = 0  # hand-ins tried again after the client's tries were spent
 
 
 @dataclass
@@ -459,18 +461,22 @@ def transient(reply: Any) -> bool:
 
 async def persist(send: Any, rng: random.Random) -> Any:
     """`send()` (a `call` with ``answers=ANY_ERROR``) as the agent's client retries: its
-    reply once it succeeds, None once a failure is final or the tries are spent. Every try
-    counts in the figures; only a unit whose tries all failed is lost."""
+    reply once it succeeds, else the last failure's (None: a transport error or time-out)
+    once a failure is final or the tries are spent. Every try counts in the figures."""
     waits = delays(RETRY, rng)
     while True:
         reply = await send()
-        if reply is not None and reply.status_code < 400:
+        if succeeded(reply):
             return reply
         wait = next(waits, None)
         if not transient(reply) or wait is None:
-            return None
+            return reply
         hint = float(reply.headers.get("Retry-After", 0)) if reply is not None else 0.0
         await asyncio.sleep(min(RETRY.max_s, max(wait, hint)))
+
+
+def succeeded(reply: Any) -> bool:
+    return reply is not None and reply.status_code < 400
 
 
 def trained_tokens(lease: Mapping[str, Any], steps: int | None = None) -> int:
@@ -522,6 +528,57 @@ async def upload(client: Session, stats: Stats, target: Mapping[str, Any],
                           content=form, answers=ANY_ERROR)  # fmt: skip
 
     return await persist(send, rng)
+
+
+@dataclass
+class HandIn:
+    """One trained unit handed in as the agent does: upload URLs, the uploads not done yet,
+    the completion; fresh URLs after a failure short of the completion."""
+
+    client: Session
+    stats: Stats
+    lease: Mapping[str, Any]
+    headers: Mapping[str, str]
+    deltas: Mapping[str, bytes]
+    steps: int
+    rng: random.Random
+    targets: list[dict[str, Any]] = field(default_factory=list)
+    uploaded: set[str] = field(default_factory=set)
+
+    async def send(self) -> tuple[Any, str]:
+        """One try (each request with the client's retries): (the last reply, what it was)."""
+        client, stats, rng = self.client, self.stats, self.rng
+        prefix = f"/api/v1/worker/lease/{self.lease['lease_id']}"
+        if not self.targets or len(self.uploaded) < len(self.targets):
+            urls = await persist(functools.partial(
+                call, client, stats, "upload-urls", "POST", f"{prefix}/upload-urls",
+                headers=self.headers, answers=ANY_ERROR), rng)  # fmt: skip
+            if not succeeded(urls):
+                return urls, "upload-urls failed"
+            self.targets[:] = urls.json()["uploads"]
+        todo = [u for u in self.targets if u["module_id"] not in self.uploaded]
+        sent = await asyncio.gather(
+            *(upload(client, stats, u, self.deltas[u["module_id"]], rng) for u in todo)
+        )
+        self.uploaded.update(
+            u["module_id"] for u, r in zip(todo, sent, strict=True) if succeeded(r)
+        )
+        failed = [r for r in sent if not succeeded(r)]
+        if failed:
+            return failed[0], "upload failed"
+        body = {
+            "contributions": [
+                {"module_id": u["module_id"],
+                 "sha256": hashlib.sha256(self.deltas[u["module_id"]]).hexdigest(),
+                 "size": len(self.deltas[u["module_id"]])}
+                for u in self.targets
+            ],
+            "tokens": trained_tokens(self.lease, self.steps), "metrics": {"loss": 1.0},
+        }  # fmt: skip
+        done = await persist(functools.partial(
+            call, client, stats, "complete", "POST", f"{prefix}/complete", json=body,
+            headers=self.headers, answers=ANY_ERROR), rng)  # fmt: skip
+        return done, "complete failed"
 
 
 async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Namespace,
@@ -606,36 +663,26 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
             stats.unfinished[lease_id] = kind + "release instruction"
             continue
         stats.partial += steps < int(lease["steps"])
-        prefix = f"/api/v1/worker/lease/{lease_id}"
-        urls = await persist(functools.partial(
-            call, client, stats, "upload-urls", "POST", f"{prefix}/upload-urls",
-            headers=headers, answers=ANY_ERROR), rng)  # fmt: skip
-        if urls is None:
-            stats.unfinished[lease_id] = kind + "upload-urls failed"
-            continue
-        uploads = urls.json()["uploads"]
         trained = await payloads.get(lease["path"], lease["base_versions"], lease["round"])
-        deltas = {u["module_id"]: unique(trained[u["module_id"]], f"{token[-16:]}-{lease_id}")
-                  for u in uploads}  # fmt: skip
-        sent = [upload(client, stats, u, deltas[u["module_id"]], rng) for u in uploads]
-        if any(r is None for r in await asyncio.gather(*sent)):
-            stats.unfinished[lease_id] = kind + "upload failed"
-            continue
-        body = {
-            "contributions": [
-                {"module_id": u["module_id"],
-                 "sha256": hashlib.sha256(deltas[u["module_id"]]).hexdigest(),
-                 "size": len(deltas[u["module_id"]])}
-                for u in uploads
-            ],
-            "tokens": trained_tokens(lease, steps), "metrics": {"loss": 1.0},
-        }  # fmt: skip
-        if await persist(functools.partial(
-            call, client, stats, "complete", "POST", f"{prefix}/complete", json=body,
-            headers=headers, answers=ANY_ERROR), rng) is not None:  # fmt: skip
-            stats.completed[lease["unit_id"]] += 1
-        else:
-            stats.unfinished[lease_id] = kind + "complete failed"
+        deltas = {m: unique(data, f"{token[-16:]}-{lease_id}") for m, data in trained.items()}
+        unit = HandIn(client, stats, lease, headers, deltas, steps, rng)
+        # worker_agent.agent.hand_in: tried again every HAND_IN_PAUSE_S while the round may
+        # take the Δ (its deadline as last heard plus two heartbeat intervals), heartbeating.
+        floor = time.monotonic() + RETRY.longest_total_s
+        until = floor if round_end is None else max(floor, round_end + 2 * interval)
+        while True:
+            reply, why = await unit.send()
+            if succeeded(reply):
+                stats.completed[lease["unit_id"]] += 1
+                break
+            pause = min(HAND_IN_PAUSE_S, until - time.monotonic())
+            if not transient(reply) or pause <= 0 or stop.is_set():
+                stats.unfinished[lease_id] = kind + why
+                break
+            stats.hand_in_waits += 1
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), pause)
+            await beat(lease)
 
 
 async def load(url: str, tokens: list[str], args: argparse.Namespace,
@@ -978,7 +1025,8 @@ def main() -> int:
                        for e in edges],
             "latency": latency, "errors": dict(stats.errors),
             "server_latency": server_side(logs, start + wall_offset, end + wall_offset),
-            "units": {**counts, "idle_polls": stats.idle, "partial": stats.partial},
+            "units": {**counts, "idle_polls": stats.idle, "partial": stats.partial,
+                      "hand_in_waits": stats.hand_in_waits},
         }  # fmt: skip
         print_report(result)
         if args.json:

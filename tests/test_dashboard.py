@@ -19,11 +19,12 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from django.utils import timezone
 
+from dipaco.data.windows import unit_tokens
 from dipaco_server.rounds.close import mark_round_closed, mark_round_closing
 from dipaco_server.rounds.complete import ContributionReport, complete
 from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution
-from dipaco_server.rounds.open import open_round, start_run, unit_tokens
+from dipaco_server.rounds.open import open_round, start_run
 from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run

@@ -13,7 +13,7 @@ from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 
-from dipaco.data.windows import unit_start, unit_windows
+from dipaco.data.windows import unit_start, unit_tokens, unit_windows
 from dipaco_server.rounds.close import mark_round_closed, mark_round_closing, round_ready_to_close
 from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
 from dipaco_server.rounds.lease import (
@@ -25,7 +25,7 @@ from dipaco_server.rounds.lease import (
     release,
 )
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
-from dipaco_server.rounds.open import open_round, start_run, unit_tokens
+from dipaco_server.rounds.open import open_round, start_run
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.errors import (
     ContributionConflict,

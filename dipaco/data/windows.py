@@ -32,7 +32,26 @@ if TYPE_CHECKING:
 # torch and numpy are imported where they are used: the server's processes import this
 # module (path_seed, unit_start) at their start, and torch takes seconds to import.
 
-__all__ = ["RowSource", "ShardSource", "UnitSource", "path_seed", "unit_start", "unit_windows"]
+__all__ = [
+    "RowSource",
+    "ShardSource",
+    "UnitSource",
+    "path_seed",
+    "step_tokens",
+    "unit_start",
+    "unit_tokens",
+    "unit_windows",
+]
+
+
+def step_tokens(config: RunConfig) -> int:
+    """Tokens of one inner step: batch sequences x sequence length."""
+    return config.inner.batch_size * config.model.seq_len
+
+
+def unit_tokens(config: RunConfig) -> int:
+    """Tokens one whole unit trains on: H steps x batch sequences x sequence length."""
+    return config.inner.steps * step_tokens(config)
 
 
 def path_seed(config: RunConfig, path: int) -> int:

@@ -28,7 +28,7 @@ from typing import Any
 from rich.console import Console
 
 from dipaco.config import RunConfig
-from dipaco.evaluate import weighted_mean
+from dipaco.evaluate import perplexity, weighted_mean
 from dipaco.inner import StepMetrics
 from dipaco_demo import baseline, control, plan, records, summary
 from dipaco_demo.control import AdminClient, DemoError, ServerProcess
@@ -291,7 +291,7 @@ class Demo:
                     continue
                 self.display.log(
                     f"round {r + 1} closed ({what} {routed[r]:.3f}, "
-                    f"perplexity {math.exp(min(routed[r], 700.0)):.1f})"
+                    f"perplexity {perplexity(routed[r]) or math.nan:.1f})"
                 )
             if status["phase"] != phase:  # after the rounds it follows are logged
                 phase = status["phase"]

@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 from django.db.models import Max, Sum
 
+from dipaco.data.windows import step_tokens
 from dipaco_server.rounds.models import Contribution, Lease
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Run
 from dipaco_server.runs.phases import DENSE, PATHS, phase_config
@@ -160,7 +161,7 @@ def communication(run: Run) -> Communication:
     configs = {phase: phase_config(config, phase) for phase in phases}
     params = {phase: c.module_param_counts() for phase, c in configs.items()}
     steps = {phase: c.inner.steps for phase, c in configs.items()}
-    step_tokens = {phase: c.inner.batch_size * c.model.seq_len for phase, c in configs.items()}
+    per_step = {phase: step_tokens(c) for phase, c in configs.items()}
     sizes = {
         (phase, module_id, version): size
         for phase, module_id, version, size in ModuleVersion.objects.filter(
@@ -198,8 +199,8 @@ def communication(run: Run) -> Communication:
                 for m, v in base_versions.items()
             )
         trained = steps.get(phase, 0)
-        if tokens and step_tokens.get(phase):
-            trained = min(trained, tokens // step_tokens[phase])
+        if tokens and per_step.get(phase):
+            trained = min(trained, tokens // per_step[phase])
         data_parallel[t] += trained * 2 * FP32_BYTES * sum(counts.get(m, 0) for m in modules)
     rounds = sorted(set(up) | set(down) | set(data_parallel))
     return Communication(

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dipaco.config import LayoutConfig, RunConfig, estimate_path_memory
+from dipaco.data.windows import unit_tokens
 
 GiB = 1024**3
 
@@ -265,7 +266,7 @@ def estimate(config: RunConfig) -> Estimate:
     """One path's training memory (dipaco.config.estimate_path_memory, the bound the schema
     enforces) and one work unit's size and time on the reference devices."""
     memory = estimate_path_memory(config.model, config.inner)
-    tokens = config.inner.steps * config.inner.batch_size * config.model.seq_len
+    tokens = unit_tokens(config)
     flops = 6.0 * memory.params * tokens
     units = config.num_paths * config.replicas_per_path
     total = units * config.rounds

@@ -39,13 +39,13 @@ from django.db import transaction
 from django.utils import timezone
 
 from dipaco.config import RunConfig
+from dipaco.data.windows import step_tokens
 from dipaco_server.rounds.lease import (
     check_lease_live,
     check_salvage,
     fetch_lease,
     lease_tokens,
     load_own_lease,
-    step_tokens,
 )
 from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
 from dipaco_server.rounds.rebase import check_delta_base

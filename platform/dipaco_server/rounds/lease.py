@@ -26,6 +26,7 @@ from django.db.models.functions import Least
 from django.utils import timezone
 
 from dipaco.config import RunConfig
+from dipaco.data.windows import step_tokens
 from dipaco_server.rounds import replication
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import SchedulerPolicy, current_policy
@@ -164,11 +165,6 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
         )  # fmt: skip
         return LeaseGrant(lease=lease, secret=secret)
     return None
-
-
-def step_tokens(config: RunConfig) -> int:
-    """Tokens of one inner step: batch sequences x sequence length."""
-    return config.inner.batch_size * config.model.seq_len
 
 
 def lease_steps(lease: Lease, config: RunConfig) -> int:

@@ -31,11 +31,6 @@ logger = logging.getLogger(__name__)
 OPENABLE = (Run.State.RUNNING, Run.State.PAUSED)  # a paused run's next round waits queued
 
 
-def unit_tokens(config: RunConfig) -> int:
-    """Tokens one unit trains on: H steps x batch sequences x sequence length."""
-    return config.inner.steps * config.inner.batch_size * config.model.seq_len
-
-
 def open_round(
     run: Run,
     t: int,

@@ -66,6 +66,7 @@ from torch import Tensor
 from dipaco import codecs
 from dipaco.codecs import CodecError
 from dipaco.config import CommConfig, OuterConfig
+from dipaco.data.windows import unit_tokens
 from dipaco.modules_file import ModuleReader, ModuleWriter, Spec, read_module
 from dipaco.outer import (
     DeltaAccumulator,
@@ -77,7 +78,7 @@ from dipaco.outer import (
 )
 from dipaco_server.rounds import verify
 from dipaco_server.rounds.close import previous_published
-from dipaco_server.rounds.lease import lease_tokens, step_tokens
+from dipaco_server.rounds.lease import lease_tokens
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.publish import EncodedUpdate, encode_update, publish_module_version
 from dipaco_server.rounds.replication import CHECK_OFFSET
@@ -615,7 +616,7 @@ def step_module(
     # Each Δ weighs its tokens, capped at what its lease allowed (rounds.lease.size_unit),
     # never only at what the completion claimed: a partial or sized unit weighs less.
     rows = list(ordered)
-    unit_tokens = config.inner.steps * step_tokens(config)
+    whole_unit = unit_tokens(config)
     delta_bases = _delta_bases(rows)
     replays = _replays(run_id, t, rows)
     checks = _check_copies(rows)  # identical bytes to their originals: agreement
@@ -634,7 +635,7 @@ def step_module(
             replayed=c.pk in replays,
             check_of=checks.get(c.pk),
             partial=c.tokens < lease_tokens(c.lease, config),
-            work=min(1.0, min(c.tokens, lease_tokens(c.lease, config)) / unit_tokens),
+            work=min(1.0, min(c.tokens, lease_tokens(c.lease, config)) / whole_unit),
             delta_base=delta_bases[c.lease_id],
         )
         for c in rows

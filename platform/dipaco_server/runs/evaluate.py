@@ -132,7 +132,9 @@ def _record(
         if MetricPoint.objects.filter(path=path, round=t, name=LOSS).exists():
             return PathEval(path.index, loss, tokens, False)  # a concurrent evaluation won
         record_metric(run, LOSS, loss, path=path, round=t)
-        record_metric(run, PERPLEXITY, math.exp(min(loss, 700.0)), path=path, round=t)
+        ppl = perplexity(loss)
+        if ppl is not None:  # a NaN loss has none
+            record_metric(run, PERPLEXITY, ppl, path=path, round=t)
         improved = path.best_val_loss is None or loss < path.best_val_loss - min_delta
         if improved:
             path.best_val_loss, path.best_round = loss, t
