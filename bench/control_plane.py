@@ -969,7 +969,10 @@ def main() -> int:
             end_at = time.monotonic() + args.duration
             while (left := end_at - time.monotonic()) > 0:
                 await asyncio.sleep(min(BACKEND_SAMPLE_S, left))
-                for pid, cpu in database_backends(args.postgres, name).items():
+                # In a thread: a connection to a loaded PostgreSQL can take seconds, and
+                # the volunteers' event loop would stall with it (sessions 14-15 did that).
+                sample = await asyncio.to_thread(database_backends, args.postgres, name)
+                for pid, cpu in sample.items():
                     seen[pid] = max(seen.get(pid, 0.0), cpu)  # 0 if it ended meanwhile
             spent = {k: process_cpu_s(v) - before[k] for k, v in groups.items()}
             spent["postgres"] = sum(cpu - first.get(pid, 0.0) for pid, cpu in seen.items())
