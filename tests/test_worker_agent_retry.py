@@ -136,3 +136,35 @@ def test_an_idle_worker_waits_the_servers_retry_after_up_to_a_guard_only() -> No
     assert idle_pause_s(30.0, 12.0) == 30.0  # the worker's own backoff, when longer
     assert idle_pause_s(30.0, 200.0) == 200.0  # 10,000 waiters over 200 s: not squeezed
     assert idle_pause_s(30.0, 1e9) == LONGEST_IDLE_WAIT_S
+
+
+def test_a_hand_in_is_tried_again_until_it_goes_through_but_never_after_a_final_answer() -> None:
+    """worker_agent.agent.hand_in: transient failures (the client's give-up, a transport
+    error, a 5xx) are tried again while time is left; a 4xx is raised at once; so is the
+    last failure once the time is up or a stop is asked."""
+    from worker_agent.agent import hand_in
+
+    never = threading.Event()
+    unreachable = ServerUnreachable("cannot reach the dipaco server")
+    flaky = Flaky(unreachable, httpx.ConnectError("down"), ServerError(503, "overloaded", "busy"))
+    waits: list[float] = []
+    hand_in(flaky, until=math.inf, stop=never, pause_s=0.01, on_wait=lambda e, s: waits.append(s))
+    assert flaky.calls == 4 and waits == [0.01] * 3
+
+    closed = Flaky(ServerError(409, "round_closed", "the round closed"))
+    with pytest.raises(ServerError, match="round closed"):
+        hand_in(closed, until=math.inf, stop=never, pause_s=0.01)
+    assert closed.calls == 1, "a final answer is not asked again"
+
+    clock = iter([0.0, 0.5, 1.5])  # the time left after each failure: 1.0, 0.5, none
+    late = Flaky(unreachable, unreachable, unreachable, unreachable)
+    with pytest.raises(ServerUnreachable):
+        hand_in(late, until=1.0, stop=never, pause_s=0.01, clock=lambda: next(clock))
+    assert late.calls == 3, "no try after the round can no longer take the Δ"
+
+    stopped = threading.Event()
+    stopped.set()
+    once = Flaky(unreachable, unreachable)
+    with pytest.raises(ServerUnreachable):
+        hand_in(once, until=math.inf, stop=stopped, pause_s=0.01)
+    assert once.calls == 1, "a stop ends the hand-in; the state file keeps the unit"
