@@ -70,7 +70,14 @@ from urllib.parse import urlsplit, urlunsplit
 import aiohttp
 import httpx
 
-from dipaco.retry import Backoff, delays, idle_pause_s, transient_status
+from dipaco.retry import (
+    HAND_IN_PAUSE_S,
+    Backoff,
+    delays,
+    hand_in_patience_s,
+    idle_pause_s,
+    transient_status,
+)
 
 HEARTBEAT_S = 30.0  # worker_agent.run: HeartbeatThread(interval_s=30.0), until the server says
 IDLE_WAIT_S = (1.0, 30.0)  # worker_agent.agent: first and longest wait after a 204 (x1.5)
@@ -79,7 +86,6 @@ REQUEST_TIMEOUT_S = 30.0
 # (transport, time-out, 5xx, 408, 429), up to Backoff()'s 8 tries over about 2 minutes,
 # waiting the server's Retry-After when longer; then the agent gives up the unit.
 RETRY = Backoff()
-HAND_IN_PAUSE_S = 30.0  # worker_agent.agent.HAND_IN_PAUSE_S
 ANY_ERROR = tuple(range(400, 600))
 BOUNDARY_TAIL_S = 30.0  # a boundary's window: closing .. opening + units / grant rate + this
 LAG_TICK_S = 0.5  # how often loop_lag measures the client's event loop
@@ -668,8 +674,8 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
         unit = HandIn(client, stats, lease, headers, deltas, steps, rng)
         # worker_agent.agent.hand_in: tried again every HAND_IN_PAUSE_S while the round may
         # take the Δ (its deadline as last heard plus two heartbeat intervals), heartbeating.
-        floor = time.monotonic() + RETRY.longest_total_s
-        until = floor if round_end is None else max(floor, round_end + 2 * interval)
+        left = None if round_end is None else round_end - time.monotonic()
+        until = time.monotonic() + hand_in_patience_s(left, interval, RETRY.longest_total_s)
         while True:
             reply, why = await unit.send()
             if succeeded(reply):

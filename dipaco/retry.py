@@ -23,7 +23,16 @@ from typing import TypeVar
 import httpx
 from tenacity import RetryCallState, Retrying, retry_if_exception
 
-__all__ = ["Backoff", "RetryAttempt", "delays", "idle_pause_s", "is_transient", "retry"]
+__all__ = [
+    "HAND_IN_PAUSE_S",
+    "Backoff",
+    "RetryAttempt",
+    "delays",
+    "hand_in_patience_s",
+    "idle_pause_s",
+    "is_transient",
+    "retry",
+]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -44,6 +53,24 @@ def idle_pause_s(backoff_s: float, retry_after_s: float | None) -> float:
     if retry_after_s is None or not retry_after_s > 0:
         return backoff_s
     return max(backoff_s, min(retry_after_s, LONGEST_IDLE_WAIT_S))
+
+
+# A trained Δ (work in hand) is handed in again every HAND_IN_PAUSE_S after the client's own
+# tries are spent, for `hand_in_patience_s` (worker_agent.agent.hand_in; the bench copies it).
+HAND_IN_PAUSE_S = 30.0
+HAND_IN_LONGEST_S = 3600.0  # at most this long, and this long when the round has no deadline
+
+
+def hand_in_patience_s(
+    round_left_s: float | None, heartbeat_interval_s: float, floor_s: float
+) -> float:
+    """How long a trained Δ is worth handing in from now: until its round's deadline as last
+    heard (`round_left_s` from now, None: none) plus two heartbeat intervals (a round closes
+    after its deadline and the salvage grace), at least `floor_s` (the client's own tries),
+    at most HAND_IN_LONGEST_S. The server's refusal (the round closed) ends it sooner."""
+    if round_left_s is None:
+        return HAND_IN_LONGEST_S
+    return min(HAND_IN_LONGEST_S, max(floor_s, round_left_s + 2 * heartbeat_interval_s))
 
 
 @dataclass(frozen=True)

@@ -168,3 +168,12 @@ def test_a_hand_in_is_tried_again_until_it_goes_through_but_never_after_a_final_
     with pytest.raises(ServerUnreachable):
         hand_in(once, until=math.inf, stop=stopped, pause_s=0.01)
     assert once.calls == 1, "a stop ends the hand-in; the state file keeps the unit"
+
+
+def test_a_hand_in_lasts_until_the_rounds_deadline_and_two_heartbeats_within_its_bounds() -> None:
+    from dipaco.retry import HAND_IN_LONGEST_S, hand_in_patience_s
+
+    assert hand_in_patience_s(600.0, 30.0, 120.0) == 660.0
+    assert hand_in_patience_s(-300.0, 30.0, 120.0) == 120.0  # past it: the client's own tries
+    assert hand_in_patience_s(None, 30.0, 120.0) == HAND_IN_LONGEST_S  # no deadline
+    assert hand_in_patience_s(1e6, 30.0, 120.0) == HAND_IN_LONGEST_S

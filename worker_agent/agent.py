@@ -35,14 +35,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import httpx
 from torch import Tensor
 
 from dipaco.config import GiB, InnerConfig, RunConfig
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource, UnitSource
 from dipaco.inner import InnerResult, StepMetrics
-from dipaco.retry import idle_pause_s
+from dipaco.retry import HAND_IN_PAUSE_S, hand_in_patience_s, idle_pause_s
 from worker_agent.client import (
     BlobRef,
     Client,
@@ -69,7 +68,7 @@ from worker_agent.heartbeat import HeartbeatThread
 from worker_agent.payload import encode_deltas
 from worker_agent.progress import Reporter
 from worker_agent.rebase import Rebaser, rebased_versions
-from worker_agent.retry import Backoff
+from worker_agent.retry import Backoff, is_transient
 from worker_agent.state import LeaseRecord, LeaseStateFile
 from worker_agent.trainer import InnerStates, UnitWork, fit_micro_batch, train_unit
 from worker_agent.transfer import BlobCache, Transfers, disk_errors
@@ -77,12 +76,6 @@ from worker_agent.transfer import BlobCache, Transfers, disk_errors
 __all__ = ["Agent", "AgentOptions"]
 
 log = logging.getLogger(__name__)
-
-
-# The longest a trained Δ is kept being handed in while the server or the store cannot be
-# reached (Agent._hand_in_until); the client's own tries last about 2 minutes.
-HAND_IN_LONGEST_S = 3600.0
-HAND_IN_PAUSE_S = 30.0  # between two hand-in attempts (each its own client tries)
 
 
 def hand_in(
@@ -107,8 +100,8 @@ def hand_in(
         try:
             send()
             return
-        except (ServerUnreachable, httpx.TransportError, ServerError) as error:
-            if isinstance(error, ServerError) and not error.transient:
+        except Exception as error:
+            if not (isinstance(error, ServerUnreachable) or is_transient(error)):
                 raise
             pause = min(pause_s, until - clock())
             if pause <= 0 or stop.is_set():
@@ -364,17 +357,11 @@ class Agent:
         self.cache.prune(keep, self.options.cache_max_bytes)
 
     def _hand_in_until(self, grant: LeaseGrant) -> float:
-        """Until when (monotonic) a trained Δ is worth handing in: its round's deadline as
-        last heard plus two heartbeat intervals (a round closes after its deadline and the
-        salvage grace), never less than the client's own tries, at most HAND_IN_LONGEST_S;
-        HAND_IN_LONGEST_S when the round has no deadline. The server's refusal (the round
-        closed, the lease taken over) ends it sooner."""
+        """Until when (monotonic) a trained Δ is worth handing in (dipaco.retry's rule)."""
         left = seconds_until(self.heartbeats.round_deadline or grant.round_deadline)
         floor = self.client.policy.longest_total_s
-        if left is None:
-            return time.monotonic() + HAND_IN_LONGEST_S
-        patience = left + 2 * grant.heartbeat_interval_s
-        return time.monotonic() + min(HAND_IN_LONGEST_S, max(floor, patience))
+        patience = hand_in_patience_s(left, grant.heartbeat_interval_s, floor)
+        return time.monotonic() + patience
 
     def _train(
         self,
