@@ -25,6 +25,10 @@ to an integer costs <= 1/2 step, so
 When s is subnormal it is rounded by up to 2**-150 absolute, which costs up to Q * 2**-150
 more; the test adds Q * 2**-149.
 
+Across devices the encoding is bit-identical: abs, amax, rounding, casts and tensor-by-tensor
+division are exact IEEE operations on CPU and CUDA alike (``_divisor``), so a check copy from
+a GPU worker and one from a CPU worker compare as equals and the server decodes either.
+
 Decoding walks each tensor in chunks of ``CHUNK_ELEMENTS`` values so temporaries stay in cache
 and the decoded module is never materialised at once (chunk size: bench/codec.py).
 """
@@ -46,6 +50,16 @@ FP32_MAX = torch.finfo(torch.float32).max
 # Decoded values |q * s| must stay finite even for hostile q (-128 in int8, -8 in int4): any
 # scale up to FP32_MAX / 256 is safe for both.
 SCALE_LIMIT = FP32_MAX / 256
+
+
+def _divisor(value: float, like: torch.Tensor) -> torch.Tensor:
+    """``value`` as a 0-d fp32 tensor on ``like``'s device, for a division that is exact IEEE
+    on every device. CUDA divides a tensor by a Python scalar as a product with the scalar's
+    reciprocal (ATen's div_true_kernel_cuda), which differs from the correctly rounded
+    quotient by one ulp in some block scales (about a third of an int8 norm weight's blocks);
+    CPU divides. Tensor by tensor, both divide, so the encoding is bit-identical across
+    devices (tests/test_codecs.py asserts it on a GPU; bench/gpu_check.sh runs it)."""
+    return torch.tensor(value, dtype=torch.float32, device=like.device)
 
 
 def _chunk(device: torch.device) -> int:
@@ -133,7 +147,7 @@ def _encode_blocks(name: str, flat: torch.Tensor, codec: str, block: int) -> lis
         if codec == "int4":
             q, scale = _int4_least_squares(values, absmax)
         else:
-            scale = absmax / qmax  # (r1-r0,)
+            scale = absmax / _divisor(qmax, absmax)  # (r1-r0,)
             safe = torch.where(scale > 0, scale, 1.0)  # all-zero (or tiny) blocks quantise to 0
             q = torch.div(values, safe[:, None]).round_().clamp_(-qmax, qmax)  # (r1-r0, B)
         quantised[r0 * block : r1 * block] = q.view(-1)
@@ -162,10 +176,11 @@ def _int4_least_squares(
     wide = torch.float32 if values.device.type == "mps" else torch.float64
     best_q = best_scale = best_error = None
     for divisor in INT4_DIVISORS:
-        scale = absmax / divisor  # (rows,)
+        by = _divisor(divisor, absmax)  # a tensor: see _divisor
+        scale = absmax / by  # (rows,)
         safe = torch.where(scale > 0, scale, 1.0)  # all-zero (or tiny) blocks quantise to 0
         q = torch.div(values, safe[:, None]).round_().clamp_(-8, 7)  # (rows, B)
-        error = (q / divisor - unit).to(wide).square_().sum(dim=1)  # (rows,): in absmax**2
+        error = (q / by - unit).to(wide).square_().sum(dim=1)  # (rows,): in absmax**2
         if best_q is None or best_scale is None or best_error is None:
             best_q, best_scale, best_error = q, scale, error
             continue
