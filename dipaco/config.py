@@ -55,22 +55,34 @@ def refuse(field: str, value: Any, rule: str) -> PydanticCustomError:
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # Closed (an unknown key is refused, naming it) and finite: no inf or NaN reaches a
+    # lease size, an outer step or a JSON column (issue 34).
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
     """A Llama-family causal LM (transformers' LlamaForCausalLM). Defaults: the papers' 150M."""
 
-    hidden_size: int = Field(default=896, gt=0, description="Width of the residual stream.")
-    num_layers: int = Field(default=12, gt=0, description="Number of transformer blocks.")
-    num_heads: int = Field(default=16, gt=0, description="Attention (query) heads.")
-    num_kv_heads: int = Field(default=16, gt=0, description="Key/value heads (GQA).")
+    # Sizes: the largest open models are 16,384 wide with 126 blocks and 128 heads
+    # (Llama 3.1 405B); the bounds sit above them, and the memory limit refuses the rest.
+    hidden_size: int = Field(
+        default=896, gt=0, le=65_536, description="Width of the residual stream."
+    )
+    num_layers: int = Field(default=12, gt=0, le=1024, description="Number of transformer blocks.")
+    num_heads: int = Field(default=16, gt=0, le=1024, description="Attention (query) heads.")
+    num_kv_heads: int = Field(default=16, gt=0, le=1024, description="Key/value heads (GQA).")
     # SwiGLU: 8/3 x hidden, rounded up to a multiple of 64 (the Llama convention).
-    intermediate_size: int = Field(default=2432, gt=0, description="SwiGLU hidden width.")
-    vocab_size: int = Field(default=32000, gt=1, description="Tokenizer vocabulary size.")
-    seq_len: int = Field(default=1024, gt=1, description="Training sequence length in tokens.")
-    rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base frequency.")
-    rms_norm_eps: float = Field(default=1e-5, gt=0, description="RMSNorm epsilon.")
+    intermediate_size: int = Field(
+        default=2432, gt=0, le=262_144, description="SwiGLU hidden width."
+    )
+    # Token ids are stored as uint16 or uint32 (dipaco.data.shards); 2^20 is 4x Gemma's.
+    vocab_size: int = Field(default=32000, gt=1, le=2**20, description="Tokenizer vocabulary size.")
+    seq_len: int = Field(
+        default=1024, gt=1, le=131_072, description="Training sequence length in tokens."
+    )
+    # Llama 3 uses 500,000; long-context models up to ~10^7.
+    rope_theta: float = Field(default=10000.0, gt=0, le=1e9, description="RoPE base frequency.")
+    rms_norm_eps: float = Field(default=1e-5, gt=0, le=1.0, description="RMSNorm epsilon.")
     tie_embeddings: bool = Field(default=False, description="LM head = input embedding.")
 
     @model_validator(mode="after")
@@ -115,13 +127,25 @@ PathPart = Literal["embeddings", "final_norm", "lm_head"]
 MAX_PATHS = 65536  # a sanity bound: the server queues R units per path per round
 # Units the server builds (in one transaction) when it opens a round: paths x replicas.
 MAX_UNITS_PER_ROUND = 65536
+# Upper bounds of counts, lengths, times, rates and sizes (issue 34): each far above what
+# a run of this project can use, so no real config meets one, and small enough that no
+# product the server forms of them (data positions, tokens, bytes) leaves a 64-bit column.
+MAX_SEED = 2**31 - 1  # every seed consumer takes it; path seeds add fewer than MAX_PATHS
+MAX_ROUNDS = 100_000  # DiLoCo/DiPaCo runs have tens to thousands of outer rounds
+MAX_INNER_STEPS = 100_000  # H: the papers use 50..2,000 (DiLoCo arXiv 2311.08105 §3)
+MAX_BATCH = 65_536  # sequences per micro-batch or per optimiser step's accumulation
+MAX_BYTES = 2**50  # 1 PiB: beyond any device's memory or any run's module store
+# Data positions (windows, from the run's start) are stored in 63-bit integer columns.
+MAX_DATA_POSITION = 2**62
 
 
 class Level(_Section):
     """Blocks [start, end) of the model, with `modules` alternative modules (1 = shared)."""
 
     blocks: tuple[int, int] = Field(description="Half-open range of block indices [start, end).")
-    modules: int = Field(default=1, ge=1, description="K: alternative modules at this level.")
+    modules: int = Field(
+        default=1, ge=1, le=MAX_PATHS, description="K: alternative modules at this level."
+    )
 
     @property
     def num_blocks(self) -> int:
@@ -237,27 +261,42 @@ class LayoutConfig(_Section):
 class InnerConfig(_Section):
     """The inner optimiser each worker runs on its path (DiLoCo: AdamW, warm-up, cosine)."""
 
-    lr: float = Field(default=4e-4, gt=0, description="Peak AdamW learning rate.")
+    # An AdamW lr above 1 diverges at once; 10 leaves room for any schedule experiment.
+    lr: float = Field(default=4e-4, gt=0, le=10.0, description="Peak AdamW learning rate.")
     betas: tuple[float, float] = Field(default=(0.9, 0.95), description="AdamW beta1, beta2.")
-    eps: float = Field(default=1e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(default=0.1, ge=0, description="AdamW decoupled weight decay.")
-    warmup_steps: int = Field(default=1000, ge=0, description="Linear warm-up steps from 0 to lr.")
+    eps: float = Field(default=1e-8, gt=0, le=1.0, description="AdamW epsilon.")
+    # Decoupled decay shrinks weights by lr x wd a step: past 1 / lr it flips their sign.
+    weight_decay: float = Field(
+        default=0.1, ge=0, le=10.0, description="AdamW decoupled weight decay."
+    )
+    warmup_steps: int = Field(
+        default=1000,
+        ge=0,
+        le=MAX_ROUNDS * MAX_INNER_STEPS,  # at most the whole run's steps
+        description="Linear warm-up steps from 0 to lr.",
+    )
     min_lr_ratio: float = Field(
         default=0.1,
         ge=0,
         le=1,
         description="Cosine decays lr to lr x min_lr_ratio at the last step.",
     )
+    # Gradient norms of LMs are O(1); 10^6 is "no clipping" with a finite number.
     grad_clip: float = Field(
-        default=1.0, gt=0, description="Clip the global gradient norm to this."
+        default=1.0, gt=0, le=1e6, description="Clip the global gradient norm to this."
     )
     micro_batch_size: int = Field(
-        default=8, gt=0, description="Sequences per forward/backward pass."
+        default=8, gt=0, le=MAX_BATCH, description="Sequences per forward/backward pass."
     )
     grad_accum_steps: int = Field(
-        default=64, gt=0, description="Micro-batches per optimiser step (batch = micro x accum)."
+        default=64,
+        gt=0,
+        le=MAX_BATCH,
+        description="Micro-batches per optimiser step (batch = micro x accum).",
     )
-    steps: int = Field(default=500, gt=0, description="H: inner steps per outer round.")
+    steps: int = Field(
+        default=500, gt=0, le=MAX_INNER_STEPS, description="H: inner steps per outer round."
+    )
 
     @model_validator(mode="after")
     def _check_betas(self) -> InnerConfig:
@@ -277,7 +316,8 @@ class OuterConfig(_Section):
     # Defaults chosen by a sweep (docs/benchmarks.md, "Outer-step defaults"): DiPaCo 2x2 and
     # DiLoCo R=4 from a dense base, 8 rounds; lr 1.0 / μ 0.7 without the √ rescale beat the
     # papers' 0.7 / 0.9 (+√paths), plain averaging and outer-lr warm-ups in every pairing.
-    lr: float = Field(default=1.0, gt=0, description="Outer learning rate η.")
+    # DiLoCo's sweep tops out near 1; an outer lr of 10 already multiplies every Δ tenfold.
+    lr: float = Field(default=1.0, gt=0, le=10.0, description="Outer learning rate η.")
     momentum: float = Field(default=0.7, ge=0, lt=1, description="Outer momentum μ.")
     nesterov: bool = Field(default=True, description="Nesterov momentum, as torch.optim.SGD.")
     token_weighting: bool = Field(default=True, description="Weight each Δ by the tokens it saw.")
@@ -308,6 +348,7 @@ class OuterConfig(_Section):
     warmup_rounds: int = Field(
         default=0,
         ge=0,
+        le=MAX_ROUNDS,
         description="Outer lr ramps linearly over the first rounds: round t (0-based) "
         "steps with lr x (t + 1) / (warmup_rounds + 1); 0: full lr from the first round.",
     )
@@ -319,6 +360,7 @@ class OuterConfig(_Section):
     clip_factor: float = Field(
         default=2.0,
         gt=0,
+        le=1000.0,  # a clip 1,000 x the reference norm no longer bounds anything
         description="clipped-mean: clip each Δ's norm to this x the module's reference norm "
         "(the median of its accepted norms in recent rounds; the round's median at first).",
     )
@@ -331,6 +373,7 @@ class OuterConfig(_Section):
     reject_norm_factor: float = Field(
         default=10.0,
         gt=1,
+        le=1e6,  # norm factors: past 10^6 x a check passes every Δ a float can hold
         description="Drop a Δ whose norm exceeds this x the round's median norm.",
     )
     # Checks against the module's own history, which hold with one or two Δs a round
@@ -341,10 +384,16 @@ class OuterConfig(_Section):
         "useful work) before aggregating; off: only the codec and round-median checks.",
     )
     history_rounds: int = Field(
-        default=8, ge=1, description="Rounds of accepted Δ norms that form a module's reference."
+        default=8,
+        ge=1,
+        le=MAX_ROUNDS,
+        description="Rounds of accepted Δ norms that form a module's reference.",
     )
     history_norm_factor: float = Field(
-        default=4.0, gt=1, description="Drop a Δ whose norm exceeds this x the module's reference."
+        default=4.0,
+        gt=1,
+        le=1e6,
+        description="Drop a Δ whose norm exceeds this x the module's reference.",
     )
     min_norm_factor: float = Field(
         default=0.05,
@@ -368,7 +417,10 @@ class OuterConfig(_Section):
         description="Proof of useful work: apply each Δ alone to its path and measure the loss.",
     )
     score_windows: int = Field(
-        default=8, ge=1, description="Windows of training and of held-out data a Δ is scored on."
+        default=8,
+        ge=1,
+        le=1024,  # each window is a forward pass of the outer step per Δ
+        description="Windows of training and of held-out data a Δ is scored on.",
     )
     score_min_gain: float = Field(
         default=0.01,
@@ -381,6 +433,7 @@ class OuterConfig(_Section):
     score_heldout_tolerance: float = Field(
         default=0.05,
         ge=0,
+        le=100.0,  # a fraction of the loss: 100 x is no check at all
         description="The Δ applied alone may raise the held-out loss by at most this fraction.",
     )
     replica_min_cosine: float = Field(
@@ -399,6 +452,7 @@ class OuterConfig(_Section):
         # bench/attacks.py start at 10 x.
         default=3.0,
         ge=1,
+        le=1e6,
         description="... and with norms within this ratio of each other.",
     )
 
@@ -424,6 +478,7 @@ class CommConfig(_Section):
     block_size: int = Field(
         default=128,
         ge=2,
+        le=2**20,  # one scale per million values is already no scaling to speak of
         description="Values per scale for int8 (absmax) and int4 (least squares). 128: "
         "int8 + zstd traffic at H = 500 is 2,034x below data-parallel at quality int8/fp32 "
         "0.9997; 256 gives 2,124x at 1.0042, 512 2,199x at 1.0057 (docs/benchmarks.md, "
@@ -458,10 +513,11 @@ class DataConfig(_Section):
     corpus: str = Field(
         default="stdlib",
         min_length=1,
+        max_length=4096,  # PATH_MAX on Linux
         description='"stdlib", a directory of text, or a .jsonl path.',
     )
     text_field: str = Field(
-        default="text", min_length=1, description="Field holding text in .jsonl."
+        default="text", min_length=1, max_length=256, description="Field holding text in .jsonl."
     )
     val_fraction: float = Field(
         default=0.01,
@@ -482,12 +538,15 @@ class RouterConfig(_Section):
         default="kmeans", description="One k-means over all paths, or one factor per level."
     )
     prefix_tokens: int = Field(
-        default=32, gt=0, description="Tokens of each document the router reads."
+        default=32, gt=0, le=131_072, description="Tokens of each document the router reads."
     )
     max_imbalance: float = Field(
-        default=1.5, ge=1.0, description="Largest shard at most this x the mean shard size."
+        default=1.5,
+        ge=1.0,
+        le=float(MAX_PATHS),  # one shard holding everything is MAX_PATHS x the mean at most
+        description="Largest shard at most this x the mean shard size.",
     )
-    seed: int = Field(default=0, ge=0, description="Seed of the clustering.")
+    seed: int = Field(default=0, ge=0, le=MAX_SEED, description="Seed of the clustering.")
 
 
 class DensePhaseConfig(_Section):
@@ -497,7 +556,7 @@ class DensePhaseConfig(_Section):
     every module of phase 2; `RunConfig.dense_phase` is the plain DiLoCo config it runs as.
     """
 
-    rounds: int = Field(gt=0, description="Outer rounds of the dense DiLoCo phase.")
+    rounds: int = Field(gt=0, le=MAX_ROUNDS, description="Outer rounds of the dense DiLoCo phase.")
     replicas: int = Field(
         default=4,
         gt=0,
@@ -506,7 +565,10 @@ class DensePhaseConfig(_Section):
         "one shard of all training documents.",
     )
     inner_steps: int | None = Field(
-        default=None, gt=0, description="H of phase 1; null: the run's inner.steps."
+        default=None,
+        gt=0,
+        le=MAX_INNER_STEPS,
+        description="H of phase 1; null: the run's inner.steps.",
     )
 
 
@@ -518,10 +580,14 @@ class EvalConfig(_Section):
     patience: int | None = Field(
         default=None,
         ge=1,
+        le=MAX_ROUNDS,
         description="Rounds without improvement before a path stops training; null: never.",
     )
     min_delta: float = Field(
-        default=0.0, ge=0.0, description="A loss improvement smaller than this does not count."
+        default=0.0,
+        ge=0.0,
+        le=100.0,  # nats: a loss is at most ln(vocab_size) < 14 at the start of training
+        description="A loss improvement smaller than this does not count.",
     )
 
 
@@ -535,18 +601,24 @@ class UnitsConfig(_Section):
     (a partial Δ after SIGTERM, lease expiry or the round closing) mean the same thing.
     """
 
+    # A unit longer than a day would outlive most volunteers' sessions and every lease.
     target_seconds: float = Field(
-        default=900.0, gt=0, description="Wall time a unit should take at the worker's speed."
+        default=900.0,
+        gt=0,
+        le=86_400.0,
+        description="Wall time a unit should take at the worker's speed.",
     )
     calibration_seconds: float = Field(
         default=60.0,
         gt=0,
+        le=3600.0,  # measuring a speed takes a minute; an hour is ample
         description="A new worker's first unit stops after this long (it uploads the steps "
         "done): its completion measures the speed that sizes its next units.",
     )
     min_partial_steps: int = Field(
         default=1,
         ge=1,
+        le=MAX_INNER_STEPS,
         description="A salvaged partial Δ of fewer steps is dropped, not uploaded.",
     )
 
@@ -557,10 +629,14 @@ class LimitsConfig(_Section):
     max_path_memory_bytes: int = Field(
         default=80 * GiB,
         gt=0,
+        le=MAX_BYTES,
         description="Largest training memory estimate accepted for one path.",
     )
     max_module_storage_bytes: int = Field(
-        default=1024 * GiB, gt=0, description="Largest fp32 weights + momentum over all modules."
+        default=1024 * GiB,
+        gt=0,
+        le=MAX_BYTES,
+        description="Largest fp32 weights + momentum over all modules.",
     )
 
 
@@ -636,9 +712,24 @@ class RunConfig(_Section):
     name: str = Field(
         default="run", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$", description="Label."
     )
-    seed: int = Field(default=0, ge=0, description="Seed of module initialisation and data order.")
-    rounds: int = Field(default=100, gt=0, description="T: outer rounds (of DiPaCo, after phase1).")
-    replicas_per_path: int = Field(default=1, gt=0, description="R: work units per path per round.")
+    seed: int = Field(
+        default=0,
+        ge=0,
+        le=MAX_SEED,
+        description="Seed of module initialisation and data order.",
+    )
+    rounds: int = Field(
+        default=100,
+        gt=0,
+        le=MAX_ROUNDS,
+        description="T: outer rounds (of DiPaCo, after phase1).",
+    )
+    replicas_per_path: int = Field(
+        default=1,
+        gt=0,
+        le=MAX_UNITS_PER_ROUND,
+        description="R: work units per path per round.",
+    )
     model: ModelConfig = Field(default_factory=lambda: ModelConfig())
     layout: LayoutConfig = Field(
         default_factory=lambda: LayoutConfig.grid(12, 2, 2),
@@ -725,6 +816,25 @@ class RunConfig(_Section):
                 f"{self.layout.num_paths} paths x {self.replicas_per_path} replicas = {units} "
                 f"work units per round exceed {MAX_UNITS_PER_ROUND}; lower replicas_per_path "
                 "or layout.levels[*].modules",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_data_extent(self) -> RunConfig:
+        """The last unit's data position (windows from the run's start) fits its column."""
+        steps = max(self.inner.steps, (self.phase1.inner_steps or 0) if self.phase1 else 0)
+        windows = steps * self.inner.batch_size
+        extent = max(self.rounds, self.phase1.rounds if self.phase1 else 0)
+        units = self.replicas_per_path
+        if self.phase1 is not None:
+            units = max(units, self.phase1.replicas)
+        if extent * units * windows > MAX_DATA_POSITION:
+            raise refuse(
+                "rounds",
+                self.rounds,
+                f"{extent} rounds x {units} replicas x {windows} windows per unit (inner.steps "
+                f"x inner.batch_size) exceed {MAX_DATA_POSITION} windows of data; lower "
+                "rounds, replicas_per_path, inner.steps or the batch",
             )
         return self
 
