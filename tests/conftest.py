@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import os
 import re
 import shlex
@@ -40,6 +41,15 @@ from urllib.parse import urlsplit, urlunsplit
 
 import hypothesis
 import pytest
+
+# A GPU machine may hold only the worker's dependencies (a CUDA torch, transformers,
+# pydantic...): bench/gpu_check.sh runs the tests that need no server there. Without the
+# server's packages nothing below touches Django, PostgreSQL or Redis; under CI=true they
+# must be installed (pytest_configure), so CI never passes by leaving them out.
+SERVER = all(
+    importlib.util.find_spec(name) is not None
+    for name in ("django", "pytest_django", "psycopg", "dipaco_server")
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -105,6 +115,13 @@ def pytest_configure(config: pytest.Config) -> None:
     # Sampled replication (rounds.replication) would add check copies at random; tests
     # that want it set DIPACO_REPLICATION_RATE themselves.
     os.environ.setdefault("DIPACO_REPLICATION_RATE", "0")
+    if not SERVER:
+        if CI:
+            raise pytest.UsageError(
+                "CI=true but the server's packages are not installed: "
+                "pip install -e '.[server,dev]' (make setup does)"
+            )
+        return  # worker-only machine: the tests that need no server still run
     if not os.environ.get("DATABASE_URL"):
         problem = postgres_problem(DEFAULT_POSTGRES_URL)
         if problem is None:
@@ -434,6 +451,8 @@ def celery_worker_redis(
 def _fresh_scheduler_caches() -> None:
     """The scheduler's per-process caches (group counts, workers seen) start empty in every
     test: SQLite reuses the ids of rolled-back rows, so another test's counts could match."""
+    if not SERVER:
+        return
     from dipaco_server.rounds import lease as leasing
 
     leasing._groups = (float("-inf"), [])
