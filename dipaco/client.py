@@ -194,10 +194,8 @@ def download_path(
             dest = modules_root / _module_file(m)
             if not verified(dest, m["size"], m["sha256"]):
                 fetches.append((m["url"], dest, m["size"], m["sha256"]))
-    kept = len(files) - len(todo)
-    log(
-        f"{manifest['folder']}: {kept} of {len(files)} files already there, {len(fetches)} to fetch"
-    )
+    plan = _plan_text(files, todo, len(fetches), len(manifest["modules"]) if need_model else 0)
+    log(f"{manifest['folder']}: {plan}")
 
     def fetch(item: tuple[str, Path, int, str]) -> None:
         client.fetch(*item)
@@ -211,6 +209,21 @@ def download_path(
         shutil.rmtree(modules_root, ignore_errors=True)
     log(f"{out}: ready")
     return out
+
+
+def _plan_text(files: dict[str, Any], todo: list[Any], fetches: int, modules: int) -> str:
+    """What the download will do, in counts that add up: the directory's files already
+    there, the files to fetch, and model.safetensors built from module blobs (which are
+    fetched too, unless cached): "0 of 8 files already there; 7 to fetch, and
+    model.safetensors to assemble from 3 module blobs (3 to fetch)". `modules` is 0 when
+    model.safetensors is already there."""
+    kept = len(files) - len(todo)
+    file_fetches = len(todo) - (1 if modules else 0)
+    text = f"{kept} of {len(files)} files already there; {file_fetches} to fetch"
+    if modules:
+        blobs = fetches - file_fetches
+        text += f", and {MODEL_FILE} to assemble from {modules} module blobs ({blobs} to fetch)"
+    return text
 
 
 def _check_name(name: object) -> None:

@@ -201,7 +201,7 @@ def test_the_run_page_draws_every_path_and_the_routed_mean(
     html = client.get(f"/runs/{short_run.run.pk}/").content.decode()
     charts = chart_data(html)
     validation = charts["val_loss"]
-    assert validation["x"] == [0, 1, 2]
+    assert validation["x"] == [1, 2, 3]  # rounds counted from 1 (dipaco_web.numbering)
     labels = [s["label"] for s in validation["series"]]
     assert labels == ["path 0", "path 1", "path 2", "path 3", "routed mean"]
     assert validation["series"][2]["values"] == [val_loss_of(2, t) for t in range(3)]
@@ -243,7 +243,7 @@ def test_the_training_loss_chart_shows_the_losses_workers_report_when_they_compl
         reported.setdefault(lease["path"], []).append(loss)
 
     training = chart_data(client.get(f"/runs/{run.pk}/").content.decode())["train_loss"]
-    assert training["x"] == [0]
+    assert training["x"] == [1]  # round index 0 is round 1 for people
     shown = {s["label"]: s["values"] for s in training["series"]}
     assert shown == {
         f"path {p}": [pytest.approx(sum(losses) / len(losses))] for p, losses in reported.items()
@@ -317,7 +317,7 @@ def test_the_run_live_part_carries_every_section_and_the_chart_data(
         assert re.search(rf'id="{section}"[^>]*hx-swap-oob="true"', html), section
     for section in ("run-paths", "run-modules", "run-rounds", "updated"):
         assert re.search(rf'id="{section}"[^>]*hx-swap-oob="true"', html), section
-    assert chart_data(html)["val_loss"]["x"] == [0, 1, 2]
+    assert chart_data(html)["val_loss"]["x"] == [1, 2, 3]
 
 
 def test_pages_poll_their_live_part_at_most_five_seconds_apart(

@@ -298,7 +298,7 @@ def test_the_streamed_zip_and_the_cli_download_produce_identical_files(
     assert response.headers["content-type"] == "application/zip"
     archive = zipfile.ZipFile(io.BytesIO(response.content))
     assert archive.testzip() is None
-    folder = "infer-path-1-round-1"
+    folder = "infer-path-1-round-2"  # after round index 1: the second round, for people
     zipped = {
         info.filename.removeprefix(f"{folder}/"): archive.read(info) for info in archive.infolist()
     }
@@ -336,7 +336,7 @@ def test_download_again_fetches_only_what_is_missing_or_wrong(
     capsys.readouterr()
     assert run_cli(*argv) == 0
     log = capsys.readouterr().err
-    assert "6 of 8 files already there, 2 to fetch" in log
+    assert "6 of 8 files already there; 2 to fetch" in log
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before
     assert (out / "model.safetensors").stat().st_ino == model_inode  # not rewritten
     assert not (out / ".dipaco-modules").exists()

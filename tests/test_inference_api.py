@@ -35,7 +35,7 @@ def test_the_manifest_lists_files_and_modules_with_urls_that_serve_those_bytes(
     t = trained()
     run = publish(t)
     manifest = httpx.get(f"{served}/api/v1/runs/{run.pk}/paths/0/manifest").json()
-    assert manifest["round"] == 1 and manifest["folder"] == "infer-path-0-round-1"
+    assert manifest["round"] == 1 and manifest["folder"] == "infer-path-0-round-2"  # counted from 1
     assert manifest["path"]["modules"] == ["0.0", "1.0", "shared"]
     assert [m["version"] for m in manifest["modules"]] == [2, 2, 2]
     names = [f["name"] for f in manifest["files"]]
@@ -56,7 +56,9 @@ def test_a_round_serves_the_weights_after_it_and_the_default_the_last_round(
         response = client.get(f"/api/v1/runs/{run.pk}/paths/3/download{query}")
         assert response.status_code == 200
         archive = zipfile.ZipFile(io.BytesIO(b"".join(response.streaming_content)))
-        weights = safetensors_load(archive.read(f"infer-path-3-round-{round_}/model.safetensors"))
+        weights = safetensors_load(
+            archive.read(f"infer-path-3-round-{round_ + 1}/model.safetensors")
+        )
         expected = export_state(t.config, 3, t.versions[round_ + 1])  # round t wrote v(t + 1)
         assert weights.keys() == expected.keys()
         assert all(weights[name].equal(expected[name]) for name in expected)

@@ -387,8 +387,9 @@ def test_the_dashboard_marks_the_phase_boundary_on_every_curve(client: Client, d
     report_progress(run, "embed", 3, 8, "preparing phase 2: 3/8 chunks embedded")
     html = client.get(f"/runs/{run.pk}/").content.decode()
     charts = chart_data(html)
+    # Round index 2 starts phase 2: the third round, as the dashboard counts rounds from 1.
     assert {name: chart.get("phase_boundary") for name, chart in charts.items()} == {
-        name: 2 for name in charts
+        name: 3 for name in charts
     }
     labels = [s["label"] for s in charts["val_loss"]["series"]]
     assert labels[:2] == ["dense model (phase 1)", "path 0"]

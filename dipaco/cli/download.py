@@ -37,6 +37,28 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def round_number(text: str) -> int:
+    """``--round N``: a round as the dashboard, the terminal and folder names count it (the
+    first is 1); the API's ``round`` is the 0-based index, so N - 1 is sent."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value}: rounds are counted from 1, as on the dashboard; give 1 or more"
+        )
+    return value
+
+
+def api_round(number: int | None) -> int | None:
+    """The API's 0-based round index of round `number` (counted from 1); None stays None."""
+    return None if number is None else number - 1
+
+
+ROUND_HELP = "the weights after round N, counted from 1 as on the dashboard (default: the last)"
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "download",
@@ -47,7 +69,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_server_arguments(parser)
     parser.add_argument("--path", type=int, required=True, help="the path's index")
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
-    parser.add_argument("--round", type=int, help="the weights after this round (default: last)")
+    parser.add_argument("--round", type=round_number, metavar="N", help=ROUND_HELP)
     parser.add_argument("--jobs", type=int, default=4, help="parallel downloads (default: 4)")
     parser.set_defaults(func=main)
 
@@ -55,7 +77,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def main(args: argparse.Namespace) -> int:
     try:
         with Client(args.server, args.token) as client:
-            manifest = fetch_manifest(client, args.run, args.path, args.round)
+            manifest = fetch_manifest(client, args.run, args.path, api_round(args.round))
             download_path(client, manifest, args.out, jobs=args.jobs)
     except DownloadError as exc:
         stderr(f"dipaco download: {exc}")

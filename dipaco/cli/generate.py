@@ -11,7 +11,7 @@ import argparse
 import os
 import sys
 
-from dipaco.cli.download import add_server_arguments
+from dipaco.cli.download import ROUND_HELP, add_server_arguments, api_round, round_number
 from dipaco.cli.route import route
 from dipaco.client import DownloadError, cached_path_dir
 
@@ -26,7 +26,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     add_server_arguments(parser)
     parser.add_argument("prompt", help="the text to continue")
     parser.add_argument("--path", type=int, help="use this path instead of routing the prompt")
-    parser.add_argument("--round", type=int, help="the weights after this round (default: last)")
+    parser.add_argument("--round", type=round_number, metavar="N", help=ROUND_HELP)
     parser.add_argument("--max-new-tokens", type=int, default=64, help="default: %(default)s")
     parser.add_argument(
         "--temperature", type=float, default=0.8, help="0 = greedy (default: %(default)s)"
@@ -47,7 +47,12 @@ def main(args: argparse.Namespace) -> int:
             path = route(args.server, args.run, args.prompt, args.token)["path"]
             print(f"routed to path {path}", file=sys.stderr)
         directory = cached_path_dir(
-            args.server, args.run, path, args.cache_dir, round=args.round, token=args.token
+            args.server,
+            args.run,
+            path,
+            args.cache_dir,
+            round=api_round(args.round),
+            token=args.token,
         )
     except DownloadError as exc:
         print(f"dipaco generate: {exc}", file=sys.stderr)

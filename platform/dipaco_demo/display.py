@@ -90,7 +90,12 @@ class DemoDisplay:
         if s.routed:
             grid.add_row("val loss", curve(s.routed, s.phase1_rounds))
         for w in s.workers:
-            where = f"round {w.round} path {w.path}" if w.path is not None else ""
+            # The agent's events carry the 0-based index; people read rounds from 1.
+            where = (
+                f"round {w.round + 1} path {w.path}"
+                if w.path is not None and w.round is not None
+                else ""
+            )
             step = f"step {w.step}/{w.steps}" if w.steps else ""
             loss = f"loss {w.loss:.3f}" if w.loss is not None else ""
             speed = f"{w.tokens_per_second:,.0f} tok/s" if w.tokens_per_second else ""

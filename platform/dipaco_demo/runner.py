@@ -132,7 +132,7 @@ class Demo:
         size = opts.plan.model_size
         self.display.update(stage="sampling the stdlib corpus")
         corpus = plan.stdlib_sample(self.data_dir / "corpus", plan.CORPUS_CHARS[size])
-        dataset = self.admin.dataset(f"stdlib-{corpus.stem}", str(corpus))
+        dataset = self.admin.dataset(corpus.stem, str(corpus))  # the stem: stdlib-<chars>-<tag>
         name = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
         config = opts.plan.config(name, corpus)
         run = self.admin.create_run(name, config.model_dump(mode="json"), dataset["id"])

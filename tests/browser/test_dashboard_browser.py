@@ -151,7 +151,7 @@ def test_a_chart_holds_the_points_of_the_run(
     )
     labels = browser.execute_script("return window.dipacoCharts.val_loss.series.map(s => s.label)")
     assert labels == ["round", "path 0", "path 1", "path 2", "path 3", "routed mean"]
-    assert data[0] == [0, 1, 2]
+    assert data[0] == [1, 2, 3]  # rounds counted from 1, as every page counts them
     for p in range(4):
         assert data[1 + p] == pytest.approx([val_loss_of(p, t) for t in range(3)])
     drawn = browser.execute_script("return document.querySelectorAll('[data-chart] canvas').length")
@@ -220,5 +220,5 @@ def test_the_run_page_updates_without_a_reload(
         browser,
         "const d = window.dipacoCharts.val_loss.data[0]; return d.length === 4 && d",
     )
-    assert x == [0, 1, 2, 3]
+    assert x == [1, 2, 3, 4]
     assert browser.execute_script("return window.notReloaded") is True

@@ -19,6 +19,7 @@ from django.utils import timezone
 from dipaco.evaluate import perplexity  # the project's one perplexity helper (issue 18)
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.replication import CHECK_OFFSET
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Path, Run
 from dipaco_server.runs.phases import PATHS
 from dipaco_server.runs.services import TERMINAL
@@ -33,6 +34,8 @@ ROUTED_VAL_LOSS = "routed_val_loss"  # per run (no path): token-weighted mean ov
 TRAIN_LOSS = "loss"
 
 ACCEPTED, REJECTED = Contribution.Status.ACCEPTED, Contribution.Status.REJECTED
+ORIGINAL = Q(units__replica__lt=CHECK_OFFSET)  # a round's own units, not check copies
+DONE_UNIT = Q(units__state=WorkUnit.State.DONE)
 PENDING = Contribution.Status.PENDING
 
 
@@ -188,8 +191,9 @@ class RoundRow:
     closed_at: datetime | None
     open_seconds: float
     bar_percent: float  # open_seconds relative to the longest round, for the timeline bar
-    units_done: int
+    units_done: int  # of the units the round needed (originals)
     units_total: int
+    checks_done: int  # check copies trained besides (sampled replication)
     accepted: int
     rejected: int
     pending: int
@@ -202,8 +206,12 @@ def round_rows(run: Run, *, now: datetime | None = None) -> list[RoundRow]:
         Round.objects.filter(run=run)
         .order_by("-t")
         .annotate(
-            units_total=Count("units", distinct=True),
-            units_done=Count("units", filter=Q(units__state=WorkUnit.State.DONE), distinct=True),
+            # The units the round needed: its originals. Sampled replication's check copies
+            # (rounds.replication) do not hold a round up, and one still queued when the
+            # round closes is dropped, so they are counted apart, and only when trained.
+            units_total=Count("units", filter=ORIGINAL, distinct=True),
+            units_done=Count("units", filter=ORIGINAL & DONE_UNIT, distinct=True),
+            checks_done=Count("units", filter=~ORIGINAL & DONE_UNIT, distinct=True),
         )
     )
     counts: dict[tuple[int, str], int] = {
@@ -225,6 +233,7 @@ def round_rows(run: Run, *, now: datetime | None = None) -> list[RoundRow]:
             bar_percent=round(100 * max(seconds[r.pk], 0.0) / longest, 1),
             units_done=r.units_done,
             units_total=r.units_total,
+            checks_done=r.checks_done,
             accepted=counts.get((r.pk, ACCEPTED), 0),
             rejected=counts.get((r.pk, REJECTED), 0),
             pending=counts.get((r.pk, PENDING), 0),

@@ -13,7 +13,7 @@ import json
 import logging
 import os
 import tempfile
-from datetime import timedelta
+from datetime import datetime, timedelta
 from functools import wraps
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from django.db import IntegrityError, transaction
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import get_object_or_404, redirect
 from django.urls import reverse
+from django.utils import timezone
 from django.views.decorators.http import require_http_methods, require_POST
 
 from dipaco.config import RunConfig
@@ -335,11 +336,25 @@ def enroll(request: HttpRequest) -> HttpResponse:
     tokens = list(
         EnrollmentToken.objects.select_related("created_by").order_by("-created_at", "-pk")[:200]
     )
-    context = {"form": form, "created": created, "tokens": tokens}
+    now = timezone.now()
+    rows = [{"token": t, "state": token_state(t, now)} for t in tokens]
+    context = {"form": form, "created": created, "tokens": rows}
     response = _page(request, "dipaco_web/enroll.html", context, nav="enroll")
     response.status_code = status
     response["Cache-Control"] = "no-store"  # the token is on the page once
     return response
+
+
+def token_state(token: EnrollmentToken, now: datetime) -> str:
+    """What an enrollment token can do now, by the rule register_worker applies (workers.
+    services): "revoked", "used up" (max_uses reached), "expired", or "active"."""
+    if token.revoked:
+        return "revoked"
+    if token.max_uses is not None and token.uses >= token.max_uses:
+        return "used up"
+    if token.expires_at is not None and token.expires_at <= now:
+        return "expired"
+    return "active"
 
 
 def volunteer_commands(token: str) -> list[str]:

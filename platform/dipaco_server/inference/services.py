@@ -78,8 +78,9 @@ class Selection:
 
     @property
     def folder(self) -> str:
-        """The directory name users see: ``<run>-path-<p>-round-<t>``."""
-        return f"{self.run.name}-path-{self.path.index}-round-{self.round}"
+        """The directory name users see: ``<run>-path-<p>-round-<n>``, with the round
+        counted from 1 as every page does (``round`` itself is the API's 0-based index)."""
+        return f"{self.run.name}-path-{self.path.index}-round-{self.round + 1}"
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ def select(run_id: int, path_index: int, round: int | None = None) -> Selection:
     if not newest:  # None: not prepared; 0: only the initial weights
         raise PathNotTrained(
             f"path {path_index} of run {run.name!r} has no trained weights yet (the run is "
-            f"{run.state}); download it once its round 0 has closed"
+            f"{run.state}); download it once its first round has closed"
         )
     last = newest - 1  # the last closed round
     if round is not None and round > last:

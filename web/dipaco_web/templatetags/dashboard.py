@@ -1,4 +1,9 @@
-"""Number formats of the dashboard: bytes, token counts, durations, perplexities, shares."""
+"""Number formats of the dashboard: bytes, token counts, durations, perplexities, shares,
+and round numbers.
+
+Rounds are numbered from 1 for people; the database and the API keep the 0-based
+index (dipaco_web.numbering says why).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +11,8 @@ from datetime import datetime
 
 from django import template
 from django.utils import timezone
+
+from dipaco_web.numbering import round_number
 
 register = template.Library()
 
@@ -19,6 +26,14 @@ def _scaled(value: float, units: tuple[str, ...], sep: str) -> str:
             return f"{value:.3g}{sep}{unit}" if unit else f"{value:,.0f}"
         value /= 1000
     return f"{value:,.1f}{sep}{units[-1]}"
+
+
+@register.filter
+def round_no(value: int | None) -> str:
+    """Round index 0 → "1": the round number people read (dipaco_web.numbering)."""
+    if value is None or value == "":
+        return DASH
+    return str(round_number(int(value)))
 
 
 @register.filter
