@@ -25,6 +25,7 @@ from django.core.serializers.json import DjangoJSONEncoder
 from django.db import DataError, InterfaceError, OperationalError
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.http.multipartparser import MultiPartParserError
+from django.views.decorators.csrf import csrf_exempt
 from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
 from ninja.parser import Parser
@@ -272,6 +273,7 @@ def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
 # --- plain Django views under the API's prefix ------------------------------------------
 
 
+@csrf_exempt  # any method gets the JSON 404, not the CSRF middleware's 403 page
 def not_found(request: HttpRequest, *args: Any, **kwargs: Any) -> JsonResponse:
     """JSON 404 for a path no route matches (mounted as the API's last URL pattern)."""
     return error_response(

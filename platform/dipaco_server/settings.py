@@ -29,6 +29,7 @@ DEBUG = env.env_bool("DEBUG", False, os.environ)
 ALLOWED_HOSTS = env.allowed_hosts(os.environ, DIPACO_PUBLIC_URL)
 _public = urlsplit(DIPACO_PUBLIC_URL)
 CSRF_TRUSTED_ORIGINS = [f"{_public.scheme}://{_public.netloc}"]
+CSRF_FAILURE_VIEW = "dipaco_web.errors.csrf_failure"  # a page of the site, JSON under /api/
 
 # --- HTTPS (what `manage.py check --deploy` asks for) --------------------------------
 # With an https DIPACO_PUBLIC_URL the server sits behind a TLS proxy (gunicorn speaks

@@ -41,6 +41,7 @@ from dipaco_server.runs.phases import PATHS
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.models import Worker
 from dipaco_web import queries
+from dipaco_web.numbering import charts_for_people
 from dipaco_web.views import _page, dashboard_page, is_staff
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,7 @@ def path_context(run: Run, path: Path, request: HttpRequest) -> dict[str, Any]:
     context: dict[str, Any] = {
         "run": run,
         "path": path,
-        "charts": {"val_loss": chart, "val_perplexity": ppl},
+        "charts": charts_for_people({"val_loss": chart, "val_perplexity": ppl}),
         "latest": queries.perplexity(losses[-1][1]) if losses else None,
         "best": queries.perplexity(path.best_val_loss),
         "card_html": "",
@@ -190,7 +191,8 @@ def path_context(run: Run, path: Path, request: HttpRequest) -> dict[str, Any]:
         context["not_ready"] = exc.message
         return context
     context["selection"] = selection
-    context["card_html"] = _markdown.render(_without_front_matter(card.model_card(selection)))
+    text = card.model_card(selection, staff=is_staff(request))
+    context["card_html"] = _markdown.render(_without_front_matter(text))
     return context
 
 

@@ -32,6 +32,7 @@ from dipaco_server.errors import ApiError
 from dipaco_server.runs.errors import ServiceError
 from dipaco_server.runs.models import Run
 from dipaco_web import actions, curves, queries
+from dipaco_web.numbering import charts_for_people
 
 View = Callable[..., HttpResponse]
 DEFAULT_POLL_S = 5
@@ -105,11 +106,24 @@ def _run_context(request: HttpRequest, run_id: int) -> dict[str, Any]:
         "paths": queries.path_rows(run),
         "leases": queries.active_leases(run),
         "communication": communication,
-        "charts": curves.with_phase_boundary(
-            run, {**curves.loss_charts(run), "communication": communication.chart()}
+        "charts": charts_for_people(
+            curves.with_phase_boundary(
+                run, {**curves.loss_charts(run), "communication": communication.chart()}
+            )
         ),
         "actions": queries.run_actions(run) if is_staff(request) else [],
+        # A run's error text can name server paths and hosts (a corpus that failed to read,
+        # a broker that did not answer): staff read it, everyone else a plain line.
+        "error_text": run.error if is_staff(request) else public_error(run),
     }
+
+
+def public_error(run: Run) -> str:
+    if not run.error:
+        return ""
+    if run.state == Run.State.FAILED:
+        return "This run failed. Staff see the reason on this page when signed in."
+    return "The server hit a problem with this run; staff see the detail when signed in."
 
 
 @dashboard_page()

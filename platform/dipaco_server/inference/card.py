@@ -7,6 +7,7 @@ same bytes, and the streamed zip and `dipaco download` agree.
 from __future__ import annotations
 
 import json
+from pathlib import PurePath
 from typing import TYPE_CHECKING, Any
 
 from dipaco.config import RunConfig
@@ -38,6 +39,18 @@ def _round_val_loss(selection: Selection) -> float | None:
     return None if point is None else point.value
 
 
+def public_config(config: dict[str, Any]) -> dict[str, Any]:
+    """The run config as anyone may read it: ``data.corpus``, a path on the server, becomes
+    its last name ("stdlib" stays): the download and the public path page show no server
+    directory. Still a valid config (a name is a corpus string), so `dipaco download`
+    assembles the model from it as before."""
+    data = config.get("data")
+    if not isinstance(data, dict) or not isinstance(data.get("corpus"), str):
+        return config
+    name = PurePath(data["corpus"]).name or data["corpus"]
+    return {**config, "data": {**data, "corpus": name}}
+
+
 def facts(selection: Selection) -> dict[str, Any]:
     """dipaco.json: what this directory is, for programs (the card says it for people)."""
     run, path = selection.run, selection.path
@@ -55,7 +68,7 @@ def facts(selection: Selection) -> dict[str, Any]:
         "best_round": path.best_round,
         "routing_share": path.routing_share,
         "train_tokens": path.train_tokens,
-        "config": run.config,
+        "config": public_config(run.config),
     }
 
 
@@ -89,18 +102,29 @@ def _has_base_model(run_id: int) -> bool:
     return get_blob_store().exists(base_model_key(run_id))
 
 
-def model_card(selection: Selection) -> str:
-    run, path, t = selection.run, selection.path, selection.round
+def model_card(selection: Selection, *, staff: bool = False) -> str:
+    """README.md for people: rounds counted from 1, as the dashboard and the terminal count
+    them ("after round 10 of 10"); dipaco.json keeps the API's 0-based index."""
+    run, path = selection.run, selection.path
+    n = selection.round + 1  # the round these weights are after, counted from 1
     config = run.run_config
+    total = config.total_rounds  # both phases, as Round.t counts them
+    if run.state in ("running", "paused"):
+        progress = f"{run.state}, round {min(run.current_round + 1, total)} of {total}"
+    else:
+        progress = f"{run.state}, {total} rounds planned"
     share = "unknown" if path.routing_share is None else f"{100 * path.routing_share:.1f}%"
     best = _perplexity(path.best_val_loss)
     if path.best_round is not None and path.best_val_loss is not None:
-        best += f", at round {path.best_round}"
+        best += f", after round {path.best_round + 1}"
     choices = ", ".join(f"level {i}: module {k}" for i, k in enumerate(path.choices))
     module_rows = "\n".join(
         f"| `{v.module.module_id}` | {v.version} | `{v.sha256}` |" for v in selection.versions
     )
-    config_json = json.dumps(run.config, indent=2, sort_keys=True)
+    # Staff see the corpus's path on the server (the path page, signed in); the download and
+    # everyone else its name only.
+    shown = run.config if staff else public_config(run.config)
+    config_json = json.dumps(shown, indent=2, sort_keys=True)
     return f"""---
 library_name: transformers
 pipeline_tag: text-generation
@@ -110,7 +134,7 @@ tags:
 - llama
 ---
 
-# {run.name}: path {path.index}, round {t}
+# {run.name}: path {path.index}, after round {n}
 
 One path of the DiPaCo run **{run.name}**: an ordinary Llama-family causal language model of
 {config.num_params():,} parameters, assembled from one module per level ({choices}).
@@ -118,12 +142,12 @@ DiPaCo routes each document to one path; this path saw {share} of the documents.
 
 {_training_phases(config, _has_base_model(run.pk))}
 
-| | |
+| fact | value |
 |---|---|
-| run | {run.name} (id {run.pk}), {run.state} at round {run.current_round} (of 0-{config.rounds - 1}) |
+| run | {run.name} (id {run.pk}), {progress} |
 | path | {path.index} of {config.num_paths} ({path.state}) |
-| weights | after round {t} closed ({t + 1} outer steps) |
-| validation loss at round {t} | {_perplexity(_round_val_loss(selection))} |
+| weights | after round {n} of {total} closed |
+| validation loss after round {n} | {_perplexity(_round_val_loss(selection))} |
 | best validation loss | {best} |
 | routing share | {share} |
 | training tokens in its shard | {path.train_tokens:,} |
