@@ -65,6 +65,10 @@ if CI:
 DEFAULT_POSTGRES_URL = "postgres://postgres@127.0.0.1:5432/dipaco"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379"
 REDIS_TEST_DB = 15
+# Under pytest-xdist each worker process (gw0, gw1, ...) is a session of its own, with its
+# own PostgreSQL database (by pid) and data dir; Redis databases are few, so gw0 keeps 15
+# and the others take 9, 8, ... (10 to 14 belong to single test modules, see theirs).
+XDIST_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "")
 PROCESS_STOP_TIMEOUT_S = 20.0
 WORKER_READY_TIMEOUT_S = 60.0
 
@@ -293,11 +297,18 @@ def _safe(url: str) -> str:
 
 @pytest.fixture(scope="session")
 def redis_url() -> Iterator[str]:
-    """Redis database 15 (never the default 0), flushed before and after the session."""
+    """Redis database 15 (never the default 0), flushed before and after the session; the
+    other pytest-xdist workers' 9, 8, ... (XDIST_WORKER)."""
     import redis
 
     base = os.environ.get("REDIS_URL") or DEFAULT_REDIS_URL
-    url = urlunsplit(urlsplit(base)._replace(path=f"/{REDIS_TEST_DB}"))
+    index = int(XDIST_WORKER[2:]) if XDIST_WORKER.startswith("gw") else 0
+    db = REDIS_TEST_DB if index == 0 else 10 - index
+    if db < 1:
+        raise pytest.UsageError(
+            f"{XDIST_WORKER}: Redis has no test database left; use -n 9 or fewer"
+        )
+    url = urlunsplit(urlsplit(base)._replace(path=f"/{db}"))
     client = redis.Redis.from_url(url, socket_connect_timeout=3)
     try:
         client.ping()
