@@ -69,7 +69,7 @@ def _audit(request: HttpRequest, action: str, target_type: str, target_id: Any =
 
 def _enqueue(task: str, *args: Any) -> None:
     """The admin API's enqueue (a broker that does not answer: ApiError 503 naming the fix)."""
-    from dipaco_server.runs.api import enqueue
+    from dipaco_server.runs.actions import enqueue
 
     enqueue(task, *args)
 

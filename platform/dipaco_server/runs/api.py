@@ -17,7 +17,6 @@ from typing import Any
 from django.db import IntegrityError, transaction
 from django.db.models import Count, F, QuerySet
 from django.http import HttpRequest
-from kombu.exceptions import KombuError
 from ninja import Field, Query, Router, Schema, Status, UploadedFile
 from ninja import File as NinjaFile
 from ninja.pagination import paginate
@@ -25,12 +24,10 @@ from ninja.pagination import paginate
 from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.services import audited
 from dipaco_server.bounds import MAX_INT, DatasetId, JsonId, Paging, RunId
-from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
 from dipaco_server.rounds.models import Lease
-from dipaco_server.rounds.open import open_round
-from dipaco_server.runs import keys, services
-from dipaco_server.runs.errors import ConfigInvalid, RunNotFound, ServiceError
+from dipaco_server.runs import actions, keys, services
+from dipaco_server.runs.errors import RunNotFound, ServiceError
 from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
 from dipaco_server.runs.sources import check_source
 from dipaco_server.storage import get_blob_store
@@ -210,7 +207,9 @@ def create_dataset(request: HttpRequest, body: DatasetIn) -> Status[Dataset]:
         raise ApiError(
             409, "dataset_name_taken", f"a dataset named {body.name!r} exists; choose another"
         ) from None
-    transaction.on_commit(lambda: enqueue("dipaco_server.runs.tasks.prepare_dataset", dataset.pk))
+    transaction.on_commit(
+        lambda: actions.enqueue("dipaco_server.runs.tasks.prepare_dataset", dataset.pk)
+    )
     return Status(201, dataset)
 
 
@@ -226,21 +225,6 @@ def get_dataset(request: HttpRequest, dataset_id: DatasetId) -> Dataset:
     if dataset is None:
         raise ApiError(404, "dataset_not_found", f"no dataset with id {dataset_id}")
     return dataset
-
-
-def enqueue(task: str, *args: Any) -> None:
-    """Send a Celery task; a broker that does not answer is 503 with the command to resend."""
-    try:
-        celery_app.send_task(task, args=list(args))
-    except (KombuError, OSError) as exc:
-        resend = f"celery -A dipaco_server call {task} --args='{list(args)}'"
-        logger.error("could not send %s%s: %s", task, list(args), exc)
-        raise ApiError(
-            503,
-            "broker_unavailable",
-            f"the task queue does not answer ({exc}); start the broker and a Celery worker, "
-            f"then send the task yourself: {resend}",
-        ) from None
 
 
 # --- runs ----------------------------------------------------------------------------------
@@ -264,17 +248,14 @@ def _run_out(run: Run) -> dict[str, Any]:
 @router.post("/runs", response={201: RunOut})
 @audited("run.create", "run")
 def create_run(request: HttpRequest, body: RunIn) -> Status[Run]:
-    """Create a draft run from a config; a bad config is 400 with one problem per field."""
+    """Create a draft run from a config; a bad config is 422 config_invalid with one problem
+    per field (details.problems: field, value, rule)."""
     dataset = None
     if body.dataset_id is not None:
         dataset = Dataset.objects.filter(pk=body.dataset_id).first()
         if dataset is None:
             raise ApiError(404, "dataset_not_found", f"no dataset with id {body.dataset_id}")
-    try:
-        run = services.create_run(body.name, body.config, dataset=dataset)
-    except ConfigInvalid as exc:
-        # A config that breaks the schema is a bad request (details.problems names each field).
-        raise ApiError(400, exc.code, exc.message, **exc.details) from None
+    run = services.create_run(body.name, body.config, dataset=dataset)
     return Status(201, run)
 
 
@@ -338,38 +319,7 @@ def get_run(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
 def start_run(request: HttpRequest, run_id: RunId) -> Run:
     """draft → preparing (a task prepares data and modules, then the run is ready), or
     ready → running with its first round open."""
-    run = _run(run_id)
-    if run.state == Run.State.DRAFT:
-        _check_base_model(run)
-        # The conditional transition lets one of concurrent starts win, and only it sends
-        # the preparation task (runs.tasks.prepare_run moves the run on to ready).
-        services.transition(run, Run.State.PREPARING)
-        transaction.on_commit(lambda: enqueue("dipaco_server.runs.tasks.prepare_run", run.pk))
-        return run
-    # One transaction: if the first round cannot open (no module versions, no data),
-    # the run stays ready and the error says what is missing.
-    with transaction.atomic():
-        services.transition(run, Run.State.RUNNING)
-        open_round(run, run.current_round)
-    run.refresh_from_db()
-    return run
-
-
-def _check_base_model(run: Run) -> None:
-    """A "base-lm" router without phase 1 reads an uploaded checkpoint: refuse to start
-    without one, before preparation spends minutes on the corpus."""
-    config = run.run_config
-    if config.phase1 is not None or config.router.featurizer != "base-lm":
-        return
-    if config.num_paths > 1 and not get_blob_store().exists(keys.base_model_key(run.pk)):
-        raise ApiError(
-            409,
-            "base_model_missing",
-            f"router.featurizer = 'base-lm' routes run {run.name!r} with a dense base model, and "
-            f"it has none: upload one (POST /api/v1/runs/{run.pk}/checkpoint), or create the "
-            "run with phase1 to train one, or with router.featurizer 'tfidf'",
-            field="router.featurizer",
-        )
+    return actions.start(_run(run_id))
 
 
 class CheckpointOut(Schema):
@@ -446,21 +396,21 @@ def upload_checkpoint(
 @audited("run.pause", "run")
 def pause_run(request: HttpRequest, run_id: RunId) -> Run:
     """running → paused: no new leases; units already leased may still complete."""
-    return services.transition(_run(run_id), Run.State.PAUSED)
+    return actions.pause(_run(run_id))
 
 
 @router.post("/runs/{run_id}/resume", response=RunOut)
 @audited("run.resume", "run")
 def resume_run(request: HttpRequest, run_id: RunId) -> Run:
     """paused → running."""
-    return services.transition(_run(run_id), Run.State.RUNNING)
+    return actions.resume(_run(run_id))
 
 
 @router.post("/runs/{run_id}/cancel", response=RunOut)
 @audited("run.cancel", "run")
 def cancel_run(request: HttpRequest, run_id: RunId) -> Run:
     """Any live state → cancelled (final): workers are told to drop its units."""
-    return services.transition(_run(run_id), Run.State.CANCELLED)
+    return actions.cancel(_run(run_id))
 
 
 @router.get("/runs/{run_id}/metrics", response=list[MetricOut])
