@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import io
+import logging
 import os
 import subprocess
 import sys
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -139,3 +141,85 @@ def test_the_command_uses_the_database_its_environment_names() -> None:
     token = result.stdout.strip()
     row = EnrollmentToken.objects.get(token_hash=tokens.hash_token(token))
     assert row.label == "from-shell" and row.max_uses == 1
+    assert result.stderr.startswith("enrollment token") and " INFO " not in result.stderr
+
+
+def shell_admin(*argv: str, **environ: str) -> subprocess.CompletedProcess[str]:
+    """``python -m dipaco_server.cli.admin ARGV`` in a fresh process, with only the dipaco
+    variables given here (none from this test run's environment)."""
+    from dipaco_server.env import KNOWN_VARIABLES
+
+    clean = {k: v for k, v in os.environ.items() if k not in KNOWN_VARIABLES}
+    clean.pop("DJANGO_SETTINGS_MODULE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "dipaco_server.cli.admin", *argv],
+        env={**clean, **environ},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_a_data_dir_without_a_database_is_named_with_the_way_out_and_left_empty(
+    tmp_path: Path,
+) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    result = shell_admin("createuser", "alice", "--staff", DIPACO_DATA_DIR=str(empty))
+    assert result.returncode == 1 and result.stdout == ""
+    assert f"no database in the data dir {empty} (DIPACO_DATA_DIR)" in result.stderr
+    assert "--data-dir DIR" in result.stderr and "nothing was created" in result.stderr
+    assert list(empty.iterdir()) == [], "no db.sqlite3, secret key or broker folders"
+
+    missing = tmp_path / "missing"
+    result = shell_admin("enroll", "--data-dir", str(missing))
+    assert result.returncode == 1 and f"{missing} (--data-dir)" in result.stderr
+    assert not missing.exists()
+
+
+def test_the_default_data_dir_without_a_database_points_at_the_demos(tmp_path: Path) -> None:
+    demo = tmp_path / "share" / "dipaco" / "demo"
+    demo.mkdir(parents=True)
+    (demo / "db.sqlite3").touch()
+    result = shell_admin("createuser", "alice", XDG_DATA_HOME=str(tmp_path / "share"))
+    assert result.returncode == 1
+    assert "(the default)" in result.stderr
+    assert f"dipaco admin --data-dir {demo} createuser alice --staff" in result.stderr
+    assert sorted(p.name for p in demo.parent.iterdir()) == ["demo"]
+
+    # That command, as printed: the empty file has no tables, which it says how to fix.
+    result = shell_admin("--data-dir", str(demo), "createuser", "alice", "--staff")
+    assert result.returncode == 1 and "has no tables yet" in result.stderr
+    assert "dipaco server" in result.stderr
+
+
+def test_the_servers_log_lines_show_only_with_verbose(
+    capsys: pytest.CaptureFixture[str], db: None, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO):
+        code, _, err = dipaco_admin(capsys, "createuser", "quiet")
+        assert code == 0 and "created user 'quiet'" in err
+        assert not [r for r in caplog.records if r.name.startswith("dipaco_server")]
+        code, _, _ = dipaco_admin(capsys, "--verbose", "createuser", "loud")
+        assert code == 0
+    logged = [r.getMessage() for r in caplog.records if r.name.startswith("dipaco_server")]
+    assert logged == ["created user loud (staff=False)"]
+    assert logging.getLogger("dipaco_server").level == logging.INFO, "restored afterwards"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_the_demo_prints_a_staff_password_that_signs_in(tmp_path: Path) -> None:
+    from dipaco_demo import control, runner
+
+    control.mint_tokens("a demo", enrollments=1)
+    first = runner.reset_staff_password()
+    password = runner.reset_staff_password()  # each demo prints a new one
+    line = runner.sign_in_line("http://127.0.0.1:8000", password, tmp_path)
+    assert f"user demo, password {password} " in line
+    assert f"dipaco admin --data-dir {tmp_path} createuser NAME --staff" in line
+    signed_in = Client()
+    answer = signed_in.post("/login/", {"username": "demo", "password": password})
+    assert answer.status_code == 302, "signed in and sent on"
+    assert signed_in.session.get("_auth_user_id") is not None
+    stale = Client().post("/login/", {"username": "demo", "password": first})
+    assert stale.status_code == 200, "the previous demo's password no longer signs in"

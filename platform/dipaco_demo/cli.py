@@ -19,7 +19,8 @@ same size. In order, it:
 
   1. starts `dipaco server` on the embedded default (SQLite, a filesystem Celery broker,
      local blobs) in the data dir; DATABASE_URL, REDIS_URL and S3_* are ignored here;
-  2. creates a staff user "demo" with an API token, and an enrollment token;
+  2. creates a staff user "demo" with an API token, and an enrollment token, and prints
+     how to sign in to the dashboard as staff (a new password each demo);
   3. samples the Python standard library as its corpus (kept: a second demo reuses it)
      and creates a run through the admin API: tokenizer, shards;
   4. starts --workers `dipaco-worker` processes, which lease work units, train H inner

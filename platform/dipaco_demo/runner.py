@@ -19,6 +19,7 @@ stop the server (it stops its children).
 from __future__ import annotations
 
 import math
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -83,6 +84,28 @@ class BaselineThread(threading.Thread):
             self.error = exc
 
 
+def reset_staff_password() -> str:
+    """A fresh password for the demo's staff user, to print: the demo is one person's
+    sandbox, and a password nobody was shown would leave the staff pages out of reach."""
+    from django.contrib.auth import get_user_model
+    from django.db import connections
+
+    password = secrets.token_urlsafe(12)
+    user = get_user_model().objects.get(username=control.STAFF_USER)
+    user.set_password(password)
+    user.save(update_fields=["password"])
+    connections.close_all()
+    return password
+
+
+def sign_in_line(url: str, password: str, data_dir: Path) -> str:
+    """How a person signs in as staff, and adds more staff, on this demo's server."""
+    return (
+        f"staff sign-in at {url}/login/: user {control.STAFF_USER}, password {password} "
+        f"(new each demo; more staff: dipaco admin --data-dir {data_dir} createuser NAME --staff)"
+    )
+
+
 class Demo:
     def __init__(self, options: DemoOptions, console: Console) -> None:
         self.options, self.console = options, console
@@ -94,6 +117,7 @@ class Demo:
         self.baseline: BaselineThread | None = None
         self.run_id: int | None = None
         self.api_token = ""
+        self.staff_password = ""
         self.display = DemoDisplay(console)
         # Known once phase 2 opens: its shards, and the losses where it starts.
         self.data: baseline.RunData | None = None
@@ -126,7 +150,9 @@ class Demo:
         control.setup_django(environ)
         label = f"dipaco demo {time.strftime('%Y-%m-%d %H:%M:%S')}"
         self.api_token, enrollment = control.mint_tokens(label, opts.plan.workers)
+        self.staff_password = reset_staff_password()
         say("created staff user 'demo' with an API token, and an enrollment token")
+        say(self._sign_in(url))
         self.admin = AdminClient(url, self.api_token)
         self._cancel_leftovers()
         size = opts.plan.model_size
@@ -378,6 +404,7 @@ class Demo:
             f"{self.api_token}); `dipaco generate --run {result.run_id} ...` and "
             f"`dipaco download --run {result.run_id} ...` work meanwhile"
         )
+        self.console.print(self._sign_in(self.server.url), highlight=False)
         self.console.print(
             f"[bold]Dashboard: {result.dashboard}[/] — press Ctrl-C to stop", highlight=False
         )
@@ -390,6 +417,9 @@ class Demo:
             f"dipaco server exited with code {code} while serving; see {self.server.log_path}"
         )
 
+    def _sign_in(self, url: str) -> str:
+        return sign_in_line(url, self.staff_password, self.data_dir)
+
     def _say_how_to_serve_again(self) -> None:
         port = self.server.port if self.server is not None else 8000
         self.console.print(
@@ -397,6 +427,8 @@ class Demo:
             f"DIPACO_DATA_DIR={self.data_dir} dipaco server --port {port}",
             highlight=False,
         )
+        if self.staff_password:
+            self.console.print(self._sign_in(f"http://127.0.0.1:{port}"), highlight=False)
 
     # --- stopping -----------------------------------------------------------------------
 

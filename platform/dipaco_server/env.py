@@ -133,6 +133,21 @@ def env_url(
 
 def data_dir(environ: Environ = os.environ) -> Path:
     """``DIPACO_DATA_DIR`` (default ``$XDG_DATA_HOME/dipaco`` or ~/.local/share/dipaco), created."""
+    path = data_dir_path(environ)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise refuse(
+            "DIPACO_DATA_DIR",
+            str(path),
+            f"cannot create it ({exc.strerror})",
+            "point it at a writable directory",
+        ) from None
+    return path
+
+
+def data_dir_path(environ: Environ = os.environ) -> Path:
+    """Where the data dir is, without creating it (``dipaco admin`` looks before it leaps)."""
     value = _get(environ, "DIPACO_DATA_DIR")
     if value is None:
         xdg = _get(environ, "XDG_DATA_HOME")
@@ -144,15 +159,6 @@ def data_dir(environ: Environ = os.environ) -> Path:
             raise refuse(
                 "DIPACO_DATA_DIR", value, "not an absolute path", "use e.g. /var/lib/dipaco"
             )
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise refuse(
-            "DIPACO_DATA_DIR",
-            str(path),
-            f"cannot create it ({exc.strerror})",
-            "point it at a writable directory",
-        ) from None
     return path
 
 

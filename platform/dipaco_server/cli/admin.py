@@ -1,8 +1,11 @@
 """``dipaco admin``: staff users, admin API tokens and enrollment tokens, from the shell.
 
 Works on the database the server's settings point at (DATABASE_URL, or the
-embedded SQLite in DIPACO_DATA_DIR), so run it where the server runs, with the
-same environment. Django is imported only when the command runs.
+embedded SQLite in DIPACO_DATA_DIR, or --data-dir), so run it where the server runs,
+with the same environment. A data dir without a database is refused before anything is
+opened: SQLite would otherwise leave an empty db.sqlite3 (and Django a secret key and
+broker folders) in a directory the user never meant. Django is imported only when the
+command runs, and its log lines are shown only with --verbose.
 
 Secrets (passwords, tokens) are printed once, alone on stdout, so a script can
 capture them; everything else goes to stderr.
@@ -11,10 +14,14 @@ capture them; everything else goes to stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import os
 import re
 import sys
+from collections.abc import Iterator, Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 DESCRIPTION = """\
@@ -25,8 +32,13 @@ Manage who may use this dipaco server:
   enroll                 an enrollment token volunteers register workers with"""
 
 EPILOG = """\
+The database is the one `dipaco server` uses with the same environment: DATABASE_URL,
+else db.sqlite3 in the data dir (DIPACO_DATA_DIR or --data-dir; default
+~/.local/share/dipaco). `dipaco demo` keeps its own, ~/.local/share/dipaco/demo.
+
 examples:
   dipaco admin createuser alice --staff
+  dipaco admin --data-dir ~/.local/share/dipaco/demo createuser alice --staff
   TOKEN=$(dipaco admin token create alice --name laptop)
   curl -H "Authorization: Bearer $TOKEN" http://127.0.0.1:8000/api/v1/runs
   dipaco admin enroll --uses 10 --expires 7d"""
@@ -74,9 +86,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
     """The admin subcommands, on `parser` (``dipaco admin`` or a standalone parser)."""
+    add_common_options(parser)
     commands = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
 
-    user = commands.add_parser("createuser", help="create a user; prints its password")
+    def add_command(
+        where: argparse._SubParsersAction[argparse.ArgumentParser], name: str, help: str
+    ) -> argparse.ArgumentParser:
+        command = where.add_parser(name, help=help)
+        add_common_options(command)
+        return command
+
+    user = add_command(commands, "createuser", "create a user; prints its password")
     user.add_argument("name", help="the user name")
     user.add_argument("--email", default="", help="the user's email address")
     user.add_argument("--staff", action="store_true", help="may use the admin API")
@@ -89,15 +109,15 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
 
     token = commands.add_parser("token", help="create or revoke admin API tokens")
     token_commands = token.add_subparsers(title="commands", metavar="COMMAND", required=True)
-    create = token_commands.add_parser("create", help="a new token for USER; printed once")
+    create = add_command(token_commands, "create", "a new token for USER; printed once")
     create.add_argument("user", help="a staff user's name")
     create.add_argument("--name", default="", help="what the token is for, e.g. laptop")
     create.set_defaults(handler=token_create)
-    revoke = token_commands.add_parser("revoke", help="refuse a token from now on")
+    revoke = add_command(token_commands, "revoke", "refuse a token from now on")
     revoke.add_argument("id", type=int, help="the token's id (printed when it was created)")
     revoke.set_defaults(handler=token_revoke)
 
-    enroll_parser = commands.add_parser("enroll", help="an enrollment token for volunteers")
+    enroll_parser = add_command(commands, "enroll", "an enrollment token for volunteers")
     enroll_parser.add_argument(
         "--uses",
         type=parse_uses,
@@ -116,6 +136,26 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
     enroll_parser.set_defaults(handler=enroll)
 
 
+def add_common_options(parser: argparse.ArgumentParser) -> None:
+    """--data-dir and --verbose, before or after the command (`dipaco admin --data-dir D
+    enroll` or `dipaco admin enroll --data-dir D`): SUPPRESS leaves the attribute unset
+    where not given, so a command's parser keeps what the outer one read."""
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        metavar="DIR",
+        default=argparse.SUPPRESS,
+        help="the server's data dir (default: DIPACO_DATA_DIR, else ~/.local/share/dipaco)",
+    )
+    parser.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help="also show the server's log lines",
+    )
+
+
 def setup_django() -> None:
     """Configure Django from the environment (once); a no-op inside a running server or test."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dipaco_server.settings")
@@ -128,6 +168,76 @@ def setup_django() -> None:
         ) from None
     if not apps.ready:
         django.setup()
+
+
+SQLITE_ENGINE = "django.db.backends.sqlite3"
+
+
+def check_database_exists(environ: Mapping[str, str], given_by: str = "DIPACO_DATA_DIR") -> None:
+    """Refuse, before Django opens it, an SQLite database file that does not exist.
+
+    Says where it looked and how to point the command elsewhere; creates nothing.
+    PostgreSQL (DATABASE_URL) is left to the connection, which names its own problem.
+    """
+    from django.core.exceptions import ImproperlyConfigured
+
+    from dipaco_server import env
+
+    try:
+        data = env.data_dir_path(environ)
+        database = env.database(environ, data)
+    except ImproperlyConfigured as exc:
+        raise AdminError(str(exc)) from None
+    path = Path(database["NAME"])
+    if database["ENGINE"] != SQLITE_ENGINE or path.exists():
+        return
+    if environ.get("DATABASE_URL", "").strip():
+        raise AdminError(
+            f"no database at {path} (from DATABASE_URL); nothing was created. Set DATABASE_URL "
+            "to the database `dipaco server` uses"
+        )
+    where = given_by if environ.get("DIPACO_DATA_DIR", "").strip() else "the default"
+    default = {k: v for k, v in environ.items() if k != "DIPACO_DATA_DIR"}
+    demo = env.data_dir_path(default) / "demo"  # dipaco_demo.cli.default_data_dir
+    found = sorted(p.parent for p in data.glob("*/db.sqlite3")) if data.is_dir() else []
+    if (demo / path.name).exists():
+        found.insert(0, demo)
+    lines = [
+        f"no database in the data dir {data} ({where}); nothing was created.",
+        "  Point the command at the data dir `dipaco server` runs with: --data-dir DIR or",
+        "  DIPACO_DATA_DIR=DIR (or DATABASE_URL for PostgreSQL).",
+        f"  `dipaco demo` keeps its own data dir, {demo} by default.",
+    ]
+    if found and found[0] != data:
+        lines.append(f"  A data dir with a database: {found[0]}; e.g.")
+        lines.append(f"    dipaco admin --data-dir {found[0]} createuser alice --staff")
+    raise AdminError("\n".join(lines))
+
+
+def check_database_migrated() -> None:
+    """A database without the server's tables (never served from) gets the command to fix it."""
+    from django.db import connection
+
+    if "auth_user" not in connection.introspection.table_names():
+        name = connection.settings_dict["NAME"]
+        raise AdminError(
+            f"the database {name} has no tables yet; start `dipaco server` once with the same "
+            "environment (it applies the migrations), or run: django-admin migrate"
+        )
+
+
+@contextlib.contextmanager
+def server_logs(verbose: bool) -> Iterator[None]:
+    """The server's INFO lines (created user ...) only when asked: the command says it itself."""
+    loggers = [logging.getLogger(name) for name in ("dipaco_server", "dipaco_web")]
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:
+        logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels, strict=True):
+            logger.setLevel(level)
 
 
 def _say(message: str) -> None:
@@ -185,16 +295,35 @@ def enroll(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    """Run the chosen command; refusals print one line and exit 1."""
+def _django_ready() -> bool:
+    """Inside a running server, a test or the demo, Django already has its database."""
     try:
+        from django.apps import apps
+    except ModuleNotFoundError:
+        return False
+    return bool(apps.ready)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the chosen command; refusals print their reason and exit 1."""
+    try:
+        data_dir = getattr(args, "data_dir", None)
+        if data_dir is not None:
+            os.environ["DIPACO_DATA_DIR"] = str(data_dir.expanduser().resolve())
+        if not _django_ready():
+            given_by = "DIPACO_DATA_DIR" if data_dir is None else "--data-dir"
+            # Without Django, setup_django below says how to install it.
+            with contextlib.suppress(ModuleNotFoundError):
+                check_database_exists(os.environ, given_by)
         setup_django()
         from django.db import DatabaseError
 
         from dipaco_server.runs.errors import ServiceError
 
         try:
-            code: Any = args.handler(args)
+            with server_logs(getattr(args, "verbose", False)):
+                check_database_migrated()
+                code: Any = args.handler(args)
         except ServiceError as exc:
             raise AdminError(exc.message) from None
         except DatabaseError as exc:
