@@ -127,7 +127,7 @@ class RichReporter(Reporter):
 
     def event(self, name: str, message: str, **fields: Any) -> None:
         super().event(name, message, **{**fields, "state": message})
-        self.console.log(Text(message))
+        self._line(Text(message))
 
     def status(self, **fields: Any) -> None:
         super().status(**fields)
@@ -136,10 +136,22 @@ class RichReporter(Reporter):
         now = time.monotonic()  # no panel: a progress line every 10 s, and the last step
         if fields.get("step") == fields.get("steps") or now - self._last_line >= 10.0:
             self._last_line = now
-            self.console.log(
-                f"step {fields['step']}/{fields.get('steps')}  loss {fields.get('loss', 0):.4f}  "
-                f"{fields.get('tokens_per_second', 0):,.0f} tokens/s"
+            self._line(
+                Text(
+                    f"step {fields['step']}/{fields.get('steps')}  loss "
+                    f"{fields.get('loss', 0):.4f}  "
+                    f"{fields.get('tokens_per_second', 0):,.0f} tokens/s"
+                )
             )
+
+    def _line(self, message: Text) -> None:
+        """A line with its time, as RichHandler writes the agent's log records. Not
+        console.log, which ends every line with its caller's source location
+        ("progress.py:130"): nothing a volunteer can use, and noise in a piped log."""
+        stamp = Text(datetime.now().strftime("[%X]"), style="log.time")
+        self.console.print(
+            Text.assemble(stamp, " ", message), soft_wrap=not self.console.is_terminal
+        )
 
     def log_handler(self) -> logging.Handler:
         return RichHandler(console=self.console, show_path=False, markup=False)
