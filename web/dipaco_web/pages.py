@@ -42,7 +42,7 @@ from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.models import Worker
 from dipaco_web import queries
 from dipaco_web.numbering import charts_for_people
-from dipaco_web.views import _page, dashboard_page, is_staff
+from dipaco_web.views import dashboard_page, is_staff, render_page
 
 logger = logging.getLogger(__name__)
 
@@ -137,14 +137,16 @@ def worker(request: HttpRequest, worker_id: int) -> HttpResponse:
     row = get_object_or_404(Worker, pk=worker_id)
     context = {**worker_context(row), "can_revoke": is_staff(request) and not row.revoked}
     live = reverse("dipaco_web:worker-live", args=[row.pk])
-    return _page(request, "dipaco_web/worker.html", context, nav="workers", live_url=live)
+    return render_page(request, "dipaco_web/worker.html", context, nav="workers", live_url=live)
 
 
 @dashboard_page(live=True)
 def worker_live(request: HttpRequest, worker_id: int) -> HttpResponse:
     row = get_object_or_404(Worker, pk=worker_id)
     context = {**worker_context(row), "can_revoke": is_staff(request) and not row.revoked}
-    return _page(request, "dipaco_web/worker_live.html", {**context, "oob": True}, nav="workers")
+    return render_page(
+        request, "dipaco_web/worker_live.html", {**context, "oob": True}, nav="workers"
+    )
 
 
 # --- a path's page ---------------------------------------------------------------------
@@ -210,7 +212,7 @@ def path_page(request: HttpRequest, run_id: int, path_index: int) -> HttpRespons
     run = get_object_or_404(Run, pk=run_id)
     path = get_object_or_404(Path, run=run, phase=PATHS, index=path_index)
     context = path_context(run, path, request)
-    return _page(request, "dipaco_web/path.html", context, nav="runs")
+    return render_page(request, "dipaco_web/path.html", context, nav="runs")
 
 
 def max_new_tokens() -> int:
@@ -268,7 +270,7 @@ def generate_view(request: HttpRequest, run_id: int, path_index: int) -> HttpRes
 
 
 def _fragment(request: HttpRequest, context: dict[str, Any], status: int) -> HttpResponse:
-    response = _page(request, "dipaco_web/parts/generated.html", context, nav="runs")
+    response = render_page(request, "dipaco_web/parts/generated.html", context, nav="runs")
     response.status_code = status
     return response
 

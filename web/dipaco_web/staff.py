@@ -42,7 +42,7 @@ from dipaco_server.runs.sources import check_source, data_roots
 from dipaco_server.workers import services as worker_services
 from dipaco_server.workers.models import EnrollmentToken, Worker
 from dipaco_web import forms, runform
-from dipaco_web.views import View, _page, is_staff
+from dipaco_web.views import View, is_staff, render_page
 
 logger = logging.getLogger(__name__)
 
@@ -135,7 +135,7 @@ def run_new(request: HttpRequest) -> HttpResponse:
     context["sections"] = runform.editor_sections(config, context["problems"])
     status = 400 if request.method == "POST" and (context["problems"] or
                                                   context["form_errors"]) else 200  # fmt: skip
-    response = _page(request, "dipaco_web/run_new.html", context, nav="runs")
+    response = render_page(request, "dipaco_web/run_new.html", context, nav="runs")
     response.status_code = status
     return response
 
@@ -273,7 +273,7 @@ def _dataset_page(
         "roots": data_roots(),
         "limit": forms.upload_max_bytes(),
     }
-    response = _page(request, "dipaco_web/dataset_new.html", context, nav="datasets")
+    response = render_page(request, "dipaco_web/dataset_new.html", context, nav="datasets")
     response.status_code = status
     return response
 
@@ -339,7 +339,7 @@ def enroll(request: HttpRequest) -> HttpResponse:
     now = timezone.now()
     rows = [{"token": t, "state": token_state(t, now)} for t in tokens]
     context = {"form": form, "created": created, "tokens": rows}
-    response = _page(request, "dipaco_web/enroll.html", context, nav="enroll")
+    response = render_page(request, "dipaco_web/enroll.html", context, nav="enroll")
     response.status_code = status
     response["Cache-Control"] = "no-store"  # the token is on the page once
     return response
@@ -398,7 +398,7 @@ def worker_revoke(request: HttpRequest, worker_id: int) -> HttpResponse:
 @require_http_methods(["GET"])
 def datasets(request: HttpRequest) -> HttpResponse:
     rows = list(Dataset.objects.order_by("-created_at", "-pk"))
-    return _page(request, "dipaco_web/datasets.html", {"datasets": rows}, nav="datasets")
+    return render_page(request, "dipaco_web/datasets.html", {"datasets": rows}, nav="datasets")
 
 
 _BUSY = (Dataset.State.PENDING, Dataset.State.PREPARING)
@@ -413,6 +413,6 @@ def dataset(request: HttpRequest, dataset_id: int) -> HttpResponse:
     context = {"dataset": row, "runs": dataset_rows(row), "busy": row.state in _BUSY}
     if request.GET.get("live"):
         context["oob"] = True
-        return _page(request, "dipaco_web/dataset_live.html", context, nav="datasets")
+        return render_page(request, "dipaco_web/dataset_live.html", context, nav="datasets")
     live = f"{reverse('dipaco_web:dataset', args=[row.pk])}?live=1" if context["busy"] else ""
-    return _page(request, "dipaco_web/dataset.html", context, nav="datasets", live_url=live)
+    return render_page(request, "dipaco_web/dataset.html", context, nav="datasets", live_url=live)

@@ -71,7 +71,7 @@ def dashboard_page(*, live: bool = False) -> Callable[[View], View]:
     return decorate
 
 
-def _page(
+def render_page(
     request: HttpRequest, template: str, context: dict[str, Any], *, nav: str, live_url: str = ""
 ) -> HttpResponse:
     extra = {"nav": nav, "live_url": live_url, "poll_ms": round(1000 * poll_seconds())}
@@ -85,13 +85,13 @@ def _page(
 def runs(request: HttpRequest) -> HttpResponse:
     context = {"rows": queries.run_rows()}
     live = reverse("dipaco_web:runs-live")
-    return _page(request, "dipaco_web/runs.html", context, nav="runs", live_url=live)
+    return render_page(request, "dipaco_web/runs.html", context, nav="runs", live_url=live)
 
 
 @dashboard_page(live=True)
 def runs_live(request: HttpRequest) -> HttpResponse:
     context = {"rows": queries.run_rows(), "oob": True}
-    return _page(request, "dipaco_web/runs_live.html", context, nav="runs")
+    return render_page(request, "dipaco_web/runs_live.html", context, nav="runs")
 
 
 def _run_context(request: HttpRequest, run_id: int) -> dict[str, Any]:
@@ -130,13 +130,13 @@ def public_error(run: Run) -> str:
 def run(request: HttpRequest, run_id: int) -> HttpResponse:
     live = reverse("dipaco_web:run-live", args=[run_id])
     context = _run_context(request, run_id)
-    return _page(request, "dipaco_web/run.html", context, nav="runs", live_url=live)
+    return render_page(request, "dipaco_web/run.html", context, nav="runs", live_url=live)
 
 
 @dashboard_page(live=True)
 def run_live(request: HttpRequest, run_id: int) -> HttpResponse:
     context = {**_run_context(request, run_id), "oob": True}
-    return _page(request, "dipaco_web/run_live.html", context, nav="runs")
+    return render_page(request, "dipaco_web/run_live.html", context, nav="runs")
 
 
 @require_POST
@@ -184,13 +184,13 @@ def _workers_context() -> dict[str, Any]:
 def workers(request: HttpRequest) -> HttpResponse:
     live = reverse("dipaco_web:workers-live")
     context = _workers_context()
-    return _page(request, "dipaco_web/workers.html", context, nav="workers", live_url=live)
+    return render_page(request, "dipaco_web/workers.html", context, nav="workers", live_url=live)
 
 
 @dashboard_page(live=True)
 def workers_live(request: HttpRequest) -> HttpResponse:
     context = {**_workers_context(), "oob": True}
-    return _page(request, "dipaco_web/workers_live.html", context, nav="workers")
+    return render_page(request, "dipaco_web/workers_live.html", context, nav="workers")
 
 
 # --- signing in and out ------------------------------------------------------------------
