@@ -235,8 +235,10 @@ def test_after_kill_9_a_restart_resumes_the_lease_and_sigterm_then_salvages_its_
 ) -> None:
     run = running_run(store, steps=400)
     data_dir = tmp_path / "agent"
+    # Checkpoints by time, written in the background: lease.json records a step only once
+    # its checkpoint is on disk.
     first = WorkerProcess(
-        live_server.url, data_dir, "--enroll", enrollment(), "--checkpoint-every", "2"
+        live_server.url, data_dir, "--enroll", enrollment(), "--checkpoint-interval", "0.05"
     )
     workers.append(first)
     first.wait_for_step(1)

@@ -194,3 +194,14 @@ def test_the_agent_and_the_library_code_it_imports_never_import_django() -> None
                     todo += [p for p in (module.with_suffix(".py"), module / "__init__.py")
                              if p.exists()]  # fmt: skip
     assert len(seen) > 20, "the walk followed the library's imports"
+
+
+def test_the_checkpoint_interval_in_help_is_the_librarys_and_compile_can_be_switched_off() -> None:
+    from dipaco.inner import DEFAULT_CHECKPOINT_INTERVAL_S
+
+    assert cli.CHECKPOINT_INTERVAL_S == DEFAULT_CHECKPOINT_INTERVAL_S
+    args = cli.build_parser().parse_args([])
+    assert (args.checkpoint_interval, args.checkpoint_every, args.compile) == (
+        DEFAULT_CHECKPOINT_INTERVAL_S, None, None,
+    )  # fmt: skip
+    assert cli.build_parser().parse_args(["--no-compile"]).compile is False

@@ -24,6 +24,7 @@ from worker_agent.payload import encode_deltas
 from worker_agent.trainer import (
     CHECKPOINT_NAME,
     InnerStates,
+    ResidentTrainer,
     UnitWork,
     fit_micro_batch,
     smaller_micro_batch,
@@ -202,10 +203,12 @@ def test_out_of_memory_halves_the_micro_batch_and_keeps_the_effective_batch(
         if metrics.step == 2 and micro > 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
+    resident = ResidentTrainer(cpu)
     result, inner = train_unit(
         unit(config, window), device=cpu, work_dir=tmp_path / "oom", checkpoint_every=1,
-        fault=oom_on_big_batches,
+        fault=oom_on_big_batches, trainer=resident,
     )  # fmt: skip
+    assert resident.builds == 2, "the resident model is dropped and built again"
     assert (inner.micro_batch_size, inner.grad_accum_steps) == (2, 2)
     assert inner.batch_size == config.inner.batch_size
     assert seen == [(1, 4), (2, 4), (2, 2), (3, 2)], "resumed after the last checkpoint"
@@ -237,3 +240,44 @@ def test_a_memory_budget_shrinks_the_micro_batch_before_training(config: RunConf
         fit_micro_batch(big, GiB // 1024)
     odd = smaller_micro_batch(big.inner.model_copy(update={"micro_batch_size": 6}))
     assert odd is not None and (odd.micro_batch_size, odd.grad_accum_steps) == (3, 4)
+
+
+def path_unit(config: RunConfig, window: Path, path: int, round_index: int) -> UnitWork:
+    source = ShardSource.for_path(TokenShard(window, "<u2"), config, path)
+    return UnitWork(config, 1, path, round_index, init_modules(config), source, 0)
+
+
+def test_a_unit_on_the_resident_trainer_after_another_gives_the_delta_of_a_fresh_model(
+    tmp_path: Path, config: RunConfig
+) -> None:
+    """The agent keeps one model on the device across units: a unit trained on it after a
+    unit of another path, by time-based checkpoints, matches one trained on a model built
+    for it alone, bit for bit on the CPU (Δ, moments, checkpoint)."""
+    cpu, window = torch.device("cpu"), window_file(tmp_path, config, windows=64)
+    resident = ResidentTrainer(cpu)
+    first, _ = train_unit(path_unit(config, window, 0, 0), device=cpu, work_dir=tmp_path / "a",
+                          trainer=resident, checkpoint_interval_s=1e-6)  # fmt: skip
+    assert first.completed and first.state is not None
+    later, _ = train_unit(path_unit(config, window, 1, 1), device=cpu, work_dir=tmp_path / "b",
+                          trainer=resident, state=first.state,
+                          checkpoint_interval_s=1e-6)  # fmt: skip
+    fresh, _ = train_unit(path_unit(config, window, 1, 1), device=cpu, work_dir=tmp_path / "c",
+                          state=first.state, checkpoint_interval_s=1e-6)  # fmt: skip
+    assert resident.builds == 1, "built once for both units"
+    assert later.delta.keys() == fresh.delta.keys()
+    for name, delta in fresh.delta.items():
+        assert torch.equal(later.delta[name], delta), name
+    assert later.adam.keys() == fresh.adam.keys()
+    for name, moment in fresh.adam.items():
+        assert torch.equal(later.adam[name], moment), name
+    assert later.losses == fresh.losses
+    assert adam_steps(tmp_path / "b" / CHECKPOINT_NAME) == adam_steps(
+        tmp_path / "c" / CHECKPOINT_NAME
+    )
+
+    wider = RunConfig.tiny(
+        model={**SMALL_MODEL, "hidden_size": 64}, inner=config.inner.model_dump()
+    )
+    other, _ = train_unit(path_unit(wider, window, 0, 0), device=cpu, work_dir=tmp_path / "d",
+                          trainer=resident)  # fmt: skip
+    assert other.completed and resident.builds == 2, "another architecture: built again"

@@ -1,7 +1,17 @@
-"""The agent's loop: lease → fetch → train → encode → upload → complete → next.
+"""The agent's loop: lease → fetch → train → (encode → upload → complete, meanwhile) → next.
 
-One `Agent` serves one server with one worker token. The main thread does the work;
-heartbeats run on their own thread (worker_agent.heartbeat).
+One `Agent` serves one server with one worker token. The main thread leases, fetches and
+trains; a trained unit's Δ is handed in (encoded, uploaded, completed) on a thread of its
+own while the next unit is leased, fetched and trained (worker_agent.handin); heartbeats
+run on their own thread (worker_agent.heartbeat) and cover both leases.
+
+At most one unit trains and one is handed in. The next unit of the *same* path waits for
+its predecessor's hand-in before it trains: its warm AdamW moments and codec residual are
+the path's only once that completion is accepted (worker_agent.trainer), so a refused
+hand-in leaves them as the last accepted unit left them, as before the overlap. Units of
+other paths start at once. A crash while handing in after the next lease was granted
+loses that Δ (the state file names the next unit): its lease expires and the unit is
+trained again, by this worker or another.
 
 A lease names how many of the unit's H steps to train (`LeaseGrant.steps`, sized by the
 server to this worker's speed, with the reason) and, for a new worker, a time limit that
@@ -40,7 +50,7 @@ from torch import Tensor
 from dipaco.config import GiB, InnerConfig, RunConfig
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource, UnitSource
-from dipaco.inner import InnerResult, StepMetrics
+from dipaco.inner import DEFAULT_CHECKPOINT_INTERVAL_S, InnerResult, StepMetrics
 from dipaco.retry import HAND_IN_PAUSE_S, hand_in_patience_s, idle_pause_s
 from worker_agent.client import (
     BlobRef,
@@ -62,61 +72,37 @@ from worker_agent.errors import (
     Interrupted,
     OutOfMemory,
     ServerError,
-    ServerUnreachable,
 )
+from worker_agent.handin import HandInThread, hand_in
 from worker_agent.heartbeat import HeartbeatThread
 from worker_agent.payload import encode_deltas
 from worker_agent.progress import Reporter
 from worker_agent.rebase import Rebaser, rebased_versions
-from worker_agent.retry import Backoff, is_transient
+from worker_agent.retry import Backoff
 from worker_agent.state import LeaseRecord, LeaseStateFile
-from worker_agent.trainer import InnerStates, UnitWork, fit_micro_batch, train_unit
+from worker_agent.trainer import (
+    InnerStates,
+    ResidentTrainer,
+    UnitWork,
+    fit_micro_batch,
+    train_unit,
+)
 from worker_agent.transfer import BlobCache, Transfers, disk_errors
 
-__all__ = ["Agent", "AgentOptions"]
+__all__ = ["Agent", "AgentOptions", "hand_in"]
 
 log = logging.getLogger(__name__)
-
-
-def hand_in(
-    send: Callable[[], None],
-    *,
-    until: float,
-    stop: threading.Event,
-    on_wait: Callable[[BaseException, float], None] | None = None,
-    pause_s: float = HAND_IN_PAUSE_S,
-    clock: Callable[[], float] = time.monotonic,
-) -> None:
-    """`send()` a trained unit's Δ (upload URLs, uploads, completion) until it goes through.
-
-    Work in hand is worth more than a request: a server or store that cannot be reached, or
-    answers 5xx/429, through the client's own tries (about 2 minutes: an overload, a restart,
-    the volunteer's network) is tried again every `pause_s` until `until` (monotonic), the
-    last moment its round may still take it. An answer that cannot change (a 4xx: the round
-    closed, the lease was taken over) is raised at once, as is the last failure once
-    `until` has passed or `stop` is set (the state file keeps the unit for a restart).
-    """
-    while True:
-        try:
-            send()
-            return
-        except Exception as error:
-            if not (isinstance(error, ServerUnreachable) or is_transient(error)):
-                raise
-            pause = min(pause_s, until - clock())
-            if pause <= 0 or stop.is_set():
-                raise
-            if on_wait is not None:
-                on_wait(error, pause)
-            if stop.wait(pause):
-                raise
 
 
 @dataclass
 class AgentOptions:
     data_dir: Path
     max_units: int | None = None  # --once is 1; None: until stopped
-    checkpoint_every: int | None = 50  # inner steps between checkpoints
+    # A checkpoint every this many seconds of training (what a crash may lose), and/or every
+    # `checkpoint_every` steps; both None: none (a stopped unit still saves one).
+    checkpoint_interval_s: float | None = DEFAULT_CHECKPOINT_INTERVAL_S
+    checkpoint_every: int | None = None
+    compile: bool | None = None  # torch.compile: None lets the library decide (CUDA only)
     memory_budget_bytes: int | None = None  # --memory-cap, or the GPU's memory
     idle_wait_s: tuple[float, float] = (1.0, 30.0)  # first and longest wait when no work
     cache_max_bytes: int = 20 * GiB
@@ -148,7 +134,10 @@ class Agent:
         # Warm inner AdamW state (and error-feedback residual) per (run, path).
         self.inner_states = InnerStates(root / "cache" / "inner")
         self.state = LeaseStateFile(root)
+        # The model, built (and compiled) once per run architecture, resident across units.
+        self.trainer = ResidentTrainer(device.device, compile=options.compile)
         self.units_done = 0
+        self.handing_in: HandInThread | None = None  # the trained unit being handed in
 
     def close(self) -> None:
         self.transfers.close()
@@ -160,25 +149,57 @@ class Agent:
         """Work until stopped or `max_units` are done; AgentError when it cannot go on."""
         grant = self._saved_lease()
         limit = self.options.max_units
-        while not self.stop.is_set() and (limit is None or self.units_done < limit):
-            if self.heartbeats.auth_error is not None:
-                raise self.heartbeats.auth_error
-            if grant is None:
-                grant = self._next_lease()
+        try:
+            while not self.stop.is_set():
+                if limit is not None and self.units_done + self._units_in_hand_in() >= limit:
+                    if self.handing_in is None:
+                        break
+                    self._wait_for_hand_in()  # refused or lost: the unit does not count
+                    continue
+                if self.heartbeats.auth_error is not None:
+                    raise self.heartbeats.auth_error
                 if grant is None:
-                    break  # stopped while waiting
-            self._work(grant)
-            grant = None
+                    grant = self._next_lease()
+                    if grant is None:
+                        break  # stopped while waiting
+                self._work(grant)
+                grant = None
+        except Exception:
+            self._wait_for_hand_in(quiet=True)  # the trained Δ still goes in, if it can
+            raise
+        self._wait_for_hand_in()
+
+    def _units_in_hand_in(self) -> int:
+        return 0 if self.handing_in is None else 1
+
+    def _wait_for_hand_in(self, *, quiet: bool = False) -> None:
+        """Until the unit being handed in (if any) is in; raises what its hand-in could not
+        handle, unless `quiet` (the agent is ending for another reason: logged)."""
+        job, self.handing_in = self.handing_in, None
+        if job is None:
+            return
+        try:
+            job.wait()
+        except Exception as error:
+            if not quiet:
+                raise
+            log.warning("handing in lease %s failed too: %s", job.lease_id, error)
 
     def _next_lease(self) -> LeaseGrant | None:
         first, longest = self.options.idle_wait_s
         wait = first
         while not self.stop.is_set():
+            job = self.handing_in
+            handing_in = job.lease_id if job is not None and not job.done() else None
             try:
-                grant = self.client.lease()
+                grant = self.client.lease(handing_in=handing_in)
             except ServerError as exc:
                 if exc.code != "lease_limit_reached":
                     raise
+                if job is not None:
+                    # A server that counts the lease in hand-in: the next one after it.
+                    self._wait_for_hand_in()
+                    continue
                 # A lease granted but lost in transit: it expires soon; then we get work.
                 self.reporter.event("waiting", f"{exc.message}; waiting for it to expire")
                 grant = None
@@ -274,6 +295,15 @@ class Agent:
                 data.url, data.sha256, data.size, what=f"training data of path {grant.path}"
             )
             self.reporter.event("fetched", f"fetched {len(modules)} modules and the training data")
+            job = self.handing_in
+            if job is not None and (job.run_id, job.path) == (grant.run_id, grant.path):
+                # Its warm state is the path's once that completion is accepted (module doc).
+                self.reporter.event(
+                    "hand_in_first", f"lease {grant.lease_id}: path {grant.path} trains once "
+                    f"lease {job.lease_id}'s Δ of the same path is handed in",
+                    lease_id=grant.lease_id, handing_in=job.lease_id,
+                )  # fmt: skip
+                self._wait_for_hand_in()
             ending = _Ending()
             rebasers: list[Rebaser] = []  # outer.overlap eager: this unit's hook, if any
             result, inner = self._train(
@@ -283,6 +313,45 @@ class Agent:
                 return
             record.phase, record.step = "uploading", len(result.losses)
             self.state.save(record)
+        trained = _Trained(grant, config, result, inner, work, ending, rebasers)
+        until = self._hand_in_until(grant)
+        self._wait_for_hand_in()  # one unit in hand-in at a time
+        self.heartbeats.keep_alive(grant.lease_id, grant.secret)
+        job = HandInThread(
+            grant.lease_id, grant.run_id, grant.path, work,
+            lambda: self._hand_in_unit(trained, until),
+        )  # fmt: skip
+        self.handing_in = job
+        job.start()
+        # The next unit's fetch starts from here: keep what this unit used (held modules).
+        rebased = rebasers[0].refs if rebasers else []
+        keep = {ref.sha256 for ref in [*manifest.modules, *rebased]} | {manifest.data.sha256}
+        self.cache.prune(keep, self.options.cache_max_bytes)
+
+    def _hand_in_unit(self, trained: _Trained, until: float) -> None:
+        """Encode, upload and complete a trained unit's Δ (on its hand-in thread), then keep
+        its path's new inner state. A lease gone or a stop is handled here, as `_work`
+        handles them; anything else is raised (again by `_wait_for_hand_in`)."""
+        grant = trained.grant
+        try:
+            self._encode_and_send(trained, until)
+        except ServerError as exc:
+            if exc.code not in LEASE_GONE:
+                raise
+            self.reporter.event("lost", f"lease {grant.lease_id} is over: {exc.message}")
+            self._discard(grant)
+        except Interrupted:
+            self._release(grant)
+        except DiskFull:
+            self._release(grant)
+            raise
+        finally:
+            self.heartbeats.forget(grant.lease_id)
+
+    def _encode_and_send(self, trained: _Trained, until: float) -> None:
+        grant, config, result, work = trained.grant, trained.config, trained.result, trained.work
+        ending, rebasers = trained.ending, trained.rebasers
+        with disk_errors(self.options.data_dir):
             encoded, state = encode_deltas(
                 result.module_deltas, config, work / "deltas", result.state
             )
@@ -328,7 +397,7 @@ class Agent:
             )  # fmt: skip
 
         hand_in(
-            send, until=self._hand_in_until(grant), stop=self.stop,
+            send, until=until, stop=self.stop,
             pause_s=self.options.hand_in_pause_s,
             on_wait=lambda error, pause: self.reporter.event(
                 "hand_in_wait", f"lease {grant.lease_id}: handing in its Δ failed ({error}); "
@@ -348,13 +417,11 @@ class Agent:
         self.units_done += 1
         self.reporter.event(
             "completed", f"lease {grant.lease_id} completed: loss {metrics['loss']:.4f}, "
-            f"{metrics['tokens_per_second']:,.0f} tokens/s (micro-batch {inner.micro_batch_size})",
+            f"{metrics['tokens_per_second']:,.0f} tokens/s (micro-batch "
+            f"{trained.inner.micro_batch_size})",
             units_done=self.units_done, **metrics,
         )  # fmt: skip
         self._discard(grant)
-        rebased = rebasers[0].refs if rebasers else []
-        keep = {ref.sha256 for ref in [*manifest.modules, *rebased]} | {manifest.data.sha256}
-        self.cache.prune(keep, self.options.cache_max_bytes)
 
     def _hand_in_until(self, grant: LeaseGrant) -> float:
         """Until when (monotonic) a trained Δ is worth handing in (dipaco.retry's rule)."""
@@ -385,15 +452,15 @@ class Agent:
             })  # fmt: skip
         else:
             inner = fit_micro_batch(config, self.options.memory_budget_bytes)
-        every = self.options.checkpoint_every
 
         def on_step(m: StepMetrics) -> None:
             speed = m.tokens / m.seconds if m.seconds > 0 else 0.0
             self.reporter.status(step=m.step, steps=grant.steps, loss=m.loss,
                                  tokens_per_second=speed, lease_id=grant.lease_id)  # fmt: skip
-            # The library checkpoints after on_step, so step k - 1's checkpoint exists now.
-            if every and m.step > 1 and (m.step - 1) % every == 0:
-                record.step = m.step - 1
+            # The step of the newest checkpoint written to disk (the library writes them in
+            # the background, by time): what a restart resumes from.
+            if m.checkpointed_step > record.step:
+                record.step = m.checkpointed_step
                 self.state.save(record)
 
         def on_fallback(old: InnerConfig, new: InnerConfig) -> None:
@@ -468,8 +535,9 @@ class Agent:
                 rebasers.append(rebaser)
         return train_unit(
             unit, device=self.device.device, work_dir=work, inner=inner,
-            state=state, checkpoint_every=every, should_stop=should_stop,
-            on_step=on_step_counted, on_fallback=on_fallback, rebase=rebaser,
+            state=state, checkpoint_every=self.options.checkpoint_every,
+            checkpoint_interval_s=self.options.checkpoint_interval_s, should_stop=should_stop,
+            on_step=on_step_counted, on_fallback=on_fallback, rebase=rebaser, trainer=self.trainer,
         )  # fmt: skip
 
     def _rebaser(
@@ -565,7 +633,7 @@ class Agent:
     def _discard(self, grant: LeaseGrant, *, keep_work: bool = False) -> None:
         """Forget the lease; its unit's work directory too, unless it may come back
         (an expired lease: the server hands its unit back to this worker to resume)."""
-        self.state.clear()
+        self.state.clear(grant.lease_id)
         if not keep_work:
             shutil.rmtree(self._work_dir(grant), ignore_errors=True)
 
@@ -573,12 +641,27 @@ class Agent:
         return self.options.data_dir / "work" / f"run-{grant.run_id}-unit-{grant.unit_id}"
 
     def _prune_work(self, keep: Path) -> None:
-        """One unit is worked on at a time: other units' leftovers are gone for good."""
+        """One unit trains and one is handed in at a time: other units' leftovers are gone
+        for good."""
         root = self.options.data_dir / "work"
+        kept = {keep} | ({self.handing_in.work_dir} if self.handing_in is not None else set())
         if root.is_dir():
             for folder in root.iterdir():
-                if folder != keep:
+                if folder not in kept:
                     shutil.rmtree(folder, ignore_errors=True)
+
+
+@dataclass
+class _Trained:
+    """A unit that has trained, as its hand-in thread needs it."""
+
+    grant: LeaseGrant
+    config: RunConfig
+    result: InnerResult
+    inner: InnerConfig
+    work: Path
+    ending: _Ending
+    rebasers: list[Rebaser]
 
 
 class _SlowSource:

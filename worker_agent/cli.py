@@ -28,6 +28,9 @@ from worker_agent.progress import JsonReporter, Reporter, RichReporter
 __all__ = ["build_parser", "main", "parse_size"]
 
 log = logging.getLogger("worker_agent")
+# dipaco.inner.DEFAULT_CHECKPOINT_INTERVAL_S, written here so that --help needs no torch
+# (tests/test_worker_agent_local.py checks they agree).
+CHECKPOINT_INTERVAL_S = 120.0
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 
 
@@ -63,8 +66,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--json-logs", action="store_true", help="one JSON object per line instead of the panel")
     add("--once", action="store_true", help="do one work unit, then exit")
     add("--max-units", type=int, metavar="N", help="do N work units, then exit")
-    add("--checkpoint-every", type=int, default=50, metavar="STEPS",
-        help="inner steps between checkpoints (default 50)")  # fmt: skip
+    add("--checkpoint-interval", type=float, default=CHECKPOINT_INTERVAL_S, metavar="SECONDS",
+        help="save the unit's training state every SECONDS of training (default "
+        f"{CHECKPOINT_INTERVAL_S:g}): if this machine stops (a crash, a power cut, kill -9), "
+        "a restart resumes from the last one, so at most this much training is lost; saving "
+        "runs in the background, training pauses only to copy the state to memory")  # fmt: skip
+    add("--checkpoint-every", type=int, metavar="STEPS",
+        help="save it every STEPS inner steps instead of by time")  # fmt: skip
+    add("--no-compile", dest="compile", action="store_false", default=None,
+        help="train without torch.compile (on by default on CUDA, off on the CPU); for a "
+        "GPU whose compiler fails, or to start the first unit sooner")  # fmt: skip
     add("--probe-seconds", type=float, default=1.0, help="length of the start-up speed probe")
     add("--step-delay", type=float, default=0.0, metavar="SECONDS",
         help="sleep this long before each micro-batch: a slower device, for tests and "

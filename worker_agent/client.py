@@ -30,6 +30,7 @@ from worker_agent.errors import (
     IncompatibleServer,
     ServerError,
     ServerUnreachable,
+    WorkerDistrusted,
 )
 from worker_agent.retry import Backoff, RetryAttempt, retry
 
@@ -234,9 +235,11 @@ class Client:
         on_retry: Callable[[RetryAttempt], None] | None = None,
         timeout_s: float = 30.0,
         transport: httpx.BaseTransport | None = None,
+        worker_id: int | None = None,
     ) -> None:
         self.server = server.rstrip("/")
         self.token = token
+        self.worker_id = worker_id  # names the worker's page in WorkerDistrusted
         self.policy = policy or Backoff()
         self.stop = stop
         self.on_retry = on_retry
@@ -295,6 +298,8 @@ class Client:
                     f"the server refused this worker's token ({exc.code}: {exc.message}); "
                     f"enroll again: dipaco-worker --server {self.server} --enroll TOKEN"
                 ) from exc
+            if exc.code == "worker_distrusted":
+                raise WorkerDistrusted(self.server, self.worker_id, exc.message) from exc
             if exc.transient:
                 raise ServerUnreachable(
                     f"{self.server} kept failing ({exc.status} {exc.code}: {exc.message}); "
@@ -362,16 +367,22 @@ class Client:
             round_deadline=lease.get("round_deadline"),
         )
 
-    def lease(self) -> LeaseGrant | None:
+    def lease(self, handing_in: int | None = None) -> LeaseGrant | None:
         """A work unit, or None when nothing is queued (HTTP 204) or the server is too busy
         to hand out work now (503 ``overloaded``: dipaco_server.shedding).
+
+        `handing_in`: the lease whose trained Δ this worker is handing in meanwhile; it does
+        not count against the worker's lease limit (one lease training, one handing in).
 
         After either, `idle_retry_after_s` holds the server's Retry-After (seconds before
         asking again; it grows with the number of idle workers), or None without one, and
         `overloaded` says which it was. An overloaded server is not a failure to give up
         on: an idle agent keeps asking at the pace the server sets, however long it lasts.
         """
-        response = self._call("POST", "worker/lease", answers=(OVERLOADED,))
+        route = (
+            "worker/lease" if handing_in is None else f"worker/lease?handing_in={int(handing_in)}"
+        )
+        response = self._call("POST", route, answers=(OVERLOADED,))
         self.idle_retry_after_s = None
         self.overloaded = response.status_code == 503
         if response.status_code in (204, 503):

@@ -23,6 +23,7 @@ class ExitCode(IntEnum):
     INCOMPATIBLE = 5  # the server speaks another version of the worker API
     DISK_FULL = 6  # the data directory ran out of space
     OUT_OF_MEMORY = 7  # a unit does not fit even with a micro-batch of one sequence
+    DISTRUSTED = 8  # the server gives this worker no more work: its Δs failed its checks
     INTERRUPTED = 130  # a second Ctrl+C: exited at once, nothing released
 
 
@@ -35,6 +36,8 @@ EXIT_CODES_HELP = """exit codes:
   5    server version incompatible with this agent (upgrade dipaco)
   6    disk full in the data directory (free space or use --data-dir)
   7    out of memory even with a micro-batch of 1 (use a bigger GPU or --memory-cap)
+  8    distrusted: this worker's Δs failed the server's checks too often, so it gets no
+       more work until an operator resets it (see its page, <server>/workers/<id>/)
   130  second Ctrl+C: exited at once without releasing the lease"""
 
 
@@ -70,6 +73,25 @@ class DiskFull(AgentError):
 
 class OutOfMemory(AgentError):
     exit_code = ExitCode.OUT_OF_MEMORY
+
+
+class WorkerDistrusted(AgentError):
+    """403 ``worker_distrusted``: the server's checks rejected this worker's Δs too often
+    (its trust fell below the run's minimum), so it gets no more leases. Not a crash, and a
+    restart changes nothing; an honest machine gets here too when a check copy disagreed
+    with it, so the message says where to look and whom to ask."""
+
+    exit_code = ExitCode.DISTRUSTED
+
+    def __init__(self, server: str, worker_id: int | None, reason: str) -> None:
+        page = f"{server}/workers/{worker_id}/" if worker_id is not None else f"{server}/workers/"
+        super().__init__(
+            f"the server gives this worker no more work: its trained Δs failed the server's "
+            f"checks too often ({reason}). This is not a fault of this machine's setup and "
+            f"restarting changes nothing. See which contributions were rejected and why on "
+            f"its page, {page}, and ask the run's operator to review them and reset its trust"
+        )
+        self.page = page
 
 
 class ServerError(Exception):

@@ -5,6 +5,11 @@ Without a lease it still says "alive" (the dashboard's last-seen); with one it e
 the lease. When the server answers that the lease is over (expired, round closed, run
 stopped) or tells the agent to ``release`` it, `lease_lost` is set with the reason and
 the trainer stops at the end of its current step.
+
+A lease whose Δ is being handed in (uploads, then completion, on the agent's hand-in
+thread) while the next unit trains is beaten too, each interval (`keep_alive`), until
+`forget`: its liveness deadline must outlast a slow upload. Its answers change nothing
+here; the hand-in's own requests learn whether the server still takes it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ class HeartbeatThread(threading.Thread):
         self._wake = threading.Event()
         self._lock = threading.Lock()
         self._lease: tuple[int, str] | None = None
+        self._handing_in: dict[int, str] = {}  # lease id -> secret, beaten until forgotten
 
     def track(self, lease_id: int, secret: str) -> None:
         """Extend this lease from now on (a beat goes out at once)."""
@@ -49,6 +55,18 @@ class HeartbeatThread(threading.Thread):
         with self._lock:
             self._lease = None
 
+    def keep_alive(self, lease_id: int, secret: str) -> None:
+        """Extend this lease (one being handed in) every interval until `forget`; it is no
+        longer the tracked one, so the next unit's lease can be."""
+        with self._lock:
+            self._handing_in[lease_id] = secret
+            if self._lease is not None and self._lease[0] == lease_id:
+                self._lease = None
+
+    def forget(self, lease_id: int) -> None:
+        with self._lock:
+            self._handing_in.pop(lease_id, None)
+
     def stop(self) -> None:
         self._halt.set()
         self._wake.set()
@@ -62,8 +80,14 @@ class HeartbeatThread(threading.Thread):
     def beat(self) -> None:
         with self._lock:
             lease = self._lease
+            handing_in = list(self._handing_in.items())
         # Two quick tries: the next beat is the real retry, and must not be delayed.
         policy = Backoff(attempts=2, initial_s=1.0, max_s=max(1.0, self.interval_s / 4))
+        for lease_id, secret in handing_in:
+            try:
+                self.client.heartbeat(lease_id, secret, policy=policy)
+            except (ServerError, AgentError) as exc:  # the hand-in hears it from the server
+                log.info("heartbeat of lease %s being handed in: %s", lease_id, exc)
         try:
             if lease is None:
                 answer = self.client.heartbeat(policy=policy)

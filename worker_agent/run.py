@@ -34,8 +34,12 @@ def run_agent(args: argparse.Namespace, reporter: Reporter, stop: threading.Even
         raise UsageError(f"--max-units {args.max_units}: give at least 1")
     if args.step_delay < 0:
         raise UsageError(f"--step-delay {args.step_delay}: give 0 or more seconds")
-    if args.checkpoint_every < 1:
+    if args.checkpoint_every is not None and args.checkpoint_every < 1:
         raise UsageError(f"--checkpoint-every {args.checkpoint_every}: give at least 1 step")
+    if not args.checkpoint_interval > 0 or args.checkpoint_interval == float("inf"):
+        raise UsageError(
+            f"--checkpoint-interval {args.checkpoint_interval}: give a number of seconds above 0"
+        )
     if args.enroll is not None and not args.server:
         raise UsageError("--enroll needs --server URL: the server that issued the token")
     data_dir = (args.data_dir or default_data_dir()).expanduser().resolve()
@@ -56,13 +60,18 @@ def run_agent(args: argparse.Namespace, reporter: Reporter, stop: threading.Even
     identity = saved or _enroll(args, data_dir, device.describe(), reporter, stop)
     reporter.status(worker=identity.name, server=identity.server)
     reporter.event("page", f"this worker's page: {identity.server}/workers/{identity.worker_id}/")
-    client = Client(identity.server, identity.token, stop=stop, on_retry=_retry_reporter(reporter))
+    client = Client(identity.server, identity.token, stop=stop,
+                    on_retry=_retry_reporter(reporter), worker_id=identity.worker_id)  # fmt: skip
     heartbeats = HeartbeatThread(
-        Client(identity.server, identity.token), interval_s=30.0
+        Client(identity.server, identity.token, worker_id=identity.worker_id), interval_s=30.0
     )  # its own connection: never waits behind a transfer
     agent = Agent(
         client, heartbeats, device,
-        AgentOptions(data_dir, max_units=args.max_units, checkpoint_every=args.checkpoint_every,
+        AgentOptions(data_dir, max_units=args.max_units,
+                     # --checkpoint-every replaces the time-based checkpoints
+                     checkpoint_interval_s=(args.checkpoint_interval
+                                            if args.checkpoint_every is None else None),
+                     checkpoint_every=args.checkpoint_every, compile=args.compile,
                      memory_budget_bytes=budget, cache_max_bytes=args.cache_size,
                      step_delay_s=args.step_delay),
         reporter, stop,

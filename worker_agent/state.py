@@ -5,12 +5,17 @@ granted, at each checkpoint (with the step reached) and when training ends; it i
 once the unit is completed or released. On start, a saved lease that the server still
 calls active is resumed (its checkpoint continues training); any other is dropped along
 with its work directory.
+
+The file names one lease: the one training, or the one being handed in until the next is
+granted. A hand-in that ends on its own thread clears it only while it still names that
+lease (`clear(lease_id)`), never the next unit's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,10 +46,12 @@ class LeaseRecord:
 class LeaseStateFile:
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / STATE_NAME
+        self._lock = threading.Lock()
 
     def save(self, record: LeaseRecord) -> None:
-        record.updated_at = time.time()
-        write_private_json(self.path, asdict(record))
+        with self._lock:
+            record.updated_at = time.time()
+            write_private_json(self.path, asdict(record))
 
     def load(self) -> LeaseRecord | None:
         if not self.path.exists():
@@ -56,5 +63,11 @@ class LeaseStateFile:
             log.warning("ignoring the damaged %s (%s); starting clean", self.path, exc)
             return None
 
-    def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+    def clear(self, lease_id: int | None = None) -> None:
+        """Remove the file; given `lease_id`, only while it names that lease."""
+        with self._lock:
+            if lease_id is not None:
+                saved = self.load()
+                if saved is not None and saved.lease_id != lease_id:
+                    return
+            self.path.unlink(missing_ok=True)

@@ -1,13 +1,17 @@
 """One work unit's training: the library's inner loop plus what a volunteer machine needs.
 
 `train_unit` wraps `dipaco.inner.train_path` with
+- a resident trainer (`ResidentTrainer`): one `dipaco.inner.PathTrainer` per run
+  architecture and compile choice, kept on the device across units (built again when a
+  unit's config does not match it, and after an out-of-memory fallback);
 - the unit's windows of its path's train shard, read in the path's seeded shuffled order
   from the unit's start position (dipaco.data.windows.ShardSource, as the simulator);
 - warm inner state per (run, path): `InnerStates` keeps the `dipaco.inner.InnerState`
   that `train_path` returns (AdamW moments by parameter name, and the codec's
   error-feedback residual) in the agent's cache, and hands it to the path's next unit;
-- a checkpoint every N steps in the unit's work directory, resumed after a crash (the
-  library's own `checkpoint_path`, which takes precedence over the warm state);
+- checkpoints by time (and/or every N steps) in the unit's work directory, written in
+  the background by the library, resumed after a crash (the library's own
+  `checkpoint_path`, which takes precedence over the warm state);
 - the out-of-memory fallback: half the micro-batch, twice the accumulation, so the
   effective batch (and the Δ's meaning) is unchanged; it resumes from the last
   checkpoint (whose identity names the batch, not its split) and logs why. At one
@@ -37,6 +41,7 @@ from dipaco.inner import (
     CheckpointMismatch,
     InnerResult,
     InnerState,
+    PathTrainer,
     StepMetrics,
     state_fingerprint,
     train_path,
@@ -45,6 +50,7 @@ from worker_agent.errors import OutOfMemory
 
 __all__ = [
     "InnerStates",
+    "ResidentTrainer",
     "UnitWork",
     "fit_micro_batch",
     "is_out_of_memory",
@@ -76,6 +82,31 @@ class InnerStates:
     def save(self, run_id: int, path: int, state: InnerState) -> None:
         if state.adam:  # a unit that never stepped has nothing worth keeping
             state.save(self.path_for(run_id, path))
+
+
+class ResidentTrainer:
+    """The agent's one `PathTrainer` on `device`: built (and compiled, per `compile`: None
+    lets the library decide, on CUDA only) for the first unit, kept for the next ones while
+    `PathTrainer.matches` their config, built again when it does not. `drop` frees it (an
+    out-of-memory fallback: the next build starts from an empty device)."""
+
+    def __init__(self, device: torch.device, compile: bool | None = None) -> None:
+        self.device, self.compile = device, compile
+        self.trainer: PathTrainer | None = None
+        self.builds = 0  # how many PathTrainers it built (tests, logs)
+
+    def for_config(self, config: RunConfig) -> PathTrainer:
+        if self.trainer is None or not self.trainer.matches(config):
+            if self.trainer is not None:
+                log.info("a run of another architecture: building its model on %s", self.device)
+                self.drop()
+            self.trainer = PathTrainer(config, self.device, compile=self.compile)
+            self.builds += 1
+        return self.trainer
+
+    def drop(self) -> None:
+        self.trainer = None
+        _free_memory(self.device)
 
 
 @dataclass
@@ -142,16 +173,19 @@ def train_unit(
     state: InnerState | None = None,
     inner: InnerConfig | None = None,
     checkpoint_every: int | None = None,
+    checkpoint_interval_s: float | None = None,
     should_stop: Callable[[], bool] | None = None,
     on_step: Callable[[StepMetrics], None] | None = None,
     on_fallback: Callable[[InnerConfig, InnerConfig], None] | None = None,
     fault: Fault | None = None,
     rebase: Callable[[int], Mapping[str, Tensor] | None] | None = None,
+    trainer: ResidentTrainer | None = None,
 ) -> tuple[InnerResult, InnerConfig]:
     """Train the unit (resuming its checkpoint if any) from the path's warm `state` (None:
     fresh AdamW); returns the result, whose `state` is the path's next one, and the inner
     config it finished with (the micro-batch may have shrunk). `rebase`: outer.overlap
-    eager's hook (worker_agent.rebase), `dipaco.inner.run_inner_loop`'s."""
+    eager's hook (worker_agent.rebase), `dipaco.inner.run_inner_loop`'s. `trainer`: the
+    agent's resident trainer (on `device`); None builds a model for this unit alone."""
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / CHECKPOINT_NAME
     current = inner or work.config.inner
@@ -164,12 +198,13 @@ def train_unit(
         if fault is not None:
             step_hook = _with_fault(on_step, fault, current)
         try:
+            resident = trainer.for_config(config) if trainer is not None else None
             result = train_path(
                 config, work.path, work.modules, work.source,
                 round_index=work.round_index, start_position=work.start_position,
-                device=device, checkpoint_path=checkpoint,
-                checkpoint_every=checkpoint_every, should_stop=should_stop, on_step=step_hook,
-                state=state, rebase=rebase,
+                device=device, checkpoint_path=checkpoint, checkpoint_every=checkpoint_every,
+                checkpoint_interval_s=checkpoint_interval_s, should_stop=should_stop,
+                on_step=step_hook, state=state, rebase=rebase, trainer=resident,
             )  # fmt: skip
         except CheckpointMismatch as mismatch:
             if restarted:
@@ -186,6 +221,9 @@ def train_unit(
         else:
             break
         smaller = smaller_micro_batch(current)  # outside `except`: its frames hold tensors
+        resident = None
+        if trainer is not None:
+            trainer.drop()  # its optimizer state and compiled graphs: built again, smaller
         _free_memory(device)
         if smaller is None:
             raise OutOfMemory(

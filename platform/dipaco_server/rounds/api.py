@@ -25,7 +25,7 @@ from ninja import Field, Header, Query, Router, Schema, Status
 
 from dipaco.data.windows import path_seed
 from dipaco_server.accounts.auth import current_worker, worker_auth
-from dipaco_server.bounds import JsonId, LeaseId
+from dipaco_server.bounds import MAX_ID, JsonId, LeaseId
 from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
 from dipaco_server.rounds import lease as leasing
@@ -354,13 +354,27 @@ def heartbeat(
 
 
 @router.post("/lease", response={200: LeaseOut, 204: None})
-def lease(request: HttpRequest, response: HttpResponse) -> Status[dict[str, Any] | None]:
+def lease(
+    request: HttpRequest,
+    response: HttpResponse,
+    handing_in: Annotated[
+        int | None,
+        Query(
+            None,
+            ge=0,
+            le=MAX_ID,
+            description="The id of this worker's lease whose trained Δ it is handing in "
+            "(uploads, then completion) while it asks for its next unit: that one lease does "
+            "not count against the worker's lease limit (one training, one handing in).",
+        ),
+    ] = None,
+) -> Status[dict[str, Any] | None]:
     """Take one queued work unit; 204 when none can be granted now: ask again after
     Retry-After seconds, a jittered slot (more when many workers are idle,
     DIPACO_IDLE_POLL_RATE; after the next round's expected opening while one closes, spread
     over the waiting workers at DIPACO_GRANT_RATE)."""
     worker = current_worker(request)
-    grant = leasing.grant_lease(worker)
+    grant = leasing.grant_lease(worker, handing_in=handing_in)
     if grant is None:
         response["Retry-After"] = str(leasing.retry_after_s())
         return Status(204, None)

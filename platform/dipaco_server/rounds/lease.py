@@ -67,8 +67,18 @@ class LeaseGrant:
         return self.lease.unit
 
 
-def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | None:
+def grant_lease(
+    worker: Worker, *, now: datetime | None = None, handing_in: int | None = None
+) -> LeaseGrant | None:
     """Lease one queued unit to `worker`, or None when no unit is waiting.
+
+    `handing_in`: the id of the worker's lease whose trained Δ it is handing in (uploads,
+    then completion) while it asks for its next unit (the agent overlaps a unit's edges).
+    That one lease does not count against DIPACO_WORKER_MAX_LEASES, so a worker holds at
+    most one lease more than the limit: one training, one handing in. The server cannot
+    tell training from handing in; the bound holds whatever the worker claims. Its path
+    ranks first among the warm ones, as if its completion had arrived.
+
 
     Preference (docs/design.md §4.2): a unit of a path the worker completed before (its
     AdamW state is warm there; the most recently completed first), then the path with
@@ -86,13 +96,13 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
     # partial index of queued units), answer without a transaction.
     if not _anything_queued():
         # a worker at its limit hears so even then (or gets back a grant it never heard)
-        return _check_lease_limit_or_reclaim(worker, policy, now)
+        return _check_lease_limit_or_reclaim(worker, policy, now, handing_in)
     groups, fresh = _cached_groups()
     if _pace_deficit_s(groups, now, policy) > 0:
         # A round just opened and grants are ahead of DIPACO_GRANT_RATE: this worker is
         # given a later slot (retry_after_s) instead of joining the stampede.
-        return _check_lease_limit_or_reclaim(worker, policy, now)
-    warm_paths = _recent_paths(worker)
+        return _check_lease_limit_or_reclaim(worker, policy, now, handing_in)
+    warm_paths = _recent_paths(worker, handing_in)
     comeback = _comeback(worker)
     for _ in range(CLAIM_ATTEMPTS):
         with transaction.atomic():
@@ -101,7 +111,7 @@ def grant_lease(worker: Worker, *, now: datetime | None = None) -> LeaseGrant | 
             if locked is None or locked.revoked:
                 raise WorkerRevoked(f"worker {worker.pk} was revoked; it gets no more work")
             trust.check_trusted(locked)
-            reclaimed = _check_lease_limit_or_reclaim(locked, policy, now)
+            reclaimed = _check_lease_limit_or_reclaim(locked, policy, now, handing_in)
             if reclaimed is not None:
                 return reclaimed
             unit, resumed_steps = _comeback_unit(comeback), 0
@@ -266,9 +276,12 @@ def _comeback_unit(comeback: tuple[int, int] | None) -> WorkUnit | None:
     return units.first()
 
 
-def _check_lease_limit(worker: Worker, policy: SchedulerPolicy, now: datetime) -> None:
+def _check_lease_limit(
+    worker: Worker, policy: SchedulerPolicy, now: datetime, handing_in: int | None = None
+) -> None:
     held = list(
         Lease.objects.filter(worker=worker, state=Lease.State.ACTIVE, deadline__gte=now)
+        .exclude(pk=handing_in if handing_in is not None else -1)  # one lease, in hand-in
         .order_by("pk")
         .values_list("pk", flat=True)[: policy.worker_max_leases]
     )
@@ -281,12 +294,12 @@ def _check_lease_limit(worker: Worker, policy: SchedulerPolicy, now: datetime) -
 
 
 def _check_lease_limit_or_reclaim(
-    worker: Worker, policy: SchedulerPolicy, now: datetime
+    worker: Worker, policy: SchedulerPolicy, now: datetime, handing_in: int | None = None
 ) -> LeaseGrant | None:
     """None when `worker` is below its lease limit; at the limit, a grant it never heard
     of given back (`_reclaim_unheard`), or LeaseLimitReached."""
     try:
-        _check_lease_limit(worker, policy, now)
+        _check_lease_limit(worker, policy, now, handing_in)
     except LeaseLimitReached:
         with transaction.atomic():
             reclaimed = _reclaim_unheard(worker, now)
@@ -337,14 +350,22 @@ def _reclaim_unheard(worker: Worker, now: datetime) -> LeaseGrant | None:
 WARM_LOOKBACK = 64
 
 
-def _recent_paths(worker: Worker) -> dict[int, int]:
+def _recent_paths(worker: Worker, handing_in: int | None = None) -> dict[int, int]:
     """Path id -> rank (0: completed last) of the paths among the worker's latest
-    completed units: the paths whose inner state it keeps warm."""
-    latest = (
+    completed units: the paths whose inner state it keeps warm. The path of the lease it
+    is handing in (`handing_in`) ranks first: that completion is on its way."""
+    latest = list(
         Lease.objects.filter(worker=worker, state=Lease.State.COMPLETED)
         .order_by("-ended_at", "-pk")
         .values_list("unit__path_id", flat=True)[:WARM_LOOKBACK]
     )
+    if handing_in is not None:
+        latest = [
+            *Lease.objects.filter(pk=handing_in, worker=worker).values_list(
+                "unit__path_id", flat=True
+            ),
+            *latest,
+        ]
     ranks: dict[int, int] = {}
     for path_id in latest:
         ranks.setdefault(path_id, len(ranks))
