@@ -1,0 +1,238 @@
+"""Inner-loop checkpoints: one safetensors file with a JSON header, written atomically.
+
+A checkpoint holds the weights, θ_old, the AdamW state, the step, the data position and the
+RNG; resuming one on the CPU continues bit for bit. Writing is asynchronous (the pattern of
+torchtitan's `components/checkpoint.py` with `async_mode="async"`): the loop stands still
+only while the state is copied into host buffers kept from one checkpoint to the next
+(pinned on CUDA, so the device-to-host copies run at full speed), and a background thread
+serialises those buffers to a temporary file, fsyncs it and renames it over the previous
+checkpoint. One write is in flight at a time: a new snapshot first waits for the previous
+write, whose buffers it reuses. A crash during a write leaves the previous file whole.
+
+`torch.distributed.checkpoint.async_save` is not used: it writes DCP's directory format
+(one ``.distcp`` file per rank plus a pickled ``.metadata``), not one safetensors file, and
+expects a process group; the worker reads checkpoints written on untrusted machines back
+only as safetensors, and runs in one process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from dipaco.config import InnerConfig
+from dipaco.inner.state import CheckpointMismatch
+
+CHECKPOINT_FORMAT = "dipaco-inner-checkpoint/1"
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Progress:
+    step: int = 0
+    position: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    losses: list[float] = field(default_factory=list)
+    lrs: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    # sha256 of the weights the unit started from, once a rebase moved θ_old off them
+    # (outer.overlap eager): what a resumed checkpoint is checked against then.
+    start_digest: str = ""
+
+
+def checkpoint_identity(
+    cfg: InnerConfig, *, seq_len: int, start_position: int, first_step: int, total: int
+) -> dict[str, Any]:
+    """What a checkpoint must have been written with to be resumed: the work, not its split.
+
+    The micro-batch split (micro_batch_size x grad_accum_steps) is left out, the batch it
+    makes kept: checkpoints fall on step boundaries, where the data position is
+    step x batch_size sequences and the AdamW state is per parameter whatever the split,
+    so a unit resumes under another split of the same batch (the worker agent's
+    out-of-memory fallback halves the micro-batch and resumes its last checkpoint).
+    """
+    inner = cfg.model_dump(mode="json", exclude={"micro_batch_size", "grad_accum_steps"})
+    return {
+        "inner": {**inner, "batch_size": cfg.batch_size},
+        "seq_len": seq_len,
+        "start_position": start_position,
+        "first_step": first_step,
+        "total_steps": total,
+    }
+
+
+def weights_digest(weights: Mapping[str, Tensor]) -> str:
+    digest = hashlib.sha256()
+    for name in sorted(weights):
+        digest.update(name.encode())
+        digest.update(weights[name].detach().cpu().contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+class CheckpointWriter:
+    """A loop's checkpoints to `path`: a blocking snapshot, then a background write.
+
+    `theta_old` tensors are referenced, not copied: the loop never changes them in place
+    (a rebase replaces them). `count`, `block_s` (the loop's time standing still: waiting
+    for the previous write, then the snapshot) and `write_s` (the background writes) are
+    what InnerResult reports. An error of a background write is raised by the next `save`
+    or `wait`; the previous checkpoint is then still the file on disk.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._pin = device.type == "cuda"
+        self._buffers: dict[str, Tensor] = {}  # kept across loops: a resident trainer's
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.begin(Path("checkpoint.safetensors"))
+
+    def begin(self, path: Path) -> None:
+        """Start a loop's checkpoints to `path` (after the previous loop's last write)."""
+        self.wait()
+        self.path = path
+        self.count = 0
+        self.done_step = 0  # the step of the last checkpoint whole on disk
+        self.block_s = 0.0
+        self.write_s = 0.0
+
+    def save(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        theta_old: Mapping[str, Tensor],
+        progress: Progress,
+        identity: dict[str, Any],
+    ) -> None:
+        started = time.perf_counter()
+        self.wait()  # its buffers are about to be overwritten
+        tensors = self._snapshot(model, optimizer, theta_old)
+        meta = {"format": CHECKPOINT_FORMAT, "identity": identity, "progress": vars(progress)}
+        header = json.dumps(meta)  # now: the loop goes on changing `progress`
+        self._thread = threading.Thread(
+            target=self._write,
+            args=(tensors, header, progress.step),
+            name="dipaco-checkpoint",
+            daemon=True,
+        )
+        self._thread.start()
+        self.count += 1
+        self.block_s += time.perf_counter() - started
+
+    def wait(self) -> None:
+        """Until the write in flight (if any) is on disk; raises its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _snapshot(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, theta_old: Mapping[str, Tensor]
+    ) -> dict[str, Tensor]:
+        live: dict[str, tuple[Tensor, torch.dtype]] = {
+            f"weights/{n}": (p.detach(), torch.float32) for n, p in model.named_parameters()
+        }
+        for index, state in optimizer.state_dict()["state"].items():
+            for key, value in state.items():
+                live[f"adam/{index}/{key}"] = (value.detach(), value.dtype)
+        tensors: dict[str, Tensor] = {}
+        for key, (value, dtype) in live.items():
+            buffer = self._buffers.get(key)
+            if buffer is None or buffer.shape != value.shape or buffer.dtype != dtype:
+                buffer = torch.empty(value.shape, dtype=dtype, pin_memory=self._pin)
+                self._buffers[key] = buffer
+            buffer.copy_(value, non_blocking=self._pin)
+            tensors[key] = buffer
+        tensors.update({f"theta_old/{n}": t for n, t in theta_old.items()})
+        tensors["rng/cpu"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            for i, state in enumerate(torch.cuda.get_rng_state_all()):
+                tensors[f"rng/cuda/{i}"] = state
+        if self._pin:
+            torch.cuda.synchronize(self.device)  # the copies have landed before the writer reads
+        return tensors
+
+    def _write(self, tensors: dict[str, Tensor], header: str, step: int) -> None:
+        started = time.perf_counter()
+        tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
+        try:
+            save_file(tensors, str(tmp), metadata={"dipaco": header})
+            with open(tmp, "rb") as handle:  # the bytes reach the disk before the name does
+                os.fsync(handle.fileno())
+            os.replace(tmp, self.path)
+            self.done_step = step
+        except Exception as error:  # handed to the loop's thread, which raises it
+            self._error = error
+            tmp.unlink(missing_ok=True)
+        finally:
+            self.write_s += time.perf_counter() - started
+
+
+def load_checkpoint(
+    path: Path,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    theta_old: dict[str, Tensor],
+    identity: dict[str, Any],
+) -> Progress:
+    """Model, optimiser and RNG from the checkpoint; `theta_old` too when a rebase had
+    moved it (checked then by the digest of the weights the unit started from)."""
+    with safe_open(str(path), framework="pt") as handle:
+        meta = json.loads((handle.metadata() or {}).get("dipaco", "{}"))
+        if meta.get("format") != CHECKPOINT_FORMAT:
+            raise CheckpointMismatch(f"{path} is not an inner-loop checkpoint; delete it")
+        if meta["identity"] != identity:
+            raise CheckpointMismatch(
+                f"{path} was written with other settings ({meta['identity']} vs {identity}); "
+                "delete it or pass resume=False"
+            )
+        start_digest = str(meta["progress"].get("start_digest") or "")
+        if start_digest:  # rebased: θ_old moved, the weights it started from are its digest
+            if weights_digest(theta_old) != start_digest:
+                raise CheckpointMismatch(
+                    f"{path} started from other weights (their sha256 differs); "
+                    "delete it or pass resume=False"
+                )
+            for name in theta_old:
+                theta_old[name] = handle.get_tensor(f"theta_old/{name}")
+        for name, old in theta_old.items():
+            if not start_digest and not torch.equal(handle.get_tensor(f"theta_old/{name}"), old):
+                raise CheckpointMismatch(
+                    f"{path} started from other weights ({name} differs); "
+                    "delete it or pass resume=False"
+                )
+        weights = {n: handle.get_tensor(f"weights/{n}") for n, _ in model.named_parameters()}
+        state: dict[int, dict[str, Tensor]] = {}
+        for key in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+            if key.startswith("adam/"):
+                _, index, name = key.split("/")
+                state.setdefault(int(index), {})[name] = handle.get_tensor(key)
+        rng = {key: handle.get_tensor(key) for key in handle.keys() if key.startswith("rng/")}  # noqa: SIM118
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(weights[name])
+    optimizer_state = optimizer.state_dict()
+    optimizer_state["state"] = state
+    optimizer.load_state_dict(optimizer_state)
+    torch.set_rng_state(rng["rng/cpu"])
+    if torch.cuda.is_available():
+        cuda = [rng.get(f"rng/cuda/{i}") for i in range(torch.cuda.device_count())]
+        if all(t is not None for t in cuda):  # absent when written on a machine without CUDA
+            torch.cuda.set_rng_state_all([t for t in cuda if t is not None])
+    return Progress(**meta["progress"])
