@@ -40,6 +40,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from dipaco.codecs.registry import CODECS
+
 KIB = 1024
 
 
@@ -218,7 +220,7 @@ def main() -> None:
     )
     parser.add_argument("--params", type=float, default=50e6, help="module values (default 50M)")
     parser.add_argument("--contributions", type=int, default=8, help="Δs in the round (default 8)")
-    parser.add_argument("--codecs", nargs="+", default=["fp32", "bf16", "fp16", "int8", "int4"])
+    parser.add_argument("--codecs", nargs="+", default=list(CODECS), choices=CODECS)
     parser.add_argument(
         "--paths", type=int, default=2, help="paths the contributions come from (√ rescale)"
     )

@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from dipaco.codecs.registry import CODECS, UPDATE_CODECS
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.shards import ShardIndex
 from dipaco.data.tokenizer import RunTokenizer
@@ -455,9 +456,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, help="where the temporary data dir goes")
     parser.add_argument("--keep", action="store_true", help="keep the data dir and logs")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write the result as JSON")
-    parser.add_argument("--codec", choices=["fp32", "bf16", "fp16", "int8", "int4"],
+    parser.add_argument("--codec", choices=CODECS,
                         help="comm.codec of the uploaded Δs (default: the config's)")  # fmt: skip
-    parser.add_argument("--download-codec", choices=["fp32", "fp16", "int8"], default="fp32",
+    parser.add_argument("--download-codec", choices=UPDATE_CODECS, default="fp32",
                         help="comm.download_codec: published outer updates in this encoding "
                         "(workers holding the version before fetch only those) (%(default)s)")  # fmt: skip
     return parser.parse_args(argv)

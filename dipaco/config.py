@@ -12,10 +12,17 @@ from __future__ import annotations
 
 import itertools
 from functools import cached_property
-from typing import Any, Literal, NamedTuple
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
+
+from dipaco.codecs.registry import CODECS, UPDATE_CODECS, describe
+
+if TYPE_CHECKING:
+    CodecName = UpdateCodecName = str
+else:  # the codec registry's names (dipaco.codecs.registry): one table for every choice
+    CodecName, UpdateCodecName = Literal[CODECS], Literal[UPDATE_CODECS]
 
 __all__ = [
     "MAX_PATHS",
@@ -471,9 +478,10 @@ class OuterConfig(_Section):
 class CommConfig(_Section):
     """How pseudo-gradients and published module updates travel (dipaco.codecs)."""
 
-    codec: Literal["fp32", "bf16", "fp16", "int8", "int4"] = Field(
+    codec: CodecName = Field(
         default="fp16",
-        description="Pseudo-gradient encoding; fp16 is lossless in practice (OpenDiLoCo).",
+        description=f"Pseudo-gradient encoding: {describe()}. fp16 is lossless in practice "
+        "(OpenDiLoCo).",
     )
     block_size: int = Field(
         default=128,
@@ -490,7 +498,7 @@ class CommConfig(_Section):
         "wraps the codec container in one frame (int8 Δs shrink ~5%, fp16 ~8%); readers "
         "detect it and decompress within the module's size. none: the bare container.",
     )
-    download_codec: Literal["fp32", "fp16", "int8"] = Field(
+    download_codec: UpdateCodecName = Field(
         default="fp32",
         description="How each outer update is published: a worker holding version t "
         "downloads only update t -> t + 1 in this encoding, and the server applies exactly "

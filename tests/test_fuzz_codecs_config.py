@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from dipaco import codecs
 from dipaco.codecs import CodecError
-from dipaco.codecs.kernels import QMAX, SCALE_LIMIT
+from dipaco.codecs.kernels import INT4_QMAX, INT8_QMAX, SCALE_LIMIT
 from dipaco.config import (
     MAX_UNITS_PER_ROUND,
     RunConfig,
@@ -59,8 +59,8 @@ RANGE = {
     "fp32": math.inf,
     "bf16": float(torch.finfo(torch.bfloat16).max),
     "fp16": float(torch.finfo(torch.float16).max),
-    "int8": SCALE_LIMIT * QMAX["int8"],
-    "int4": SCALE_LIMIT * QMAX["int4"],
+    "int8": SCALE_LIMIT * INT8_QMAX,
+    "int4": SCALE_LIMIT * INT4_QMAX,
 }
 
 json_scalars = st.one_of(

@@ -81,7 +81,7 @@ def encode_deltas(
     state: InnerState | None = None,
 ) -> tuple[list[EncodedDelta], InnerState]:
     """Each module's Δ encoded with the run's codec into ``<directory>/delta-<module>...``,
-    with error feedback (`codecs.encode_with_feedback`) from the residual kept in `state`.
+    with error feedback (`codecs.encode_module_deltas`) from the residual kept in `state`.
 
     Returns the encoded files and a copy of `state` whose residual is the error of these
     encodings: the path's state to keep once the server has accepted them (not before: a
@@ -92,18 +92,10 @@ def encode_deltas(
     if state is not None:
         after = InnerState(dict(state.adam), dict(state.residual), state.fingerprint)
     encoded = []
-    for module_id, tensors in deltas.items():
+    for module_id, data in codecs.encode_module_deltas(deltas, config.comm, after):
         path = directory / f"delta-{module_id}.safetensors"
-        data, residual = codecs.encode_with_feedback(
-            tensors,
-            config.comm.codec,
-            after.module_residual(module_id),
-            block_size=config.comm.block_size,
-            compression=config.comm.compression,
-        )
         tmp = path.with_name(f"{path.name}.tmp")
         tmp.write_bytes(data)
         tmp.replace(path)
-        after.set_module_residual(module_id, residual)
         encoded.append(EncodedDelta(module_id, path, sha256_of(path), len(data)))
     return encoded, after

@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dipaco.codecs.registry import CODECS
+
 DESCRIPTION = """\
 Train DiPaCo (P paths of modules) or DiLoCo (one path, R replicas) in one process, exactly
 as the platform would split the work, and compare it with two baselines on the same data
@@ -110,7 +112,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument("--model-size", choices=sorted(MODEL_SIZES), help="path size (default tiny)")
     shape.add_argument(
         "--codec",
-        choices=["fp32", "bf16", "fp16", "int8", "int4"],
+        choices=CODECS,
         help="pseudo-gradient encoding (default fp16)",
     )
     shape.add_argument("--inner-lr", type=float, metavar="LR", help="peak AdamW lr")

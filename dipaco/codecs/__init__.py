@@ -1,6 +1,7 @@
 """Pseudo-gradient codecs: how a Δ (or a published update) travels between worker and server.
 
-Codecs
+Codecs: one table, ``dipaco.codecs.registry.REGISTRY`` (name, bits, stored layout, encoder,
+decoder), from which the run config's and the CLI's choices come:
     ``fp32``  exact.
     ``bf16``  round to nearest even; relative error <= 2**-8.
     ``fp16``  round to nearest even; relative error <= 2**-11 (subnormals below 6.1e-5 lose
@@ -16,7 +17,7 @@ Its ``__metadata__`` (string to string, as safetensors requires) holds::
 
     format      "dipaco.codec"
     version     "1"
-    codec       one of the names above
+    codec       a name of the registry
     block_size  "64" for int8/int4, "0" for the unblocked codecs
     tensors     JSON: {name: {"shape": [..], "dtype": "float32", "sha256": "<64 hex>"}, ...}
                 in encoding order; shape and dtype are those of the tensor that was encoded.
@@ -43,20 +44,27 @@ zip bomb or a cut-off frame is a ``CodecError``, never an allocation of what it 
     stats = accumulate(data, into, weight, expected)    # server, streaming outer step
 """
 
-from dipaco.codecs.api import (
-    CodecStats,
-    TensorSpec,
-    accumulate,
-    decode,
-    encode,
-    encode_to_file,
-    encode_with_feedback,
-    inspect,
-    spec_of,
-    verify,
-)
-from dipaco.codecs.compression import COMPRESSIONS
-from dipaco.codecs.container import CODECS, FORMAT, VERSION, CodecError, ContainerHeader, TensorInfo
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from dipaco.codecs.registry import CODECS
+
+if TYPE_CHECKING:
+    from dipaco.codecs.api import (
+        CodecStats,
+        TensorSpec,
+        accumulate,
+        decode,
+        encode,
+        encode_to_file,
+        encode_with_feedback,
+        inspect,
+        spec_of,
+        verify,
+    )
+    from dipaco.codecs.compression import COMPRESSIONS
+    from dipaco.codecs.container import FORMAT, VERSION, CodecError, ContainerHeader, TensorInfo
+    from dipaco.codecs.feedback import encode_module_deltas
 
 __all__ = [
     "CODECS",
@@ -71,9 +79,30 @@ __all__ = [
     "accumulate",
     "decode",
     "encode",
+    "encode_module_deltas",
     "encode_to_file",
     "encode_with_feedback",
     "inspect",
     "spec_of",
     "verify",
 ]
+
+# Loaded on first use, so that the registry (read by the run config and the CLI) does not
+# pull in torch: importing dipaco.codecs.registry runs this file first.
+_HOMES = {
+    "COMPRESSIONS": "compression",
+    "FORMAT": "container",
+    "VERSION": "container",
+    "CodecError": "container",
+    "ContainerHeader": "container",
+    "TensorInfo": "container",
+    "encode_module_deltas": "feedback",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in __all__:
+        raise AttributeError(f"module 'dipaco.codecs' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"dipaco.codecs.{_HOMES.get(name, 'api')}"), name)
+    globals()[name] = value
+    return value

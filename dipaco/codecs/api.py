@@ -6,7 +6,7 @@ import hashlib
 import math
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,8 +16,7 @@ import torch
 
 from dipaco.codecs import compression as zstd
 from dipaco.codecs.container import (
-    BLOCK_CODECS,
-    CODECS,
+    LOGICAL_NAME,
     MAX_ELEMENTS,
     MAX_NDIM,
     MAX_TENSORS,
@@ -32,7 +31,8 @@ from dipaco.codecs.container import (
     sniff_header_length,
     stored_layout,
 )
-from dipaco.codecs.kernels import check_scales, encode_tensor, has_non_finite, iter_decoded, sq_norm
+from dipaco.codecs.kernels import check_scales, has_non_finite, sq_norm
+from dipaco.codecs.registry import REGISTRY, codec_named
 
 TensorSpec = tuple[Sequence[int], torch.dtype]
 Source = bytes | bytearray | memoryview | str | os.PathLike[str]
@@ -93,11 +93,12 @@ def _digests(groups: Sequence[Sequence[memoryview]]) -> list[str]:
 def _build(
     tensors: Mapping[str, torch.Tensor], codec: str, block_size: int
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
-    if codec not in CODECS:
+    spec = codec_named(codec)
+    if spec is None:
         raise CodecError(
-            "unknown_codec", f"unknown codec {codec!r}; choose one of {', '.join(CODECS)}"
+            "unknown_codec", f"unknown codec {codec!r}; choose one of {', '.join(REGISTRY)}"
         )
-    if codec in BLOCK_CODECS:
+    if spec.blocked:
         check_block_size(block_size)
     if not tensors or len(tensors) > MAX_TENSORS:
         raise CodecError(
@@ -110,13 +111,18 @@ def _build(
             raise CodecError(
                 "bad_input", f"tensor {name!r} must be a torch.Tensor of at most {MAX_NDIM} dims"
             )
+        if tensor.dtype not in LOGICAL_NAME:
+            raise CodecError(
+                "bad_input",
+                f"tensor {name!r} is {tensor.dtype}; codecs take float32/float64/float16/bfloat16",
+            )
         total += tensor.numel()
     if total > MAX_ELEMENTS:
         raise CodecError("bad_input", f"{total} values exceed the codec limit of {MAX_ELEMENTS}")
     arrays: list[tuple[str, torch.Tensor]] = []
     groups: list[list[memoryview]] = []
     for name, tensor in tensors.items():
-        stored = encode_tensor(name, tensor, codec, block_size)
+        stored = spec.encode(name, tensor.detach().reshape(-1), spec, block_size)
         layout = stored_layout(codec, tensor.numel(), block_size)
         arrays += [
             (name + suffix, array) for (suffix, _, _), array in zip(layout, stored, strict=True)
@@ -172,7 +178,7 @@ def encode_with_feedback(
         corrected[name] = value
     data = encode(corrected, codec, block_size=block_size)
     wire = zstd.compress(data) if compression == "zstd" else data
-    if codec == "fp32":
+    if REGISTRY[codec].exact:
         return wire, {}
     sent = decode(data)
     return wire, {name: corrected[name] - sent[name] for name in corrected}
@@ -397,9 +403,9 @@ def _open(
             for name, group in entries.items()
         }
     for name, arrays in stored.items():
-        if header.codec in BLOCK_CODECS:
+        if REGISTRY[header.codec].blocked:
             check_scales(name, header.codec, arrays[1])  # then every decoded value is finite
-        elif has_non_finite(header.codec, arrays[0]):
+        elif has_non_finite(arrays[0]):
             raise CodecError(
                 "non_finite",
                 f"tensor {name!r} has NaN or Inf values: the worker's training diverged",
@@ -407,10 +413,18 @@ def _open(
     return header, stored
 
 
+def _decoded(
+    header: ContainerHeader, numel: int, arrays: list[torch.Tensor]
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(start, end, fp32 values)`` of one tensor, chunk by chunk (the codec's decoder)."""
+    codec = REGISTRY[header.codec]
+    return codec.decode(codec, header.block_size, numel, arrays)
+
+
 def _norm_pass(header: ContainerHeader, stored: dict[str, list[torch.Tensor]]) -> float:
     total = 0.0
     for name, info in header.tensors.items():
-        for _, _, values in iter_decoded(header.codec, header.block_size, info.numel, stored[name]):
+        for _, _, values in _decoded(header, info.numel, stored[name]):
             total += sq_norm(values)
     return total
 
@@ -445,9 +459,7 @@ def decode(
     out: dict[str, torch.Tensor] = {}
     for name, info in header.tensors.items():
         flat = torch.empty(info.numel, dtype=torch.float32)  # (n,): size validated against the data
-        for start, end, values in iter_decoded(
-            header.codec, header.block_size, info.numel, stored[name]
-        ):
+        for start, end, values in _decoded(header, info.numel, stored[name]):
             flat[start:end] = values
         out[name] = flat.view(info.shape)
     return out
@@ -475,9 +487,7 @@ def accumulate(
     sq = 0.0
     for name, info in header.tensors.items():
         target = into[name].view(-1)  # (n,)
-        for start, end, values in iter_decoded(
-            header.codec, header.block_size, info.numel, stored[name]
-        ):
+        for start, end, values in _decoded(header, info.numel, stored[name]):
             sq += sq_norm(values)
             target[start:end].add_(values, alpha=weight)
     return _stats(header, sq, verify_checksum)

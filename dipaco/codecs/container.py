@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
+from dipaco.codecs.registry import REGISTRY
+
 FORMAT = "dipaco.codec"
 VERSION = 1
-CODECS = ("fp32", "bf16", "fp16", "int8", "int4")
-BLOCK_CODECS = ("int8", "int4")
-SCALES_SUFFIX = "::scales"
 
 # A module of a few transformer blocks has ~10 tensors per block; 10k tensors and 4 MiB of
 # JSON leave two orders of magnitude of headroom while capping what a hostile header costs.
@@ -125,22 +124,14 @@ class ContainerHeader:
 
 
 def stored_layout(codec: str, numel: int, block_size: int) -> list[tuple[str, torch.dtype, int]]:
-    """The arrays (key suffix, dtype, length) that store one logical tensor of ``numel`` values.
+    """The arrays (key suffix, dtype, length) that store one logical tensor of ``numel`` values
+    with the registered ``codec`` (``dipaco.codecs.registry``, ``Codec.layout``).
 
     Block codecs pad the last block with zeros, so payloads are whole blocks.
     """
-    if codec == "fp32":
-        return [("", torch.float32, numel)]
-    if codec == "bf16":
-        return [("", torch.bfloat16, numel)]
-    if codec == "fp16":
-        return [("", torch.float16, numel)]
-    blocks = -(-numel // block_size)
-    # int4: two blocks per stored block of bytes (see kernels), the last one half empty if odd
-    payload = blocks * block_size if codec == "int8" else -(-blocks // 2) * block_size
     return [
-        ("", torch.int8 if codec == "int8" else torch.uint8, payload),
-        (SCALES_SUFFIX, torch.float32, blocks),
+        (suffix, STORED_DTYPES[dtype][0], length)
+        for suffix, dtype, length in REGISTRY[codec].layout(numel, block_size)
     ]
 
 
@@ -180,7 +171,7 @@ def build_header(
             "format": FORMAT,
             "version": str(VERSION),
             "codec": codec,
-            "block_size": str(block_size if codec in BLOCK_CODECS else 0),
+            "block_size": str(block_size if REGISTRY[codec].blocked else 0),
             "tensors": json.dumps(table, separators=(",", ":")),
         }
     }
@@ -373,12 +364,12 @@ def parse_header(header_json: bytes, total: int) -> ContainerHeader:
             f"codec format version {version}; this dipaco reads version {VERSION}: upgrade dipaco",
         )
     codec = _str_field(meta, "codec")
-    if codec not in CODECS:
+    if codec not in REGISTRY:
         raise CodecError(
-            "unknown_codec", f"unknown codec {codec[:40]!r}; known codecs: {', '.join(CODECS)}"
+            "unknown_codec", f"unknown codec {codec[:40]!r}; known codecs: {', '.join(REGISTRY)}"
         )
     block_size = _int_field(meta, "block_size", 0, MAX_BLOCK_SIZE)
-    if codec in BLOCK_CODECS:
+    if REGISTRY[codec].blocked:
         if block_size == 0:
             raise CodecError("bad_header", f"codec {codec} needs a block_size of at least 1")
     elif block_size != 0:

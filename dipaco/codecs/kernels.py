@@ -1,5 +1,9 @@
 """Per-tensor encode and chunked decode for each codec, as vectorised torch ops.
 
+``dipaco.codecs.registry`` names, for each codec, its ``encode_*`` and ``decode_*`` here;
+every encoder takes ``(tensor name, flat tensor, codec, block_size)`` and returns the stored
+arrays in the order of ``Codec.layout``; every decoder yields fp32 chunks.
+
 Block codecs: the flattened tensor is cut into blocks of ``B`` values (the last one
 zero-padded); each block stores one fp32 scale ``s`` and integers ``q``; decoding is ``q * s``.
 int8 (absmax): ``s = fl(absmax / 127)``, ``q = clamp(round(x / s), -127, 127)``. int4 (least
@@ -35,17 +39,18 @@ and the decoded module is never materialised at once (chunk size: bench/codec.py
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
-from dipaco.codecs.container import LOGICAL_NAME, CodecError
+from dipaco.codecs.container import STORED_DTYPES, CodecError
+from dipaco.codecs.registry import Codec
 
 CHUNK_ELEMENTS = 1 << 20
-QMAX = {"int8": 127, "int4": 7}
+INT8_QMAX = 127
+INT4_QMAX = 7  # absmax maps to ±7; the least-squares scales also use the nibble's -8
 # int4's candidate scales m / c (kernels._int4_least_squares); 7 first: absmax, the fallback.
 INT4_DIVISORS = (7.0, 7.5, 8.0, 8.5, 9.0, 10.0)
-FLOAT_CODEC_DTYPE = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FP32_MAX = torch.finfo(torch.float32).max
 # Decoded values |q * s| must stay finite even for hostile q (-128 in int8, -8 in int4): any
 # scale up to FP32_MAX / 256 is safe for both.
@@ -73,16 +78,16 @@ def sq_norm(values: torch.Tensor) -> float:
 
 
 # Half types: exponent bits all ones means Inf or NaN, one cheap pass over the raw integers.
-_EXPONENT_MASK = {"bf16": 0x7F80, "fp16": 0x7C00}
+_EXPONENT_MASK = {torch.bfloat16: 0x7F80, torch.float16: 0x7C00}
 
 
-def has_non_finite(codec: str, payload: torch.Tensor) -> bool:
+def has_non_finite(payload: torch.Tensor) -> bool:
     """Whether a float codec's stored payload holds NaN or Inf."""
     step = _chunk(payload.device)
     for start in range(0, payload.numel(), step):
         part = payload[start : start + step]
-        if codec in _EXPONENT_MASK:
-            mask = _EXPONENT_MASK[codec]
+        if payload.dtype in _EXPONENT_MASK:
+            mask = _EXPONENT_MASK[payload.dtype]
             if int((part.view(torch.int16) & mask).amax()) == mask:
                 return True
         # fp32: a sum is 4x faster than the masks (bench/codec.py) and is NaN/Inf if any value
@@ -92,37 +97,51 @@ def has_non_finite(codec: str, payload: torch.Tensor) -> bool:
     return False
 
 
-def encode_tensor(
-    name: str, tensor: torch.Tensor, codec: str, block_size: int
+def encode_float(
+    name: str, flat: torch.Tensor, codec: Codec, block_size: int
 ) -> list[torch.Tensor]:
-    """The stored arrays for one tensor (CPU, contiguous, 1-D), in ``stored_layout`` order."""
-    if tensor.dtype not in LOGICAL_NAME:
-        raise CodecError(
-            "bad_input",
-            f"tensor {name!r} is {tensor.dtype}; codecs take float32/float64/float16/bfloat16",
-        )
-    flat = tensor.detach().reshape(-1)  # (n,)
-    if codec not in FLOAT_CODEC_DTYPE:
-        return _encode_blocks(name, flat, codec, block_size)
-    stored = flat.to(FLOAT_CODEC_DTYPE[codec]).cpu().contiguous()
-    if has_non_finite(codec, stored):
+    """The payload: the values cast to the codec's float type (block_size is not used)."""
+    dtype = STORED_DTYPES[codec.payload][0]
+    stored = flat.to(dtype).cpu().contiguous()  # (n,)
+    if has_non_finite(stored):
         if not bool(torch.isfinite(flat).all()):
             raise CodecError(
                 "non_finite", f"tensor {name!r} has NaN or Inf values: the inner loop diverged"
             )
         raise CodecError(
             "bad_input",
-            f"tensor {name!r} has values beyond the range of {codec}: "
-            f"encode it with {'bf16' if codec == 'fp16' else 'fp32'}",
+            f"tensor {name!r} has values beyond the range of {codec.name} "
+            f"(|x| <= {torch.finfo(dtype).max:.6g}): encode it with bf16 or fp32",
         )
     return [stored]
 
 
-def _encode_blocks(name: str, flat: torch.Tensor, codec: str, block: int) -> list[torch.Tensor]:
-    qmax = QMAX[codec]
+def encode_int8(name: str, flat: torch.Tensor, codec: Codec, block: int) -> list[torch.Tensor]:
+    """The payload of int8 codes, one block after another, and one scale per block."""
     blocks = -(-flat.numel() // block)
-    # int4 quantises into a buffer of whole blocks, then packs its two halves into nibbles
-    rows = blocks if codec == "int8" else 2 * (-(-blocks // 2))
+    quantised, scales = _quantise(name, flat, codec, block, blocks, INT8_QMAX, _int8_absmax)
+    return [quantised.cpu(), scales.cpu()]
+
+
+def encode_int4(name: str, flat: torch.Tensor, codec: Codec, block: int) -> list[torch.Tensor]:
+    """The payload of packed nibbles (blocks [0, H) low, [H, 2H) high) and one scale per block."""
+    blocks = -(-flat.numel() // block)
+    rows = 2 * (-(-blocks // 2))  # quantise into whole pairs of blocks, then pack the halves
+    quantised, scales = _quantise(name, flat, codec, block, rows, INT4_QMAX, _int4_least_squares)
+    low, high = quantised.view(2, -1)  # (H*B,) each: blocks [0, H) and [H, 2H)
+    packed = (low & 15) | (high << 4)  # (H*B,) two's-complement nibbles
+    return [packed.view(torch.uint8).cpu(), scales.cpu()]
+
+
+Quantiser = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def _quantise(
+    name: str, flat: torch.Tensor, codec: Codec, block: int, rows: int, qmax: int, choose: Quantiser
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes of ``rows`` blocks (those past the data stay 0) and each block's scale, by
+    ``choose(values, absmax) -> (q, scale)`` chunk by chunk."""
+    blocks = -(-flat.numel() // block)
     quantised = torch.zeros(rows * block, dtype=torch.int8, device=flat.device)  # (rows*B,)
     scales = torch.empty(blocks, dtype=torch.float32, device=flat.device)
     rows_per_chunk = max(1, _chunk(flat.device) // block)
@@ -141,22 +160,21 @@ def _encode_blocks(name: str, flat: torch.Tensor, codec: str, block: int) -> lis
         if top / qmax > SCALE_LIMIT:
             raise CodecError(
                 "bad_input",
-                f"tensor {name!r} has |values| up to {top:.3g}, beyond what {codec} encodes "
+                f"tensor {name!r} has |values| up to {top:.3g}, beyond what {codec.name} encodes "
                 f"({SCALE_LIMIT * qmax:.3g}); a Δ this large means training diverged",
             )
-        if codec == "int4":
-            q, scale = _int4_least_squares(values, absmax)
-        else:
-            scale = absmax / _divisor(qmax, absmax)  # (r1-r0,)
-            safe = torch.where(scale > 0, scale, 1.0)  # all-zero (or tiny) blocks quantise to 0
-            q = torch.div(values, safe[:, None]).round_().clamp_(-qmax, qmax)  # (r1-r0, B)
+        q, scale = choose(values, absmax)  # (r1-r0, B), (r1-r0,)
         quantised[r0 * block : r1 * block] = q.view(-1)
         scales[r0:r1] = scale
-    if codec == "int8":
-        return [quantised.cpu(), scales.cpu()]
-    low, high = quantised.view(2, -1)  # (H*B,) each: blocks [0, H) and [H, 2H)
-    packed = (low & 15) | (high << 4)  # (H*B,) two's-complement nibbles
-    return [packed.view(torch.uint8).cpu(), scales.cpu()]
+    return quantised, scales
+
+
+def _int8_absmax(values: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8's (q, scale) per block: scale absmax / 127. values: (rows, B), absmax: (rows,)."""
+    scale = absmax / _divisor(INT8_QMAX, absmax)  # (rows,)
+    safe = torch.where(scale > 0, scale, 1.0)  # all-zero (or tiny) blocks quantise to 0
+    q = torch.div(values, safe[:, None]).round_().clamp_(-INT8_QMAX, INT8_QMAX)  # (rows, B)
+    return q, scale
 
 
 def _int4_least_squares(
@@ -209,32 +227,58 @@ def check_scales(name: str, codec: str, scales: torch.Tensor) -> None:
         )
 
 
-def iter_decoded(
-    codec: str, block: int, numel: int, stored: list[torch.Tensor]
+def decode_float(
+    codec: Codec, block: int, numel: int, stored: list[torch.Tensor]
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """Yield ``(start, end, values)``: fp32 values of flat elements [start, end), chunk by chunk.
 
-    ``values`` may be a view of the input: use it before the next step, never write to it.
+    ``values`` may be a view of the input: use it before the next step, never write to it
+    (the same holds for every decoder here).
     """
-    if codec in FLOAT_CODEC_DTYPE:
-        for start in range(0, numel, CHUNK_ELEMENTS):
-            end = min(numel, start + CHUNK_ELEMENTS)
-            yield start, end, stored[0][start:end].float()  # .float() is a no-op view for fp32
-        return
+    for start in range(0, numel, CHUNK_ELEMENTS):
+        end = min(numel, start + CHUNK_ELEMENTS)
+        yield start, end, stored[0][start:end].float()  # .float() is a no-op view for fp32
+
+
+def decode_int8(
+    codec: Codec, block: int, numel: int, stored: list[torch.Tensor]
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    payload, scales = stored
+    yield from _decode_blocks(payload, scales, block, numel, 0, scales.numel(), 0, None)
+
+
+def decode_int4(
+    codec: Codec, block: int, numel: int, stored: list[torch.Tensor]
+) -> Iterator[tuple[int, int, torch.Tensor]]:
     payload, scales = stored
     blocks = scales.numel()
-    half = -(-blocks // 2)  # int4: blocks [0, half) sit in the low nibbles, the rest in the high
-    spans = [(0, blocks, 0)] if codec == "int8" else [(0, half, 0), (half, blocks, half)]
+    half = -(-blocks // 2)  # blocks [0, half) sit in the low nibbles, the rest in the high
+    nibbles = payload.view(torch.int8)
+    # arithmetic shifts sign-extend the two's-complement nibbles
+    yield from _decode_blocks(
+        nibbles, scales, block, numel, 0, half, 0, lambda raw: (raw << 4) >> 4
+    )
+    yield from _decode_blocks(
+        nibbles, scales, block, numel, half, blocks, half, lambda raw: raw >> 4
+    )
+
+
+def _decode_blocks(
+    payload: torch.Tensor,
+    scales: torch.Tensor,
+    block: int,
+    numel: int,
+    first: int,
+    last: int,
+    base: int,
+    unpack: Callable[[torch.Tensor], torch.Tensor] | None,
+) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """Blocks [first, last), stored from payload block ``first - base`` on, as fp32 chunks."""
     rows_per_chunk = max(1, CHUNK_ELEMENTS // block)
-    for first, last, base in spans:
-        for r0 in range(first, last, rows_per_chunk):
-            r1 = min(last, r0 + rows_per_chunk)
-            raw = payload[(r0 - base) * block : (r1 - base) * block]  # ((r1-r0)*B,)
-            if codec == "int4":
-                nibbles = raw.view(torch.int8)
-                # arithmetic shifts sign-extend the two's-complement nibbles
-                raw = (nibbles << 4) >> 4 if base == 0 else nibbles >> 4
-            values = raw.float()  # ((r1-r0)*B,)
-            values.view(-1, block).mul_(scales[r0:r1, None])  # (r1-r0, B) * (r1-r0, 1)
-            start, end = r0 * block, min(numel, r1 * block)
-            yield start, end, values[: end - start]
+    for r0 in range(first, last, rows_per_chunk):
+        r1 = min(last, r0 + rows_per_chunk)
+        raw = payload[(r0 - base) * block : (r1 - base) * block]  # ((r1-r0)*B,)
+        values = (raw if unpack is None else unpack(raw)).float()  # ((r1-r0)*B,)
+        values.view(-1, block).mul_(scales[r0:r1, None])  # (r1-r0, B) * (r1-r0, 1)
+        start, end = r0 * block, min(numel, r1 * block)
+        yield start, end, values[: end - start]

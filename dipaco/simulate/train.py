@@ -251,15 +251,8 @@ def train_dipaco(
                 )
                 last_losses.append(result.losses[-1])
                 state = result.state or InnerState()
-                for module_id, delta in result.module_deltas.items():
-                    encoded, residual = codecs.encode_with_feedback(
-                        delta,
-                        config.comm.codec,
-                        state.module_residual(module_id),
-                        block_size=config.comm.block_size,
-                        compression=config.comm.compression,
-                    )
-                    state.set_module_residual(module_id, residual)
+                deltas = codecs.encode_module_deltas(result.module_deltas, config.comm, state)
+                for module_id, encoded in deltas:
                     contributions[module_id].append((p, encoded, result.tokens))
                     record.upload_bytes += len(encoded)
                 states[(p, r)] = state
