@@ -36,7 +36,7 @@ from dipaco import codecs
 from dipaco.config import RunConfig
 from dipaco.data.windows import path_seed, unit_start
 from dipaco.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
-from dipaco.inner import InnerState, StepMetrics, path_shift, train_path
+from dipaco.inner import InnerState, PathTrainer, StepMetrics, path_shift, train_path
 from dipaco.model import build_model
 from dipaco.modular import (
     assemble_path_state,
@@ -225,6 +225,9 @@ def train_dipaco(
     # step (the latest published when round t opened, while that step ran), and round t's
     # step applies their Δs onto the versions round t - 1 published (staleness 1).
     previous: Modules = modules
+    # One resident model for every unit (built, and compiled on CUDA, once): a unit loads
+    # its path's weights and warm AdamW state into it, bit-identical to a fresh build.
+    trainer = PathTrainer(config, device)
     for t in range(config.rounds):
         train_from = previous if config.outer.overlap != "none" else modules
         round_started = time.perf_counter()
@@ -248,6 +251,7 @@ def train_dipaco(
                     on_step=step_hook,
                     state=states.get((p, r)),
                     rebase=_eager(config, p, train_from, modules, eager_at),
+                    trainer=trainer,
                 )
                 last_losses.append(result.losses[-1])
                 state = result.state or InnerState()

@@ -5,8 +5,9 @@
     GET  /runs/{id}/paths/{p}/files/{name}[?round=t]  one file (blob-backed: a redirect)
     POST /runs/{id}/route {"text": ...}            the path for a text, with every score
 
-`round=t` serves the weights after round t closed (what the dashboard's round t curves
-scored); without it, the last closed round. Readable by
+`round=t` serves the weights after round index t closed (0-based, as every machine field
+of the API; the dashboard, the model card and the folder name count rounds from 1, so
+they call it round t + 1); without it, the last closed round. Readable by
 anyone while the setting DIPACO_PUBLIC_READ is true (the default), else by staff tokens.
 """
 
@@ -51,7 +52,8 @@ class RoundQuery(Schema):
         None,
         ge=0,
         le=MAX_INT,
-        description="The weights after this round closed; the last one if left out.",
+        description="The weights after the round of this 0-based index closed (the "
+        "dashboard's round 1 is 0); the last one if left out.",
     )
 
 
@@ -85,8 +87,13 @@ class ModuleBlobOut(Schema):
 class ManifestOut(Schema):
     run: RunRef
     path: PathRef
-    round: int = Field(description="The weights are those after this round closed.")
-    folder: str = Field(description="Directory name the zip unpacks to.")
+    round: int = Field(
+        description="0-based index of the round the weights are after (the dashboard and "
+        "the folder name count from 1: round + 1)."
+    )
+    folder: str = Field(
+        description="Directory name the zip unpacks to: <run>-path-<p>-round-<round + 1>."
+    )
     expires_in: int = Field(description="Seconds the URLs stay valid.")
     files: list[FileOut] = Field(description="The Hugging Face directory, sorted by name.")
     modules: list[ModuleBlobOut] = Field(description="What model.safetensors is assembled from.")
