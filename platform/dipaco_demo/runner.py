@@ -269,7 +269,9 @@ class Demo:
             if status["state"] != "preparing":
                 raise DemoError(f"preparing the run failed ({status['state']}): {status['error']}")
             progress = status.get("progress") or {}
-            detail = f"{progress.get('stage', 'queued')}: {progress.get('detail', '')}"
+            # Before a Celery worker takes the task there is no stage and no detail yet.
+            stage = progress.get("stage") or "waiting for a Celery worker"
+            detail = f"{stage}: {progress['detail']}" if progress.get("detail") else stage
             self.display.update(stage=f"preparing the run ({detail})")
             time.sleep(POLL_S)
 
