@@ -131,20 +131,6 @@ class RunTokenizer:
             raise ValueError(f"tokenizer at {path} has no fast backend with an EOS token")
         return cls(hf.backend_tokenizer, str(hf.eos_token))
 
-    def to_transformers(self) -> Any:
-        """The same tokenizer as a transformers ``PreTrainedTokenizerFast``."""
-        from transformers import PreTrainedTokenizerFast
-
-        return PreTrainedTokenizerFast(
-            tokenizer_object=self.backend,
-            bos_token=self.separator,
-            eos_token=self.separator,
-            unk_token=self.separator,
-            pad_token=self.separator,
-            clean_up_tokenization_spaces=False,
-            split_special_tokens=True,
-        )
-
 
 def sample_texts(
     docs: Iterable[Document], max_chars: int, *, max_doc_chars: int = 20_000

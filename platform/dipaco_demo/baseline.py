@@ -39,7 +39,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -184,7 +183,3 @@ def start_losses(data: RunData) -> dict[int, float]:
     model = build_model(data.config.model, data.config.seed)
     model.load_state_dict(data.base_state)
     return path_losses(model, data)
-
-
-def window_tokens(windows: dict[int, Tensor]) -> int:
-    return int(sum(np.prod(w[:, 1:].shape) for w in windows.values()))

@@ -50,11 +50,6 @@ LeaseId = Annotated[int, Path(ge=0, le=MAX_ID, description="A lease's id.")]
 PathIndex = Annotated[int, Path(ge=0, le=MAX_INT, description="A path's index in its run.")]
 
 
-def optional_index(description: str) -> Any:
-    """A query or body field: an integer in 0 ... MAX_INT, or null (the default)."""
-    return Field(None, ge=0, le=MAX_INT, description=description)
-
-
 OptionalRound = Annotated[int | None, Query(ge=0, le=MAX_INT)]
 
 
