@@ -1,4 +1,5 @@
-"""Evaluation after a round: held-out loss per path on fixed windows, and early stopping.
+"""Evaluation after a round: held-out loss per path on the run's validation sample, and early
+stopping; the server, the demo and the simulator score the same weights alike.
 
 Runs are built directly on the local blob store: version-0 modules from the run's seed and
 random validation shards, so each test controls exactly what a path is scored on.
@@ -17,11 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dipaco.config import EvalConfig, LayoutConfig, RunConfig
+from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.shards import ShardIndex, ShardInfo
+from dipaco.evaluate import SAMPLE_WINDOWS, routed_mean, sample_plan, sample_streams
 from dipaco.model import build_model
 from dipaco.modular import assemble_path_state, init_modules, split_path_state
 from dipaco.modules_file import write_module
+from dipaco.simulate.train import evaluate_paths
+from dipaco_demo.baseline import fetch_run_data, path_losses
 from dipaco_server.rounds.open import open_round
 from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.rounds.tasks import advance_run
@@ -31,8 +35,6 @@ from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.runs.services import create_run, transition
 from dipaco_server.storage import BlobStore, get_blob_store
-
-EVAL_BATCHES, EVAL_BATCH_SIZE = EvalConfig().batches, EvalConfig().batch_size
 
 MODEL = {
     "hidden_size": 32,
@@ -44,7 +46,9 @@ MODEL = {
     "seq_len": 16,
 }
 TWO_PATHS = LayoutConfig.grid(2, levels=1, modules=2)  # paths 0, 1 over 0.0 / 0.1 + shared
-VAL_TOKENS = 700  # 43 windows of 17 tokens: more than the 32 evaluated
+VAL_TOKENS = 700  # 43 windows of 17 tokens per path: the 1024-window sample takes them all
+# 2,499 windows per path: the sample takes 512 of each, at random.
+LARGE_VAL_TOKENS = 40_000
 
 
 @pytest.fixture
@@ -74,7 +78,9 @@ def publish(
     )
 
 
-def running_run(tmp: Path, rounds: int = 10) -> tuple[Run, list[np.ndarray]]:
+def running_run(
+    tmp: Path, rounds: int = 10, val_tokens: int = VAL_TOKENS
+) -> tuple[Run, list[np.ndarray]]:
     """A running run with version-0 modules and random validation shards per path."""
     config = RunConfig.tiny(model=MODEL, layout=TWO_PATHS, rounds=rounds).model_dump(mode="json")
     del config["name"]
@@ -84,14 +90,14 @@ def running_run(tmp: Path, rounds: int = 10) -> tuple[Run, list[np.ndarray]]:
     rng = np.random.default_rng(0)
     shards, infos = [], []
     for path in run.paths.order_by("index"):
-        ids = rng.integers(0, MODEL["vocab_size"], VAL_TOKENS).astype("<u2")
+        ids = rng.integers(0, MODEL["vocab_size"], val_tokens).astype("<u2")
         get_blob_store().put_bytes(keys.data_key(run.pk, path.index, "val"), ids.tobytes())
         shards.append(ids.astype(np.int64))
-        info = ShardInfo(f"{path.index}/val.bin", VAL_TOKENS, 1, "0" * 64)
+        info = ShardInfo(f"{path.index}/val.bin", val_tokens, 1, "0" * 64)
         infos.append({"train": info, "val": info})
     index = ShardIndex("<u2", MODEL["vocab_size"], 0, 2, "test", infos)
     get_blob_store().put_file(data_index_key(run.pk), index.save(tmp))
-    run.paths.update(train_tokens=100_000, val_tokens=VAL_TOKENS)
+    run.paths.update(train_tokens=100_000, val_tokens=val_tokens)
     for state in ("preparing", "ready", "running"):
         transition(run, state)
     return run, shards
@@ -100,17 +106,15 @@ def running_run(tmp: Path, rounds: int = 10) -> tuple[Run, list[np.ndarray]]:
 def reference_loss(
     run: Run, p: int, modules: dict[str, dict[str, torch.Tensor]], ids: np.ndarray
 ) -> float:
-    """The loss computed independently: windows [iT, (i+1)T] of the shard, all targets."""
+    """The loss computed independently: every window [iT, (i+1)T] of a shard that holds
+    fewer windows than the sample (so the sample is all of them), all targets."""
     config = run.run_config
     model = build_model(config.model, config.seed)
     model.load_state_dict(assemble_path_state(config, p, modules))
     model.eval()
     t = config.model.seq_len
     windows = torch.stack(
-        [
-            torch.from_numpy(ids[i * t : i * t + t + 1])
-            for i in range(EVAL_BATCHES * EVAL_BATCH_SIZE)
-        ]
+        [torch.from_numpy(ids[i * t : i * t + t + 1]) for i in range((len(ids) - 1) // t)]
     )
     with torch.no_grad():
         logits = model(input_ids=windows[:, :-1]).logits  # (N, T, V)
@@ -124,7 +128,7 @@ def series(run: Run, name: str) -> dict[tuple[int, int], float]:
     }
 
 
-def test_evaluation_records_each_paths_loss_and_perplexity_on_its_fixed_windows(
+def test_evaluation_records_each_paths_loss_and_perplexity_on_the_runs_sample(
     store: BlobStore, tmp_path: Path
 ) -> None:
     run, shards = running_run(tmp_path)
@@ -135,7 +139,8 @@ def test_evaluation_records_each_paths_loss_and_perplexity_on_its_fixed_windows(
     for p in (0, 1):
         assert losses[p, 0] == pytest.approx(reference_loss(run, p, initial, shards[p]), rel=1e-5)
         assert series(run, "val_perplexity")[p, 0] == pytest.approx(math.exp(losses[p, 0]))
-    assert [r.tokens for r in results] == [EVAL_BATCHES * EVAL_BATCH_SIZE * MODEL["seq_len"]] * 2
+    every_window = (VAL_TOKENS - 1) // MODEL["seq_len"]
+    assert [r.tokens for r in results] == [every_window * MODEL["seq_len"]] * 2
     assert losses[0, 0] != losses[1, 0], "each path is scored on its own shard and modules"
 
     assert evaluate_run(run, 0) == [], "a round already scored is not scored again"
@@ -193,3 +198,45 @@ def test_the_run_finishes_when_its_last_path_stops(store: BlobStore, tmp_path: P
     assert advance_run(run, 1) == "finished"
     run.refresh_from_db()
     assert run.state == Run.State.FINISHED
+
+
+def test_the_server_the_demo_and_the_simulator_give_the_same_weights_the_same_loss(
+    store: BlobStore, tmp_path: Path
+) -> None:
+    run, shards = running_run(tmp_path, val_tokens=LARGE_VAL_TOKENS)
+    config = run.run_config
+    modules = init_modules(config)
+
+    evaluate_run(run, 0)  # the server's per-round evaluation
+    server = {p: series(run, "val_loss")[p, 0] for p in (0, 1)}
+    demo_data = fetch_run_data(run.pk, tmp_path / "demo", units=False)  # the demo's summary
+    demo = {}
+    for p in (0, 1):
+        model = build_model(config.model, config.seed)
+        model.load_state_dict(assemble_path_state(config, p, modules))
+        demo[p] = path_losses(model, demo_data)[p]
+    streams = [torch.from_numpy(ids) for ids in shards]  # what dipaco simulate reads
+    windows = sample_streams(streams, config.model.seq_len, SAMPLE_WINDOWS, config.seed)
+    simulated = evaluate_paths(config, modules, windows)
+
+    for p in (0, 1):
+        assert demo[p] == pytest.approx(server[p], rel=1e-6)
+        assert simulated[p].loss == pytest.approx(server[p], rel=1e-6)
+    assert [int(w.shape[0]) for w in windows.per_path] == [SAMPLE_WINDOWS // 2] * 2
+    assert routed_mean(simulated) == pytest.approx((server[0] + server[1]) / 2, rel=1e-6)
+    first = torch.stack([torch.from_numpy(shards[0][i * 16 : i * 16 + 17]) for i in range(512)])
+    assert not torch.equal(windows.per_path[0], first), "a random sample, not the first windows"
+
+
+def test_the_validation_sample_is_seeded_and_spread_by_each_paths_share() -> None:
+    tokens = [16 * 3000 + 1, 16 * 1000 + 1, 16 * 2 + 1, 5]  # 3000, 1000, 2 and 0 windows
+
+    plan = sample_plan(tokens, 16, 400, seed=3)
+
+    assert [len(row) for row in plan] == [299, 100, 1, 0]  # shares, >= 1 where any, <= all
+    assert sum(len(row) for row in plan) == 400
+    assert all(row == sorted(set(row)) and all(0 <= i < 3000 for i in row) for row in plan)
+    assert sample_plan(tokens, 16, 400, seed=3) == plan
+    assert sample_plan(tokens, 16, 400, seed=4) != plan
+    with pytest.raises(ValueError, match="val_fraction"):
+        sample_plan([5, 10], 16, 400, seed=0)

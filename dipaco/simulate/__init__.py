@@ -1,6 +1,7 @@
 """A whole DiPaCo or DiLoCo training in one process, with its baselines (`dipaco simulate`).
 
     from dipaco.config import RunConfig
+from dipaco.evaluate import sample_size
     from dipaco.simulate import SimulateOptions, simulate
 
     result = simulate(RunConfig.tiny(), SimulateOptions())
@@ -32,6 +33,7 @@ from rich.progress import (
 )
 
 from dipaco.config import RunConfig
+from dipaco.evaluate import sample_size
 from dipaco.inner import StepMetrics
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.baselines import BASELINES, BaselineRun, baseline_steps, train_baseline
@@ -56,9 +58,12 @@ __all__ = [
 class SimulateOptions:
     budget: DataBudget = field(default_factory=DataBudget)
     work_dir: Path | None = None  # default: ~/.cache/dipaco/simulate
-    eval_windows: int = 64  # validation windows of seq_len + 1 tokens, spread over paths
+    # The validation sample's windows (dipaco.evaluate.sample_plan); None: the platform's
+    # (dipaco.evaluate.sample_size), so a simulation and a platform run score the same.
+    eval_windows: int | None = None
     baselines: tuple[str, ...] = BASELINES
     base_steps: int = 0  # a dense warm-up phase everything starts from (simulate/base.py)
+    base_batch: int | None = None  # the base's batch (default the run's): one base per bench
     progress: bool = False  # a rich progress bar on the console
     device: str = "cpu"
 
@@ -102,10 +107,11 @@ def simulate(
         # The paper's order: the dense base (phase 1) first, whose features may route.
         data, base_state = prepare_with_base(
             config, options.budget, options.work_dir, options.base_steps,
-            log=log, on_step=on_base_step, device=options.device,
+            log=log, on_step=on_base_step, device=options.device, batch_size=options.base_batch,
         )  # fmt: skip
         progress.update(base_task, completed=options.base_steps or 1)
-        windows = data.val_windows(config.model.seq_len, options.eval_windows)
+        count = options.eval_windows or sample_size(config)
+        windows = data.val_windows(config.model.seq_len, count, config.seed)
         name = "DiLoCo" if config.num_paths == 1 else "DiPaCo"
         task = progress.add_task(name, total=config.rounds * units * config.inner.steps)
 

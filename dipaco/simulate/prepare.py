@@ -43,7 +43,7 @@ from dipaco.data.prepare import prepare_documents
 from dipaco.data.shards import ShardIndex, build_shards
 from dipaco.data.tokenizer import RunTokenizer
 from dipaco.data.windows import ShardSource  # the platform's window order (re-exported)
-from dipaco.evaluate import ValWindows, spread_windows
+from dipaco.evaluate import ValWindows, sample_streams
 from dipaco.routing.router import Router
 
 __all__ = ["DataBudget", "PreparedData", "ShardSource", "default_work_dir", "prepare_data"]
@@ -100,10 +100,12 @@ class PreparedData:
     def tokens(self, split: str) -> list[int]:
         return [self.shards.info(p, split).tokens for p in range(self.num_paths)]
 
-    def val_windows(self, seq_len: int, budget: int) -> ValWindows:
-        """About `budget` validation windows over the paths (dipaco.evaluate.spread_windows);
-        the DiPaCo run and every baseline are scored on the very same windows."""
-        return spread_windows([self.val_tokens(p) for p in range(self.num_paths)], seq_len, budget)
+    def val_windows(self, seq_len: int, count: int, seed: int = 0) -> ValWindows:
+        """The run's validation sample of `count` windows (dipaco.evaluate.sample_plan, the
+        server's and the demo's too; `seed` is the run's): the DiPaCo run and every
+        baseline are scored on the very same windows."""
+        streams = [self.val_tokens(p) for p in range(self.num_paths)]
+        return sample_streams(streams, seq_len, count, seed)
 
 
 def default_work_dir() -> Path:

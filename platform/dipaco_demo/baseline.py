@@ -24,7 +24,7 @@ unit (t, r) of path p reads positions unit_start(t, r) onwards of the path's see
 shuffled window order, as the worker does), read as one shuffled stream of sequences: at
 equal tokens both see each token once, at equal wall-clock the dense model sees the first
 1/(P·R) of that shuffle. Both are scored on the windows the server's evaluation task scores
-(runs.evaluate.val_windows, the first windows of each path's validation shard) with the
+(runs.evaluate.run_sample: the run's validation sample, as the server scores it) with the
 same loss function, so their per-path figures sit beside the run's ``val_loss`` points; the
 routed figure weighs paths by their validation tokens, as the dashboard does.
 
@@ -84,10 +84,10 @@ def fetch_run_data(run_id: int, work: Path, *, units: bool = True) -> RunData:
     and evaluations use; `units=False` skips the training windows (no baselines)."""
     from dipaco.data.shards import ShardIndex, TokenShard
     from dipaco.data.windows import ShardSource, unit_start, unit_windows
-    from dipaco.evaluate import shard_windows
+    from dipaco.evaluate import sample_shard
     from dipaco_server.runs import keys
     from dipaco_server.runs.checkpoint import load_base_state
-    from dipaco_server.runs.evaluate import eval_settings
+    from dipaco_server.runs.evaluate import eval_settings, run_sample
     from dipaco_server.runs.models import Run
     from dipaco_server.runs.phases import PATHS
     from dipaco_server.runs.prepare import data_index_key
@@ -102,7 +102,16 @@ def fetch_run_data(run_id: int, work: Path, *, units: bool = True) -> RunData:
     windows, seq_len = unit_windows(config), config.model.seq_len
     found, val, weights = [], {}, {}
     try:
-        for path in run.paths.filter(phase=PATHS).order_by("index"):
+        paths = list(run.paths.filter(phase=PATHS).order_by("index"))
+        # The server's validation sample (runs.evaluate.run_sample), path by path.
+        plan = dict(
+            zip(
+                [x.index for x in paths],
+                run_sample(config, [x.val_tokens for x in paths]),
+                strict=True,
+            )
+        )
+        for path in paths:
             p = path.index
             for split in ("train", "val") if units else ("val",):
                 store.download_to(keys.data_key(run_id, p, split), work / f"{split}-{p}.bin")
@@ -112,10 +121,8 @@ def fetch_run_data(run_id: int, work: Path, *, units: bool = True) -> RunData:
                     for r in range(config.replicas_per_path):
                         start = unit_start(config, t, r)
                         found.append(source.batch(start, windows, seq_len).to(torch.int64))
-            if path.val_tokens > 1:
-                shard = TokenShard(work / f"val-{p}.bin", dtype)
-                count = settings.batches * settings.batch_size
-                val[p] = shard_windows(shard, seq_len, count)
+            if plan[p]:
+                val[p] = sample_shard(TokenShard(work / f"val-{p}.bin", dtype), seq_len, plan[p])
                 weights[p] = path.val_tokens
         base = None
         if store.exists(keys.base_model_key(run_id)):

@@ -2,7 +2,8 @@
 
 Perplexities are exp(validation loss). A run with a phase 1 (the default) trains a dense
 DiLoCo model first; its curve is the server's ``val_loss`` of that one model on the
-validation documents, round by round. Phase 2's per-path figures are the server's
+run's validation sample (dipaco.evaluate.sample_plan: seeded windows over every validation
+document), round by round. Phase 2's per-path figures are the server's
 ``val_loss`` after the last round; "start" is where every path of phase 2 starts (the
 phase-1 model, or the seeded weights without a phase 1), "initial" the seeded weights
 before any training; the dense baselines (one model each, at equal wall-clock and at equal
@@ -174,8 +175,8 @@ class DemoSummary:
                 f"dense DiLoCo, rounds 1-{first}: one {config.num_params() / 1e6:.2f}M-parameter "
                 f"model x {dense.replicas_per_path} replicas, {first} rounds x "
                 f"{dense.inner.steps} inner steps from the seeded weights{took}; final "
-                f"validation loss {_f(last, 3)} (perplexity {_f(perplexity(last), 1)}, over every "
-                "validation document)",
+                f"validation loss {_f(last, 3)} (perplexity {_f(perplexity(last), 1)}, on the "
+                "run's validation sample)",
             ),
             SummaryLine(
                 "between the phases",

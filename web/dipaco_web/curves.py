@@ -23,6 +23,8 @@ from dipaco_web.queries import TRAIN_LOSS, VAL_LOSS, perplexity, routed_val_loss
 FP32_BYTES = 4
 ROUTED = "routed mean"
 DENSE_LABEL = "dense model (phase 1)"
+# runs.evaluate.START_LOSS, named here: that module imports torch, the web process need not.
+START_LOSS = "start_val_loss"
 
 
 class Series(TypedDict):
@@ -65,8 +67,14 @@ def loss_charts(run: Run) -> dict[str, Chart]:
             series[name].setdefault(path_index, {})[t] = value  # the last point of a round wins
     for path_index, rounds in reported.items():  # a path's replicas: the mean of their units
         series[TRAIN_LOSS][path_index] = {t: sum(v) / len(v) for t, v in rounds.items()}
+    start = _phase2_start(run)
+    for path_index, loss in start.items():  # each phase-2 path's curve starts at its start
+        series[VAL_LOSS].setdefault(path_index, {}).setdefault(start_round(run), loss)
     validation = {_label(p): v for p, v in series[VAL_LOSS].items() if p is not None}
     routed = routed_val_losses(run)
+    if start:  # at phase 1's last round, the routed curve is phase 2's start, not phase 1's
+        routed[start_round(run)] = _weighted(run, start)
+        routed = dict(sorted(routed.items()))
     if routed:
         validation[ROUTED] = routed
     training = {
@@ -82,6 +90,33 @@ def loss_charts(run: Run) -> dict[str, Chart]:
         "val_perplexity": _chart(ppl),
         "train_loss": _chart(training),
     }
+
+
+def start_round(run: Run) -> int:
+    """The x of phase 2's starting point: phase 1's last round (runs.evaluate.evaluate_start)."""
+    phase1 = run.run_config.phase1
+    return phase1.rounds - 1 if phase1 is not None else -1
+
+
+def _phase2_start(run: Run) -> dict[int, float]:
+    """Per phase-2 path, its loss before phase 2's first round (runs.evaluate.START_LOSS),
+    on the same validation sample as every later point; {} without a phase 1."""
+    if run.run_config.phase1 is None:
+        return {}
+    return dict(
+        MetricPoint.objects.filter(run=run, name=START_LOSS, path__phase=PATHS)
+        .order_by("pk")
+        .values_list("path__index", "value")
+    )
+
+
+def _weighted(run: Run, losses: dict[int, float]) -> float:
+    """The routed mean of per-path losses, weighted by each path's validation tokens."""
+    weights = dict(run.paths.filter(phase=PATHS).values_list("index", "val_tokens"))
+    total = sum(weights.get(p, 0) for p in losses)
+    if not total:
+        return sum(losses.values()) / len(losses)
+    return sum(loss * weights.get(p, 0) for p, loss in losses.items()) / total
 
 
 def _label(path_index: int | str) -> str:

@@ -169,6 +169,7 @@ def finish(run: Run, *, store: BlobStore | None = None) -> str:
     from dipaco.routing.featurize import PrecomputedFeaturizer
     from dipaco.routing.router import Router, prefix_ids
     from dipaco_server.rounds.open import OPENABLE, open_round
+    from dipaco_server.runs.evaluate import evaluate_start_or_log
 
     run.refresh_from_db()
     if run.state in TERMINAL:
@@ -225,6 +226,7 @@ def finish(run: Run, *, store: BlobStore | None = None) -> str:
     Run.objects.filter(pk=run.pk).update(phase=Run.Phase.PATHS)
     run.refresh_from_db()
     report_progress(run, "done", chunks, chunks, "phase 2: DiPaCo rounds")
+    evaluate_start_or_log(run, store)  # the curves' phase-2 starting point
     if run.state not in OPENABLE:
         return str(run.state)
     open_round(run, phases.first_round(config))

@@ -2,8 +2,10 @@
 
 `evaluate_run(run, t)` assembles every active path from its modules as they stand after
 round t (the newest version <= t + 1 of each), and scores it on fixed windows of its own
-validation shard: window i holds tokens [i·T, (i+1)·T] of ``data/<p>/val.bin``, the same
-windows every round, so the curve moves only when the weights do. It records
+validation shard: the run's validation sample (dipaco.evaluate.sample_plan over every
+path's validation tokens, seeded with the run's seed), the same windows every round and the
+ones the demo and `dipaco simulate` score, so the curve moves only when the weights do and
+agrees with every summary of the same weights. It records
 ``val_loss`` (mean next-token cross-entropy over every scored token) and
 ``val_perplexity`` as MetricPoints of round t.
 
@@ -26,7 +28,7 @@ from django.db import transaction
 from torch import Tensor
 
 from dipaco.config import EvalConfig, RunConfig
-from dipaco.evaluate import mean_loss, perplexity, shard_windows
+from dipaco.evaluate import mean_loss, perplexity, sample_plan, sample_shard, sample_size
 from dipaco.modules_file import read_module
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Module, ModuleVersion, Run
@@ -39,6 +41,7 @@ from dipaco_server.storage import BlobStore, get_blob_store
 logger = logging.getLogger(__name__)
 
 LOSS = "val_loss"
+START_LOSS = "start_val_loss"  # phase 2's paths before its first round (evaluate_start)
 PERPLEXITY = "val_perplexity"
 
 
@@ -63,42 +66,85 @@ def evaluate_run(
     run: Run, t: int, *, store: BlobStore | None = None, patience: int | None = None
 ) -> list[PathEval]:
     """Score every active path after round t; `patience` overrides the config's."""
-    from dipaco.data.shards import ShardIndex, TokenShard
-    from dipaco.model import build_model
-    from dipaco.modular import assemble_path_state
-
     # Round t scores the paths of its phase, with that phase's config (runs.phases).
     phase, config = round_config(run.run_config, t)
     settings = eval_settings(config)
     patience = settings.patience if patience is None else patience
+    return [
+        _record(run, path, t, loss, tokens, patience, settings.min_delta)
+        for path, loss, tokens in _score(run, t, phase, config, LOSS, store)
+    ]
+
+
+def evaluate_start(run: Run, *, store: BlobStore | None = None) -> list[PathEval]:
+    """Phase 2's starting point after a phase 1: every path at its version 0 (the phase-1
+    model's layers) on the run's validation sample, recorded as ``start_val_loss`` at the
+    round before phase 2's first (phase 1's last), so the dashboard's curves start where
+    phase 2 does; not an early-stopping point. A run without phase 1 has round 0's."""
+    from dipaco_server.runs.phases import PATHS, first_round
+
+    first = first_round(run.run_config, PATHS)
+    if first == 0:
+        return []
+    config = run.run_config
+    results = []
+    for path, loss, tokens in _score(run, first - 1, PATHS, config, START_LOSS, store):
+        record_metric(run, START_LOSS, loss, path=path, round=first - 1)
+        results.append(PathEval(path.index, loss, tokens, False))
+    return results
+
+
+def evaluate_start_or_log(run: Run, store: BlobStore | None = None) -> None:
+    """`evaluate_start`, whose failure only costs the curves a point: training goes on."""
+    try:
+        evaluate_start(run, store=store)
+    except Exception:
+        logger.exception("run %s: evaluating phase 2's starting point failed", run.pk)
+
+
+def run_sample(config: RunConfig, val_tokens: list[int]) -> list[list[int]]:
+    """Per path (in index order), the windows of the run's validation sample."""
+    return sample_plan(val_tokens, config.model.seq_len, sample_size(config), config.seed)
+
+
+def _score(
+    run: Run, t: int, phase: int, config: RunConfig, name: str, store: BlobStore | None
+) -> list[tuple[RunPath, float, int]]:
+    """(path, loss, tokens scored) of every active path of `phase` without a `name` point
+    of round t, assembled from its modules as they stand after round t."""
+    from dipaco.data.shards import ShardIndex, TokenShard
+    from dipaco.model import build_model
+    from dipaco.modular import assemble_path_state
+
     done = set(
-        MetricPoint.objects.filter(run=run, round=t, name=LOSS).values_list("path_id", flat=True)
+        MetricPoint.objects.filter(run=run, round=t, name=name).values_list("path_id", flat=True)
     )
+    every = list(run.paths.filter(phase=phase).order_by("index"))
+    seq_len = config.model.seq_len
+    if not any(p.val_tokens > seq_len for p in every):
+        return []  # no window to score (a run without validation text)
+    # The plan is over every path of the phase, stopped ones too, so it never moves.
+    rows = run_sample(config, [p.val_tokens for p in every])
+    plan = {p.index: row for p, row in zip(every, rows, strict=True)}
     paths = [
-        p
-        for p in run.paths.filter(phase=phase, state=RunPath.State.ACTIVE).order_by("index")
-        if p.pk not in done and p.val_tokens > 1
+        p for p in every if p.state == RunPath.State.ACTIVE and p.pk not in done and plan[p.index]
     ]
     if not paths:
         return []
     store = store or get_blob_store()
     work = Path(tempfile.mkdtemp(prefix=f"evaluate-{run.pk}-{t}-", dir=work_root()))
+    scores = []
     try:
         store.download_to(data_index_key(run.pk, phase), work / "index.json")
         index = ShardIndex.load(work)
         modules = _ModuleCache(run, t, store, work, phase, config)
         model = build_model(config.model, config.seed)
-        results = []
         for path in paths:
             model.load_state_dict(assemble_path_state(config, path.index, modules.of(path)))
             val = work / f"val-{path.index}.bin"
             store.download_to(keys.data_key(run.pk, path.index, "val", phase), val)
-            windows = shard_windows(
-                TokenShard(val, index.dtype),
-                config.model.seq_len,
-                settings.batches * settings.batch_size,
-            )
-            loss = mean_loss(model, windows, settings.batch_size)
+            windows = sample_shard(TokenShard(val, index.dtype), seq_len, plan[path.index])
+            loss = mean_loss(model, windows, eval_settings(config).batch_size)
             val.unlink()
             if not math.isfinite(loss):
                 logger.warning(
@@ -109,12 +155,10 @@ def evaluate_run(
                     t,
                 )
                 continue
-            results.append(
-                _record(run, path, t, loss, windows[:, 1:].numel(), patience, settings.min_delta)
-            )
+            scores.append((path, loss, windows[:, 1:].numel()))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return results
+    return scores
 
 
 def _record(
