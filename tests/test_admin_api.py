@@ -144,7 +144,7 @@ def test_admin_tokens_are_stored_only_as_hashes_and_record_their_use(
 # --- runs --------------------------------------------------------------------------------------
 
 
-def test_creating_a_run_with_a_bad_config_is_400_naming_each_field(
+def test_creating_a_run_with_a_bad_config_is_422_naming_each_field(
     client: Client, staff: str
 ) -> None:
     config = tiny_config()
@@ -152,7 +152,7 @@ def test_creating_a_run_with_a_bad_config_is_400_naming_each_field(
     config["model"]["num_heads"] = 5  # does not divide hidden_size 128
     error = assert_error(
         admin(client, "POST", "/runs", staff, {"name": "bad", "config": config}),
-        400,
+        422,
         "config_invalid",
     )
     fields = {p["field"] for p in error["details"]["problems"]}

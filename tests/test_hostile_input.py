@@ -25,9 +25,10 @@ upload whose bytes differ from the report  test_outer_tasks::test_uploads_that_d
 oversized upload at the door (PUT/POST)    test_blobstore_local::test_it_refuses_an_oversized_
                                            put_with_413_and_stores_nothing (and _post_), ::test_
                                            the_size_limit_counts_bytes_read_not_the_declared_
-                                           length; at complete: test_worker_api::test_complete_
-                                           refuses_a_report_whose_upload_is_missing_or_another_
-                                           size; declared sizes: completion caps them at fp32
+                                           length; at complete: test_input_bounds::test_a_
+                                           completion_whose_upload_is_missing_or_another_size_
+                                           is_refused_naming_it; declared sizes: completion
+                                           caps them at fp32
 path traversal in a blob key / URL         test_blobstore_contract (every backend refuses
                                            "../"), test_blobstore_local::test_a_url_path_that_
                                            climbs_out_is_refused, ::test_a_symlink_inside_the_
@@ -64,6 +65,9 @@ a run config sized to exhaust memory       here: test_a_run_config_sized_to_exha
                                            refused_before_anything_is_stored; test_config::
                                            test_it_refuses_a_path_too_large_for_memory_...;
                                            hypothesis: test_fuzz_codecs_config
+impossible numbers (issue 34): a metric    test_input_bounds (completion metrics closed and
+named val_loss, 1e308 tokens/s, configs    bounded, speeds clamped, every config field
+of 1e308 s or 2^63 steps, Infinity         bounded and finite: 422 naming the field)
 every endpoint, arbitrary requests         test_fuzz_api (schemathesis, no 5xx, schema-true)
 =========================================  =====================================================
 """
@@ -355,8 +359,8 @@ def test_a_worker_call_about_a_lease_id_past_bigint_is_404(client: Client, db: N
             {"model": {"hidden_size": 65536, "num_heads": 512, "num_kv_heads": 512}},
             "limits.max_path_memory_bytes",
         ),
-        ({"model": {"vocab_size": 10**9}}, "limits.max_path_memory_bytes"),
-        ({"inner": {"micro_batch_size": 10**7}}, "limits.max_path_memory_bytes"),
+        ({"model": {"vocab_size": 10**9}}, "model.vocab_size"),  # past its own bound now
+        ({"inner": {"micro_batch_size": 10**7}}, "inner.micro_batch_size"),
     ],
 )
 def test_a_run_config_sized_to_exhaust_memory_is_refused_before_anything_is_stored(
@@ -366,6 +370,6 @@ def test_a_run_config_sized_to_exhaust_memory_is_refused_before_anything_is_stor
     for key, value in sections.items():  # raw JSON: tiny_config itself would refuse these
         config[key] = {**config[key], **value} if isinstance(value, dict) else value
     response = request(client, "POST", "/runs", staff, {"name": "greedy", "config": config})
-    error = assert_error(response, 400, "config_invalid")
+    error = assert_error(response, 422, "config_invalid")
     assert field in {p["field"] for p in error["details"]["problems"]}, error
     assert not Run.objects.exists() and not Module.objects.exists()

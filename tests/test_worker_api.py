@@ -402,20 +402,24 @@ def test_a_replayed_completion_is_idempotent_and_a_different_one_is_409(holder: 
     assert Contribution.objects.count() == len(holder.lease["modules"])
 
 
-def test_complete_records_a_report_pending_without_asking_the_store(
+def test_complete_asks_the_store_for_sizes_only_and_records_the_report_pending(
     holder: Holder, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Whether the uploads are there, and what they hold, is the outer step's to check: it
-    refuses a missing one, or one of another size or sha256, like any bad upload
-    (tests/test_outer_tasks.py). A completion burst then costs the store nothing."""
+    """The completion checks that each upload is there with its declared size (one HEAD per
+    module, issue 34); what the bytes hold (sha256, content) is the outer step's to check,
+    which refuses a bad upload (tests/test_outer_tasks.py)."""
+    body = holder.completion()
     asked: list[str] = []
-    for name in ("size", "exists", "open"):
+    real_size = type(holder.store).size
+    monkeypatch.setattr(
+        type(holder.store), "size", lambda self, key: asked.append("size") or real_size(self, key)
+    )
+    for name in ("exists", "open"):
         monkeypatch.setattr(type(holder.store), name, lambda self, key, n=name: asked.append(n))
-    reports = [{"module_id": m, "sha256": "a" * 64, "size": 10} for m in holder.lease["modules"]]
-    done = holder.on("complete", completion(reports))
+    done = holder.on("complete", body)
     assert done.status_code == 200, done.content
     assert {c["status"] for c in done.json()["contributions"]} == {"pending"}
-    assert asked == []
+    assert asked == ["size"] * len(holder.lease["modules"])
     assert Lease.objects.get(pk=holder.lease_id).state == Lease.State.COMPLETED
 
 
@@ -476,8 +480,9 @@ def test_malformed_or_incomplete_bodies_are_4xx_in_the_one_error_shape(
 def test_a_report_the_completion_service_refuses_is_422(holder: Holder) -> None:
     body = holder.completion()
     body["metrics"] = {"loss": float("nan")}
-    raw = json.dumps(body)  # Python writes NaN, which the parser accepts and the service refuses
-    assert_error(holder.on("complete", raw=raw), 422, "contribution_invalid")
+    raw = json.dumps(body)  # Python writes NaN, which the parser accepts and the schema refuses
+    refused = assert_error(holder.on("complete", raw=raw), 422, "invalid_request")
+    assert "metrics.loss" in refused["message"]
     missing = {**body, "metrics": {}, "contributions": body["contributions"][1:]}
     assert_error(holder.on("complete", missing), 422, "contribution_invalid")
 

@@ -15,18 +15,21 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import math
 from collections.abc import Callable, Mapping
 from functools import wraps
 from typing import Any, TypeVar, cast
 
-from django.db import transaction
-from django.http import HttpRequest
-from ninja.errors import HttpError
+from django.core.exceptions import RequestDataTooBig
+from django.db import DataError, InterfaceError, OperationalError, transaction
+from django.http import Http404, HttpRequest
+from django.http.multipartparser import MultiPartParserError
+from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
 from ninja.responses import Status
 from pydantic import BaseModel
 
 from dipaco_server.audit.models import AuditEntry
-from dipaco_server.errors import ApiError
+from dipaco_server.errors import STATUS_CODES, ApiError
 from dipaco_server.runs.errors import ServiceError
 
 logger = logging.getLogger(__name__)
@@ -48,6 +51,8 @@ def redact(value: Any) -> Any:
         }
     if isinstance(value, list | tuple):
         return [redact(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)  # JSON (and jsonb) hold no inf or NaN: a refused config sent one
     if value is None or isinstance(value, int | float | bool):
         return value
     return storable(str(value))
@@ -130,11 +135,33 @@ def record(
 
 
 def _refusal(exc: Exception) -> tuple[int, str, str]:
-    """(status, code, message) an exception becomes in the one error shape (errors.py)."""
+    """(status, code, message) of the answer the client gets for `exc`: the same as the
+    handlers errors.install registers give, so the log says what the client saw (a
+    database range error is the client's 422, not a 500: issue 34 found five such)."""
     if isinstance(exc, ServiceError | ApiError):
         return exc.status, exc.code, exc.message
+    if isinstance(exc, AuthenticationError):
+        return 401, "unauthenticated", str(exc)
+    if isinstance(exc, AuthorizationError):
+        return 403, "forbidden", str(exc)
     if isinstance(exc, HttpError):
-        return exc.status_code, f"http_{exc.status_code}", str(exc)
+        cause = exc.__cause__
+        if isinstance(cause, ApiError):
+            return cause.status, cause.code, cause.message
+        status = 413 if isinstance(cause, RequestDataTooBig) else exc.status_code
+        return status, STATUS_CODES.get(status, f"http_{status}"), str(exc)
+    if isinstance(exc, ValidationError):
+        return 422, "invalid_request", "the request does not match the schema"
+    if isinstance(exc, DataError):
+        return 422, "value_out_of_range", str(exc).strip().split("\n")[0]
+    if isinstance(exc, RequestDataTooBig):
+        return 413, "body_too_large", str(exc)
+    if isinstance(exc, MultiPartParserError):
+        return 400, "malformed_multipart", str(exc)
+    if isinstance(exc, OperationalError | InterfaceError):
+        return 503, "database_unavailable", str(exc)
+    if isinstance(exc, Http404):
+        return 404, "not_found", str(exc)
     return 500, "internal_error", type(exc).__name__
 
 

@@ -32,6 +32,7 @@ from dipaco_server.rounds import lease as leasing
 from dipaco_server.rounds.close import ADAPT_EVERY_S, round_ready_to_close
 from dipaco_server.rounds.complete import (
     ContributionReport,
+    check_uploads,
     complete,
     max_upload_bytes,
     upload_key,
@@ -41,6 +42,7 @@ from dipaco_server.rounds.models import Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.open import overlaps
 from dipaco_server.rounds.rebase import rebase_plan, rebase_state
 from dipaco_server.rounds.unit_data import unit_data
+from dipaco_server.rounds.worker_metrics import WorkerMetricsIn, worker_metrics
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
@@ -237,8 +239,10 @@ class ContributionIn(Schema):
 class CompleteIn(Schema):
     contributions: list[ContributionIn] = Field(max_length=MAX_MODULES_PER_PATH)
     tokens: JsonId = Field(description="Training tokens the unit consumed.")
-    metrics: dict[str, float] = Field(
-        default_factory=dict, description="e.g. loss, tokens_per_second."
+    metrics: WorkerMetricsIn = Field(
+        default_factory=WorkerMetricsIn,
+        description="The worker's own training metrics (closed: another name, or one of "
+        "the server's evaluation series such as val_loss, is refused with 422).",
     )
     base_versions: dict[str, JsonId] | None = Field(
         None,
@@ -590,26 +594,29 @@ def complete_lease(
 ) -> dict[str, Any]:
     """Report the uploads; recorded pending verification. A replay with the same report is 200.
 
-    The store is not asked here whether the uploads are there: the outer step fetches every
-    one and refuses one that is missing, of another size or another sha256 (``missing``,
-    ``size_mismatch``, ``checksum_mismatch``), as it refuses any other bad upload. A round's
-    completions come in bursts, and a HEAD per module cost each about a third of its time in
-    the web process (bench/control_plane.py, docs/benchmarks.md)."""
+    A fresh completion is answered only once every upload is in the store with the size it
+    declares (one HEAD per module; 422 naming the module otherwise), so a worker cannot
+    claim a unit it never handed in (issue 34). Their sha256 and content are the outer
+    step's to check, which reads the bytes. The HEADs cost a share of a completion's time
+    in the web process at round boundaries (bench/control_plane.py measures it)."""
     worker = current_worker(request)
     lease = leasing.load_own_lease(worker, lease_id, lease_secret)
     fresh = lease.state in (Lease.State.ACTIVE, Lease.State.EXPIRED)
     if fresh:
         leasing.check_salvage(lease, timezone.now())  # live, or expired but salvageable
+    metrics = worker_metrics(body.metrics)
     reports = [
-        ContributionReport(c.module_id, c.size, c.sha256, body.tokens, body.metrics)
+        ContributionReport(c.module_id, c.size, c.sha256, body.tokens, metrics)
         for c in body.contributions
     ]
+    if fresh:
+        check_uploads(lease, reports, get_blob_store())
     rows = complete(
         worker, lease_id, lease_secret, reports, lease=lease, base_versions=body.base_versions
     )
     if fresh:
         unit = lease.unit
-        for name, value in body.metrics.items():
+        for name, value in metrics.items():
             record_metric(unit.round.run, name, value, path=unit.path, round=unit.round.t)
         round_ = unit.round
         transaction.on_commit(lambda: _close_if_ready(round_))

@@ -28,7 +28,6 @@ refused.
 from __future__ import annotations
 
 import logging
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ from dipaco_server.rounds.lease import (
 )
 from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
 from dipaco_server.rounds.rebase import check_delta_base
+from dipaco_server.rounds.worker_metrics import worker_metrics
 from dipaco_server.runs.errors import (
     ContributionConflict,
     ContributionInvalid,
@@ -58,13 +58,13 @@ from dipaco_server.runs.errors import (
 from dipaco_server.runs.keys import contribution_key
 from dipaco_server.runs.models import Module
 from dipaco_server.runs.phases import phase_config
+from dipaco_server.storage import BlobNotFound, BlobStore
+from dipaco_server.workers import speed
 from dipaco_server.workers.models import Worker
 
 logger = logging.getLogger(__name__)
 
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-_METRIC_NAME = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
-MAX_METRICS = 32
 # A safetensors header: 8 bytes of length plus JSON naming each tensor; 1 MiB covers
 # any module this project builds with a wide margin.
 HEADER_ALLOWANCE = 1024 * 1024
@@ -166,7 +166,7 @@ def complete(
         # step accepted every one of its Δs (rounds.outer_step._credit, issue 19).
         Worker.objects.filter(pk=worker.pk).update(
             last_seen=now,
-            measured_speed=_smoothed_speed(worker, clean),
+            measured_speed=_smoothed_speed(worker, lease, clean, now),
         )
     lease.state, lease.ended_at = Lease.State.COMPLETED, now
     logger.info("lease %s completed: %d contribution(s)", lease.pk, len(rows))
@@ -196,18 +196,46 @@ def _claim_salvaged(lease: Lease, now: datetime) -> None:
     logger.info("lease %s: salvaged after it expired (unit %s)", lease.pk, unit.pk)
 
 
-def _smoothed_speed(worker: Worker, clean: Mapping[str, ContributionReport]) -> float | None:
-    """The worker's reported speed (tokens/s) smoothed into the lease budget's estimate.
+def _smoothed_speed(
+    worker: Worker, lease: Lease, clean: Mapping[str, ContributionReport], now: datetime
+) -> float | None:
+    """The unit's speed (tokens/s) smoothed into the worker's estimate, which sizes only
+    that worker's own leases (within DIPACO_LEASE_MIN_S..DIPACO_LEASE_MAX_S).
 
-    It is the worker's own claim, so it only ever sizes that worker's own leases,
-    within DIPACO_LEASE_MIN_S..DIPACO_LEASE_MAX_S. Without a (positive) report, the
-    estimate stays as it was.
+    The worker's claim counts only up to what the server measured itself (its tokens
+    over the lease's wall time) and a device's plausible top (workers.speed). Without a
+    (positive) report, the estimate stays as it was.
     """
-    speed = next(iter(clean.values())).metrics.get(SPEED_METRIC)
-    previous = worker.measured_speed
-    if speed is not None and speed > 0:
-        worker.measured_speed = speed if previous is None else 0.5 * previous + 0.5 * speed
+    report = next(iter(clean.values()))
+    unit = speed.unit_speed(report.metrics.get(SPEED_METRIC), report.tokens, lease.granted_at, now)
+    worker.measured_speed = speed.smoothed_speed(worker.measured_speed, unit)
     return worker.measured_speed
+
+
+def check_uploads(lease: Lease, reports: Sequence[ContributionReport], store: BlobStore) -> None:
+    """Each reported module's upload is in the store, of the size the report declares;
+    else ContributionInvalid naming the module. One HEAD per module: sha256 and content
+    are the outer step's to check, as they need the bytes (rounds.verify). A module the
+    path lacks is left to `complete`, whose refusal lists the missing and unexpected."""
+    for report in reports:
+        if report.module_id not in lease.unit.path.modules:
+            continue
+        key = upload_key(lease, report.module_id)
+        try:
+            size = store.size(key)
+        except BlobNotFound:
+            raise ContributionInvalid(
+                f"{report.module_id}: nothing was uploaded for it under lease {lease.pk}; "
+                "upload its Δ with the URLs from upload-urls, then complete",
+                module=report.module_id,
+            ) from None
+        if size != report.size:
+            raise ContributionInvalid(
+                f"{report.module_id}: the upload holds {size} bytes, the completion says "
+                f"{report.size}; upload it again or report its size",
+                module=report.module_id,
+                uploaded=size,
+            )
 
 
 def _replay(
@@ -305,25 +333,10 @@ def _is_int(value: Any) -> bool:
 
 
 def _metrics(module_id: str, metrics: Any) -> dict[str, float]:
-    if not isinstance(metrics, Mapping) or len(metrics) > MAX_METRICS:
+    """The worker's own training metrics, closed and bounded (rounds.worker_metrics)."""
+    try:
+        return worker_metrics(metrics)
+    except ValueError as exc:
         raise ContributionInvalid(
-            f"{module_id}: metrics must be an object of at most {MAX_METRICS} numbers",
-            module=module_id,
-        )
-    clean = {}
-    for name, value in metrics.items():
-        if not isinstance(name, str) or not _METRIC_NAME.match(name):
-            raise ContributionInvalid(
-                f"{module_id}: metric name {name!r} must match {_METRIC_NAME.pattern}",
-                module=module_id,
-            )
-        if (
-            isinstance(value, bool)
-            or not isinstance(value, int | float)
-            or not math.isfinite(value)
-        ):
-            raise ContributionInvalid(
-                f"{module_id}: metric {name} = {value!r} is not a finite number", module=module_id
-            )
-        clean[name] = float(value)
-    return clean
+            f"{module_id}: metrics refused: {exc}", module=module_id
+        ) from None

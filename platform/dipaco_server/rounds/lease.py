@@ -46,6 +46,7 @@ from dipaco_server.runs.phases import phase_config
 from dipaco_server.runs.services import TERMINAL
 from dipaco_server.workers import tokens, trust
 from dipaco_server.workers.models import Worker
+from dipaco_server.workers.speed import plausible_speed
 
 logger = logging.getLogger(__name__)
 
@@ -221,14 +222,17 @@ def size_unit(
     h, per_step = config.inner.steps, step_tokens(config)
     units = config.units
     limit = None
-    if speed is None or speed <= 0:
+    # A stored speed is bounded (workers.speed) and so is every config field, but a row
+    # written before they were must not turn into inf x seconds -> NaN -> int() here.
+    speed = plausible_speed(speed)
+    if speed is None:
         fresh, limit = h, units.calibration_seconds
         reason = (
             f"calibration: this worker's speed is unknown; it trains up to H = {h} steps "
             f"for at most {limit:g} s, which measures it"
         )
     else:
-        fit = int(units.target_seconds * speed // per_step)
+        fit = _steps_in(units.target_seconds, speed, per_step)
         fresh = max(1, min(h, fit))
         reason = (
             f"{speed:,.0f} tokens/s x {units.target_seconds:,.0f} s target = {fit:,} steps"
@@ -237,7 +241,7 @@ def size_unit(
         )
         if round_deadline is not None and now is not None:
             left = max(0.0, (round_deadline - now).total_seconds() - stop_margin_s)
-            by_deadline = int(left * speed // per_step)
+            by_deadline = _steps_in(left, speed, per_step)
             if by_deadline < fresh:
                 fresh = max(1, by_deadline)
                 reason += (
@@ -248,6 +252,13 @@ def size_unit(
         reason += f"; resumes its checkpoint of up to {resumed_steps} steps"
     trained = max(1, steps - resumed_steps)
     return UnitSize(steps=steps, trained_steps=trained, reason=reason, seconds=limit)
+
+
+def _steps_in(seconds: float, speed: float, per_step: int) -> int:
+    """Whole steps of `per_step` tokens that `seconds` at `speed` tokens/s hold; a
+    non-finite product (never from bounded inputs) counts as unbounded: 2^62."""
+    steps = seconds * speed / per_step
+    return int(steps) if math.isfinite(steps) and steps < 2**62 else 2**62
 
 
 def _comeback(worker: Worker) -> tuple[int, int] | None:

@@ -183,7 +183,11 @@ def transition(run: Run, to: str, *, error: str = "", now: datetime | None = Non
             changes["finished_at"] = now
         if target == State.FAILED:
             changes["error"] = error
-        if Run.objects.filter(pk=run.pk, state=current).update(**changes):
+        with transaction.atomic():
+            moved = Run.objects.filter(pk=run.pk, state=current).update(**changes)
+            if moved and target in TERMINAL:
+                _end_leases(run, now)
+        if moved:
             run.refresh_from_db()
             logger.info("run %s: %s -> %s", run.pk, current, target)
             return run
@@ -193,6 +197,24 @@ def transition(run: Run, to: str, *, error: str = "", now: datetime | None = Non
         requested=str(target),
         allowed=[],
     )
+
+
+def _end_leases(run: Run, now: datetime) -> None:
+    """A run that ended (finished, failed, cancelled) holds no lease: each active one is
+    released and its unit given up, so no heartbeat extends it and no grant hands it back
+    (a cancelled run's lease was answered again by POST /worker/lease before, issue 34).
+    Not the workers' fault, so no lease counts as expired against them."""
+    # Imported here: rounds builds on runs (its models name Run), not the other way round.
+    from dipaco_server.rounds.models import Lease, WorkUnit
+
+    held = Lease.objects.filter(unit__round__run=run, state=Lease.State.ACTIVE)
+    units = list(held.values_list("unit_id", flat=True))
+    released = held.update(state=Lease.State.RELEASED, ended_at=now)
+    WorkUnit.objects.filter(pk__in=units, state=WorkUnit.State.LEASED).update(
+        state=WorkUnit.State.EXPIRED, updated_at=now
+    )
+    if released:
+        logger.info("run %s ended: released its %d active lease(s)", run.pk, released)
 
 
 def record_metric(
