@@ -106,6 +106,9 @@ def test_a_slow_upload_does_not_delay_the_next_units_first_step(
 ) -> None:
     running_run(store, steps=2)  # 2x2 paths, one unit each: the next unit is another path
     token = enrolled(live_server.url).token
+    # A worker of known speed: a calibration unit is handed in before the next lease is
+    # asked for (its completion reports the speed that sizes it).
+    Worker.objects.update(measured_speed=10_000.0)
     order: list[tuple[str, int]] = []
     release = threading.Event()
     client = Client(live_server.url, token, policy=FAST, transport=HeldUpload(order, release))
@@ -124,11 +127,38 @@ def test_a_slow_upload_does_not_delay_the_next_units_first_step(
     first, second = leases
     assert order.index(("step", second)) < order.index(("complete", first)), (order, out.getvalue())
     assert [e["event"] for e in events].count("completed") == 2, out.getvalue()
+    assert all("calibration" not in e["size_reason"] for e in events if e["event"] == "lease")
     done = Lease.objects.select_related("unit").filter(pk__in=leases)
     assert {(lease.state, lease.unit.state) for lease in done} == {
         (Lease.State.COMPLETED, WorkUnit.State.DONE)
     }
     assert not (tmp_path / "lease.json").exists(), "both units are in: no state left"
+
+
+def test_a_calibration_unit_is_handed_in_before_the_next_lease_is_asked_for(
+    store: BlobStore, live_server: Any, tmp_path: Path
+) -> None:
+    """Its completion carries the speed that sizes the worker's next unit: asked for before,
+    that unit would calibrate again."""
+    running_run(store, steps=2)
+    token = enrolled(live_server.url).token
+    client = Client(live_server.url, token, policy=FAST)
+    out, stop = io.StringIO(), threading.Event()
+    options = AgentOptions(data_dir=tmp_path, max_units=2, policy=FAST)
+    agent = Agent(client, HeartbeatThread(client, 30.0), detect_device("cpu"), options,
+                  JsonReporter(out), stop)  # fmt: skip
+    try:
+        agent.run()
+    finally:
+        agent.close()
+        client.close()
+    events = [json.loads(line) for line in out.getvalue().splitlines()]
+    names = [e["event"] for e in events]
+    assert names.count("lease") == 2 and names.count("completed") == 2, out.getvalue()
+    second = [i for i, name in enumerate(names) if name == "lease"][1]
+    assert names.index("completed") < second, names
+    sizes = [e["size_reason"] for e in events if e["event"] == "lease"]
+    assert sizes[0].startswith("calibration") and "tokens/s x" in sizes[1], sizes
 
 
 def test_a_distrusted_worker_exits_with_its_own_code_naming_its_page(

@@ -9,7 +9,9 @@ At most one unit trains and one is handed in. The next unit of the *same* path w
 its predecessor's hand-in before it trains: its warm AdamW moments and codec residual are
 the path's only once that completion is accepted (worker_agent.trainer), so a refused
 hand-in leaves them as the last accepted unit left them, as before the overlap. Units of
-other paths start at once. A crash while handing in after the next lease was granted
+other paths start at once. A calibration unit (a worker whose speed the server does not
+know yet) is handed in before the next lease is asked for: its completion reports the
+speed that sizes that lease. A crash while handing in after the next lease was granted
 loses that Δ (the state file names the next unit): its lease expires and the unit is
 trained again, by this worker or another.
 
@@ -188,6 +190,8 @@ class Agent:
     def _next_lease(self) -> LeaseGrant | None:
         first, longest = self.options.idle_wait_s
         wait = first
+        if self.handing_in is not None and self.handing_in.before_next_lease:
+            self._wait_for_hand_in()
         while not self.stop.is_set():
             job = self.handing_in
             handing_in = job.lease_id if job is not None and not job.done() else None
@@ -320,6 +324,7 @@ class Agent:
         job = HandInThread(
             grant.lease_id, grant.run_id, grant.path, work,
             lambda: self._hand_in_unit(trained, until),
+            before_next_lease=grant.seconds_limit is not None,
         )  # fmt: skip
         self.handing_in = job
         job.start()

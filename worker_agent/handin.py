@@ -65,9 +65,19 @@ class HandInThread:
     """
 
     def __init__(
-        self, lease_id: int, run_id: int, path: int, work_dir: Path, work: Callable[[], None]
+        self,
+        lease_id: int,
+        run_id: int,
+        path: int,
+        work_dir: Path,
+        work: Callable[[], None],
+        *,
+        before_next_lease: bool = False,
     ) -> None:
         self.lease_id, self.run_id, self.path, self.work_dir = lease_id, run_id, path, work_dir
+        # In before the next lease is asked for: a calibration unit's completion reports the
+        # speed the server sizes that lease by.
+        self.before_next_lease = before_next_lease
         self._work = work
         self._error: BaseException | None = None
         self._thread = threading.Thread(

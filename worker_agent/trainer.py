@@ -179,13 +179,14 @@ def train_unit(
     on_fallback: Callable[[InnerConfig, InnerConfig], None] | None = None,
     fault: Fault | None = None,
     rebase: Callable[[int], Mapping[str, Tensor] | None] | None = None,
-    trainer: ResidentTrainer | None = None,
+    trainer: ResidentTrainer | PathTrainer | None = None,
 ) -> tuple[InnerResult, InnerConfig]:
     """Train the unit (resuming its checkpoint if any) from the path's warm `state` (None:
     fresh AdamW); returns the result, whose `state` is the path's next one, and the inner
     config it finished with (the micro-batch may have shrunk). `rebase`: outer.overlap
     eager's hook (worker_agent.rebase), `dipaco.inner.run_inner_loop`'s. `trainer`: the
-    agent's resident trainer (on `device`); None builds a model for this unit alone."""
+    agent's resident trainer (on `device`), or a PathTrainer to use as it is (benches);
+    None builds a model for this unit alone."""
     work_dir.mkdir(parents=True, exist_ok=True)
     checkpoint = work_dir / CHECKPOINT_NAME
     current = inner or work.config.inner
@@ -198,7 +199,9 @@ def train_unit(
         if fault is not None:
             step_hook = _with_fault(on_step, fault, current)
         try:
-            resident = trainer.for_config(config) if trainer is not None else None
+            resident = (
+                trainer.for_config(config) if isinstance(trainer, ResidentTrainer) else trainer
+            )
             result = train_path(
                 config, work.path, work.modules, work.source,
                 round_index=work.round_index, start_position=work.start_position,
@@ -222,7 +225,7 @@ def train_unit(
             break
         smaller = smaller_micro_batch(current)  # outside `except`: its frames hold tensors
         resident = None
-        if trainer is not None:
+        if isinstance(trainer, ResidentTrainer):
             trainer.drop()  # its optimizer state and compiled graphs: built again, smaller
         _free_memory(device)
         if smaller is None:
