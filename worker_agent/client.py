@@ -99,7 +99,6 @@ class LeaseGrant:
     modules: list[str]
     base_versions: dict[str, int]
     steps: int  # to train, from the unit's start: sized to this worker's speed (<= H)
-    codec: str
     config: dict[str, Any]  # the whole RunConfig as JSON
     data: DataWindow
     raw: dict[str, Any] = field(repr=False)  # the answer as received, kept for resuming
@@ -523,7 +522,6 @@ def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
         round_deadline=None if data.get("round_deadline") is None else str(data["round_deadline"]),
         hard_deadline=None if data.get("hard_deadline") is None else str(data["hard_deadline"]),
         rebase=None if not plan else RebasePlan(int(plan["at_step"]), int(plan["round"])),
-        codec=str(data["codec"]),
         config=dict(data["config"]),
         data=DataWindow(
             int(window["start_position"]),
