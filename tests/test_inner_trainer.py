@@ -22,7 +22,7 @@ from dipaco.inner import (
     train_path,
 )
 from dipaco.inner import engine as inner_engine
-from dipaco.inner.loss import CausalLMLoss, linear_cross_entropy
+from dipaco.inner.loss import CausalLMLoss, LinearCrossEntropy, linear_cross_entropy
 from dipaco.model import build_model
 from dipaco.modular import init_modules
 from tests.test_inner import CFG, SOURCE
@@ -62,6 +62,46 @@ def test_the_chunked_loss_equals_cross_entropy_of_the_whole_fp32_logits() -> Non
     torch.testing.assert_close(chunked, reference, rtol=1e-6, atol=0)
     for grad, ref in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fused_loss_gives_the_loss_and_gradients_of_the_plain_one(dtype: torch.dtype) -> None:
+    """LinearCrossEntropy (CUDA's loss) run on the CPU, in fp32 and in bf16 under autocast
+    as on a GPU, against autograd's cross-entropy of the same logits."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(50, 16, generator=g, requires_grad=True)  # (N, C)
+    weight = torch.randn(40, 16, generator=g, requires_grad=True)  # (V, C)
+    targets = torch.randint(40, (50,), generator=g)  # (N,)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        reference = F.cross_entropy(F.linear(hidden, weight).float(), targets)
+        fused = LinearCrossEntropy.apply(hidden, weight, targets, 7, dtype)
+    ref_grads = torch.autograd.grad(reference * 0.5, (hidden, weight))
+    grads = torch.autograd.grad(fused * 0.5, (hidden, weight))
+    tolerance = (
+        {"rtol": 1e-5, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 2e-3}
+    )
+    torch.testing.assert_close(fused, reference, **tolerance)
+    for grad, ref in zip(grads, ref_grads, strict=True):
+        assert grad.dtype == torch.float32
+        torch.testing.assert_close(grad, ref, **tolerance)
+
+
+def test_the_fused_loss_trains_a_model_as_the_plain_one_does() -> None:
+    model = build_model(CFG.model, 0)
+    window = SOURCE.batch(0, 4, CFG.model.seq_len)  # (B, T+1)
+    inputs, targets = window[:, :-1], window[:, 1:]
+    results = []
+    for fused in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss = CausalLMLoss(model, torch.device("cpu"), chunk=24, fused=fused)(
+            model.model, inputs, targets
+        )
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    (plain, plain_grads), (fused_loss, fused_grads) = results
+    torch.testing.assert_close(fused_loss, plain, rtol=1e-5, atol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_the_loops_loss_is_the_models_own_cross_entropy() -> None:

@@ -1,18 +1,18 @@
 """Inner-loop checkpoints: one safetensors file with a JSON header, written atomically.
 
 A checkpoint holds the weights, θ_old, the AdamW state, the step, the data position and the
-RNG; resuming one on the CPU continues bit for bit. Writing is asynchronous (the pattern of
-torchtitan's `components/checkpoint.py` with `async_mode="async"`): the loop stands still
-only while the state is copied into host buffers kept from one checkpoint to the next
-(pinned on CUDA, so the device-to-host copies run at full speed), and a background thread
-serialises those buffers to a temporary file, fsyncs it and renames it over the previous
-checkpoint. One write is in flight at a time: a new snapshot first waits for the previous
-write, whose buffers it reuses. A crash during a write leaves the previous file whole.
+RNG; resuming one on the CPU continues bit for bit. Writing is asynchronous, the pattern of
+torchtitan's `components/checkpoint.py` with `async_mode = "async_with_pinned_mem"`: the
+loop stands still only while the state is copied into host buffers kept from one checkpoint
+to the next (pinned on CUDA, so the device-to-host copies run at full speed), and a
+background thread serialises those buffers to a temporary file, fsyncs it and renames it
+over the previous checkpoint. One write is in flight at a time: a new snapshot first waits
+for the previous write, whose buffers it reuses. A crash during a write leaves the previous
+file whole.
 
-`torch.distributed.checkpoint.async_save` is not used: it writes DCP's directory format
-(one ``.distcp`` file per rank plus a pickled ``.metadata``), not one safetensors file, and
-expects a process group; the worker reads checkpoints written on untrusted machines back
-only as safetensors, and runs in one process.
+`torch.distributed.checkpoint.async_save` (what torchtitan calls) is not used: it writes
+DCP's directory format (``.distcp`` shards and a pickled ``.metadata``), not one
+safetensors file, and the agent reads nothing back that is not safetensors.
 """
 
 from __future__ import annotations

@@ -2,13 +2,17 @@
 
 `model(input_ids).logits` followed by `F.cross_entropy(logits.float(), ...)` holds a
 (B·T, V) bf16 and a (B·T, V) fp32 copy of the logits, plus log-softmax's fp32 output for
-the backward: at micro-batch 8 x 1024 and V = 32,000 about 3 GiB, and three passes over
+the backward: at micro-batch 8 x 1024 and V = 32,000 about 3 GiB, and several passes over
 it through memory. Here the decoder body runs to its hidden states (B, T, C), and the LM
-head and the cross-entropy run over chunks of tokens: each chunk's logits are made,
-upcast to fp32 and reduced, and, when there is more than one chunk, recomputed in the
-backward (torch.utils.checkpoint) instead of kept, so at most one chunk's logits live at a
-time. With Liger-Kernel installed (`pip install liger-kernel`), its fused linear +
-cross-entropy Triton kernel does the same on CUDA without the recomputation.
+head and the cross-entropy run over chunks of tokens, so at most one chunk's logits live
+at a time:
+- on CUDA, `LinearCrossEntropy` computes each chunk's loss *and* its gradients in the
+  forward (the gradients are kept, (N, C) and (V, C), instead of the logits), so the head
+  costs its usual three matmuls; Liger-Kernel's Triton kernel, which does the same fused,
+  is used instead when it is installed (`pip install liger-kernel`);
+- on the CPU, `linear_cross_entropy` keeps autograd's own arithmetic (bit for bit the
+  plain loss in one chunk, the CPU's reference), recomputing the chunks' logits in the
+  backward (torch.utils.checkpoint) when there is more than one.
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ from torch.utils.checkpoint import checkpoint
 
 log = logging.getLogger(__name__)
 
-# Logit elements per chunk: 2^24 is 64 MiB in fp32 (512 tokens at V = 32,768), small
-# beside a 150M model's activations and large enough to keep the LM head's matmul efficient.
-LOGITS_PER_CHUNK = 2**24
+# Logit elements per chunk: 2^25 is 128 MiB in fp32 (1,024 tokens at V = 32,768), small
+# beside a 150M model's activations at micro-batch 8 x 1024, and a head matmul of 1,024 rows
+# runs near the GPU's peak.
+LOGITS_PER_CHUNK = 2**25
 
 Body = Callable[..., Any]  # the decoder body: input_ids -> an output with .last_hidden_state
 
@@ -69,6 +74,48 @@ def linear_cross_entropy(
     return total / n
 
 
+class LinearCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of `hidden @ weight.T` whose gradients are made in the forward,
+    chunk by chunk, with the matmuls in `dtype` (bf16 under autocast, as F.linear would)
+    and the softmax in fp32. hidden (N, C), weight (V, C) fp32 master, targets (N,)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype
+    ) -> Tensor:
+        n = hidden.shape[0]
+        with torch.autocast(hidden.device.type, enabled=False):
+            w = weight.to(dtype)  # (V, C)
+            grad_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)  # (N, C)
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+            for start in range(0, n, chunk):
+                h = hidden[start : start + chunk].to(dtype)  # (n, C)
+                t = targets[start : start + chunk]  # (n,)
+                logits = (h @ w.T).float()  # (n, V)
+                lse = torch.logsumexp(logits, dim=-1)  # (n,)
+                total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+                probs = logits.sub_(lse[:, None]).exp_()  # softmax, in place (n, V)
+                probs[torch.arange(t.shape[0], device=t.device), t] -= 1.0
+                g = probs.div_(n).to(dtype)  # d(mean loss)/d(logits) (n, V)
+                grad_hidden[start : start + chunk] = g @ w  # (n, C)
+                grad_weight += (g.T @ h).float()  # (V, C)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.hidden_dtype = hidden.dtype
+        return total / n
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (
+            (grad_hidden * grad_output).to(ctx.hidden_dtype),
+            grad_weight * grad_output,
+            None,
+            None,
+            None,
+        )
+
+
 def _liger_loss() -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import (
@@ -82,12 +129,21 @@ def _liger_loss() -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
 class CausalLMLoss:
     """Mean next-token cross-entropy of a Hugging Face causal LM (`model.model` the decoder
     body, `model.lm_head` the head) on (B, T) inputs and targets. `body` may be a compiled
-    `model.model`; Liger's fused kernel is used on CUDA when it is installed."""
+    `model.model`. `fused` (None: on CUDA) takes LinearCrossEntropy, or Liger's kernel when
+    it is installed, over the CPU's reference arithmetic."""
 
-    def __init__(self, model: nn.Module, device: torch.device, chunk: int | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        device: torch.device,
+        chunk: int | None = None,
+        *,
+        fused: bool | None = None,
+    ) -> None:
         self.model = cast(Any, model)
         self.chunk = chunk
-        self.liger = _liger_loss() if device.type == "cuda" else None
+        self.fused = device.type == "cuda" if fused is None else fused
+        self.liger = _liger_loss() if self.fused and device.type == "cuda" else None
         if self.liger is not None:
             log.info("loss: Liger-Kernel's fused linear cross-entropy")
 
@@ -95,9 +151,16 @@ class CausalLMLoss:
         hidden = body(input_ids=inputs).last_hidden_state  # (B, T, C)
         flat = hidden.reshape(-1, hidden.shape[-1])  # (B·T, C)
         weight = self.model.lm_head.weight  # (V, C), fp32 master
+        device = flat.device.type
+        if not self.fused:
+            return linear_cross_entropy(flat, weight, targets.reshape(-1), chunk=self.chunk)
+        # The head's matmul runs in the autocast dtype, as F.linear would under autocast.
+        autocast = torch.is_autocast_enabled(device)
+        dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
         if self.liger is not None:
-            # Liger's kernel takes one dtype for both: the autocast one, as the head's matmul
-            # would run; its gradient flows back through the casts to the fp32 master.
-            dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled() else flat.dtype
+            # Liger's kernel takes one dtype for both; its gradient flows back through the
+            # casts to the fp32 master.
             return self.liger(weight.to(dtype), flat.to(dtype), targets.reshape(-1))
-        return linear_cross_entropy(flat, weight, targets.reshape(-1), chunk=self.chunk)
+        size = self.chunk or chunk_tokens(weight.shape[0])
+        loss = LinearCrossEntropy.apply(flat, weight, targets.reshape(-1), size, dtype)
+        return cast(Tensor, loss)
