@@ -211,7 +211,8 @@ def test_a_staff_page_refuses_a_signed_in_non_staff_user_with_a_site_page(db: No
 def test_a_dashboard_form_without_its_csrf_token_gets_a_site_page(db: None) -> None:
     response = Client(enforce_csrf_checks=True).post("/login/", {"username": "x"})
     assert response.status_code == 403
-    assert 'class="topbar"' in response.content.decode()
+    html = response.content.decode()
+    assert 'class="topbar"' in html and "reload the page" in html
 
 
 def test_a_failing_page_answers_a_500_of_the_site_without_a_stack(

@@ -82,8 +82,8 @@ def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
     exempt), so a refusal there is only a fallback, in the API's shape."""
     if wants_json(request):
         return error_response(403, "forbidden", "refused: the request's CSRF check failed")
-    return _answer(request, 403, "the form expired or came from another site: reload the page "
-                   "and send it again")  # fmt: skip
+    return _answer(request, 403, "the form's CSRF token is missing or out of date (the form "
+                   "expired, or came from another site): reload the page and send it again")  # fmt: skip
 
 
 def favicon(request: HttpRequest) -> FileResponse:
