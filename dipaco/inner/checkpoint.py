@@ -88,8 +88,8 @@ class CheckpointWriter:
 
     `theta_old` tensors are referenced, not copied: the loop never changes them in place
     (a rebase replaces them). `count`, `block_s` (the loop's time standing still: waiting
-    for the previous write, then the snapshot) and `write_s` (the background writes) are
-    what InnerResult reports. An error of a background write is raised by the next `save`
+    for the previous write, the snapshots, and the last write, which the loop returns
+    after) and `write_s` (the background writes) are what InnerResult reports. An error of a background write is raised by the next `save`
     or `wait`; the previous checkpoint is then still the file on disk.
     """
 
@@ -132,6 +132,14 @@ class CheckpointWriter:
         self._thread.start()
         self.count += 1
         self.block_s += time.perf_counter() - started
+
+    def finish(self) -> None:
+        """Wait for the loop's last write (the loop returns after it): counted in block_s."""
+        started = time.perf_counter()
+        try:
+            self.wait()
+        finally:
+            self.block_s += time.perf_counter() - started
 
     def wait(self) -> None:
         """Until the write in flight (if any) is on disk; raises its error if it failed."""

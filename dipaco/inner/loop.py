@@ -262,10 +262,12 @@ def _steps(
         if should_stop is not None and should_stop():
             read_back()
             save()
-            writer.wait()
-            # The partial Δ of the steps done so far: the worker agent salvages it.
+            # The partial Δ of the steps done so far (the worker agent salvages it), made
+            # while the checkpoint is written.
             partial = delta_of(model, theta_old) if progress.step else {}
-            return _result(progress, partial, completed=False, adam=adam_by_name(model, optimizer))
+            adam_state = adam_by_name(model, optimizer)
+            writer.finish()
+            return _result(progress, partial, completed=False, adam=adam_state)
         started = time.perf_counter()
         lr = lr_at(cfg, first_step + progress.step, total)
         for group in optimizer.param_groups:
@@ -334,9 +336,9 @@ def _steps(
             last_checkpoint = time.monotonic()
     read_back()
     save()  # a crash between here and the upload loses nothing: a rerun returns at once
-    writer.wait()
-    adam_state = adam_by_name(model, optimizer)
-    return _result(progress, delta_of(model, theta_old), completed=True, adam=adam_state)
+    delta, adam_state = delta_of(model, theta_old), adam_by_name(model, optimizer)
+    writer.finish()  # while the write ran, Δ and the moments came to the host
+    return _result(progress, delta, completed=True, adam=adam_state)
 
 
 def _wait_quietly(writer: CheckpointWriter) -> None:

@@ -79,7 +79,9 @@ class InnerResult:
     adam: dict[str, Tensor] = field(default_factory=dict)  # AdamW state by parameter name
     state: InnerState | None = None  # by train_path: the state to hand the path's next unit
     checkpoints: int = 0  # checkpoints written by this call
-    checkpoint_block_s: float = 0.0  # seconds the loop stood still for them (snapshots)
+    # Seconds the loop stood still for them: the snapshots to host memory (and any wait for
+    # the write before), and the last write, which the loop returns after.
+    checkpoint_block_s: float = 0.0
     checkpoint_write_s: float = 0.0  # seconds the background writer spent writing them
 
     @property

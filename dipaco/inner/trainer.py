@@ -172,7 +172,7 @@ def train_path(
     """
     if trainer is None:
         trainer = PathTrainer(config, "cpu" if device is None else device, compile=compile)
-    elif device is not None and torch.device(device) != trainer.device:
+    elif device is not None and not _same_device(torch.device(device), trainer.device):
         raise ValueError(f"device {device} differs from the trainer's {trainer.device}")
     return trainer.train_path(
         config, p, modules, source, round_index=round_index, start_position=start_position,
@@ -180,3 +180,8 @@ def train_path(
         checkpoint_interval_s=checkpoint_interval_s, resume=resume, on_step=on_step,
         should_stop=should_stop, state=state, rebase=rebase,
     )  # fmt: skip
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """ "cuda" and "cuda:0" are the same device to a caller that names no index."""
+    return a.type == b.type and (a.index is None or b.index is None or a.index == b.index)
