@@ -80,7 +80,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     and the softmax in fp32. hidden (N, C), weight (V, C) fp32 master, targets (N,)."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, hidden: Tensor, weight: Tensor, targets: Tensor, chunk: int, dtype: torch.dtype
     ) -> Tensor:
         n = hidden.shape[0]
@@ -105,7 +105,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return total / n
 
     @staticmethod
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:
         grad_hidden, grad_weight = ctx.saved_tensors
         return (
             (grad_hidden * grad_output).to(ctx.hidden_dtype),
