@@ -25,8 +25,10 @@ keyed in --json as:
                                 same config, seed and data: final routed validation *loss*.
 
 Everything runs through `dipaco.simulate` (the code behind `dipaco simulate`) with
-RunConfig.tiny()'s 2.84M-parameter paths and starts from one dense base model (--base-steps,
-the paper's phase 1) whose tokens are not counted. Each method and each baseline is one
+RunConfig.tiny()'s 2.84M-parameter paths and starts from one dense base model (--base-steps
+at --batch, the paper's phase 1; the same base for DiLoCo, DiPaCo and every baseline of a
+seed) whose tokens are not counted; every model is scored on one seeded validation sample
+(--eval-windows, dipaco.evaluate.sample_plan), the platform's. Each method and each baseline is one
 job; jobs run in --jobs processes of --threads torch threads each (on 2 cores, two
 one-thread processes finish ~1.7x sooner than one two-thread process); the platform run
 comes last, alone. The script prints ratios and the goals beside them, not verdicts.
@@ -53,6 +55,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dipaco.config import LayoutConfig, RunConfig
+from dipaco.evaluate import SAMPLE_WINDOWS
 from dipaco.simulate import DataBudget, SimulateOptions, simulate
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.baselines import data_parallel_bytes, train_baseline
@@ -94,6 +97,7 @@ class Job:
     eval_windows: int
     threads: int
     base_steps: int
+    base_batch: int  # every job's base model trains at this batch: one base for the run
     device: str
 
 
@@ -106,6 +110,7 @@ def run_job(job: Job) -> dict[str, Any]:
         options = SimulateOptions(
             budget=job.budget, work_dir=Path(job.work_dir), eval_windows=job.eval_windows,
             baselines=(), base_steps=job.base_steps, device=job.device,
+            base_batch=job.base_batch,
         )  # fmt: skip
         result = simulate(config, options)
         return {
@@ -121,9 +126,10 @@ def run_job(job: Job) -> dict[str, Any]:
             "seconds": time.perf_counter() - started,
         }
     data, base = prepare_with_base(
-        config, job.budget, Path(job.work_dir), job.base_steps, device=job.device
-    )
-    windows = data.val_windows(config.model.seq_len, job.eval_windows)
+        config, job.budget, Path(job.work_dir), job.base_steps, device=job.device,
+        batch_size=job.base_batch,
+    )  # fmt: skip
+    windows = data.val_windows(config.model.seq_len, job.eval_windows, config.seed)
     run = train_baseline(config, data, windows, job.baseline, base_state=base, device=job.device)
     return {
         "name": job.name,
@@ -203,7 +209,8 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
 
     def job(name: str, key: str, baseline: str | None) -> Job:
         return Job(name, cfgs[key].model_dump_json(), baseline, budget, str(args.work_dir),
-                   args.eval_windows, args.threads, args.base_steps, args.device)  # fmt: skip
+                   args.eval_windows, args.threads, args.base_steps, args.batch,
+                   args.device)  # fmt: skip
 
     # Longest first, so two processes finish together.
     jobs = [
@@ -406,10 +413,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--max-docs", type=int, default=0, help="corpus sample, 0: all of it")
     parser.add_argument("--val-fraction", type=float, default=0.05, help="held out (%(default)s)")
-    parser.add_argument("--eval-windows", type=int, default=256, help="val windows of 129 tokens")
     parser.add_argument(
-        "--base-steps", type=int, default=300, help="dense warm-up before all (%(default)s)"
-    )
+        "--eval-windows", type=int, default=SAMPLE_WINDOWS,
+        help="windows of 129 tokens in the seeded validation sample (dipaco.evaluate."
+        "sample_plan, the platform's; default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--base-steps", type=int, default=300,
+        help="the phase-1 base every job starts from, trained at --batch (%(default)s)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--only", type=lambda text: [name for name in text.split(",") if name], default=None,
@@ -460,13 +472,15 @@ def main(argv: list[str] | None = None) -> int:
     cfgs = configs(args)
     # Prepare (or reuse) both data layouts here, so the jobs never race to build them.
     budget = DataBudget(max_docs=args.max_docs or None)
-    # One base for all: it is keyed by the stream of all documents, which every layout shares.
+    # One base for all: it is keyed by the stream of all documents, which every layout
+    # shares, and trains at --batch whatever the job's own batch (DiLoCo's is larger).
     console.log(f"base model: {args.base_steps} steps (cached in {args.work_dir})")
     needed = {JOB_CONFIG[name] for name in args.only} if args.only else set(cfgs)
     for key in sorted(needed):
         prepare_with_base(
-            cfgs[key], budget, args.work_dir, args.base_steps, log=console.log, device=args.device
-        )
+            cfgs[key], budget, args.work_dir, args.base_steps, log=console.log,
+            device=args.device, batch_size=args.batch,
+        )  # fmt: skip
     jobs = make_jobs(args, cfgs)
     results: dict[str, dict[str, Any]] = {}
     # spawn, not fork: a forked child of a process that ran torch's thread pool can hang.

@@ -19,10 +19,15 @@ and the same number of training tokens:
   data-parallel  one path-size model, T*H steps, each on P*R inner batches (all-reduce)
   dense          one path-size model trained alone, T*H*P*R steps of one inner batch
 
-It prepares the data first (corpus sample, byte-level BPE tokenizer, tf-idf k-means router,
-per-path token streams) and caches it in --work-dir, keyed by every input that matters.
-Then each of T rounds trains P x R work units of H AdamW steps, encodes every module's
-pseudo-gradient with --codec, and takes the Nesterov outer step per module.
+It follows the DiPaCo paper's recipe: prepare the data (corpus sample, byte-level BPE
+tokenizer), train one dense path-size base model (--base-steps, phase 1), route every
+document by the base model's features of its first tokens (k-means), write per-path token
+streams, and start every module from the base model's layers; data and base are cached in
+--work-dir, keyed by every input that matters (--router tfidf routes by hashed n-grams
+instead, and needs no base model). Then each of T rounds trains P x R work units of H AdamW
+steps, encodes every module's pseudo-gradient with --codec, and takes the outer step per
+module. Every model is scored on one seeded validation sample (--eval-windows), the one
+the platform's evaluation scores.
 
 Printed: validation loss and perplexity per path and routed (each validation document is
 scored by the path it routes to), both baselines on the same validation tokens, tokens,
@@ -32,13 +37,16 @@ with the per-round curve, as JSON."""
 EPILOG = """\
 examples:
   dipaco simulate
-      DiPaCo, 2 levels x 2 modules (4 paths), tiny 2.8M-parameter paths, stdlib corpus
+      DiPaCo, 2 levels x 2 modules (4 paths), tiny 2.8M-parameter paths, stdlib corpus,
+      from a base model of 200 steps whose features route the documents
+  dipaco simulate --router tfidf --base-steps 0
+      the fallback without phase 1: tf-idf routing, modules from random weights
   dipaco simulate --diloco --replicas 4 --inner-steps 50 --rounds 4 --codec int8
       DiLoCo with 4 replicas and int8 pseudo-gradients
   dipaco simulate --paths 2x4 --max-docs 4000 --out run.json
       16 paths on a larger sample; the JSON has every figure of the tables
   dipaco simulate --base-steps 300 --inner-steps 50 --rounds 4 --threads 1
-      DiPaCo's protocol: modules start from a dense model trained 300 steps
+      a longer phase 1: the base model trains 300 steps
   dipaco simulate --config run.json --rounds 2 --no-baselines
       a platform run config (its model, layout, optimisers), two rounds only
 
@@ -60,6 +68,10 @@ DILOCO_REPLICAS = 4
 BASELINES = ("data-parallel", "dense", "dense-steps")
 DEFAULT_ROUNDS = 5
 DEFAULT_VAL_FRACTION = 0.05  # DataConfig's 0.01 is for full corpora; a sample needs more
+# Phase 1 when --base-steps is not given and the base model routes: on the tiny model 200
+# steps take ~30 s on one core and reach a loss the phase-2 rounds then improve on.
+DEFAULT_BASE_STEPS = 200
+ROUTERS = ("base-lm", "tfidf")
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -129,14 +141,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="outer.overlap: delayed = one-step-delayed outer updates (no idle time); "
         "eager = delayed with the eager correction at outer.eager_at of each unit",
     )
-    shape.add_argument("--router", choices=["kmeans", "product-kmeans"], help="routing method")
+    shape.add_argument(
+        "--router",
+        choices=ROUTERS,
+        help="what routes each document: base-lm, the base model's mean last hidden state "
+        "over its first tokens (the paper's recipe; the default without --config), or tfidf, "
+        "hashed n-grams (no base model needed)",
+    )
+    shape.add_argument(
+        "--router-method",
+        choices=["kmeans", "product-kmeans"],
+        help="the clustering over those features: one k-means over all paths (default), or "
+        "one factor per level",
+    )
     shape.add_argument(
         "--base-steps",
         type=int,
-        default=0,
         metavar="N",
-        help="first train one dense base model N steps; every module and baseline starts "
-        "from it (DiPaCo's protocol; default %(default)s: start from random weights)",
+        help="first train one dense base model N steps (phase 1); every module and baseline "
+        f"starts from it (default {DEFAULT_BASE_STEPS} with the base-lm router, else 0: "
+        "start from random weights)",
     )
     shape.add_argument("--seed", type=int, help="seed of initialisation and data order (0)")
     data = parser.add_argument_group("data")
@@ -158,9 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--eval-windows",
         type=int,
-        default=64,
         metavar="N",
-        help="validation windows scored per evaluation (default %(default)s)",
+        help="windows in the seeded validation sample every model is scored on (default: "
+        "the platform's, 1024 or the config's eval.batches x eval.batch_size if more)",
     )
     data.add_argument(
         "--work-dir",
@@ -199,7 +223,10 @@ def build_config(args: argparse.Namespace) -> Any:
         base = json.loads(args.config.read_text("utf-8"))
     else:
         base = RunConfig.tiny(
-            name="simulate", rounds=DEFAULT_ROUNDS, data={"val_fraction": DEFAULT_VAL_FRACTION}
+            name="simulate",
+            rounds=DEFAULT_ROUNDS,
+            data={"val_fraction": DEFAULT_VAL_FRACTION},
+            router={"featurizer": "base-lm"},  # the paper's recipe
         ).model_dump(mode="json")
     if args.model_size is not None:
         base["model"] = {
@@ -225,12 +252,20 @@ def build_config(args: argparse.Namespace) -> Any:
                   "overlap": args.overlap},
         "comm": {"codec": args.codec},
         "data": {"corpus": args.corpus, "val_fraction": args.val_fraction},
-        "router": {"method": args.router},
+        "router": {"featurizer": args.router, "method": args.router_method},
     }  # fmt: skip
     for section, values in sections.items():
         given = {k: v for k, v in values.items() if v is not None}
         base[section] = {**base.get(section, {}), **given}
     return RunConfig.model_validate(base)
+
+
+def base_steps(args: argparse.Namespace, config: Any) -> int:
+    """--base-steps, else phase 1's default when the base model routes (0 with tf-idf)."""
+    if args.base_steps is not None:
+        return int(args.base_steps)
+    routes = config.router.featurizer == "base-lm" and config.num_paths > 1
+    return DEFAULT_BASE_STEPS if routes else 0
 
 
 def run(args: argparse.Namespace) -> int:
@@ -256,7 +291,7 @@ def run(args: argparse.Namespace) -> int:
         budget=DataBudget(max_docs=args.max_docs or None, max_chars=args.max_chars),
         work_dir=args.work_dir,
         eval_windows=args.eval_windows,
-        base_steps=args.base_steps,
+        base_steps=base_steps(args, config),
         baselines=() if args.no_baselines else args.baselines,
         progress=not args.no_progress,
         device=args.device,

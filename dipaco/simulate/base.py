@@ -4,8 +4,10 @@ DiPaCo starts its modules from a trained dense model (docs/design.md §1, init_m
 and DiLoCo's experiments start from a pretrained checkpoint (arXiv 2311.08105): averaging
 replicas that left one random initialisation 50 steps ago loses much of what they learnt,
 which at simulation scale (a few rounds) dominates every comparison. The base model trains
-`steps` AdamW steps at the inner batch size on the stream of every document (its own
-warm-up and cosine), and is cached in the work dir.
+`steps` AdamW steps on the stream of every document (its own warm-up and cosine), at its own
+batch (`batch_size`; default the run's inner batch), and is cached in the work dir. Its key
+holds the base's batch, not the method's: a bench that compares methods at different inner
+batches (DiLoCo at 16, DiPaCo at 4) passes one `batch_size` and gets one base for all.
 """
 
 from __future__ import annotations
@@ -20,23 +22,41 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor
 
-from dipaco.config import LayoutConfig, RouterConfig, RunConfig
+from dipaco.config import InnerConfig, LayoutConfig, RouterConfig, RunConfig
 from dipaco.inner import StepMetrics, run_inner_loop
 from dipaco.model import build_model
 from dipaco.simulate.prepare import DataBudget, PreparedData, prepare_data
 
-__all__ = ["BASE_SEED_OFFSET", "cache_path", "prepare_with_base", "train_base"]
+__all__ = ["BASE_SEED_OFFSET", "base_inner", "cache_path", "prepare_with_base", "train_base"]
 
 BASE_SEED_OFFSET = 7919  # the base reads its own shuffle of the windows, not the methods'
 
 
-def cache_path(config: RunConfig, data: PreparedData, steps: int) -> Path:
+def base_inner(config: RunConfig, steps: int, batch_size: int | None = None) -> InnerConfig:
+    """The base model's optimiser: the run's inner settings, `steps` long, at `batch_size`
+    sequences per step (one micro-batch of that size; default the run's batch)."""
+    update: dict[str, int] = {"steps": steps}
+    if batch_size is not None:
+        if batch_size < 1:
+            raise ValueError(f"base batch = {batch_size}: need at least 1 sequence per step")
+        update.update(micro_batch_size=batch_size, grad_accum_steps=1)
+    return config.inner.model_copy(update=update)
+
+
+def cache_path(
+    config: RunConfig, data: PreparedData, steps: int, batch_size: int | None = None
+) -> Path:
     """Keyed by the token stream itself, so the 1-path and the P-path preparations of one
-    corpus (the same documents in the same order) share one base model."""
+    corpus (the same documents in the same order) share one base model, and by what the
+    base trains with (its own batch, not the method's)."""
+    inner = base_inner(config, steps, batch_size)
     inputs = {
         "stream": data.everything.info(0, "train").sha256,
         "model": config.model.model_dump(mode="json"),
-        "inner": config.inner.model_dump(mode="json", exclude={"steps"}),
+        "inner": inner.model_dump(
+            mode="json", exclude={"steps", "micro_batch_size", "grad_accum_steps"}
+        ),
+        "batch": inner.batch_size,
         "seed": config.seed,
         "steps": steps,
     }
@@ -51,16 +71,18 @@ def train_base(
     *,
     on_step: Callable[[StepMetrics], None] | None = None,
     device: torch.device | str = "cpu",
+    batch_size: int | None = None,
 ) -> dict[str, Tensor]:
-    """The base model's state dict (fp32, CPU), trained once per (model, inner, seed, steps)."""
+    """The base model's state dict (fp32, CPU), trained once per (model, inner, seed,
+    steps, batch)."""
     if steps < 1:
         raise ValueError(f"base steps = {steps}: need at least 1 (or no base phase at all)")
-    path = cache_path(config, data, steps)
+    path = cache_path(config, data, steps, batch_size)
     if path.is_file():
         return load_file(str(path))
     model = build_model(config.model, config.seed)
     source = data.train_source(None, config.model.seq_len, config.seed + BASE_SEED_OFFSET)
-    inner = config.inner.model_copy(update={"steps": steps})
+    inner = base_inner(config, steps, batch_size)
     run_inner_loop(
         model, source, inner, seq_len=config.model.seq_len, device=device, on_step=on_step
     )
@@ -86,6 +108,7 @@ def prepare_with_base(
     log: Callable[[str], None] = lambda _: None,
     on_step: Callable[[StepMetrics], None] | None = None,
     device: torch.device | str = "cpu",
+    batch_size: int | None = None,
 ) -> tuple[PreparedData, dict[str, Tensor] | None]:
     """The paper's order: a dense base model first (`steps`, 0: none), then the paths' data.
 
@@ -107,9 +130,13 @@ def prepare_with_base(
             }
         )
         dense_data = prepare_data(dense, budget, work_dir, log=log)
-        base = train_base(dense, dense_data, steps, on_step=on_step, device=device)
+        base = train_base(
+            dense, dense_data, steps, on_step=on_step, device=device, batch_size=batch_size
+        )
         return prepare_data(config, budget, work_dir, log=log, base_state=base), base
     data = prepare_data(config, budget, work_dir, log=log)
     if steps:
-        base = train_base(config, data, steps, on_step=on_step, device=device)
+        base = train_base(
+            config, data, steps, on_step=on_step, device=device, batch_size=batch_size
+        )
     return data, base
