@@ -5,6 +5,9 @@ bit. The writer is slowed or broken by replacing the safetensors call it writes 
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -107,6 +110,47 @@ def test_a_crash_during_a_background_write_leaves_the_previous_checkpoint_usable
     resumed = run(checkpoint_path=ckpt, on_step=lambda m: resumed_at.append(m.step))
     assert resumed_at[0] == 3
     assert_same_training(resumed, uninterrupted)
+
+
+KILLED_MIDWAY = """
+import json, os, signal, sys
+from pathlib import Path
+import torch
+from safetensors.torch import save_file
+from dipaco.inner import checkpoint as inner_checkpoint, run_inner_loop
+from dipaco.model import build_model
+from tests.test_inner import CFG, SOURCE
+
+def killed_midway(tensors, filename, **kwargs):
+    if json.loads(kwargs["metadata"]["dipaco"])["progress"]["step"] < 4:
+        return save_file(tensors, filename, **kwargs)
+    Path(filename).write_bytes(b"\\0" * 4096)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+inner_checkpoint.save_file = killed_midway
+torch.set_num_threads(1)
+cfg = CFG.inner.model_copy(update={"steps": 9})
+run_inner_loop(build_model(CFG.model, 0), SOURCE, cfg, seq_len=32,
+               checkpoint_path=Path(sys.argv[1]), checkpoint_every=2)
+"""
+
+
+def test_a_process_killed_during_a_background_write_resumes_from_the_previous_checkpoint(
+    tmp_path: Path,
+) -> None:
+    ckpt = tmp_path / "unit.safetensors"
+    root = Path(__file__).resolve().parent.parent
+    killed = subprocess.run([sys.executable, "-c", KILLED_MIDWAY, str(ckpt)], cwd=root,
+                            capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    torn = [p.name for p in tmp_path.iterdir() if p.name != ckpt.name]
+    assert len(torn) == 1 and torn[0].startswith("unit.safetensors.tmp-")
+    assert saved_step(ckpt) == 2
+    resumed_at: list[int] = []
+    resumed = run(checkpoint_path=ckpt, on_step=lambda m: resumed_at.append(m.step))
+    assert resumed_at[0] == 3
+    assert_same_training(resumed, run())
+    assert [p.name for p in tmp_path.iterdir()] == ["unit.safetensors"]  # the torn one is gone
 
 
 class Crash(Exception):

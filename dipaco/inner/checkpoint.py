@@ -99,12 +99,18 @@ class CheckpointWriter:
         self._buffers: dict[str, Tensor] = {}  # kept across loops: a resident trainer's
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
-        self.begin(Path("checkpoint.safetensors"))
+        self.begin(None)
 
-    def begin(self, path: Path) -> None:
-        """Start a loop's checkpoints to `path` (after the previous loop's last write)."""
+    def begin(self, path: Path | None) -> None:
+        """Start a loop's checkpoints to `path` (after the previous loop's last write), and
+        delete the temporary files of writes a killed process left there (whole ones are
+        renamed at once, so a temporary file is always a torn one)."""
         self.wait()
-        self.path = path
+        if path is not None and path.parent.is_dir():
+            for torn in path.parent.iterdir():
+                if torn.name.startswith(f"{path.name}.tmp-"):
+                    torn.unlink(missing_ok=True)
+        self.path = path or Path("checkpoint.safetensors")
         self.count = 0
         self.done_step = 0  # the step of the last checkpoint whole on disk
         self.block_s = 0.0

@@ -170,7 +170,7 @@ def train_steps(
         cfg, seq_len=seq_len, start_position=start_position, first_step=first_step, total=total
     )
     path = Path(checkpoint_path) if checkpoint_path is not None else None
-    writer.begin(path or Path("unused.safetensors"))
+    writer.begin(path)
     progress = Progress(position=start_position)
     if path is not None and resume and path.exists():
         load_adam_by_name(model, optimizer, {})  # the checkpoint's state replaces all of it
