@@ -35,6 +35,9 @@ Checkpoints live per unit (``work/unit-<id>``), not per lease: after ``kill -9``
 restart resumes the saved lease if the server still calls it active; if it expired
 meanwhile the server gives this worker the same unit back under a new lease
 (rounds.lease) and training resumes from the checkpoint, while its round is open.
+
+Over 500 lines: one unit's training hooks (its stop reasons, progress, the memory
+fallback, the rebase) close over the agent's state; the hand-in lives in worker_agent.handin.
 """
 
 from __future__ import annotations
@@ -57,11 +60,9 @@ from dipaco.retry import HAND_IN_PAUSE_S, hand_in_patience_s, idle_pause_s
 from worker_agent.client import (
     BlobRef,
     Client,
-    Contribution,
     LeaseGrant,
     Manifest,
     ShardRef,
-    UploadTarget,
     lease_from_json,
     seconds_until,
 )
@@ -75,11 +76,10 @@ from worker_agent.errors import (
     OutOfMemory,
     ServerError,
 )
-from worker_agent.handin import HandInThread, hand_in
+from worker_agent.handin import HandInThread, TrainedUnit, hand_in, send_unit
 from worker_agent.heartbeat import HeartbeatThread
-from worker_agent.payload import encode_deltas
 from worker_agent.progress import Reporter
-from worker_agent.rebase import Rebaser, rebased_versions
+from worker_agent.rebase import Rebaser
 from worker_agent.retry import Backoff
 from worker_agent.state import LeaseRecord, LeaseStateFile
 from worker_agent.trainer import (
@@ -317,13 +317,14 @@ class Agent:
                 return
             record.phase, record.step = "uploading", len(result.losses)
             self.state.save(record)
-        trained = _Trained(grant, config, result, inner, work, ending, rebasers)
+        salvaged = ending.reason if not result.completed and ending.partial else ""
+        trained = TrainedUnit(grant, config, result, work, salvaged, next(iter(rebasers), None))
         until = self._hand_in_until(grant)
         self._wait_for_hand_in()  # one unit in hand-in at a time
         self.heartbeats.keep_alive(grant.lease_id, grant.secret)
         job = HandInThread(
             grant.lease_id, grant.run_id, grant.path, work,
-            lambda: self._hand_in_unit(trained, until),
+            lambda: self._hand_in_unit(trained, inner.micro_batch_size, until),
             before_next_lease=grant.seconds_limit is not None,
         )  # fmt: skip
         self.handing_in = job
@@ -333,13 +334,13 @@ class Agent:
         keep = {ref.sha256 for ref in [*manifest.modules, *rebased]} | {manifest.data.sha256}
         self.cache.prune(keep, self.options.cache_max_bytes)
 
-    def _hand_in_unit(self, trained: _Trained, until: float) -> None:
+    def _hand_in_unit(self, trained: TrainedUnit, micro_batch: int, until: float) -> None:
         """Encode, upload and complete a trained unit's Δ (on its hand-in thread), then keep
         its path's new inner state. A lease gone or a stop is handled here, as `_work`
         handles them; anything else is raised (again by `_wait_for_hand_in`)."""
         grant = trained.grant
         try:
-            self._encode_and_send(trained, until)
+            self._send(trained, micro_batch, until)
         except ServerError as exc:
             if exc.code not in LEASE_GONE:
                 raise
@@ -353,77 +354,19 @@ class Agent:
         finally:
             self.heartbeats.forget(grant.lease_id)
 
-    def _encode_and_send(self, trained: _Trained, until: float) -> None:
-        grant, config, result, work = trained.grant, trained.config, trained.result, trained.work
-        ending, rebasers = trained.ending, trained.rebasers
-        with disk_errors(self.options.data_dir):
-            encoded, state = encode_deltas(
-                result.module_deltas, config, work / "deltas", result.state
-            )
-        tail = result.losses[-max(1, len(result.losses) // 10) :]
-        metrics = {
-            "loss": sum(tail) / len(tail),
-            "tokens_per_second": result.tokens_per_second,
-            "train_seconds": result.seconds,
-            "steps": float(len(result.losses)),
-        }
-        relative_to = None
-        if grant.rebase is not None:
-            # The marker says whether this unit's Δ is relative to the rebased versions
-            # (also after a resume past the rebase); else to its base, as delayed.
-            relative_to = rebased_versions(work, grant.rebase, len(result.losses))
-            metrics["rebased"] = 0.0 if relative_to is None else 1.0
-            waited = rebasers[0].waited_s if rebasers else 0.0
-            metrics["rebase_wait_s"] = waited
-            if relative_to is None and len(result.losses) >= grant.rebase.at_step:
-                why = rebasers[0].fallback if rebasers and rebasers[0].fallback else "resumed"
-                self.reporter.event(
-                    "rebase_fallback", f"lease {grant.lease_id}: no rebase at step "
-                    f"{grant.rebase.at_step} ({why}); its Δ is relative to its base versions "
-                    f"{grant.base_versions} (as outer.overlap delayed)",
-                    at_step=grant.rebase.at_step, reason=why, waited_s=waited,
-                )  # fmt: skip
-        contributions = [Contribution(d.module_id, d.sha256, d.size) for d in encoded]
-        targets: dict[str, UploadTarget] = {}
-        uploaded: set[str] = set()
-
-        def send() -> None:
-            """Upload URLs, the uploads not yet done, the completion (a replay of which
-            answers as the first); fresh URLs after a failure short of the completion."""
-            if not targets or len(uploaded) < len(encoded):
-                targets.update(self.client.upload_urls(grant.lease_id, grant.secret))
-            for delta in encoded:
-                if delta.module_id not in uploaded:
-                    self.upload_transfers.upload(targets[delta.module_id], delta.path)
-                    uploaded.add(delta.module_id)
-            self.client.complete(
-                grant.lease_id, grant.secret, contributions, result.tokens, metrics,
-                base_versions=relative_to,
-            )  # fmt: skip
-
-        hand_in(
-            send, until=until, stop=self.stop,
-            pause_s=self.options.hand_in_pause_s,
-            on_wait=lambda error, pause: self.reporter.event(
-                "hand_in_wait", f"lease {grant.lease_id}: handing in its Δ failed ({error}); "
-                f"trying again in {pause:.3g} s, as long as its round may take it",
-                lease_id=grant.lease_id, wait_s=pause,
-            ),
+    def _send(self, trained: TrainedUnit, micro_batch: int, until: float) -> None:
+        grant = trained.grant
+        metrics, state = send_unit(
+            trained, until=until, client=self.client, transfers=self.upload_transfers,
+            reporter=self.reporter, stop=self.stop, pause_s=self.options.hand_in_pause_s,
+            data_dir=self.options.data_dir,
         )  # fmt: skip
-        if not result.completed and ending.partial:
-            self.reporter.event(
-                "salvaged", f"lease {grant.lease_id}: the partial Δ of {len(result.losses)} of "
-                f"{grant.unit_steps or grant.steps} steps ({result.tokens:,} tokens) was "
-                f"uploaded and completed ({ending.reason})",
-                steps=len(result.losses), tokens=result.tokens, reason=ending.reason,
-            )  # fmt: skip
         # Only now: the server holds these Δs, so their moments and residual are the path's.
         self.inner_states.save(grant.run_id, grant.path, state)
         self.units_done += 1
         self.reporter.event(
             "completed", f"lease {grant.lease_id} completed: loss {metrics['loss']:.4f}, "
-            f"{metrics['tokens_per_second']:,.0f} tokens/s (micro-batch "
-            f"{trained.inner.micro_batch_size})",
+            f"{metrics['tokens_per_second']:,.0f} tokens/s (micro-batch {micro_batch})",
             units_done=self.units_done, **metrics,
         )  # fmt: skip
         self._discard(grant)
@@ -654,19 +597,6 @@ class Agent:
             for folder in root.iterdir():
                 if folder not in kept:
                     shutil.rmtree(folder, ignore_errors=True)
-
-
-@dataclass
-class _Trained:
-    """A unit that has trained, as its hand-in thread needs it."""
-
-    grant: LeaseGrant
-    config: RunConfig
-    result: InnerResult
-    inner: InnerConfig
-    work: Path
-    ending: _Ending
-    rebasers: list[Rebaser]
 
 
 class _SlowSource:

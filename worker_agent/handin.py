@@ -13,13 +13,21 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
+from dipaco.config import RunConfig
+from dipaco.inner import InnerResult, InnerState
 from dipaco.retry import HAND_IN_PAUSE_S
+from worker_agent.client import Client, Contribution, LeaseGrant, UploadTarget
 from worker_agent.errors import ServerUnreachable
+from worker_agent.payload import encode_deltas
+from worker_agent.progress import Reporter
+from worker_agent.rebase import Rebaser, rebased_versions
 from worker_agent.retry import is_transient
+from worker_agent.transfer import Transfers, disk_errors
 
-__all__ = ["HandInThread", "hand_in"]
+__all__ = ["HandInThread", "TrainedUnit", "hand_in", "send_unit"]
 
 
 def hand_in(
@@ -102,3 +110,93 @@ class HandInThread:
         error, self._error = self._error, None
         if error is not None:
             raise error
+
+
+@dataclass
+class TrainedUnit:
+    """A unit that has trained, as its hand-in needs it."""
+
+    grant: LeaseGrant
+    config: RunConfig
+    result: InnerResult
+    work: Path  # the unit's work directory: its encoded Δs go under deltas/
+    salvaged: str  # why a partial Δ stopped early ("" for a unit that trained its steps)
+    rebaser: Rebaser | None  # outer.overlap eager's hook, if the unit had one
+
+
+def send_unit(
+    unit: TrainedUnit,
+    *,
+    until: float,
+    client: Client,
+    transfers: Transfers,
+    reporter: Reporter,
+    stop: threading.Event,
+    pause_s: float,
+    data_dir: Path,
+) -> tuple[dict[str, float], InnerState]:
+    """Encode the unit's Δ, upload it and complete its lease (`hand_in`'s patience); returns
+    the completion's metrics and the path's next inner state (to keep once accepted)."""
+    grant, result, work, rebaser = unit.grant, unit.result, unit.work, unit.rebaser
+    with disk_errors(data_dir):
+        encoded, state = encode_deltas(
+            result.module_deltas, unit.config, work / "deltas", result.state
+        )
+    steps = len(result.losses)
+    tail = result.losses[-max(1, steps // 10) :]
+    metrics = {
+        "loss": sum(tail) / len(tail),
+        "tokens_per_second": result.tokens_per_second,
+        "train_seconds": result.seconds,
+        "steps": float(steps),
+    }
+    relative_to = None
+    if grant.rebase is not None:
+        # The marker says whether this unit's Δ is relative to the rebased versions
+        # (also after a resume past the rebase); else to its base, as delayed.
+        relative_to = rebased_versions(work, grant.rebase, steps)
+        metrics["rebased"] = 0.0 if relative_to is None else 1.0
+        waited = rebaser.waited_s if rebaser is not None else 0.0
+        metrics["rebase_wait_s"] = waited
+        if relative_to is None and steps >= grant.rebase.at_step:
+            why = rebaser.fallback if rebaser is not None and rebaser.fallback else "resumed"
+            reporter.event(
+                "rebase_fallback", f"lease {grant.lease_id}: no rebase at step "
+                f"{grant.rebase.at_step} ({why}); its Δ is relative to its base versions "
+                f"{grant.base_versions} (as outer.overlap delayed)",
+                at_step=grant.rebase.at_step, reason=why, waited_s=waited,
+            )  # fmt: skip
+    contributions = [Contribution(d.module_id, d.sha256, d.size) for d in encoded]
+    targets: dict[str, UploadTarget] = {}
+    uploaded: set[str] = set()
+
+    def send() -> None:
+        """Upload URLs, the uploads not yet done, the completion (a replay of which
+        answers as the first); fresh URLs after a failure short of the completion."""
+        if not targets or len(uploaded) < len(encoded):
+            targets.update(client.upload_urls(grant.lease_id, grant.secret))
+        for delta in encoded:
+            if delta.module_id not in uploaded:
+                transfers.upload(targets[delta.module_id], delta.path)
+                uploaded.add(delta.module_id)
+        client.complete(
+            grant.lease_id, grant.secret, contributions, result.tokens, metrics,
+            base_versions=relative_to,
+        )  # fmt: skip
+
+    hand_in(
+        send, until=until, stop=stop, pause_s=pause_s,
+        on_wait=lambda error, pause: reporter.event(
+            "hand_in_wait", f"lease {grant.lease_id}: handing in its Δ failed ({error}); "
+            f"trying again in {pause:.3g} s, as long as its round may take it",
+            lease_id=grant.lease_id, wait_s=pause,
+        ),
+    )  # fmt: skip
+    if unit.salvaged:
+        reporter.event(
+            "salvaged", f"lease {grant.lease_id}: the partial Δ of {steps} of "
+            f"{grant.unit_steps or grant.steps} steps ({result.tokens:,} tokens) was "
+            f"uploaded and completed ({unit.salvaged})",
+            steps=steps, tokens=result.tokens, reason=unit.salvaged,
+        )  # fmt: skip
+    return metrics, state
