@@ -20,7 +20,8 @@ from pydantic_core import PydanticCustomError
 from dipaco.codecs.registry import CODECS, UPDATE_CODECS, describe
 
 if TYPE_CHECKING:
-    CodecName = UpdateCodecName = str
+    CodecName = str
+    UpdateCodecName = str
 else:  # the codec registry's names (dipaco.codecs.registry): one table for every choice
     CodecName, UpdateCodecName = Literal[CODECS], Literal[UPDATE_CODECS]
 
@@ -945,6 +946,48 @@ class RunConfig(_Section):
             else:
                 plain[key] = value.model_dump() if isinstance(value, BaseModel) else value
         return cls.model_validate(plain)
+
+    @classmethod
+    def capacity(cls, **sections: Any) -> RunConfig:
+        """A module-dominant run for one GPU: DiPaCo's capacity claim at a scale it can show.
+
+        Paths of 8.5M parameters (width 256, 8 blocks, vocabulary 4,096, sequences of 256)
+        whose blocks are 75% of a path, on 2 levels x 4 modules (16 paths): 2 x 4 x 3.2M of
+        modules plus the 2.1M shared embedding and head make 27.8M in all, 3.26x a path. At
+        the batch of 256 sequences, 240 steps a path (4 rounds x 60) are 15.7M tokens a
+        path and 252M for DiPaCo: 29.5 tokens per parameter for the dense path-size model
+        trained on the same tokens, past the ~20 that is compute-optimal at its size
+        (arXiv 2203.15556), so more data buys it less than more parameters would. Sizing
+        from the one-H100 throughputs: bench/quality_gpu.sh. Keyword arguments change it as
+        in `tiny`.
+        """
+        base: dict[str, Any] = {
+            "name": "capacity",
+            "rounds": 4,
+            "model": {
+                "hidden_size": 256,
+                "num_layers": 8,
+                "num_heads": 4,
+                "num_kv_heads": 4,
+                "intermediate_size": 704,
+                "vocab_size": 4096,
+                "seq_len": 256,
+            },
+            "layout": LayoutConfig.grid(8, levels=2, modules=4).model_dump(),
+            "inner": {
+                "lr": 2e-3,
+                "warmup_steps": 24,
+                "micro_batch_size": 256,
+                "grad_accum_steps": 1,
+                "steps": 60,
+            },
+        }
+        for key, value in sections.items():
+            if isinstance(value, dict) and isinstance(base.get(key), dict):
+                base[key] = {**base[key], **value}  # a dict changes fields of the section
+            else:
+                base[key] = value
+        return cls.tiny(**base)
 
     def num_params(self) -> int:
         return count_path_params(self.model)
