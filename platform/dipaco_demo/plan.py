@@ -55,8 +55,8 @@ DEFAULT_INNER_STEPS = 30
 DEFAULT_MODEL_SIZE = "tiny"
 # Phase 1 (the paper's recipe, docs/design.md §1): a dense DiLoCo model trained on the volunteers
 # first, whose features route the documents and whose layers start every module. Five
-# rounds of one unit per worker cost about half of five DiPaCo rounds (four units each):
-# 52 s of the default demo's 4 min 41 s on 2 busy cores (docs/benchmarks.md, the demo).
+# rounds of one unit per worker cost about a third of five DiPaCo rounds (four units each):
+# 31 s against 87 s of the default demo's 3 min 11 s on 2 cores (docs/benchmarks.md, "The demo").
 DEFAULT_PHASE1_ROUNDS = 5
 
 
