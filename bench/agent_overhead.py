@@ -1,7 +1,7 @@
-"""What the worker agent costs: its training path against a bare PyTorch + transformers loop.
+"""What the worker agent costs: its training path against the best bare PyTorch loop.
 
     .venv/bin/python bench/agent_overhead.py                          # tiny model, CPU
-    .venv/bin/python bench/agent_overhead.py --preset 150m --device cuda --steps 30
+    python bench/agent_overhead.py --preset 150m --device cuda --batch 64 --steps 500
     .venv/bin/python bench/agent_overhead.py --e2e --rounds 3 --steps 40 # + utilisation
     .venv/bin/python bench/agent_overhead.py --e2e --overlap delayed       # outer.overlap
     .venv/bin/python bench/agent_overhead.py --e2e --overlap eager         # + its rebase
@@ -9,22 +9,30 @@
 Both sides train the same Llama (dipaco.model.build_model, same seed) on the same
 token window with the same batch (micro-batch x accumulation x sequence length), AdamW,
 gradient clipping and (on CUDA) bf16 autocast. The *agent* side is exactly what
-``dipaco-worker`` runs for a unit: worker_agent.trainer.train_unit over the token file
-(memory-mapped, as downloaded) read in the path's shuffled window order
-(dipaco.data.windows), with warm inner state (dipaco.inner.InnerState, from the agent's
-cache) from a previous unit of the same path, the library's inner loop, a progress
-callback and the end-of-unit checkpoint.
-The *bare* side is a plain loop over an in-memory token tensor with no checkpoint.
+``dipaco-worker`` runs for a unit: worker_agent.trainer.train_unit on the agent's resident
+trainer (dipaco.inner.PathTrainer, built and compiled once and kept across units) over the
+token file (memory-mapped, as downloaded) read in the path's shuffled window order
+(dipaco.data.windows), with warm inner state from a previous unit of the same path, the
+agent's checkpoints by time (written in the background), a progress callback, the Δ split
+and its encoding. The *bare* side is the best plain loop: on CUDA nanoGPT's (compiled,
+fused AdamW, pinned non-blocking copies, no per-step sync), on the CPU the eager loop; it
+keeps no checkpoint and reads an in-memory token tensor. ``--batch`` splits a step's
+sequences into micro-batches as the worker fits them to the device (fit_micro_batch).
 
-Reported after one warm-up run of each: the median over ``--repeats`` of the ratio of
-an agent run to the bare run next to it in time (the order alternates), and on the CPU
-the same ratio by process CPU time, which another program's load disturbs far less:
+Reported after one untimed warm-up run of each (``--warmup-steps``; compiling happens
+there): the median over ``--repeats`` of the ratio of an agent run to the bare run next to
+it in time (the order alternates), and on the CPU the same ratio by process CPU time,
+which another program's load disturbs far less:
 - **inner tokens/s**: wall time of steps 2..H on each side (synchronised at both ends;
   the agent's includes its per-step callback, stop checks and data reads); the ratio is
-  the overhead of the agent's inner-loop path (goal >= 0.97);
-- **unit tokens/s**: the same tokens over the agent's whole `train_unit` call (model
-  build, loading and saving the warm state, training, final checkpoint, Δ split); it
-  depends on H and the batch, since the fixed costs are paid once per unit.
+  the overhead of the agent's inner-loop path (goal >= 0.98);
+- **unit tokens/s**: the same tokens over the agent's whole unit (weights and warm state
+  into the resident model, training, checkpoints, Δ split and encoding); it depends on H
+  and the batch, since the fixed costs are paid once per unit;
+- **MFU** of each (dipaco.flops: the PaLM FLOPs count per token and the device's dense
+  bf16 peak, both in the JSON), the per-unit **fixed cost** (seconds outside its steps),
+  the **checkpoint's blocking time**, and **peak GPU memory** against
+  dipaco.config.estimate_path_memory.
 
 With ``--e2e`` it also measures **utilisation** end to end: a real ``dipaco server``
 (embedded mode: SQLite, filesystem broker, local blobs, a Celery worker for the outer
@@ -55,6 +63,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -66,14 +75,24 @@ import torch.nn.functional as F
 from rich.console import Console
 from rich.table import Table
 
-from dipaco.config import InnerConfig, LayoutConfig, ModelConfig, OuterConfig, RunConfig
+from dipaco.config import (
+    GiB,
+    InnerConfig,
+    LayoutConfig,
+    ModelConfig,
+    OuterConfig,
+    RunConfig,
+    estimate_path_memory,
+)
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource
-from dipaco.inner import StepMetrics, lr_at
+from dipaco.flops import flops_per_token, mfu, peak_flops
+from dipaco.inner import DEFAULT_CHECKPOINT_INTERVAL_S, PathTrainer, StepMetrics, lr_at
 from dipaco.model import build_model
 from dipaco.modular import init_modules
+from worker_agent.payload import encode_deltas
 from worker_agent.progress import Reporter
-from worker_agent.trainer import InnerStates, UnitWork, train_unit
+from worker_agent.trainer import InnerStates, UnitWork, fit_micro_batch, train_unit
 
 
 def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
@@ -91,6 +110,15 @@ def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
                               warmup_steps=2),
         )  # fmt: skip
     raise SystemExit(f"unknown preset {name!r}: tiny or 150m")
+
+
+def with_batch(config: RunConfig, batch: int, device: torch.device) -> RunConfig:
+    """`batch` sequences per step, split into micro-batches as the worker splits them:
+    fit_micro_batch against the device's free memory (the whole batch on the CPU)."""
+    inner = config.inner.model_copy(update={"micro_batch_size": batch, "grad_accum_steps": 1})
+    config = config.model_copy(update={"inner": inner})
+    budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+    return config.model_copy(update={"inner": fit_micro_batch(config, budget)})
 
 
 def write_window(config: RunConfig, path: Path) -> None:
@@ -117,25 +145,37 @@ def rates(tokens: int, first: tuple[float, float], last: tuple[float, float]) ->
     return tokens / (last[0] - first[0]), tokens / (last[1] - first[1])
 
 
-def bare_loop(config: RunConfig, window: torch.Tensor, device: torch.device) -> Rates:
-    """Tokens/s of a plain training loop over steps 2..H: the baseline."""
+def bare_loop(
+    config: RunConfig, window: torch.Tensor, device: torch.device, *, compiled: bool
+) -> Rates:
+    """Tokens/s of a plain training loop over steps 2..H: the baseline.
+
+    On CUDA the best plain loop (nanoGPT's): `torch.compile`, fused AdamW, bf16 autocast,
+    pinned non-blocking copies, no host synchronisation per step. On the CPU (compiled
+    False) the eager loop with foreach AdamW, as the library runs there."""
     cfg, t = config.inner, config.model.seq_len
     model = build_model(config.model, config.seed, device=device).train()
+    forward = torch.compile(model) if compiled else model
     optimizer = torch.optim.AdamW(
-        model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay
-    )
+        model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+        weight_decay=cfg.weight_decay, fused=device.type == "cuda",
+    )  # fmt: skip
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
     vocab, micro, sequence = config.model.vocab_size, cfg.micro_batch_size, 0
+    pin = device.type == "cuda"
     started = now()
     for step in range(cfg.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(cfg, step, cfg.steps)
         for _ in range(cfg.grad_accum_steps):
             starts = (sequence + torch.arange(micro)) * t  # (B,)
-            rows = window[starts[:, None] + torch.arange(t + 1)[None, :]].to(device)  # (B, T+1)
+            rows = window[starts[:, None] + torch.arange(t + 1)[None, :]]  # (B, T+1)
+            if pin:
+                rows = rows.pin_memory()
+            rows = rows.to(device, non_blocking=True)
             sequence += micro
             with autocast:
-                logits = model(input_ids=rows[:, :-1]).logits  # (B, T, V)
+                logits = forward(input_ids=rows[:, :-1]).logits  # (B, T, V)
             loss = F.cross_entropy(logits.float().reshape(-1, vocab), rows[:, 1:].reshape(-1))
             (loss / cfg.grad_accum_steps).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -148,31 +188,63 @@ def bare_loop(config: RunConfig, window: torch.Tensor, device: torch.device) -> 
     return rates((cfg.steps - 1) * cfg.batch_size * t, started, now())
 
 
+@dataclass
+class UnitFigures:
+    inner: Rates  # tokens/s over steps 2..H
+    unit: float  # tokens/s over the whole unit: train_unit and the Δ's encoding
+    fixed_cost_s: float  # the unit's seconds outside its steps: before step 1, after step H
+    checkpoint_block_s: float  # seconds the loop stood still for checkpoints
+    checkpoints: int
+    peak_memory_bytes: int
+
+
 def agent_unit(
-    config: RunConfig, window: Path, device: torch.device, work: Path, states: InnerStates
-) -> tuple[Rates, float]:
-    """(inner tokens/s over steps 2..H, whole-unit tokens/s) of the agent's train_unit."""
+    config: RunConfig,
+    window: Path,
+    device: torch.device,
+    work: Path,
+    states: InnerStates,
+    trainer: PathTrainer,
+    checkpoint_interval_s: float,
+) -> UnitFigures:
+    """One unit as dipaco-worker does it: train_unit on its resident trainer, then encode."""
     reporter, stamps = Reporter(), []
+    steps = config.inner.steps
 
     def on_step(metrics: StepMetrics) -> None:  # what the agent does after every step
         reporter.status(step=metrics.step, loss=metrics.loss, tokens_per_second=0.0)
-        stamps.append(now())  # the step's loss.item() has synchronised
+        if metrics.step in (1, steps):  # the bench's own sync, to time steps 2..H
+            sync(device)
+        stamps.append(now())
 
     source = ShardSource.for_path(TokenShard(window, _dtype(config)), config, 0)
     unit = UnitWork(config, 1, 0, 1, init_modules(config), source)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
     result, _ = train_unit(
-        unit, device=device, work_dir=work, state=states.load(1, 0, config),
-        checkpoint_every=50, on_step=on_step,
+        unit, device=device, work_dir=work, state=states.load(1, 0, config), trainer=trainer,
+        checkpoint_interval_s=checkpoint_interval_s, on_step=on_step,
     )  # fmt: skip
-    if result.state is not None:  # what the agent keeps for the path's next unit
-        states.save(1, 0, result.state)
+    _, state = encode_deltas(result.module_deltas, config, work / "deltas", result.state)
+    states.save(1, 0, state)  # what the agent keeps for the path's next unit
     sync(device)
     wall = time.perf_counter() - started
-    for file in work.iterdir():  # each unit starts clean, as the agent's work dir does
-        file.unlink()
+    shutil.rmtree(work)  # each unit starts clean, as the agent's work dir does
     per_step = config.inner.batch_size * config.model.seq_len
-    return rates(per_step * (len(stamps) - 1), stamps[0], stamps[-1]), result.tokens / wall
+    steps_s = stamps[-1][0] - stamps[0][0]  # steps 2..H
+    training_s = steps_s * len(stamps) / max(1, len(stamps) - 1)  # and step 1 at their mean
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return UnitFigures(
+        inner=rates(per_step * (len(stamps) - 1), stamps[0], stamps[-1]),
+        unit=result.tokens / wall,
+        # lease in hand to step 1 (weights and warm state into the resident model, step 1's
+        # excess over a step) and step H to the Δ encoded (final checkpoint, split, encode)
+        fixed_cost_s=wall - training_s,
+        checkpoint_block_s=result.checkpoint_block_s,
+        checkpoints=result.checkpoints,
+        peak_memory_bytes=peak,
+    )
 
 
 def _dtype(config: RunConfig) -> str:
@@ -259,10 +331,10 @@ def end_to_end(
         worker: subprocess.CompletedProcess[str] | None = None
         try:
             run_id, enrollment, units = _prepared_run(environ, rounds, steps, overlap, eager_at)
+            # The agent as shipped: checkpoints by time, written in the background.
             command = [str(Path(sys.executable).with_name("dipaco-worker")), "--server", url,
                        "--enroll", enrollment, "--data-dir", str(root / "worker"),
-                       "--json-logs", "--threads", str(threads), "--max-units", str(units),
-                       "--checkpoint-every", "1000"]  # fmt: skip
+                       "--json-logs", "--threads", str(threads), "--max-units", str(units)]  # fmt: skip
             worker = subprocess.run(command, capture_output=True, text=True, timeout=3600)
             events = [json.loads(line) for line in worker.stdout.splitlines()
                       if line.startswith("{")]  # fmt: skip
@@ -300,12 +372,33 @@ def end_to_end(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="bench/gpu_check.sh runs it on a GPU with the issue's batch and H = 500.",
+    )
     parser.add_argument("--preset", default="tiny", choices=["tiny", "150m"])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--steps", type=int, default=20, help="H: inner steps per unit")
     parser.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
     parser.add_argument("--accum", type=int, default=1, help="micro-batches per step")
+    parser.add_argument(
+        "--batch", type=int, help="sequences per step, split into micro-batches as the worker "
+        "fits them to the device's free memory (overrides --micro-batch and --accum)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--warmup-steps", type=int, help="steps of the untimed warm-up run of each side "
+        "(compiling, allocator, thread pools; default: H)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--compile", action=argparse.BooleanOptionalAction, default=None,
+        help="torch.compile the agent's loop and the bare loop (default: on CUDA only, as "
+        "dipaco-worker); --no-compile measures both eager",
+    )  # fmt: skip
+    parser.add_argument(
+        "--checkpoint-interval", type=float, default=DEFAULT_CHECKPOINT_INTERVAL_S,
+        metavar="SECONDS", help="the agent's checkpoint interval (default %(default)s s, "
+        "dipaco-worker's); shorter to measure a checkpoint's blocking time in a short unit",
+    )  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, help="torch CPU threads")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -331,69 +424,103 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
+    compiled = device.type == "cuda" if args.compile is None else args.compile
     config = preset(args.preset, args.steps, args.micro_batch, args.accum)
+    if args.batch:
+        config = with_batch(config, args.batch, device)
+    warm_steps = args.warmup_steps or config.inner.steps
+    warm = config.model_copy(
+        update={"inner": config.inner.model_copy(update={"steps": warm_steps})}
+    )
     console = Console()
+    trainer = PathTrainer(config, device, compile=compiled)  # the agent's, kept across units
     with tempfile.TemporaryDirectory(prefix="agent-overhead-") as tmp:
         root = Path(tmp)
         window_path = root / "window.bin"
         write_window(config, window_path)
         window = torch.from_numpy(np.fromfile(window_path, dtype=_dtype(config)).astype(np.int64))
         states, work = InnerStates(root / "inner"), root / "work"
-        bare_loop(config, window, device)  # warm-up: allocator, kernels, thread pools
-        agent_unit(config, window_path, device, work, states)  # also makes the AdamW state warm
+        interval = args.checkpoint_interval
+        # warm-up: compiling, allocator, kernels, thread pools; it also makes AdamW warm
+        bare_loop(warm, window, device, compiled=compiled)
+        agent_unit(warm, window_path, device, work, states, trainer, interval)
         bare: list[Rates] = []
-        inner: list[Rates] = []
-        unit: list[float] = []
+        units: list[UnitFigures] = []
         for repeat in range(args.repeats):  # the order alternates: neither side always first
             if repeat % 2 == 0:
-                bare.append(bare_loop(config, window, device))
-            agent = agent_unit(config, window_path, device, work, states)
-            inner.append(agent[0])
-            unit.append(agent[1])
+                bare.append(bare_loop(config, window, device, compiled=compiled))
+            units.append(agent_unit(config, window_path, device, work, states, trainer, interval))
             if repeat % 2 == 1:
-                bare.append(bare_loop(config, window, device))
+                bare.append(bare_loop(config, window, device, compiled=compiled))
     # Each repeat's agent run sits next to a bare run in time: the median of those paired
     # ratios cancels most of a shared machine's drifting load; the best-of figures follow.
     pairs = [
-        (i[0] / b[0], i[1] / b[1], u / b[0]) for i, b, u in zip(inner, bare, unit, strict=True)
+        (u.inner[0] / b[0], u.inner[1] / b[1], u.unit / b[0])
+        for u, b in zip(units, bare, strict=True)
     ]
     ratio, ratio_cpu, unit_ratio = (statistics.median(p[k] for p in pairs) for k in range(3))
     cpu = device.type == "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    best = max(units, key=lambda u: u.unit)
+    estimate = estimate_path_memory(config.model, config.inner).total_bytes
     figures: dict[str, Any] = {
         "preset": args.preset,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device": name,
         "threads": torch.get_num_threads(),
         "params": config.num_params(),
         "steps": config.inner.steps,
         "batch": f"{config.inner.micro_batch_size} x {config.inner.grad_accum_steps} x "
         f"{config.model.seq_len}",
         "repeats": args.repeats,
+        "compile": compiled,
+        "bare_loop": "compiled, fused AdamW" if compiled else "eager",
         "bare_tokens_per_s": max(b[0] for b in bare),
-        "agent_inner_tokens_per_s": max(i[0] for i in inner),
-        "agent_unit_tokens_per_s": max(unit),
+        "agent_inner_tokens_per_s": max(u.inner[0] for u in units),
+        "agent_unit_tokens_per_s": best.unit,
         "inner_ratio": ratio,
         "inner_ratio_cpu_time": ratio_cpu if cpu else None,
         "unit_ratio": unit_ratio,
         "pairs": pairs,
+        # MFU: dipaco.flops (the PaLM count; the device's dense bf16 peak by its name)
+        "flops_per_token": flops_per_token(config.model),
+        "peak_flops": peak_flops(name),
+        "bare_mfu": mfu(max(b[0] for b in bare), config.model, name),
+        "unit_mfu": mfu(best.unit, config.model, name),
+        "fixed_cost_s": statistics.median(u.fixed_cost_s for u in units),
+        "checkpoint_interval_s": args.checkpoint_interval,
+        "checkpoints": best.checkpoints,
+        "checkpoint_block_s": statistics.median(u.checkpoint_block_s for u in units),
+        "unit_wall_s": config.inner.steps
+        * config.inner.batch_size
+        * config.model.seq_len
+        / best.unit,
+        "peak_memory_bytes": max(u.peak_memory_bytes for u in units),
+        "estimated_memory_bytes": estimate,
         "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
         "machine": platform.machine(),
     }
     table = Table(title=f"agent vs bare loop: {args.preset} ({figures['params'] / 1e6:.1f}M "
-                  f"params), {figures['device']}, H={config.inner.steps}, "
-                  f"batch {figures['batch']}")  # fmt: skip
-    for column in ("loop", "best tokens/s", "ratio to bare", "by CPU time"):
+                  f"params), {name}, H={config.inner.steps}, batch {figures['batch']}, "
+                  f"{'compiled' if compiled else 'eager'}")  # fmt: skip
+    for column in ("loop", "best tokens/s", "ratio to bare", "by CPU time", "MFU"):
         table.add_column(column, justify="right")
     by_cpu = (lambda r: f"{r:.3f}") if cpu else (lambda r: "-")
-    table.add_row("bare PyTorch + transformers", f"{figures['bare_tokens_per_s']:,.0f}",
-                  "1.000", by_cpu(1.0))  # fmt: skip
+    share = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
+    table.add_row(f"bare loop ({figures['bare_loop']})", f"{figures['bare_tokens_per_s']:,.0f}",
+                  "1.000", by_cpu(1.0), share(figures["bare_mfu"]))  # fmt: skip
+    inner_mfu = mfu(figures["agent_inner_tokens_per_s"], config.model, name)
     table.add_row("agent inner loop", f"{figures['agent_inner_tokens_per_s']:,.0f}",
-                  f"{ratio:.3f}", by_cpu(ratio_cpu))  # fmt: skip
-    table.add_row("agent whole unit", f"{max(unit):,.0f}", f"{unit_ratio:.3f}", "")
+                  f"{ratio:.3f}", by_cpu(ratio_cpu), share(inner_mfu))  # fmt: skip
+    table.add_row("agent whole unit", f"{best.unit:,.0f}", f"{unit_ratio:.3f}", "",
+                  share(figures["unit_mfu"]))  # fmt: skip
     console.print(table)
     console.print(
-        f"ratios: median of {args.repeats} adjacent (agent, bare) pairs; threads "
-        f"{figures['threads']}; load {figures['load']}"
+        f"ratios: median of {args.repeats} adjacent (agent, bare) pairs; per unit: fixed cost "
+        f"{figures['fixed_cost_s']:.2f} s (before step 1 and after step H, encoding included), "
+        f"{best.checkpoints} checkpoint(s) blocking {figures['checkpoint_block_s']:.3f} s; "
+        f"peak memory {figures['peak_memory_bytes'] / GiB:.2f} GiB (estimate "
+        f"{estimate / GiB:.2f}); threads {figures['threads']}; load {figures['load']}"
     )
     if args.e2e:
         figures["e2e"] = e2e = end_to_end(
@@ -407,11 +534,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{e2e['train_to_complete_s']:.1f} s (model build, checkpoints, encode, upload)"
         )
     if args.json:
-        # The issue's keys first: end-to-end utilisation (with --e2e) and the inner loop's
-        # tokens/s against the bare loop.
-        utilisation = figures["e2e"]["utilisation"] if args.e2e else None
-        head = {"utilisation": utilisation, "inner_vs_bare": figures["inner_ratio"]}
+        # The issues' keys first: end-to-end utilisation (with --e2e), the inner loop's and
+        # the whole unit's tokens/s against the bare loop, and the GPU check's figures.
+        head = {
+            "device": name,
+            "params": figures["params"],
+            "tokens_per_s": best.unit,
+            "mfu": figures["unit_mfu"],
+            "utilisation": figures["e2e"]["utilisation"] if args.e2e else None,
+            "inner_vs_bare": ratio,
+            "unit_vs_bare": unit_ratio,
+            "fixed_cost_s": figures["fixed_cost_s"],
+            "checkpoint_block_s": figures["checkpoint_block_s"],
+            "peak_memory_gib": figures["peak_memory_bytes"] / GiB if not cpu else None,
+            "estimated_memory_gib": estimate / GiB,
+            "compile": compiled,
+        }
         command = " ".join([Path(sys.executable).name, *sys.argv])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps({**head, "command": command, **figures}, indent=2) + "\n")
     return figures
 
