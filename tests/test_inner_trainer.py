@@ -211,3 +211,15 @@ def test_warm_moments_of_another_model_leave_the_resident_optimizer_fresh() -> N
     foreign = InnerState(adam=first.state.adam, fingerprint="another model")
     again = trainer.train_path(SHORT, 0, modules, SOURCE, state=foreign)
     assert_same_unit(again, first)
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_non_finite_loss_stops_the_loop_at_the_read_back_that_sees_it(every: int) -> None:
+    """An lr far past InnerConfig's bound and no clipping blow the loss up at step 4; read
+    back every third step it is found at step 4 too (steps 2-4 are read together)."""
+    cfg = CFG.inner.model_copy(update={"steps": 9, "lr": 1e6, "grad_clip": 1e30})
+    steps: list[int] = []
+    with pytest.raises(FloatingPointError, match=r"loss is nan at step 4; lower inner\.lr"):
+        run_inner_loop(build_model(CFG.model, 0), SOURCE, cfg, seq_len=32, report_every=every,
+                       on_step=lambda m: steps.append(m.step))  # fmt: skip
+    assert steps == [1, 2, 3]
