@@ -223,8 +223,8 @@ def test_a_refused_body_with_a_nul_or_a_lone_surrogate_is_still_logged(
     _, token = staff
     config = {**tiny_config(), "b\u0000ad": {"x\u0000": "\ud800"}}
     refused = call("POST", "/runs", token, {"name": "nul-test", "config": config})
-    assert refused.status_code == 400, refused.content
+    assert refused.status_code == 422, refused.content
     (entry,) = log(token, "&action=run.create")
-    assert entry["outcome"] == "refused" and entry["status"] == 400
+    assert entry["outcome"] == "refused" and entry["status"] == 422
     assert entry["params"]["body"]["config"]["b\ufffdad"] == {"x\ufffd": "\ufffd"}
     assert "b\ufffdad" in entry["message"]
