@@ -145,6 +145,9 @@ MAX_BATCH = 65_536  # sequences per micro-batch or per optimiser step's accumula
 MAX_BYTES = 2**50  # 1 PiB: beyond any device's memory or any run's module store
 # Data positions (windows, from the run's start) are stored in 63-bit integer columns.
 MAX_DATA_POSITION = 2**62
+# Tokens of one unit weight its Δ and add up in a worker's credit (64-bit columns): 2^50
+# is a million times a 500-step unit at the papers' batch of 512 x 2,048 tokens.
+MAX_UNIT_TOKENS = 2**50
 
 
 class Level(_Section):
@@ -830,13 +833,22 @@ class RunConfig(_Section):
 
     @model_validator(mode="after")
     def _check_data_extent(self) -> RunConfig:
-        """The last unit's data position (windows from the run's start) fits its column."""
+        """A unit's tokens and the last unit's data position (windows from the run's start)
+        fit their columns."""
         steps = max(self.inner.steps, (self.phase1.inner_steps or 0) if self.phase1 else 0)
         windows = steps * self.inner.batch_size
         extent = max(self.rounds, self.phase1.rounds if self.phase1 else 0)
         units = self.replicas_per_path
         if self.phase1 is not None:
             units = max(units, self.phase1.replicas)
+        if windows * self.model.seq_len > MAX_UNIT_TOKENS:
+            raise refuse(
+                "inner.steps",
+                steps,
+                f"{steps} steps x {self.inner.batch_size} sequences x {self.model.seq_len} "
+                f"tokens exceed {MAX_UNIT_TOKENS} tokens per unit; lower inner.steps, "
+                "inner.grad_accum_steps or inner.micro_batch_size",
+            )
         if extent * units * windows > MAX_DATA_POSITION:
             raise refuse(
                 "rounds",

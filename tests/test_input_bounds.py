@@ -236,6 +236,14 @@ def test_the_farthest_data_position_of_an_accepted_config_fits_its_column() -> N
         )
 
 
+def test_a_unit_of_more_tokens_than_its_counters_hold_is_refused() -> None:
+    with pytest.raises(ValueError, match="tokens per unit"):
+        RunConfig.tiny(
+            model={"seq_len": 131_072},
+            inner={"steps": 100_000, "micro_batch_size": 4, "grad_accum_steps": 65_536},
+        )
+
+
 @pytest.mark.parametrize("speed", [1e-300, 1.0, 1e10, 1e308, math.inf, math.nan, -1.0])
 def test_lease_sizing_gives_whole_steps_for_any_speed_and_the_widest_config(speed: float) -> None:
     config = RunConfig.tiny(
