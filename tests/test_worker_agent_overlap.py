@@ -64,6 +64,33 @@ def test_a_worker_handing_in_its_lease_gets_the_next_one_and_no_more(
     other.close()
 
 
+def test_heartbeats_extend_the_lease_in_hand_in_as_well_as_the_one_training(
+    store: BlobStore, live_server: Any
+) -> None:
+    running_run(store, steps=3)
+    client = enrolled(live_server.url)
+    first = client.lease()
+    assert first is not None
+    beats = HeartbeatThread(client, interval_s=60)
+    beats.track(first.lease_id, first.secret)
+    beats.beat()
+    beats.keep_alive(first.lease_id, first.secret)  # trained: its Δ is being handed in
+    second = client.lease(handing_in=first.lease_id)
+    assert second is not None
+    beats.track(second.lease_id, second.secret)
+    heard = Lease.objects.get(pk=first.lease_id).heartbeat_at
+    beats.beat()
+    leases = {lease.pk: lease for lease in Lease.objects.all()}
+    assert heard is not None and leases[first.lease_id].heartbeat_at > heard
+    assert leases[second.lease_id].heartbeat_at is not None
+    assert not beats.lease_lost.is_set()
+
+    beats.forget(first.lease_id)  # handed in
+    beats.beat()
+    assert Lease.objects.get(pk=first.lease_id).heartbeat_at == leases[first.lease_id].heartbeat_at
+    client.close()
+
+
 class HeldUpload(httpx.HTTPTransport):
     """A slow volunteer line: the first hand-in's upload-URL request waits until `release`
     is set (at most GATE_S); every completion sent is written to `order`."""

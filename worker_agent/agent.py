@@ -153,6 +153,8 @@ class Agent:
         limit = self.options.max_units
         try:
             while not self.stop.is_set():
+                if self.handing_in is not None and self.handing_in.done():
+                    self._wait_for_hand_in()  # what it could not handle ends the agent now
                 if limit is not None and self.units_done + self._units_in_hand_in() >= limit:
                     if self.handing_in is None:
                         break
@@ -259,7 +261,7 @@ class Agent:
         of = f" of H = {grant.unit_steps}" if grant.unit_steps > grant.steps else ""
         why = f" ({grant.size_reason})" if grant.size_reason else ""
         self.reporter.event(
-            "lease", f"lease {grant.lease_id}: run {grant.run_name} round {grant.round} "
+            "lease", f"lease {grant.lease_id}: run {grant.run_name} round {grant.round + 1} "
             f"path {grant.path}, {grant.steps} steps{of}{why}",
             lease_id=grant.lease_id, run=grant.run_name, round=grant.round, path=grant.path,
             steps=grant.steps, unit_steps=grant.unit_steps, size_reason=grant.size_reason,
@@ -522,7 +524,7 @@ class Agent:
             steps=grant.steps, margin_s=2 * grant.heartbeat_interval_s,
             on_wait=lambda: self.reporter.event(
                 "rebase_wait", f"lease {grant.lease_id}: waiting at step {plan.at_step} for "
-                f"round {plan.round}'s versions (its outer step is still running)",
+                f"round {plan.round + 1}'s versions (its outer step is still running)",
                 at_step=plan.at_step, round=plan.round,
             ),
         )  # fmt: skip
