@@ -11,8 +11,8 @@ at a time:
   costs its usual three matmuls; Liger-Kernel's Triton kernel, which does the same fused,
   is used instead when it is installed (`pip install liger-kernel`);
 - on the CPU, `linear_cross_entropy` keeps autograd's own arithmetic (bit for bit the
-  plain loss in one chunk, the CPU's reference), recomputing the chunks' logits in the
-  backward (torch.utils.checkpoint) when there is more than one.
+  plain loss in one chunk, the CPU's reference) and chunks only past 1 GiB of logits,
+  recomputing the chunks' logits in the backward (torch.utils.checkpoint) then.
 """
 
 from __future__ import annotations
@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 # beside a 150M model's activations at micro-batch 8 x 1024, and a head matmul of 1,024 rows
 # runs near the GPU's peak.
 LOGITS_PER_CHUNK = 2**25
+# On the CPU memory is plentiful and recomputing a chunk's logits is not free: chunks only
+# past 2^28 logits (1 GiB in fp32), so the CPU's usual batches run in one, as a plain loop.
+LOGITS_PER_CHUNK_CPU = 2**28
 
 Body = Callable[..., Any]  # the decoder body: input_ids -> an output with .last_hidden_state
 
@@ -153,7 +156,8 @@ class CausalLMLoss:
         weight = self.model.lm_head.weight  # (V, C), fp32 master
         device = flat.device.type
         if not self.fused:
-            return linear_cross_entropy(flat, weight, targets.reshape(-1), chunk=self.chunk)
+            size = self.chunk or chunk_tokens(weight.shape[0], LOGITS_PER_CHUNK_CPU)
+            return linear_cross_entropy(flat, weight, targets.reshape(-1), chunk=size)
         # The head's matmul runs in the autocast dtype, as F.linear would under autocast.
         autocast = torch.is_autocast_enabled(device)
         dtype = torch.get_autocast_dtype(device) if autocast else weight.dtype
