@@ -83,6 +83,33 @@ def test_the_lease_state_round_trips_privately_and_a_damaged_one_is_ignored(
     assert not state.path.exists()
 
 
+def test_the_lease_in_hand_in_stays_in_the_state_file_until_it_is_in_then_the_next_is_written(
+    tmp_path: Path,
+) -> None:
+    state = LeaseStateFile(tmp_path)
+    handed = LeaseRecord("http://s", {"lease_id": 3}, step=5, phase="uploading")
+    state.save(handed)
+    state.hold(3)  # its Δ is being handed in while lease 4 trains
+    training = LeaseRecord("http://s", {"lease_id": 4})
+    state.save(training)
+    training.step = 2
+    state.save(training)
+    saved = state.load()
+    assert saved is not None and (saved.lease_id, saved.phase) == (3, "uploading"), (
+        "a restart hands 3 in"
+    )
+    state.clear(4)  # 4 was lost meanwhile: nothing of it is written later
+    state.save(LeaseRecord("http://s", {"lease_id": 5}, step=1))
+    state.clear(3)  # handed in: the record that waited is written
+    saved = state.load()
+    assert saved is not None and (saved.lease_id, saved.step) == (5, 1)
+    state.clear(3)  # a late clear of the handed-in lease leaves the next one's record alone
+    assert state.load() is not None
+    state.save(LeaseRecord("http://s", {"lease_id": 6}))  # nothing held: written at once
+    saved = state.load()
+    assert saved is not None and saved.lease_id == 6
+
+
 def test_sizes_read_binary_and_decimal_units() -> None:
     assert cli.parse_size("24GiB") == 24 * 1024**3
     assert cli.parse_size("24") == 24 * 1024**3

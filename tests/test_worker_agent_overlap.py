@@ -111,12 +111,15 @@ class HeldUpload(httpx.HTTPTransport):
 
 class OrderedReporter(JsonReporter):
     """Writes each lease's first step to `order`; sets `release` at the first step of a
-    lease other than the first."""
+    lease other than the first, after reading what the agent's lease.json then says."""
 
-    def __init__(self, out: io.StringIO, order: list[tuple[str, int]], release: threading.Event):
+    def __init__(
+        self, out: io.StringIO, order: list[tuple[str, int]], release: threading.Event, state: Path
+    ) -> None:
         super().__init__(out)
-        self.order, self.release = order, release
+        self.order, self.release, self.state = order, release, state
         self.leases: list[int] = []
+        self.saved_then: dict[str, Any] = {}
 
     def status(self, **fields: Any) -> None:
         super().status(**fields)
@@ -125,6 +128,7 @@ class OrderedReporter(JsonReporter):
             self.leases.append(lease_id)
             self.order.append(("step", lease_id))
             if len(self.leases) > 1:
+                self.saved_then = json.loads(self.state.read_text())
                 self.release.set()
 
 
@@ -141,8 +145,9 @@ def test_a_slow_upload_does_not_delay_the_next_units_first_step(
     client = Client(live_server.url, token, policy=FAST, transport=HeldUpload(order, release))
     out, stop = io.StringIO(), threading.Event()
     options = AgentOptions(data_dir=tmp_path, max_units=2, policy=FAST)
+    reporter = OrderedReporter(out, order, release, tmp_path / "lease.json")
     agent = Agent(client, HeartbeatThread(client, 30.0), detect_device("cpu"), options,
-                  OrderedReporter(out, order, release), stop)  # fmt: skip
+                  reporter, stop)  # fmt: skip
     try:
         agent.run()
     finally:
@@ -153,6 +158,9 @@ def test_a_slow_upload_does_not_delay_the_next_units_first_step(
     assert len(leases) == 2, out.getvalue()
     first, second = leases
     assert order.index(("step", second)) < order.index(("complete", first)), (order, out.getvalue())
+    # Meanwhile the state file named the lease in hand-in: a restart would hand its Δ in.
+    saved = reporter.saved_then
+    assert (saved["lease"]["lease_id"], saved["phase"]) == (first, "uploading"), saved
     assert [e["event"] for e in events].count("completed") == 2, out.getvalue()
     assert all("calibration" not in e["size_reason"] for e in events if e["event"] == "lease")
     done = Lease.objects.select_related("unit").filter(pk__in=leases)

@@ -11,9 +11,8 @@ the path's only once that completion is accepted (worker_agent.trainer), so a re
 hand-in leaves them as the last accepted unit left them, as before the overlap. Units of
 other paths start at once. A calibration unit (a worker whose speed the server does not
 know yet) is handed in before the next lease is asked for: its completion reports the
-speed that sizes that lease. A crash while handing in after the next lease was granted
-loses that Δ (the state file names the next unit): its lease expires and the unit is
-trained again, by this worker or another.
+speed that sizes that lease. The state file names the lease in hand-in until it is in
+(worker_agent.state): a restart after a crash then hands its Δ in.
 
 A lease names how many of the unit's H steps to train (`LeaseGrant.steps`, sized by the
 server to this worker's speed, with the reason) and, for a new worker, a time limit that
@@ -323,6 +322,7 @@ class Agent:
         trained = TrainedUnit(grant, config, result, work, salvaged, next(iter(rebasers), None))
         until = self._hand_in_until(grant)
         self._wait_for_hand_in()  # one unit in hand-in at a time
+        self.state.hold(grant.lease_id)  # a restart hands it in (the next unit's record waits)
         self.heartbeats.keep_alive(grant.lease_id, grant.secret)
         job = HandInThread(
             grant.lease_id, grant.run_id, grant.path, work,

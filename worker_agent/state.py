@@ -6,9 +6,11 @@ once the unit is completed or released. On start, a saved lease that the server 
 calls active is resumed (its checkpoint continues training); any other is dropped along
 with its work directory.
 
-The file names one lease: the one training, or the one being handed in until the next is
-granted. A hand-in that ends on its own thread clears it only while it still names that
-lease (`clear(lease_id)`), never the next unit's.
+The file names one lease. While a trained unit is handed in (on its own thread, while the
+next unit trains: worker_agent.handin) it names that one (`hold`), so that a restart
+after ``kill -9`` hands its Δ in; the next unit's record waits in memory and is written
+when the hand-in ends (`clear` of the held lease). A crash meanwhile loses the next
+unit's progress only: its lease expires and the server gives its unit back.
 """
 
 from __future__ import annotations
@@ -47,10 +49,20 @@ class LeaseStateFile:
     def __init__(self, data_dir: Path) -> None:
         self.path = data_dir / STATE_NAME
         self._lock = threading.Lock()
+        self._held: int | None = None  # the lease in hand-in the file keeps naming
+        self._pending: LeaseRecord | None = None  # another lease's record, written after
+
+    def hold(self, lease_id: int) -> None:
+        """Keep the file naming `lease_id` (saved already) until it is cleared."""
+        with self._lock:
+            self._held = lease_id
 
     def save(self, record: LeaseRecord) -> None:
         with self._lock:
             record.updated_at = time.time()
+            if self._held is not None and record.lease_id != self._held:
+                self._pending = record
+                return
             write_private_json(self.path, asdict(record))
 
     def load(self) -> LeaseRecord | None:
@@ -64,10 +76,17 @@ class LeaseStateFile:
             return None
 
     def clear(self, lease_id: int | None = None) -> None:
-        """Remove the file; given `lease_id`, only while it names that lease."""
+        """Remove the file; given `lease_id`, only while it names that lease. Clearing the
+        held lease writes the record that waited for it, if any."""
         with self._lock:
+            if self._pending is not None and self._pending.lease_id == lease_id:
+                self._pending = None
             if lease_id is not None:
                 saved = self.load()
                 if saved is not None and saved.lease_id != lease_id:
                     return
             self.path.unlink(missing_ok=True)
+            if self._held is not None and lease_id in (None, self._held):
+                self._held, pending, self._pending = None, self._pending, None
+                if pending is not None:
+                    write_private_json(self.path, asdict(pending))
