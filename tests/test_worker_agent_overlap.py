@@ -56,6 +56,12 @@ def test_a_worker_handing_in_its_lease_gets_the_next_one_and_no_more(
             client.lease(handing_in=handing_in)
         assert again.value.code == "lease_limit_reached"
 
+    headers = {"Authorization": f"Bearer {client.token}"}
+    for bad in ("x", "-1", str(2**64)):  # refused as the client's fault, never a 500
+        answer = httpx.post(f"{live_server.url}/api/v1/worker/lease?handing_in={bad}",
+                            headers=headers, timeout=30)  # fmt: skip
+        assert answer.status_code == 422, (bad, answer.text)
+
     other = enrolled(live_server.url)  # another worker's lease frees nobody's limit
     with pytest.raises(ServerError):
         client.lease(handing_in=other.lease().lease_id)  # type: ignore[union-attr]

@@ -194,8 +194,10 @@ class Agent:
         if self.handing_in is not None and self.handing_in.before_next_lease:
             self._wait_for_hand_in()
         while not self.stop.is_set():
+            if self.handing_in is not None and self.handing_in.done():
+                self._wait_for_hand_in()  # in: its error, if any, is raised now
             job = self.handing_in
-            handing_in = job.lease_id if job is not None and not job.done() else None
+            handing_in = job.lease_id if job is not None else None
             try:
                 grant = self.client.lease(handing_in=handing_in)
             except ServerError as exc:
