@@ -18,9 +18,13 @@ is the production configuration. Under CI=true the seed is fixed and the example
 operation bounded, so the whole module takes a few minutes on two cores. Each run's
 output and JUnit report go to test-artifacts/conformance/.
 
-Two statuses are added to what `positive_data_acceptance` expects, each for operations
-whose schema cannot say everything the server checks (CONFIG_EXPECTATIONS below); every
-other check runs with schemathesis' defaults.
+The schema declares what the server enforces (dipaco_server.patterns: names without
+control characters, route text that is not only whitespace, a dataset source the server
+can read, no NUL in the audit-log filters; a closed, bounded run config; a `held` query
+that fits gunicorn's request line; tests/test_openapi_patterns.py compares them code point
+by code point). Statuses are added to what `positive_data_acceptance` expects only for the
+operations whose schema cannot say everything the server checks (CONFIG_EXPECTATIONS
+below); every other check runs with schemathesis' defaults.
 """
 
 from __future__ import annotations
@@ -65,11 +69,11 @@ IDENTITIES = ("anonymous", "worker", "staff")
 # refusals of schema-valid requests are the documented 4xx in the one error shape:
 # - POST /datasets: whether a source lies under DIPACO_DATA_ROOTS (server configuration);
 # - POST /runs: the run config's cross-field rules (dipaco.config, e.g. heads divide the
-#   hidden size), answered 400 config_invalid with each problem;
+#   hidden size, a config name equal to the run's), answered config_invalid with each problem;
 # - POST /runs/{run_id}/checkpoint: whether the uploaded file is a model checkpoint;
-# - POST /worker/register: whether the enrollment token is valid, names free of control
-#   characters, the device JSON within its size;
-# - POST /worker/lease/{lease_id}/complete: whether the uploads exist with that sha256.
+# - POST /worker/register: the device JSON within its size in bytes (the token's validity
+#   is a 403);
+# - POST /worker/lease/{lease_id}/complete: whether the uploads exist with that size.
 CONFIG_EXPECTATIONS = {
     ("POST", "/api/v1/datasets"): ["422"],
     ("POST", "/api/v1/runs"): ["400", "422"],
@@ -108,8 +112,9 @@ def schemathesis_config(seed: dict[str, Any], identity: str) -> str:
     if identity == "worker":
         lines.append('"header.X-Lease-Secret" = { dictionary = "secret", probability = 0.8 }')
     lines.append("")
-    # A request line over gunicorn's 4094 bytes is refused by gunicorn itself (documented
-    # as 414 on every operation): a refusal of the invalid request, like a 4xx of Django's.
+    # A request line over gunicorn's limit (cli.server.REQUEST_LINE_LIMIT) is refused by
+    # gunicorn itself (documented as 414 on every operation): a refusal of the invalid
+    # request, like a 4xx of Django's. No schema-valid request line reaches the limit.
     lines += [
         "[checks.negative_data_rejection]",
         f"expected-statuses = {json.dumps(NEGATIVE_DEFAULT)}",

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 
 from dipaco import __version__
-from dipaco_server.cli.server import child_commands
+from dipaco_server.cli.server import REQUEST_LINE_LIMIT, child_commands
 from dipaco_server.env import KNOWN_VARIABLES, celery_transport
 from tests.conftest import (
     celery_client,
@@ -25,6 +25,7 @@ from tests.conftest import (
     start_process,
     stop_process,
 )
+from tests.test_openapi_patterns import longest_manifest_request, request_line
 
 # `dipaco ...` exactly as the console script runs it, without needing it on PATH.
 DIPACO = [sys.executable, "-c", "import sys; from dipaco.cli import main; sys.exit(main())"]
@@ -169,6 +170,14 @@ def test_the_compose_migrate_web_and_beat_commands_run_natively(tmp_path: Path) 
     try:
         health = wait_for_health(f"http://127.0.0.1:{port}", web, web_log)
         assert health["status"] == "ok"
+        # The longest request line the schema admits reaches the app (401 in the API's
+        # JSON: no worker token), not gunicorn's 414 page; one byte past the limit does not.
+        base = f"http://127.0.0.1:{port}"
+        line = longest_manifest_request(base)
+        status, body = fetch(line)
+        assert status == 401 and json.loads(body)["error"]["code"], body[:200]
+        overlong = line + "0" * (REQUEST_LINE_LIMIT - len(request_line(line)) + 1)
+        assert fetch(overlong)[0] == 414
         deadline, beat_answered = time.monotonic() + READY_TIMEOUT_S, False
         while not beat_answered and time.monotonic() < deadline:
             assert beat.poll() is None, log_tail(beat_log)

@@ -30,6 +30,7 @@ from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
 from ninja.parser import Parser
 
+from dipaco_server.cli.server import REQUEST_LINE_LIMIT  # gunicorn's; the module is stdlib-only
 from dipaco_server.runs.errors import ServiceError
 
 logger = logging.getLogger(__name__)
@@ -258,8 +259,8 @@ def document_errors(schema: dict[str, Any]) -> dict[str, Any]:
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
     }
     too_long = {
-        "description": "The request line (path and query) is over 4094 bytes: gunicorn "
-        "refuses it before the application, with its own HTML page",
+        "description": f"The request line (path and query) is over {REQUEST_LINE_LIMIT} bytes: "
+        "gunicorn refuses it before the application, with its own HTML page",
         "content": {"text/html": {"schema": {"type": "string"}}},
     }
     for operations in schema.get("paths", {}).values():

@@ -14,6 +14,7 @@ from ninja.pagination import paginate
 from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.models import AuditEntry
 from dipaco_server.bounds import Paging
+from dipaco_server.patterns import NO_NUL
 
 router = Router(tags=["admin: audit log"], auth=staff_auth)
 
@@ -37,10 +38,12 @@ class AuditEntryOut(Schema):
 
 
 class AuditFilter(FilterSchema):
-    action: str | None = Field(None, max_length=64, description="Exactly this action.")
-    target_type: str | None = Field(None, max_length=64)
-    target_id: str | None = Field(None, max_length=64)
-    actor: str | None = Field(None, max_length=150)
+    action: str | None = Field(
+        None, max_length=64, pattern=NO_NUL, description="Exactly this action."
+    )
+    target_type: str | None = Field(None, max_length=64, pattern=NO_NUL)
+    target_id: str | None = Field(None, max_length=64, pattern=NO_NUL)
+    actor: str | None = Field(None, max_length=150, pattern=NO_NUL)
     outcome: AuditEntry.Outcome | None = None
 
 

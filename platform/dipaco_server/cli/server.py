@@ -90,6 +90,10 @@ def _bind_address(host: str, port: int) -> str:
 WEB_WORKER_CLASS = "dipaco_server.web_worker.QueueTimingWorker"  # gthread, timed (shedding.py)
 WEB_CONNECTIONS = 10_000  # per gunicorn worker process (web_worker.connection_room)
 WEB_THREADS = 4  # per gunicorn worker process; each thread holds its own database connection
+# gunicorn's largest finite --limit-request-line (its default is 4094): the longest request
+# line the API's schema admits, a manifest request whose `held` lists every module of a
+# 256-module path, fits with room (rounds.api.HELD_MAX_LENGTH; tests/test_server_cli.py).
+REQUEST_LINE_LIMIT = 8190
 
 
 def child_commands(
@@ -111,6 +115,7 @@ def child_commands(
             # Connections a process takes in (within ulimit -n): past gunicorn's 1,000, they
             # would wait in the kernel's accept queue, untimed and so never shed.
             "--worker-connections", str(WEB_CONNECTIONS),
+            "--limit-request-line", str(REQUEST_LINE_LIMIT),
             "--access-logfile", "-",
             # gunicorn >= 25.1 otherwise opens ~/.gunicorn/gunicorn.ctl, which two
             # servers on one machine (or a test beside a dev server) would share.

@@ -32,6 +32,7 @@ from dipaco_server.errors import ApiError
 from dipaco_server.inference import routing, services
 from dipaco_server.inference.routing import MAX_TEXT_CHARS
 from dipaco_server.inference.zipstream import ZipEntry, stream_zip
+from dipaco_server.patterns import NOT_ONLY_WHITESPACE
 from dipaco_server.storage import get_blob_store
 
 
@@ -103,8 +104,9 @@ class RouteIn(Schema):
     text: str = Field(
         min_length=1,
         max_length=MAX_TEXT_CHARS,
-        pattern=r"\S",
-        description="A document or its start (not only spaces); the router reads its first tokens.",
+        pattern=NOT_ONLY_WHITESPACE,
+        description="A document or its start (not only whitespace, as Python's str.strip "
+        "counts it); the router reads its first tokens.",
     )
 
 

@@ -58,6 +58,12 @@ router = Router(tags=["worker"], auth=worker_auth)
 DOWNLOAD_URL_EXPIRES_S = 900
 UPLOAD_URL_EXPIRES_S = 900
 MAX_MODULES_PER_PATH = 256
+# `held` lists a module id and a version per module: every module of a 256-module path, ids
+# like "255.15" and 9-digit versions, is under 4,400 characters. A client may percent-encode
+# its 511 ':' and ',' (2 bytes more each), and the request line must stay within gunicorn's
+# --limit-request-line (cli.server.REQUEST_LINE_LIMIT, 8190 bytes): the longest one the
+# schema admits is 8,090 (tests/test_openapi_patterns.py, tests/test_server_cli.py).
+HELD_MAX_LENGTH = 7000
 REBASE_RETRY_S = 1.0  # an eager unit waiting for the previous round's versions asks again
 SECRET_HEADER = "X-Lease-Secret"
 Secret = Annotated[
@@ -431,7 +437,7 @@ def manifest(
         str | None,
         Query(
             None,
-            max_length=12_000,
+            max_length=HELD_MAX_LENGTH,
             pattern=HELD_PATTERN,
             description="Module versions the worker holds, 'module:version' comma-separated "
             "(e.g. '0.0:3,1.1:3'): it is sent their encoded updates (rounds.downloads).",

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 from django.db import IntegrityError, transaction
 from django.db.models import Count, F, QuerySet
@@ -20,16 +20,21 @@ from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema, Status, UploadedFile
 from ninja import File as NinjaFile
 from ninja.pagination import paginate
+from pydantic import GetCoreSchemaHandler, GetJsonSchemaHandler
+from pydantic.json_schema import JsonSchemaValue
+from pydantic_core import CoreSchema, core_schema
 
+from dipaco.config import RunConfig
 from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.services import audited
 from dipaco_server.bounds import MAX_INT, DatasetId, JsonId, Paging, RunId
 from dipaco_server.errors import ApiError
+from dipaco_server.patterns import WHITESPACE, declared
 from dipaco_server.rounds.models import Lease
 from dipaco_server.runs import actions, keys, services
 from dipaco_server.runs.errors import RunNotFound, ServiceError
 from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
-from dipaco_server.runs.sources import check_source
+from dipaco_server.runs.sources import BUILTIN_SOURCES, MAX_SOURCE_LENGTH, check_source
 from dipaco_server.storage import get_blob_store
 
 logger = logging.getLogger(__name__)
@@ -39,6 +44,28 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 
 # --- schemas -------------------------------------------------------------------------------
 
+# What runs.sources.check_source reads, once stripped: a built-in corpus, or an absolute path
+# without NUL. Whether the path lies under DIPACO_DATA_ROOTS is the server's configuration,
+# which no schema can say (a 422 naming the setting).
+SOURCE_PATTERN = f"^[{WHITESPACE}]*(?:{'|'.join(BUILTIN_SOURCES)}|/[^\\x00]*)[{WHITESPACE}]*$"
+
+
+class RunConfigJson:
+    """A run config as the API reads it: any JSON object, which runs.services.validate_config
+    checks whole (400 config_invalid with every problem, not the first a parser meets); the
+    schema shows dipaco.config.RunConfig itself, closed and bounded, so clients see the
+    fields, their limits and that unknown keys are refused."""
+
+    @classmethod
+    def __get_pydantic_core_schema__(cls, source: Any, handler: GetCoreSchemaHandler) -> CoreSchema:
+        return core_schema.dict_schema(core_schema.str_schema(), core_schema.any_schema())
+
+    @classmethod
+    def __get_pydantic_json_schema__(
+        cls, schema: CoreSchema, handler: GetJsonSchemaHandler
+    ) -> JsonSchemaValue:
+        return handler(RunConfig.__pydantic_core_schema__)
+
 
 class DatasetIn(Schema):
     name: str = Field(
@@ -46,8 +73,10 @@ class DatasetIn(Schema):
         description="Unique name: 1-100 letters, digits, '.', '_' or '-'.",
     )
     source: str = Field(
+        max_length=MAX_SOURCE_LENGTH,
+        json_schema_extra=declared(SOURCE_PATTERN),
         description='"stdlib", or an absolute path to a text directory or .jsonl under one of '
-        "the server's data roots (DIPACO_DATA_ROOTS)."
+        "the server's data roots (DIPACO_DATA_ROOTS).",
     )
 
 
@@ -71,8 +100,10 @@ class RunIn(Schema):
         description="Unique run name (also the config's name): 1-64 letters, digits, '.', "
         "'_' or '-'.",
     )
-    config: dict[str, Any] = Field(
-        default_factory=dict, description="A dipaco.config.RunConfig as JSON; defaults fill gaps."
+    config: Annotated[dict[str, Any], RunConfigJson] = Field(
+        default_factory=dict,
+        description="A dipaco.config.RunConfig as JSON; defaults fill gaps, unknown keys are "
+        "refused. Its name, when given, is the run's.",
     )
     dataset_id: JsonId | None = None
 

@@ -20,11 +20,12 @@ from dipaco_server.accounts.auth import current_worker, staff_auth, worker_auth
 from dipaco_server.audit.services import audited
 from dipaco_server.bounds import JSON_INTEGER, MAX_INT, Paging, TokenId, WorkerId
 from dipaco_server.errors import ApiError
+from dipaco_server.patterns import NAME, OPTIONAL_NAME, declared
 from dipaco_server.rounds.lease import heartbeat_interval_s
 from dipaco_server.rounds.models import Contribution
 from dipaco_server.workers import services
 from dipaco_server.workers.models import EnrollmentToken, Worker
-from dipaco_server.workers.services import MAX_NAME_LENGTH
+from dipaco_server.workers.services import MAX_NAME_LENGTH, MAX_OWNER_LENGTH
 
 router = Router(tags=["admin: workers"], auth=staff_auth)
 worker_router = Router(tags=["worker"])
@@ -139,10 +140,16 @@ class RegisterIn(Schema):
     name: str = Field(
         min_length=1,
         max_length=MAX_NAME_LENGTH,
-        pattern=r"\S",
-        description="This machine's name, shown on the dashboard (no control characters).",
+        json_schema_extra=declared(NAME),
+        description="This machine's name, shown on the dashboard: not only spaces, and no "
+        "control or format characters (spaces at either end are dropped).",
     )
-    owner: str = Field("", description="Who runs it (optional).")
+    owner: str = Field(
+        "",
+        max_length=MAX_OWNER_LENGTH,
+        json_schema_extra=declared(OPTIONAL_NAME),
+        description="Who runs it (optional); no control or format characters.",
+    )
     device: dict[str, Any] = Field(
         default_factory=dict, description='What it trains on, e.g. {"gpu": "RTX 4090"}.'
     )
