@@ -203,7 +203,7 @@ def test_a_corrupt_byte_inside_the_frame_is_refused() -> None:
 def test_the_server_upload_check_accepts_zstd_and_refuses_bad_frames(
     settings, tmp_path: Path
 ) -> None:
-    from dipaco_server.rounds.outer_step import Upload, check_upload
+    from dipaco_server.rounds.verification import Upload, check_upload
     from dipaco_server.storage import get_blob_store
 
     settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}

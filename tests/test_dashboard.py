@@ -26,6 +26,7 @@ from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution
 from dipaco_server.rounds.open import open_round, start_run
 from dipaco_server.rounds.publish import publish_module_version
+from dipaco_server.rounds.verification.credit import credit
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import record_metric, transition
@@ -127,6 +128,8 @@ def build_short_run(name: str = "short-run", rounds_done: int = 3) -> ShortRun:
             rejected = verdicts.filter(lease__worker=workers["gamma"]).update(
                 status=Contribution.Status.REJECTED, reason="non-finite values"
             )
+        # ...and the credit it gives for them (the leaderboard shows it).
+        credit(set(verdicts.values_list("unit_id", flat=True)), unit_tokens(config))
         closed = opened + timedelta(minutes=5 + 3 * t)
         assert mark_round_closing(round_, now=closed)
         for module in run.modules.all():

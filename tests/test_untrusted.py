@@ -39,7 +39,6 @@ from dipaco_server.runs.errors import ContributionInvalid, WorkerDistrusted
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.storage import get_blob_store
-from dipaco_server.workers import trust
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 from tests.test_outer_tasks import DILOCO, GRID, running_run, stored_version
@@ -454,7 +453,9 @@ def test_a_replicated_unit_goes_to_a_second_worker_and_agreeing_replicas_earn_tr
     first, _ = submit(run, "first", sources)
     assert WorkUnit.objects.filter(round__run=run, round__t=0).count() == 2  # the check copy
     assert grant_lease(first) is None  # never its own unit's copy
-    second, _ = submit(run, "second", sources)  # the same windows from the same base
+    # The same windows from the same base, a little longer (another machine's kernels):
+    # identical bytes would confirm nothing (tests/test_verification.py).
+    second, _ = submit(run, "second", sources, scaled(1.05))
     step_round(run, 0)
 
     assert reasons(run, first) == reasons(run, second) == {""}
@@ -484,33 +485,6 @@ def test_a_check_copy_in_training_holds_its_round_up_to_the_deadline_and_grace(
     assert not round_ready_to_close(round0, now=round0.deadline - grace)
     assert not round_ready_to_close(round0, now=round0.deadline + grace / 2)
     assert round_ready_to_close(round0, now=round0.deadline + grace)
-
-
-def test_disagreeing_replicas_are_both_rejected_and_lose_trust_until_no_more_grants(
-    work: Path, settings: Any
-) -> None:
-    settings.DIPACO_MIN_TRUST = 0.3
-    run, sources = replicated_run(work, settings)
-    first, _ = submit(run, "first", sources)
-    cheat, _ = submit(run, "cheat", sources, noise)  # noise of the honest norm
-    step_round(run, 0)
-
-    assert reasons(run, first) == reasons(run, cheat) == {"replica_disagrees"}
-    step = OuterStep.objects.get(round__run=run, round__t=0, module__module_id="shared")
-    assert step.outcome == "kept"  # nothing it could trust
-    for worker in (first, cheat):
-        worker.refresh_from_db()
-        assert worker.replicas_disagreed == 2 and worker.trust == pytest.approx(0.49)
-        assert worker.units_completed == 0
-    # Low trust: every unit it takes is replicated, whatever the sampled rate; one more
-    # failure and it is below the minimum.
-    settings.DIPACO_REPLICATION_RATE = 0.0
-    assert trust.replication_rate(cheat) == 1.0
-    assert trust.replication_rate(Worker(trust=1.0)) == 0.0
-    Worker.objects.filter(pk=cheat.pk).update(trust=0.2)
-    cheat.refresh_from_db()
-    with pytest.raises(WorkerDistrusted):
-        grant_lease(cheat)
 
 
 def test_an_honest_pair_with_warm_and_cold_adamw_moments_agrees_and_an_attack_does_not() -> None:
@@ -674,19 +648,23 @@ def test_a_delta_computed_for_another_path_is_bounded(work: Path) -> None:
     bounded(run, worker, 1)
 
 
-def test_a_weak_salvaged_partial_is_refused_without_costing_trust() -> None:
-    """A preempted volunteer's one-step Δ may show no gain: refused, not credited, but its
-    worker's trust does not fall for it; the same reason on a whole unit, or a hostile
-    reason on a partial one, does cost trust."""
-    from dipaco_server.rounds.outer_step import Upload, Verdict, _weak_partial
+def test_a_weak_delta_of_a_lease_sized_below_the_unit_is_refused_without_costing_trust() -> None:
+    """A lease the server sized to a step or two may show no gain: refused, not credited,
+    but its worker's trust does not fall for it; the same reason on a whole unit, a
+    hostile reason on a short one, or a completion merely claiming fewer tokens than its
+    lease allowed (issue 34: a claim cannot make a rejection free) does cost trust."""
+    from dipaco_server.rounds.verification.credit import weak_partial as _weak_partial
+    from dipaco_server.rounds.verification.uploads import Upload, Verdict
 
-    def verdict(partial: bool, code: str) -> Verdict:
-        v = Verdict(Upload(1, 1, "k", 1, "0" * 64, 512, partial=partial))
+    def verdict(sized: float, code: str, *, claimed: float = 1.0) -> Verdict:
+        upload = Upload(1, 1, "k", 1, "0" * 64, 512, partial=claimed < sized, sized=sized)
+        v = Verdict(upload)
         v.reject(code, "test")
         return v
 
-    assert _weak_partial(verdict(True, "no_training_gain"))
-    assert _weak_partial(verdict(True, "norm_below_history"))
-    assert not _weak_partial(verdict(False, "no_training_gain"))
-    assert not _weak_partial(verdict(True, "zero_delta"))
-    assert not _weak_partial(verdict(True, "norm_above_history"))
+    assert _weak_partial(verdict(0.2, "no_training_gain"))
+    assert _weak_partial(verdict(0.2, "norm_below_history"))
+    assert not _weak_partial(verdict(1.0, "no_training_gain"))
+    assert not _weak_partial(verdict(1.0, "no_training_gain", claimed=0.99))
+    assert not _weak_partial(verdict(0.2, "zero_delta"))
+    assert not _weak_partial(verdict(0.2, "norm_above_history"))

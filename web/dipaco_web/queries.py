@@ -375,7 +375,6 @@ def worker_rows(*, now: datetime | None = None) -> list[WorkerRow]:
         accepted=Count("leases__contributions", filter=Q(leases__contributions__status=ACCEPTED)),
         rejected=Count("leases__contributions", filter=Q(leases__contributions__status=REJECTED)),
     ).order_by("-last_seen", "pk")
-    tokens = accepted_tokens_by("lease__worker_id")
     current: dict[int, list[str]] = defaultdict(list)
     for worker_id, run_name, path_index in (
         Lease.objects.filter(state=Lease.State.ACTIVE)
@@ -390,7 +389,9 @@ def worker_rows(*, now: datetime | None = None) -> list[WorkerRow]:
             device=device_label(w.device),
             accepted=w.accepted,
             rejected=w.rejected,
-            accepted_tokens=tokens.get(w.pk, 0),
+            # The credit the outer step gave (rounds.verification.credit): the same count
+            # as the worker API's tokens_processed, not every unit with one accepted Δ.
+            accepted_tokens=w.tokens_processed,
             current=current.get(w.pk, []),
         )
         for w in workers

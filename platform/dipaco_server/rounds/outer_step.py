@@ -4,16 +4,9 @@
 each streamed from the object store to a temporary file, one at a time:
 
 1. **verify** each upload before anything uses it (docs/design.md §7; S3 test servers enforce
-   neither size nor signature): size and sha256 against what the worker declared,
-   hashed as it downloads; then `codecs.verify` against the module's spec (header,
-   names, shapes, dtypes, finite values) for its norm. Norms above
-   ``outer.reject_norm_factor`` x the median of the verified ones are outliers. Then the
-   checks that hold with one or two Δs a round (rounds.verify, ``outer.verify``): replay
-   (an upload's bytes seen before in the run), its norm against the module's history (the
-   accepted medians of its last ``outer.history_rounds`` steps), its cosine with the
-   module's outer momentum, and proof of useful work (`Scorer`: applied alone to its
-   path's base weights it must lower the loss on its unit's own training windows and not
-   raise the held-out loss beyond a tolerance).
+   neither size nor signature): every acceptance check lives in rounds.verification, whose
+   `check_contributions` returns a verdict per upload; each Δ is decoded there at most once
+   and the aggregation reuses it.
 2. **aggregate** the accepted ones into one fp32 sum (`codecs.accumulate`, token weights,
    the robust rule), the √(contributing paths) rescale, then Nesterov at round t's outer
    lr chunk by chunk, streaming version `base` and its momentum (module files,
@@ -21,9 +14,9 @@ each streamed from the object store to a temporary file, one at a time:
    fed the uploads still encoded, `clip_threshold`, `trimmed_mean`, `rescale_factor`,
    `outer_lr`, `outer_step`), so the server steps exactly as the simulator does.
 
-Memory, whatever the number of contributions: pass 1 holds one upload (<= 1x the fp32
-module); pass 2 the fp32 sum plus one upload plus chunks; the trimmed mean, which needs
-every Δ per value, decodes them to disk and works in chunks. Uploads wait between the
+Memory: pass 1 holds each verified Δ that a check decoded (fp32, kept for pass 2 instead
+of decoding it again); pass 2 the fp32 sum plus chunks; the trimmed mean, which needs
+every Δ per value, writes them to disk and works in chunks. Uploads wait between the
 passes in the data dir's tmp/ (not a RAM-backed /tmp). Measured: docs/benchmarks.md.
 
 Crash safety: the step first writes its blobs (weights, momentum, with
@@ -39,7 +32,6 @@ no-op, and the lock makes a concurrent duplicate wait and then find it. Tests ar
 from __future__ import annotations
 
 import enum
-import hashlib
 import io
 import logging
 import math
@@ -49,28 +41,22 @@ import signal
 import statistics
 import tempfile
 import time
-from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-import numpy as np
 import torch
 from django.db import transaction
-from django.db.models import F
 from django.utils import timezone
 from torch import Tensor
 
-from dipaco import codecs
-from dipaco.codecs import CodecError
 from dipaco.config import CommConfig, OuterConfig
 from dipaco.data.windows import unit_tokens
-from dipaco.modules_file import ModuleReader, ModuleWriter, Spec, read_module
+from dipaco.modules_file import ModuleReader, ModuleWriter, Spec
 from dipaco.outer import (
     DeltaAccumulator,
-    norm_outliers,
     outer_lr,
     outer_step,
     rescale_factor,
@@ -79,21 +65,30 @@ from dipaco.outer import (
 from dipaco_server.rounds import verify
 from dipaco_server.rounds.close import previous_published
 from dipaco_server.rounds.lease import lease_tokens
-from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
+from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.publish import EncodedUpdate, encode_update, publish_module_version
-from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.rounds.verification import (
+    ScoreFn,
+    Scorer,
+    Upload,
+    Verdict,
+    aggregated,
+    check_contributions,
+    check_copies,
+    norm_history,
+    outer_momentum,
+    replayed,
+    settle,
+)
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
 from dipaco_server.runs.models import Module, ModuleVersion
 from dipaco_server.runs.phases import local_round, round_config
-from dipaco_server.runs.prepare import data_index_key, work_root
-from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
-from dipaco_server.workers import trust
-from dipaco_server.workers.models import Worker
+from dipaco_server.runs.prepare import work_root
+from dipaco_server.storage import BlobStore, get_blob_store
 
 logger = logging.getLogger(__name__)
 
-DOWNLOAD_CHUNK = 1 << 20
 STEP_CHUNK = 1 << 18  # values per Nesterov chunk: 1 MiB per temporary
 TRIM_CHUNK = 1 << 18  # values x contributions per trimmed-mean chunk (sort keeps ~7 copies)
 FAULTS_DIR_ENV = "DIPACO_FAULTS_DIR"
@@ -128,52 +123,6 @@ def inject(fault: Fault) -> None:
 
 
 @dataclass(frozen=True)
-class Upload:
-    """One contribution as the outer step sees it: where it is and what its worker declared."""
-
-    contribution_id: int
-    worker_id: int
-    key: str
-    size: int
-    sha256: str
-    tokens: int
-    path: int = 0  # the index of the path its unit trained: the √ rescale counts these
-    unit_id: int = 0
-    lease_id: int = 0
-    position: int = 0  # the unit's data_position: where its training windows start
-    replayed: bool = False  # its sha256 was uploaded before in this run (rounds.verify)
-    check_of: int | None = None  # a check copy's: the original's contribution (replication)
-    partial: bool = False  # salvaged before its lease's steps were done (issue 20)
-    # The fraction of a whole unit's H steps it trained: a lease sized down (to the round's
-    # deadline, a calibration) or a salvaged Δ is honest work that moves the loss less.
-    work: float = 1.0
-    # (module id, version) of every module of its path: the versions its unit's Δ is
-    # relative to (the unit's base, or with outer.overlap eager those it rebased onto,
-    # rounds.rebase); proof of useful work scores it there. (): the unit's base versions.
-    delta_base: tuple[tuple[str, int], ...] = ()
-
-
-@dataclass
-class Verdict:
-    upload: Upload
-    file: Path | None = None  # the verified local copy while it is needed
-    norm: float | None = None
-    reason: str = ""  # "<code>: <message>" when rejected
-    cosine: float | None = None  # with the module's outer momentum
-    score: verify.Score | None = None  # proof of useful work
-
-    @property
-    def accepted(self) -> bool:
-        return not self.reason
-
-    def reject(self, code: str, message: str) -> None:
-        self.reason = f"{code}: {message}"
-        if self.file is not None:
-            self.file.unlink(missing_ok=True)
-            self.file = None
-
-
-@dataclass(frozen=True)
 class BaseVersion:
     """The version the round's contributions were trained from."""
 
@@ -197,185 +146,14 @@ class StepResult:
     tokens: int = 0
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
-    replicas: list[tuple[int, int, bool]] = field(default_factory=list)  # (worker, worker, agreed)
+    whole_unit: int = 0  # a whole unit's tokens: credit's measure of work
+    replicas: list[tuple[int, str]] = field(default_factory=list)  # (worker, counter it moves)
 
     @property
     def accepted_median_norm(self) -> float | None:
         """The median norm of the accepted Δs: the module's history for later rounds."""
         norms = [v.norm for v in self.verdicts if v.accepted and v.norm is not None]
         return statistics.median(norms) if norms else None
-
-
-# (upload, its decoded Δ) -> its score, or None when it cannot be scored
-ScoreFn = Callable[[Upload, Mapping[str, Tensor]], "verify.Score | None"]
-
-
-def fetch(store: BlobStore, upload: Upload, directory: Path) -> tuple[Path, bytearray]:
-    """Download one upload to a file and to memory (for pass 1, which then drops it),
-    refusing it unless its size and sha256 are the ones declared.
-
-    The declared size is bounded by the completion check (an fp32 module plus a header),
-    and a larger upload is refused as soon as it passes that size.
-    """
-    path = directory / f"contribution-{upload.contribution_id}.safetensors"
-    digest, size, data = hashlib.sha256(), 0, bytearray(upload.size)
-    try:
-        stream: BinaryIO = store.open(upload.key)
-    except BlobNotFound:
-        raise CodecError("missing", "nothing was uploaded under its key") from None
-    complete = False
-    try:
-        with stream, open(path, "wb") as out:
-            while chunk := stream.read(DOWNLOAD_CHUNK):
-                if size + len(chunk) > upload.size:
-                    raise CodecError("size_mismatch", f"larger than the {upload.size} B declared")
-                data[size : size + len(chunk)] = chunk
-                size += len(chunk)
-                digest.update(chunk)
-                out.write(chunk)
-        if size != upload.size:
-            raise CodecError("size_mismatch", f"{size} B uploaded, {upload.size} B declared")
-        if digest.hexdigest() != upload.sha256:
-            raise CodecError("checksum_mismatch", "its sha256 differs from the one declared")
-        complete = True
-    finally:
-        if not complete:
-            path.unlink(missing_ok=True)
-    return path, data
-
-
-def check_upload(store: BlobStore, upload: Upload, spec: Spec, work: Path) -> tuple[Path, float]:
-    """Fetch one upload and check it completely: (its file, its norm), or CodecError."""
-    path, data = fetch(store, upload, work)
-    try:
-        # The whole blob's sha256 was checked while it downloaded; the per-tensor digests
-        # inside come from the same worker and would add nothing.
-        stats = codecs.verify(data, spec, verify_checksum=False)
-    except CodecError:
-        path.unlink()
-        raise
-    if not math.isfinite(stats.norm):
-        path.unlink()
-        raise CodecError("norm_overflow", "its norm overflows fp32")
-    return path, stats.norm
-
-
-def verify_uploads(
-    store: BlobStore,
-    uploads: Sequence[Upload],
-    spec: Spec,
-    reject_norm_factor: float,
-    work: Path,
-    *,
-    cfg: OuterConfig | None = None,
-    history: Sequence[float] = (),
-    momentum: Mapping[str, Tensor] | None = None,
-    scorer: ScoreFn | None = None,
-) -> list[Verdict]:
-    """Pass 1: every upload fetched, checked and measured; outliers by norm rejected; then,
-    with `cfg` and ``cfg.verify``, the history, direction and useful-work checks."""
-    verdicts = []
-    for upload in uploads:
-        verdict = Verdict(upload)
-        try:
-            verdict.file, verdict.norm = check_upload(store, upload, spec, work)
-        except CodecError as exc:  # the codec's refusals and ours share one shape
-            verdict.reject(exc.code, str(exc))
-        verdicts.append(verdict)
-    verified = [v for v in verdicts if v.accepted]
-    if verified:
-        norms = [float(v.norm or 0.0) for v in verified]
-        median = statistics.median(norms)
-        for verdict, outlier in zip(
-            verified, norm_outliers(norms, reject_norm_factor), strict=True
-        ):
-            if outlier:
-                verdict.reject(
-                    "norm_outlier",
-                    f"norm {verdict.norm:.4g} exceeds {reject_norm_factor:g} x the round's "
-                    f"median {median:.4g} (outer.reject_norm_factor)",
-                )
-    if cfg is not None and cfg.verify:
-        screen_verdicts(verdicts, spec, cfg, history, momentum, scorer)
-    return verdicts
-
-
-def screen_verdicts(
-    verdicts: Sequence[Verdict],
-    spec: Spec,
-    cfg: OuterConfig,
-    history: Sequence[float],
-    momentum: Mapping[str, Tensor] | None,
-    scorer: ScoreFn | None,
-) -> None:
-    """rounds.verify's checks on the verified uploads, one decoded Δ in memory at a time."""
-    candidates = []
-    for v in verdicts:
-        if not v.accepted or v.file is None:
-            continue
-        needs_delta = momentum is not None or (scorer is not None and cfg.score)
-        if needs_delta and not v.upload.replayed and (v.norm or 0.0) > 0:
-            delta = codecs.decode(v.file, spec, verify_checksum=False)
-            if momentum is not None:
-                v.cosine = verify.cosine(delta, momentum)
-            if scorer is not None and cfg.score:
-                try:
-                    v.score = scorer(v.upload, delta)
-                except CodecError as exc:  # another module's Δ of its unit is unusable
-                    v.reject("unit_invalid", f"its unit's Δ cannot be scored: {exc}")
-                    continue
-            del delta
-        candidates.append(
-            verify.Candidate(
-                v.upload.contribution_id,
-                float(v.norm or 0.0),
-                cosine=v.cosine,
-                score=v.score,
-                replayed=v.upload.replayed,
-                work=v.upload.work,
-            )
-        )
-    refused = verify.screen(candidates, history, cfg)
-    for v in verdicts:
-        reason = refused.get(v.upload.contribution_id)
-        if reason:
-            code, _, message = reason.partition(": ")
-            v.reject(code, message)
-
-
-def compare_replicas(
-    verdicts: Sequence[Verdict], spec: Spec, cfg: OuterConfig
-) -> list[tuple[int, int, bool]]:
-    """Each check copy's Δ against its original's (rounds.replication, rounds.verify
-    .replicas_agree): on a disagreement both are rejected. (worker, worker, agreed) per
-    pair that could be compared: both uploads verified and not refused otherwise, and
-    trained on the same number of tokens."""
-    by_id = {v.upload.contribution_id: v for v in verdicts}
-    pairs = []
-    for check in verdicts:
-        original = by_id.get(check.upload.check_of) if check.upload.check_of else None
-        if original is None or not (check.accepted and original.accepted):
-            continue
-        if check.upload.tokens != original.upload.tokens:
-            # One of them was salvaged partway (or sized to another speed): Δs of different
-            # lengths of training are not comparable, and neither says the other is wrong.
-            continue
-        if check.upload.delta_base != original.upload.delta_base:
-            # outer.overlap eager: one rebased onto round t - 1's versions, the other could
-            # not in time (rounds.rebase). Relative to other versions, they are not comparable.
-            continue
-        assert check.file is not None and original.file is not None
-        agree, why = verify.replicas_agree(
-            codecs.decode(original.file, spec, verify_checksum=False),
-            codecs.decode(check.file, spec, verify_checksum=False),
-            cfg,
-        )
-        pairs.append((original.upload.worker_id, check.upload.worker_id, agree))
-        if not agree:
-            message = f"two workers trained unit {original.upload.unit_id}: {why}"
-            original.reject(verify.REPLICA, message)
-            check.reject(verify.REPLICA, message)
-    return pairs
 
 
 def contributing_paths(accepted: Sequence[Verdict]) -> int:
@@ -404,6 +182,9 @@ def aggregate_uploads(
             limit = verify.clip_limit([float(v.norm or 0.0) for v in accepted], history, cfg)
         accumulator = DeltaAccumulator(spec, token_weighting=cfg.token_weighting, clip_norm=limit)
         for verdict in accepted:
+            if verdict.raw is not None:  # a check decoded it already: read back, not again
+                accumulator.add(verdict.decoded(spec), verdict.upload.tokens)
+                continue
             assert verdict.file is not None
             # Its sha256 was checked as it downloaded (pass 1).
             accumulator.add_encoded(
@@ -422,14 +203,11 @@ def _trimmed_mean(
 ) -> dict[str, Tensor]:
     """dipaco.outer.trimmed_mean, chunk by chunk over Δs decoded to raw fp32 files."""
     raw_files = []
-    for verdict in accepted:  # one decoded Δ in memory at a time
-        assert verdict.file is not None
-        decoded = codecs.decode(verdict.file, spec, verify_checksum=False)
-        raw = verdict.file.with_suffix(".f32")
-        with open(raw, "wb") as out:
-            for name in spec:
-                out.write(decoded[name].contiguous().view(torch.uint8).numpy().data)
-        del decoded
+    for verdict in accepted:  # each decoded to a raw fp32 file, once (Verdict.decoded)
+        if verdict.raw is None:
+            verdict.decoded(spec)
+        raw = verdict.raw
+        assert raw is not None
         raw_files.append(raw)
     tokens = [v.upload.tokens for v in accepted]
     chunk = max(1, TRIM_CHUNK // len(accepted))
@@ -522,36 +300,25 @@ def compute_step(
     weights are the base plus exactly its decoded values (rounds.publish.encode_update).
     """
     clock = time.perf_counter()
-    verdicts = verify_uploads(
-        store,
-        uploads,
-        spec,
-        cfg.reject_norm_factor,
-        work,
-        cfg=cfg,
-        history=history,
-        momentum=momentum,
-        scorer=scorer,
+    verdicts, replicas = check_contributions(
+        store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer
     )
-    result = StepResult(verdicts)
-    result.replicas = compare_replicas(verdicts, spec, cfg)
+    result = StepResult(verdicts, replicas=replicas)
     result.timings["verify"] = time.perf_counter() - clock
     norms = [v.norm for v in result.verdicts if v.norm is not None]
     result.median_norm = statistics.median(norms) if norms else None
-    for v in result.verdicts:  # check copies are compared, never aggregated
-        if v.upload.check_of is not None and v.file is not None:
-            v.file.unlink(missing_ok=True)
-            v.file = None
-    accepted = [v for v in result.verdicts if v.accepted and v.upload.check_of is None]
+    accepted = aggregated(result.verdicts)
+    chosen = {v.upload.contribution_id for v in accepted}
+    for v in result.verdicts:  # a check copy of an accepted original: compared, no more
+        if v.upload.contribution_id not in chosen:
+            v.release()
     if accepted:
         if base is None:
             raise ValueError("contributions without a base version: the round has no units")
         grad = aggregate_uploads(accepted, spec, cfg, work, history)
         result.timings["aggregate"] = time.perf_counter() - clock
         for verdict in accepted:  # done with them: free the disk before the step
-            if verdict.file is not None:
-                verdict.file.unlink(missing_ok=True)
-            verdict.file = None
+            verdict.release()
         result.update_norm = math.sqrt(
             sum(float(torch.linalg.vector_norm(t)) ** 2 for t in grad.values())
         )
@@ -618,8 +385,8 @@ def step_module(
     rows = list(ordered)
     whole_unit = unit_tokens(config)
     delta_bases = _delta_bases(rows)
-    replays = _replays(run_id, t, rows)
-    checks = _check_copies(rows)  # identical bytes to their originals: agreement
+    replays = replayed(run_id, t, rows)
+    checks = check_copies(rows)
     uploads = [
         Upload(
             c.pk,
@@ -636,6 +403,7 @@ def step_module(
             check_of=checks.get(c.pk),
             partial=c.tokens < lease_tokens(c.lease, config),
             work=min(1.0, min(c.tokens, lease_tokens(c.lease, config)) / whole_unit),
+            sized=min(1.0, lease_tokens(c.lease, config) / whole_unit),
             delta_base=delta_bases[c.lease_id],
         )
         for c in rows
@@ -653,7 +421,7 @@ def step_module(
         outer = config.outer
         momentum, scorer = None, None
         if outer.verify and uploads and base is not None:
-            momentum = _momentum(store, base, spec, work)
+            momentum = outer_momentum(store, base.momentum_key, spec, work)
             if outer.score:
                 scorer = Scorer(store, round_, module, config, work)
         result = compute_step(
@@ -664,11 +432,12 @@ def step_module(
             outer,
             work,
             round_index=local_round(round_.run.run_config, t),
-            history=_history(module, t, outer.history_rounds),
+            history=norm_history(module, t, outer.history_rounds),
             momentum=momentum,
             scorer=scorer,
             comm=config.comm,
         )
+        result.whole_unit = whole_unit
         report = _commit(store, module, round_, base, result)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -688,248 +457,6 @@ def _delta_bases(rows: Sequence[Contribution]) -> dict[int, tuple[tuple[str, int
     for lease_id, module_id, version in recorded:
         bases[lease_id][module_id] = version
     return {lease: tuple(sorted(versions.items())) for lease, versions in bases.items()}
-
-
-def _check_copies(rows: Sequence[Contribution]) -> dict[int, int]:
-    """Check copy's contribution -> its original's (same path and windows), among `rows`.
-    A copy whose original brought no Δ is an ordinary contribution."""
-    originals = {
-        (c.unit.path_id, c.unit.data_position): c.pk for c in rows if c.unit.replica < CHECK_OFFSET
-    }
-    return {
-        c.pk: originals[(c.unit.path_id, c.unit.data_position)]
-        for c in rows
-        if c.unit.replica >= CHECK_OFFSET and (c.unit.path_id, c.unit.data_position) in originals
-    }
-
-
-def _replays(run_id: int, t: int, rows: Sequence[Contribution]) -> set[int]:
-    """The contributions whose bytes (sha256) a contribution of an earlier round carried.
-
-    Within one round, identical bytes from two units say only that both computed the same
-    thing (a deterministic machine, the same base and windows): which one copied cannot be
-    told, and the first to complete is not always the honest one (bench/attacks.py
-    measured an honest worker refused that way), so they are left to the other checks.
-    """
-    earlier = Contribution.objects.filter(
-        unit__round__run_id=run_id, unit__round__t__lt=t, sha256__in={c.sha256 for c in rows}
-    ).values_list("sha256", flat=True)
-    seen = set(earlier)
-    return {c.pk for c in rows if c.sha256 in seen}
-
-
-def _history(module: Module, t: int, rounds: int) -> list[float]:
-    """The module's accepted median Δ norms of its last `rounds` steps before round t."""
-    steps = OuterStep.objects.filter(
-        module=module, round__t__lt=t, median_norm__isnull=False, accepted__gt=0
-    ).order_by("-round__t")
-    return [float(n) for n in steps.values_list("median_norm", flat=True)[:rounds]]
-
-
-def _momentum(
-    store: BlobStore, base: BaseVersion, spec: Spec, work: Path
-) -> dict[str, Tensor] | None:
-    """The module's outer momentum at the base version (None before its first step)."""
-    if not base.momentum_key:
-        return None
-    path = work / "momentum-check.safetensors"
-    store.download_to(base.momentum_key, path)
-    try:
-        return read_module(path, spec)
-    finally:
-        path.unlink(missing_ok=True)
-
-
-_PathKey = tuple[int, tuple[tuple[str, int], ...]]  # (path, the versions its Δ is relative to)
-
-
-class Scorer:
-    """Proof of useful work for one module's step (rounds.verify.score_delta): each Δ
-    applied alone to its path's base weights, on ``outer.score_windows`` windows of its
-    unit's own training data and as many held-out windows of the path's validation shard.
-
-    A path's base modules, shards and base losses are loaded once per step, on first use;
-    each further Δ costs two forward passes. The score is the unit's, not the module's: the
-    first step of the round to compute it records it on the lease (`Lease.score`, with the
-    versions it is relative to), and the steps of the path's other modules take it from there.
-    Each Δ's own checks (size, digest, content, norm, direction) still run in its own step,
-    and the digests pin what every step reads, so the recorded score is of the same bytes.
-    CPU seconds spent: `seconds`; scores reused: `reused`.
-    """
-
-    def __init__(
-        self, store: BlobStore, round_: Round, module: Module, config: Any, work: Path
-    ) -> None:
-        from dipaco.model import build_model
-
-        self.store, self.round, self.module = store, round_, module
-        self.config, self.work = config, work
-        self.model = build_model(config.model, config.seed)
-        # Keyed by path and the versions its Δs are relative to (outer.overlap eager: the
-        # unit's base versions, or those it rebased onto).
-        self.paths: dict[_PathKey, tuple[dict[str, dict[str, Tensor]], Tensor]] = {}
-        # Why a path could not be loaded (a shard or version missing): asked once per step,
-        # not again for each of its Δs (each attempt downloaded the path's modules anew).
-        self.unloadable: dict[_PathKey, Exception] = {}
-        self.base: dict[tuple[_PathKey, int], tuple[float, float]] = {}
-        self.train: dict[int, Any] = {}
-        self.dtype: Any = None
-        self.seconds = 0.0
-        self.scored = 0
-        self.reused = 0
-
-    def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> verify.Score | None:
-        """The unit's whole Δ scored (rounds.verify.score_delta); CodecError when another
-        module's upload of the unit is not what its worker declared."""
-        recorded = self._recorded(upload)
-        if recorded is not None:
-            self.reused += 1
-            return recorded
-        clock = time.process_time()
-        try:
-            key = (upload.path, upload.delta_base)
-            modules, heldout = self._path(upload.path, upload.delta_base)
-            train = self._train_windows(upload.path, upload.position)
-            deltas = {**self._siblings(upload), self.module.module_id: delta}
-            score = verify.score_delta(
-                self.config,
-                upload.path,
-                self.model,
-                modules,
-                deltas,
-                train,
-                heldout,
-                before=self.base.get((key, upload.position)),
-            )
-        except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
-            # Nothing to score it on: the other checks still hold.
-            logger.warning("contribution %d not scored: %s", upload.contribution_id, exc)
-            return None
-        finally:
-            self.seconds += time.process_time() - clock
-        self.base[(key, upload.position)] = (score.train_before, score.heldout_before)
-        self.scored += 1
-        # A concurrent step of another module may have recorded it meanwhile: same inputs,
-        # same score; the first write stays.
-        Lease.objects.filter(pk=upload.lease_id, score__isnull=True).update(
-            score={"base": [list(pair) for pair in upload.delta_base], **score.as_dict()}
-        )
-        return score
-
-    def _recorded(self, upload: Upload) -> verify.Score | None:
-        """The unit's score as another module's step recorded it, when it is relative to the
-        same versions as this Δ; None otherwise."""
-        if not upload.lease_id:
-            return None
-        row = Lease.objects.filter(pk=upload.lease_id).values_list("score", flat=True).first()
-        if not isinstance(row, dict) or [list(p) for p in upload.delta_base] != row.get("base"):
-            return None
-        try:
-            return verify.Score(
-                float(row["train_before"]),
-                float(row["train_after"]),
-                float(row["heldout_before"]),
-                float(row["heldout_after"]),
-            )
-        except (KeyError, TypeError, ValueError):
-            return None
-
-    def _siblings(self, upload: Upload) -> dict[str, dict[str, Tensor]]:
-        """The unit's Δs of its path's other modules, fetched and checked like its own."""
-        from dipaco.modular import module_spec
-
-        others = Contribution.objects.filter(lease_id=upload.lease_id).exclude(
-            module_id=self.module.pk
-        )
-        deltas = {}
-        for c in others.select_related("module"):
-            sibling = Upload(c.pk, upload.worker_id, c.blob_key, c.size, c.sha256, c.tokens)
-            path, _ = fetch(self.store, sibling, self.work)
-            try:
-                spec = module_spec(self.config, c.module.module_id)
-                deltas[c.module.module_id] = codecs.decode(path, spec, verify_checksum=False)
-            finally:
-                path.unlink(missing_ok=True)
-        return deltas
-
-    def _path(
-        self, p: int, delta_base: tuple[tuple[str, int], ...] = ()
-    ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
-        """Path p's modules at the versions its Δ is relative to (`delta_base`; (): its
-        units' base versions) and its held-out windows."""
-        if (p, delta_base) in self.paths:
-            return self.paths[(p, delta_base)]
-        if (p, delta_base) in self.unloadable:  # without the traceback of each earlier raise
-            raise self.unloadable[(p, delta_base)].with_traceback(None)
-        try:
-            self.paths[(p, delta_base)] = self._load_path(p, delta_base)
-        except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
-            self.unloadable[(p, delta_base)] = exc
-            raise
-        return self.paths[(p, delta_base)]
-
-    def _load_path(
-        self, p: int, delta_base: tuple[tuple[str, int], ...]
-    ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
-        from dipaco.data.shards import ShardIndex
-        from dipaco.evaluate import stream_windows
-        from dipaco.modular import module_spec, modules_of_path
-
-        run_id, phase = self.module.run_id, self.module.phase
-        versions = dict(delta_base)
-        if not versions:
-            unit = WorkUnit.objects.filter(round=self.round, path__index=p).first()
-            versions = unit.base_versions if unit is not None else {}
-        modules = {}
-        for module_id in modules_of_path(self.config, p):
-            version = ModuleVersion.objects.get(
-                module__run_id=run_id,
-                module__phase=phase,
-                module__module_id=module_id,
-                version=versions[module_id],
-            )
-            file = self.work / f"score-{module_id}.safetensors"
-            self.store.download_to(version.blob_key, file)
-            spec = module_spec(self.config, module_id)
-            modules[module_id] = read_module(file, spec, version.sha256)
-            file.unlink()
-        if self.dtype is None:
-            self.store.download_to(data_index_key(run_id, phase), self.work / "index.json")
-            self.dtype = ShardIndex.load(self.work).dtype
-        val = self.work / f"score-val-{p}.bin"
-        self.store.download_to(keys.data_key(run_id, p, "val", phase), val)
-        tokens = torch.from_numpy(np.fromfile(val, dtype=self.dtype).astype(np.int64))
-        val.unlink()
-        windows = stream_windows(tokens, self.config.model.seq_len)
-        heldout = windows[-self.config.outer.score_windows :].clone()
-        if heldout.shape[0] == 0:
-            raise ValueError(f"path {p} has no held-out window to score on")
-        return modules, heldout
-
-    def _train_windows(self, p: int, position: int) -> Tensor:
-        from dipaco.data.shards import TokenShard
-        from dipaco.data.windows import ShardSource
-
-        if p not in self.train:
-            file = self.work / f"score-train-{p}.bin"
-            run_id, phase = self.module.run_id, self.module.phase
-            self.store.download_to(keys.data_key(run_id, p, "train", phase), file)
-            self.train[p] = ShardSource.for_path(TokenShard(file, self.dtype), self.config, p)
-        count = self.config.outer.score_windows
-        batch: Tensor = self.train[p].batch(position, count, self.config.model.seq_len)
-        return batch
-
-
-# Reasons a salvaged partial Δ, or one of a lease sized below H (the round's deadline, a
-# calibration), may fail honestly: a step or two moves the weights too little to show a
-# gain or a norm near the module's history. Refused and not credited, but its
-# worker's trust does not fall for it (a preempted volunteer is not an attacker).
-WEAK_REASONS = frozenset({verify.NO_GAIN, verify.NORM_LOW})
-
-
-def _weak_partial(verdict: Verdict) -> bool:
-    short = verdict.upload.partial or verdict.upload.work < 1.0
-    return short and verdict.reason.split(":")[0] in WEAK_REASONS
 
 
 def _base_version(round_: Round, module: Module) -> BaseVersion | None:
@@ -962,38 +489,6 @@ def _latest_version(module: Module, t: int) -> BaseVersion:
         version.momentum_key,
         version.residual_key,
     )
-
-
-def _count(verdicts: Sequence[Verdict], counter: str) -> None:
-    """Add each worker's contributions to its `counter` (docs/design.md §4: drops count against it)."""
-    for worker_id, n in Counter(v.upload.worker_id for v in verdicts).items():
-        Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + n})
-
-
-def _credit(unit_ids: set[int]) -> None:
-    """Credit each unit whose contributions are now all settled and all accepted: one
-    unit and its tokens to the worker that completed it (issue 19: credit only for
-    accepted, verified work). Inside the step's transaction; the unit rows are locked in
-    pk order, so of two modules' steps settling one unit's last contributions concurrently,
-    the second waits, then sees the first's, and exactly one of them credits it.
-    """
-    if not unit_ids:
-        return
-    list(WorkUnit.objects.select_for_update().filter(pk__in=unit_ids).order_by("pk"))
-    rows = Contribution.objects.filter(unit_id__in=unit_ids).values_list(
-        "unit_id", "status", "tokens", "lease__worker_id"
-    )
-    by_unit: dict[int, list[tuple[str, int, int]]] = {}
-    for unit_id, status, tokens, worker_id in rows:
-        by_unit.setdefault(unit_id, []).append((status, tokens, worker_id))
-    for contributions in by_unit.values():
-        if any(status != Contribution.Status.ACCEPTED for status, _, _ in contributions):
-            continue  # a Δ still pending (another module's step credits it) or rejected
-        tokens, worker_id = min(t for _, t, _ in contributions), contributions[0][2]
-        Worker.objects.filter(pk=worker_id).update(
-            units_completed=F("units_completed") + 1,
-            tokens_processed=F("tokens_processed") + tokens,
-        )
 
 
 def _commit(
@@ -1054,14 +549,7 @@ def _commit(
             Contribution.objects.filter(
                 pk=verdict.upload.contribution_id, status=Contribution.Status.PENDING
             ).update(status=status, reason=verdict.reason, verified_at=now)
-        _count(accepted, "contributions_accepted")
-        _count(rejected, "contributions_rejected")
-        trust.penalise(v.upload.worker_id for v in rejected if not _weak_partial(v))
-        for a, b, agreed in result.replicas:
-            counter = "replicas_agreed" if agreed else "replicas_disagreed"
-            Worker.objects.filter(pk__in=[a, b]).update(**{counter: F(counter) + 1})
-        trust.reward(v.upload.worker_id for v in accepted)
-        _credit({v.upload.unit_id for v in result.verdicts})
+        settle(result.verdicts, result.replicas, result.whole_unit)
         step = OuterStep.objects.create(
             round=round_,
             module=module,

@@ -53,6 +53,7 @@ DIRECTION = "against_momentum"
 NO_GAIN = "no_training_gain"
 HELDOUT = "heldout_loss_up"
 REPLICA = "replica_disagrees"
+PEER = "against_peers"
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,18 @@ class Score:
     @property
     def gain(self) -> float:
         return self.train_before - self.train_after
+
+    @classmethod
+    def from_dict(cls, row: object) -> Score | None:
+        """The score `as_dict` recorded (Lease.score), or None when it is not one."""
+        if not isinstance(row, dict):
+            return None
+        try:
+            values = [float(row[k]) for k in ("train_before", "train_after")]
+            values += [float(row[k]) for k in ("heldout_before", "heldout_after")]
+        except (KeyError, TypeError, ValueError):
+            return None
+        return cls(*values)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -193,8 +206,7 @@ def replicas_agree(a: Tensors, b: Tensors, cfg: OuterConfig) -> tuple[bool, str]
     """Two Δs of one unit by two workers: (agree, why not). Training is not bit-exact
     across machines (kernels, warm AdamW moments), so the test is a tolerance: their cosine
     at least ``replica_min_cosine`` and their norms within ``replica_norm_ratio`` x."""
-    na = math.sqrt(sum(float(t.double().pow(2).sum()) for t in a.values()))
-    nb = math.sqrt(sum(float(t.double().pow(2).sum()) for t in b.values()))
+    na, nb = _norm(a), _norm(b)
     if na == 0 or nb == 0:
         return (na == nb), "one of the two Δs is zero"
     ratio = max(na, nb) / min(na, nb)
@@ -207,6 +219,174 @@ def replicas_agree(a: Tensors, b: Tensors, cfg: OuterConfig) -> tuple[bool, str]
     if cos < cfg.replica_min_cosine:
         return False, f"cosine {cos:.3f} < outer.replica_min_cosine = {cfg.replica_min_cosine:g}"
     return True, ""
+
+
+# Two uploads this close are one Δ twice: training the same unit twice on a CPU is
+# bit-identical (the CPU path is bit-reproducible), and a colluder copies its partner's.
+IDENTICAL_COSINE = 1 - 1e-6
+IDENTICAL_NORM_RATIO = 1 + 1e-6
+
+
+@dataclass(frozen=True)
+class ReplicaEvidence:
+    """What is known of one copy of a replicated unit besides its Δ."""
+
+    score: Score | None = None
+    cosine: float | None = None  # with the module's outer momentum
+    sha256: str = ""
+
+
+@dataclass(frozen=True)
+class ReplicaOutcome:
+    """How a replica pair is settled. `kind`: "agree" (each confirms the other),
+    "identical" (one Δ twice: neither confirms the other, the other checks alone judge
+    both), "disagree" (`loser`, 0 the original or 1 the check copy, is refused; never
+    both) or "unsettled" (they disagree and nothing tells which is right: neither refused,
+    neither confirmed)."""
+
+    kind: str
+    loser: int | None = None
+    why: str = ""
+
+
+def settle_replicas(
+    original: Tensors,
+    check: Tensors,
+    cfg: OuterConfig,
+    evidence: tuple[ReplicaEvidence, ReplicaEvidence] = (ReplicaEvidence(), ReplicaEvidence()),
+) -> ReplicaOutcome:
+    """Two workers' Δs of one unit, settled by evidence (issue 34).
+
+    Identical Δs prove nothing: an honest pair on deterministic CPUs computes the same
+    bytes, and so does a colluder copying its partner, so identity is neither agreement
+    nor disagreement. A disagreement rejects only the copy the evidence finds worse: the
+    smaller proof-of-useful-work gain on the unit's own windows (both copies start from the
+    same base on the same windows, so their gains compare directly; ties go to the lower
+    held-out loss), else the lower cosine with the module's outer momentum. Rejecting both
+    let one dishonest copy take an honest original down with it.
+    """
+    a, b = evidence
+    if a.sha256 and a.sha256 == b.sha256:
+        return ReplicaOutcome("identical", why="byte-identical uploads")
+    na, nb = _norm(original), _norm(check)
+    same_norm = na > 0 and nb > 0 and max(na, nb) / min(na, nb) <= IDENTICAL_NORM_RATIO
+    if same_norm and (cosine(original, check) or 0.0) >= IDENTICAL_COSINE:
+        return ReplicaOutcome("identical", why="the same Δ within float rounding")
+    agree, why = replicas_agree(original, check, cfg)
+    if agree:
+        return ReplicaOutcome("agree")
+    if a.score is not None and b.score is not None:
+        key_a = (a.score.gain, -a.score.heldout_after)
+        key_b = (b.score.gain, -b.score.heldout_after)
+        if key_a != key_b:
+            loser = 0 if key_a < key_b else 1
+            worse, better = (a.score, b.score) if loser == 0 else (b.score, a.score)
+            return ReplicaOutcome(
+                "disagree",
+                loser,
+                f"{why}; applied alone it lowers its unit's training loss by "
+                f"{worse.gain:.4f}, the other copy by {better.gain:.4f}",
+            )
+    if a.cosine is not None and b.cosine is not None and a.cosine != b.cosine:
+        loser = 0 if a.cosine < b.cosine else 1
+        worse_cos, better_cos = sorted((a.cosine, b.cosine))
+        return ReplicaOutcome(
+            "disagree",
+            loser,
+            f"{why}; its cosine with the module's outer momentum is {worse_cos:.3f}, the "
+            f"other copy's {better_cos:.3f}",
+        )
+    return ReplicaOutcome("unsettled", why=why)
+
+
+def _norm(delta: Tensors) -> float:
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in delta.values()))
+
+
+def useful_fraction(
+    score: Score | None, work: float, peers: Sequence[tuple[Score, float]]
+) -> float:
+    """The share of a unit's claimed tokens that its verified work earns, 0..1 (issue 34).
+
+    Measured by proof of useful work: the Δ's relative gain on its own windows per unit of
+    work it claims (`work`, the fraction of a whole unit's tokens), against the median of
+    the same for `peers` (the round's other accepted units, (score, work) each): every
+    unit of a round starts from the same versions, so an honest one buys about the same
+    gain per token. A Δ scaled to a tenth buys a fraction of the gain and so of the credit;
+    claiming fewer tokens raises the rate but the credit is capped at the tokens claimed.
+    Without a score or a peer there is nothing to measure against: 1.
+    """
+    if score is None or not peers:
+        return 1.0
+    reference = statistics.median(_gain_rate(s, w) for s, w in peers)
+    if not reference > 0:
+        return 1.0
+    return min(1.0, max(0.0, _gain_rate(score, work) / reference))
+
+
+def _gain_rate(score: Score, work: float) -> float:
+    if not score.train_before > 0:
+        return 0.0
+    return score.gain / score.train_before / max(work, 1e-6)
+
+
+# Before a module's first step it has no history and no momentum, and a sign flip of a
+# Δ trained from a fresh start still lowers its own unit's loss (issue 34: 9.04 -> 7.25
+# against 6.73 for the honest Δ). What holds then is the round's other Δs through the
+# module: trained from the same versions, honest ones point the same way. Unrelated Δs sit
+# near 0 (random directions: |cosine| ~ 1/√values), so the bar sits below it: only a Δ
+# that points against its peers is refused.
+PEER_MIN_COSINE = -0.1
+
+
+def peer_refusals(
+    cosines: Mapping[tuple[int, int], float | None], rates: Mapping[int, float | None]
+) -> dict[int, str]:
+    """{key: "<code>: <message>"} for the Δs of a module's first step that point against
+    most of the others (cosine below PEER_MIN_COSINE with more than half of them). Two Δs
+    are symmetric: the one with the lower gain per token (`rates`, `gain_rate`) is
+    refused, or neither without both rates. When half of the Δs or more would be refused,
+    none is: nothing tells which side is right, and the checks of later rounds (history,
+    momentum) still hold. `cosines`: (a, b) -> cos(Δa, Δb) for every pair of the Δs
+    (`pairwise_cosines`)."""
+    keys = sorted({k for pair in cosines for k in pair})
+    if len(keys) < 2:
+        return {}
+    against: dict[int, int] = dict.fromkeys(keys, 0)
+    for (a, b), cos in cosines.items():
+        if cos is not None and cos < PEER_MIN_COSINE:
+            against[a] += 1
+            against[b] += 1
+    if len(keys) == 2:
+        a, b = keys
+        ra, rb = rates.get(a), rates.get(b)
+        if not against[a] or ra is None or rb is None or ra == rb:
+            return {}
+        low = {a if ra < rb else b}
+        why = "points against the other Δ through it and buys less gain per token"
+    else:
+        low = {k for k, n in against.items() if 2 * n > len(keys) - 1}
+        if 2 * len(low) >= len(keys):
+            return {}
+        why = "points against most of the other Δs through it"
+    return {
+        k: f"{PEER}: in the module's first step (no history yet) it {why} "
+        f"(cosine below {PEER_MIN_COSINE:g})"
+        for k in low
+    }
+
+
+def pairwise_cosines(deltas: Mapping[int, Tensors]) -> dict[tuple[int, int], float | None]:
+    """cos(Δa, Δb) for every pair of `deltas`, as `peer_refusals` takes them."""
+    keys = list(deltas)
+    return {(a, b): cosine(deltas[a], deltas[b]) for n, a in enumerate(keys) for b in keys[n + 1 :]}
+
+
+def gain_rate(score: Score | None, work: float) -> float | None:
+    """A score's relative gain on its unit's windows per unit of work claimed."""
+    if score is None:
+        return None
+    return _gain_rate(score, work)
 
 
 # --- proof of useful work ------------------------------------------------------------------

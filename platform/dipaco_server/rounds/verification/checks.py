@@ -1,0 +1,253 @@
+"""The acceptance checks of one module's step, in order, behind one entry point
+(`check_contributions`; docs/design.md §7):
+
+1. **format** (`uploads.check_upload`): size and sha256 against what the worker declared,
+   hashed as it downloads; then `codecs.verify` against the module's spec for its norm.
+   Norms above ``outer.reject_norm_factor`` x the median of the verified ones are outliers.
+2. **history, direction, useful work** (`screen_verdicts`, rounds.verify's rules, with
+   ``outer.verify``): replay, norm against the module's history, cosine with its outer
+   momentum, proof of useful work (`scorer.Scorer`).
+3. **replication** (`compare_replicas`): a check copy's Δ against its original's, a
+   disagreement settled by evidence; `aggregated` puts a check copy in the place of a
+   refused original.
+4. **peers** (`peer_check`), in a module's first step only: no free first round.
+
+Each Δ is decoded to tensors at most once (`Verdict.decoded`) and kept for the later
+checks and the aggregation: pass 1 holds every verified Δ of the module in fp32.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from dipaco.codecs import CodecError
+from dipaco.config import OuterConfig
+from dipaco.modules_file import Spec
+from dipaco.outer import norm_outliers
+from dipaco_server.rounds import verify
+from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict, check_upload
+from dipaco_server.storage import BlobStore
+
+GRAM_CHUNK = 1 << 16  # values of each Δ per step of the peer check's Gram matrix
+
+
+def check_contributions(
+    store: BlobStore,
+    uploads: Sequence[Upload],
+    spec: Spec,
+    cfg: OuterConfig,
+    work: Path,
+    *,
+    history: Sequence[float] = (),
+    momentum: Mapping[str, Tensor] | None = None,
+    scorer: ScoreFn | None = None,
+) -> tuple[list[Verdict], list[tuple[int, str]]]:
+    """Every check on one module's uploads: (a verdict per upload, in order; (worker,
+    the replica counter it moves) per settled replica pair). An accepted verdict keeps its verified
+    file (and its decoded Δ, when a check decoded it) for the aggregation; `aggregated`
+    picks the ones that go into the step."""
+    verdicts = verify_uploads(
+        store,
+        uploads,
+        spec,
+        cfg.reject_norm_factor,
+        work,
+        cfg=cfg,
+        history=history,
+        momentum=momentum,
+        scorer=scorer,
+    )
+    replicas = compare_replicas(verdicts, spec, cfg)
+    if cfg.verify and not history:
+        peer_check(verdicts, spec)
+    return verdicts, replicas
+
+
+def peer_check(verdicts: Sequence[Verdict], spec: Spec) -> None:
+    """A module's first step, before it has a history or a momentum to hold a Δ against:
+    the Δs it would aggregate against each other (rounds.verify.peer_refusals)."""
+    chosen = {v.upload.contribution_id: v for v in aggregated(verdicts) if (v.norm or 0) > 0}
+    if len(chosen) < 2:
+        return
+    refused = verify.peer_refusals(
+        _pairwise_cosines(chosen, spec),
+        {key: verify.gain_rate(v.score, v.upload.work) for key, v in chosen.items()},
+    )
+    for key, reason in refused.items():
+        code, _, message = reason.partition(": ")
+        chosen[key].reject(code, message)
+
+
+def _pairwise_cosines(
+    chosen: Mapping[int, Verdict], spec: Spec
+) -> dict[tuple[int, int], float | None]:
+    """rounds.verify.pairwise_cosines, streamed: the Gram matrix of the Δs' raw fp32
+    copies, read a chunk of each at a time (memory: Δs x chunk, not Δs x module)."""
+    keys = list(chosen)
+    for v in chosen.values():
+        if v.raw is None:
+            v.decoded(spec)  # writes the raw copy; the tensors are dropped at once
+    gram = torch.zeros(len(keys), len(keys), dtype=torch.float64)
+    total = sum(math.prod(shape) for shape, _ in spec.values())
+    handles = [open(chosen[k].raw, "rb") for k in keys]  # type: ignore[arg-type]  # noqa: SIM115
+    try:
+        for start in range(0, total, GRAM_CHUNK):
+            count = min(GRAM_CHUNK, total - start)
+            rows = torch.empty(len(keys), count, dtype=torch.float32)  # (Δs, count)
+            for row, handle in zip(rows, handles, strict=True):
+                handle.readinto(row.view(torch.uint8).numpy().data)
+            wide = rows.double()
+            gram += wide @ wide.T
+    finally:
+        for handle in handles:
+            handle.close()
+    out: dict[tuple[int, int], float | None] = {}
+    for i, a in enumerate(keys):
+        for j in range(i + 1, len(keys)):
+            scale = float(gram[i, i] * gram[j, j])
+            out[(a, keys[j])] = float(gram[i, j]) / math.sqrt(scale) if scale > 0 else None
+    return out
+
+
+def verify_uploads(
+    store: BlobStore,
+    uploads: Sequence[Upload],
+    spec: Spec,
+    reject_norm_factor: float,
+    work: Path,
+    *,
+    cfg: OuterConfig | None = None,
+    history: Sequence[float] = (),
+    momentum: Mapping[str, Tensor] | None = None,
+    scorer: ScoreFn | None = None,
+) -> list[Verdict]:
+    """Pass 1: every upload fetched, checked and measured; outliers by norm rejected; then,
+    with `cfg` and ``cfg.verify``, the history, direction and useful-work checks."""
+    verdicts = []
+    for upload in uploads:
+        verdict = Verdict(upload)
+        try:
+            verdict.file, verdict.norm = check_upload(store, upload, spec, work)
+        except CodecError as exc:  # the codec's refusals and ours share one shape
+            verdict.reject(exc.code, str(exc))
+        verdicts.append(verdict)
+    verified = [v for v in verdicts if v.accepted]
+    if verified:
+        norms = [float(v.norm or 0.0) for v in verified]
+        median = statistics.median(norms)
+        for verdict, outlier in zip(
+            verified, norm_outliers(norms, reject_norm_factor), strict=True
+        ):
+            if outlier:
+                verdict.reject(
+                    "norm_outlier",
+                    f"norm {verdict.norm:.4g} exceeds {reject_norm_factor:g} x the round's "
+                    f"median {median:.4g} (outer.reject_norm_factor)",
+                )
+    if cfg is not None and cfg.verify:
+        screen_verdicts(verdicts, spec, cfg, history, momentum, scorer)
+    return verdicts
+
+
+def screen_verdicts(
+    verdicts: Sequence[Verdict],
+    spec: Spec,
+    cfg: OuterConfig,
+    history: Sequence[float],
+    momentum: Mapping[str, Tensor] | None,
+    scorer: ScoreFn | None,
+) -> None:
+    """rounds.verify's checks on the verified uploads, one decoded Δ in memory at a time."""
+    candidates = []
+    for v in verdicts:
+        if not v.accepted or v.file is None:
+            continue
+        needs_delta = momentum is not None or (scorer is not None and cfg.score)
+        if needs_delta and not v.upload.replayed and (v.norm or 0.0) > 0:
+            delta = v.decoded(spec)
+            if momentum is not None:
+                v.cosine = verify.cosine(delta, momentum)
+            if scorer is not None and cfg.score:
+                try:
+                    v.score = scorer(v.upload, delta)
+                except CodecError as exc:  # another module's Δ of its unit is unusable
+                    v.reject("unit_invalid", f"its unit's Δ cannot be scored: {exc}")
+                    continue
+            del delta  # one decoded Δ in memory at a time
+        candidates.append(
+            verify.Candidate(
+                v.upload.contribution_id,
+                float(v.norm or 0.0),
+                cosine=v.cosine,
+                score=v.score,
+                replayed=v.upload.replayed,
+                work=v.upload.work,
+            )
+        )
+    refused = verify.screen(candidates, history, cfg)
+    for v in verdicts:
+        reason = refused.get(v.upload.contribution_id)
+        if reason:
+            code, _, message = reason.partition(": ")
+            v.reject(code, message)
+
+
+def compare_replicas(
+    verdicts: Sequence[Verdict], spec: Spec, cfg: OuterConfig
+) -> list[tuple[int, str]]:
+    """Each check copy's Δ against its original's (rounds.replication), settled by
+    evidence (rounds.verify.settle_replicas): on a disagreement only the copy its score
+    (else its direction) finds worse is refused. A pair is compared when both passed
+    every other check, whatever tokens each claims: a claimed count cannot opt out of
+    the comparison. (worker, "replicas_agreed" | "replicas_disagreed") per worker whose
+    counter moves; identical Δs move neither (one Δ twice confirms nothing)."""
+    by_id = {v.upload.contribution_id: v for v in verdicts}
+    moves: list[tuple[int, str]] = []
+    for check in verdicts:
+        original = by_id.get(check.upload.check_of) if check.upload.check_of else None
+        if original is None or not (check.accepted and original.accepted):
+            continue
+        if check.upload.delta_base != original.upload.delta_base:
+            # outer.overlap eager: one rebased onto round t - 1's versions, the other could
+            # not in time (rounds.rebase). Relative to other versions, they are not comparable.
+            continue
+        pair = (original, check)
+        outcome = verify.settle_replicas(
+            original.decoded(spec),
+            check.decoded(spec),
+            cfg,
+            tuple(  # type: ignore[arg-type]
+                verify.ReplicaEvidence(v.score, v.cosine, v.upload.sha256) for v in pair
+            ),
+        )
+        if outcome.kind == "agree":
+            moves += [(v.upload.worker_id, "replicas_agreed") for v in pair]
+        elif outcome.kind == "disagree" and outcome.loser is not None:
+            loser = pair[outcome.loser]
+            moves.append((loser.upload.worker_id, "replicas_disagreed"))
+            loser.reject(
+                verify.REPLICA,
+                f"two workers trained unit {original.upload.unit_id}: {outcome.why}",
+            )
+    return moves
+
+
+def aggregated(verdicts: Sequence[Verdict]) -> list[Verdict]:
+    """The accepted verdicts the step aggregates: originals and ordinary contributions,
+    and a check copy in the place of an original that was refused (its unit's work is
+    still done once; a check copy of an accepted original would count the unit twice)."""
+    by_id = {v.upload.contribution_id: v for v in verdicts}
+    chosen = []
+    for v in verdicts:
+        if not v.accepted:
+            continue
+        original = by_id.get(v.upload.check_of) if v.upload.check_of is not None else None
+        if original is None or not original.accepted:
+            chosen.append(v)
+    return chosen

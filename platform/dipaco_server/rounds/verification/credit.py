@@ -1,0 +1,107 @@
+"""What a step's verdicts do to their workers, inside the step's transaction: counts,
+trust (workers.trust) and credit (units and tokens for accepted work only)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+from django.db.models import F
+
+from dipaco_server.rounds import verify
+from dipaco_server.rounds.models import Contribution, WorkUnit
+from dipaco_server.rounds.verification.uploads import Verdict
+from dipaco_server.workers import trust
+from dipaco_server.workers.models import Worker
+
+# Reasons a Δ of a lease the server sized below a whole unit (the round's deadline, a
+# calibration) may fail honestly: a step or two moves the weights too little to show a
+# gain or a norm near the module's history. Refused and not credited, but its worker's
+# trust does not fall for it. Only the server's own sizing counts, never the tokens a
+# completion claims: a claim one token short of the unit must not make a rejection free
+# (issue 34). A salvaged Δ's claimed share already lowers the gain it must show.
+WEAK_REASONS = frozenset({verify.NO_GAIN, verify.NORM_LOW})
+
+
+def weak_partial(verdict: Verdict) -> bool:
+    return verdict.upload.sized < 1.0 and verdict.reason.split(":")[0] in WEAK_REASONS
+
+
+def count(verdicts: Sequence[Verdict], counter: str) -> None:
+    """Add each worker's contributions to its `counter` (docs/design.md §4: drops count against it)."""
+    for worker_id, n in Counter(v.upload.worker_id for v in verdicts).items():
+        Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + n})
+
+
+def credit(unit_ids: set[int], whole_unit: int) -> None:
+    """Credit each unit whose contributions are now all settled and all accepted: one
+    unit, and its claimed tokens x its useful fraction (rounds.verify.useful_fraction:
+    its scored gain per token against the round's other accepted units'), to the worker
+    that completed it (issues 19, 34: credit follows verified useful work, not claims).
+    Inside the step's transaction; the unit rows are locked in pk order, so of two
+    modules' steps settling one unit's last contributions concurrently, the second waits,
+    then sees the first's, and exactly one of them credits it. `whole_unit`: a whole
+    unit's tokens (dipaco.data.windows.unit_tokens).
+    """
+    if not unit_ids:
+        return
+    list(WorkUnit.objects.select_for_update().filter(pk__in=unit_ids).order_by("pk"))
+    rows = Contribution.objects.filter(unit_id__in=unit_ids).values_list(
+        "unit_id", "status", "tokens", "lease__worker_id", "lease_id", "unit__round_id"
+    )
+    by_unit: dict[int, list[tuple[str, int, int, int, int]]] = {}
+    for unit_id, *row in rows:
+        by_unit.setdefault(unit_id, []).append(tuple(row))  # type: ignore[arg-type]
+    scores = _round_scores({r[4] for rows_ in by_unit.values() for r in rows_}, whole_unit)
+    for contributions in by_unit.values():
+        if any(c[0] != Contribution.Status.ACCEPTED for c in contributions):
+            continue  # a Δ still pending (another module's step credits it) or rejected
+        tokens, worker_id = min(c[1] for c in contributions), contributions[0][2]
+        lease_id, round_id = contributions[0][3], contributions[0][4]
+        own = scores.get(round_id, {})
+        peers = [scored for lease, scored in own.items() if lease != lease_id]
+        score, work = own.get(lease_id, (None, min(1.0, tokens / whole_unit)))
+        earned = round(tokens * verify.useful_fraction(score, work, peers))
+        Worker.objects.filter(pk=worker_id).update(
+            units_completed=F("units_completed") + 1,
+            tokens_processed=F("tokens_processed") + earned,
+        )
+
+
+def _round_scores(
+    round_ids: set[int], whole_unit: int
+) -> dict[int, dict[int, tuple[verify.Score, float]]]:
+    """Round -> lease -> (its unit's recorded score, its work) for every scored lease of
+    those rounds none of whose Δs was refused (a refused unit is no reference)."""
+    rows = Contribution.objects.filter(
+        unit__round_id__in=round_ids, lease__score__isnull=False
+    ).values_list("unit__round_id", "lease_id", "lease__score", "status", "tokens")
+    out: dict[int, dict[int, tuple[verify.Score, float]]] = {}
+    refused: set[int] = set()
+    for round_id, lease_id, row, status, tokens in rows:
+        if status == Contribution.Status.REJECTED:
+            refused.add(lease_id)
+            continue
+        score = verify.Score.from_dict(row)
+        if score is not None:
+            work = min(1.0, tokens / whole_unit) if whole_unit > 0 else 1.0
+            out.setdefault(round_id, {})[lease_id] = (score, work)
+    for leases in out.values():
+        for lease_id in refused & set(leases):
+            del leases[lease_id]
+    return out
+
+
+def settle(
+    verdicts: Sequence[Verdict], replicas: Sequence[tuple[int, str]], whole_unit: int
+) -> None:
+    """Counts, trust and credit for one step's verdicts (already saved on their rows)."""
+    accepted = [v for v in verdicts if v.accepted]
+    rejected = [v for v in verdicts if not v.accepted]
+    count(accepted, "contributions_accepted")
+    count(rejected, "contributions_rejected")
+    trust.penalise(v.upload.worker_id for v in rejected if not weak_partial(v))
+    for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed"
+        Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + 1})
+    trust.reward(v.upload.worker_id for v in accepted)
+    credit({v.upload.unit_id for v in verdicts}, whole_unit)

@@ -1,0 +1,196 @@
+"""Proof of useful work (rounds.verify.score_delta) for one module's outer step."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dipaco import codecs
+from dipaco.modules_file import read_module
+from dipaco_server.rounds import verify
+from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
+from dipaco_server.rounds.verification.uploads import Upload, fetch
+from dipaco_server.runs import keys
+from dipaco_server.runs.models import Module, ModuleVersion
+from dipaco_server.runs.prepare import data_index_key
+from dipaco_server.storage import BlobNotFound, BlobStore
+
+logger = logging.getLogger(__name__)
+
+_PathKey = tuple[int, tuple[tuple[str, int], ...]]  # (path, the versions its Δ is relative to)
+
+
+class Scorer:
+    """Proof of useful work for one module's step (rounds.verify.score_delta): each Δ
+    applied alone to its path's base weights, on ``outer.score_windows`` windows of its
+    unit's own training data and as many held-out windows of the path's validation shard.
+
+    A path's base modules, shards and base losses are loaded once per step, on first use;
+    each further Δ costs two forward passes. The score is the unit's, not the module's: the
+    first step of the round to compute it records it on the lease (`Lease.score`, with the
+    versions it is relative to), and the steps of the path's other modules take it from there.
+    Each Δ's own checks (size, digest, content, norm, direction) still run in its own step,
+    and the digests pin what every step reads, so the recorded score is of the same bytes.
+    CPU seconds spent: `seconds`; scores reused: `reused`.
+    """
+
+    def __init__(
+        self, store: BlobStore, round_: Round, module: Module, config: Any, work: Path
+    ) -> None:
+        from dipaco.model import build_model
+
+        self.store, self.round, self.module = store, round_, module
+        self.config, self.work = config, work
+        self.model = build_model(config.model, config.seed)
+        # Keyed by path and the versions its Δs are relative to (outer.overlap eager: the
+        # unit's base versions, or those it rebased onto).
+        self.paths: dict[_PathKey, tuple[dict[str, dict[str, Tensor]], Tensor]] = {}
+        # Why a path could not be loaded (a shard or version missing): asked once per step,
+        # not again for each of its Δs (each attempt downloaded the path's modules anew).
+        self.unloadable: dict[_PathKey, Exception] = {}
+        self.base: dict[tuple[_PathKey, int], tuple[float, float]] = {}
+        self.train: dict[int, Any] = {}
+        self.dtype: Any = None
+        self.seconds = 0.0
+        self.scored = 0
+        self.reused = 0
+
+    def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> verify.Score | None:
+        """The unit's whole Δ scored (rounds.verify.score_delta); CodecError when another
+        module's upload of the unit is not what its worker declared."""
+        recorded = self._recorded(upload)
+        if recorded is not None:
+            self.reused += 1
+            return recorded
+        clock = time.process_time()
+        try:
+            key = (upload.path, upload.delta_base)
+            modules, heldout = self._path(upload.path, upload.delta_base)
+            train = self._train_windows(upload.path, upload.position)
+            deltas = {**self._siblings(upload), self.module.module_id: delta}
+            score = verify.score_delta(
+                self.config,
+                upload.path,
+                self.model,
+                modules,
+                deltas,
+                train,
+                heldout,
+                before=self.base.get((key, upload.position)),
+            )
+        except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
+            # Nothing to score it on: the other checks still hold.
+            logger.warning("contribution %d not scored: %s", upload.contribution_id, exc)
+            return None
+        finally:
+            self.seconds += time.process_time() - clock
+        self.base[(key, upload.position)] = (score.train_before, score.heldout_before)
+        self.scored += 1
+        # A concurrent step of another module may have recorded it meanwhile: same inputs,
+        # same score; the first write stays.
+        Lease.objects.filter(pk=upload.lease_id, score__isnull=True).update(
+            score={"base": [list(pair) for pair in upload.delta_base], **score.as_dict()}
+        )
+        return score
+
+    def _recorded(self, upload: Upload) -> verify.Score | None:
+        """The unit's score as another module's step recorded it, when it is relative to the
+        same versions as this Δ; None otherwise."""
+        if not upload.lease_id:
+            return None
+        row = Lease.objects.filter(pk=upload.lease_id).values_list("score", flat=True).first()
+        if not isinstance(row, dict) or [list(p) for p in upload.delta_base] != row.get("base"):
+            return None
+        return verify.Score.from_dict(row)
+
+    def _siblings(self, upload: Upload) -> dict[str, dict[str, Tensor]]:
+        """The unit's Δs of its path's other modules, fetched and checked like its own."""
+        from dipaco.modular import module_spec
+
+        others = Contribution.objects.filter(lease_id=upload.lease_id).exclude(
+            module_id=self.module.pk
+        )
+        deltas = {}
+        for c in others.select_related("module"):
+            sibling = Upload(c.pk, upload.worker_id, c.blob_key, c.size, c.sha256, c.tokens)
+            path, _ = fetch(self.store, sibling, self.work)
+            try:
+                spec = module_spec(self.config, c.module.module_id)
+                deltas[c.module.module_id] = codecs.decode(path, spec, verify_checksum=False)
+            finally:
+                path.unlink(missing_ok=True)
+        return deltas
+
+    def _path(
+        self, p: int, delta_base: tuple[tuple[str, int], ...] = ()
+    ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
+        """Path p's modules at the versions its Δ is relative to (`delta_base`; (): its
+        units' base versions) and its held-out windows."""
+        if (p, delta_base) in self.paths:
+            return self.paths[(p, delta_base)]
+        if (p, delta_base) in self.unloadable:  # without the traceback of each earlier raise
+            raise self.unloadable[(p, delta_base)].with_traceback(None)
+        try:
+            self.paths[(p, delta_base)] = self._load_path(p, delta_base)
+        except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
+            self.unloadable[(p, delta_base)] = exc
+            raise
+        return self.paths[(p, delta_base)]
+
+    def _load_path(
+        self, p: int, delta_base: tuple[tuple[str, int], ...]
+    ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
+        from dipaco.data.shards import ShardIndex
+        from dipaco.evaluate import stream_windows
+        from dipaco.modular import module_spec, modules_of_path
+
+        run_id, phase = self.module.run_id, self.module.phase
+        versions = dict(delta_base)
+        if not versions:
+            unit = WorkUnit.objects.filter(round=self.round, path__index=p).first()
+            versions = unit.base_versions if unit is not None else {}
+        modules = {}
+        for module_id in modules_of_path(self.config, p):
+            version = ModuleVersion.objects.get(
+                module__run_id=run_id,
+                module__phase=phase,
+                module__module_id=module_id,
+                version=versions[module_id],
+            )
+            file = self.work / f"score-{module_id}.safetensors"
+            self.store.download_to(version.blob_key, file)
+            spec = module_spec(self.config, module_id)
+            modules[module_id] = read_module(file, spec, version.sha256)
+            file.unlink()
+        if self.dtype is None:
+            self.store.download_to(data_index_key(run_id, phase), self.work / "index.json")
+            self.dtype = ShardIndex.load(self.work).dtype
+        val = self.work / f"score-val-{p}.bin"
+        self.store.download_to(keys.data_key(run_id, p, "val", phase), val)
+        tokens = torch.from_numpy(np.fromfile(val, dtype=self.dtype).astype(np.int64))
+        val.unlink()
+        windows = stream_windows(tokens, self.config.model.seq_len)
+        heldout = windows[-self.config.outer.score_windows :].clone()
+        if heldout.shape[0] == 0:
+            raise ValueError(f"path {p} has no held-out window to score on")
+        return modules, heldout
+
+    def _train_windows(self, p: int, position: int) -> Tensor:
+        from dipaco.data.shards import TokenShard
+        from dipaco.data.windows import ShardSource
+
+        if p not in self.train:
+            file = self.work / f"score-train-{p}.bin"
+            run_id, phase = self.module.run_id, self.module.phase
+            self.store.download_to(keys.data_key(run_id, p, "train", phase), file)
+            self.train[p] = ShardSource.for_path(TokenShard(file, self.dtype), self.config, p)
+        count = self.config.outer.score_windows
+        batch: Tensor = self.train[p].batch(position, count, self.config.model.seq_len)
+        return batch
