@@ -122,7 +122,7 @@ class Lease(models.Model):
     download_bytes = models.PositiveBigIntegerField(null=True, blank=True)
     # Proof of useful work scores the unit's whole Δ (every module of its path) at once, so the
     # first module step of the round that scores it records the result here, with the versions
-    # it was relative to, and the path's other module steps reuse it (rounds.outer_step.Scorer)
+    # it was relative to, and the path's other module steps reuse it (rounds.verification.scorer)
     # instead of fetching the unit's other Δs and running the same forward passes again.
     score = models.JSONField(null=True, blank=True)
     # Not a column: the round's deadline as a heartbeat read it (rounds.lease.heartbeat).

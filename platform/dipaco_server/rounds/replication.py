@@ -7,9 +7,9 @@ low trust: every unit). A check copy is never granted to the worker that holds o
 its original (`not_own_check`), does not hold up the round while it is queued (rounds.close
 counts only originals; one still queued when the round closes is dropped; one being
 trained gets the deadline and salvage grace an original gets), and its Δ is never
-aggregated: the outer step compares it with the original's (rounds.verify.replicas_agree,
-a tolerance for nondeterminism) and a disagreement rejects both and lowers both workers'
-trust; an agreement credits both.
+aggregated unless its original was refused: the outer step compares it with the
+original's (rounds.verify.settle_replicas, a tolerance for nondeterminism) and a
+disagreement refuses only the copy its evidence finds worse (rounds.verification).
 """
 
 from __future__ import annotations
