@@ -131,6 +131,8 @@ def test_help_lists_every_exit_code(capsys: pytest.CaptureFixture[str]) -> None:
 def test_options_are_checked_before_anything_starts(tmp_path: Path) -> None:
     reporter_args = ["--json-logs", "--data-dir", str(tmp_path)]
     assert cli.main([*reporter_args, "--max-units", "0"]) == ExitCode.USAGE
+    assert cli.main([*reporter_args, "--checkpoint-interval", "0"]) == ExitCode.USAGE
+    assert cli.main([*reporter_args, "--checkpoint-interval", "nan"]) == ExitCode.USAGE
     assert cli.main([*reporter_args, "--enroll", "dpe_x"]) == ExitCode.USAGE, "needs --server"
     assert cli.main(reporter_args) == ExitCode.USAGE, "not enrolled yet"
     save_identity(tmp_path, IDENTITY)
