@@ -163,7 +163,9 @@ class RichReporter(Reporter):
         table.add_column(style="bold cyan", justify="right")
         table.add_column()
         if "run" in f:
-            table.add_row("run", f"{f['run']}  round {f.get('round', '?')}  path {f.get('path')}")
+            # people count rounds from 1, as the dashboard does; the JSON field stays 0-based
+            number = f["round"] + 1 if isinstance(f.get("round"), int) else "?"
+            table.add_row("run", f"{f['run']}  round {number}  path {f.get('path')}")
         if "step" in f:
             loss = f.get("loss")
             table.add_row("step", f"{f['step']}/{f.get('steps', '?')}")
