@@ -189,10 +189,29 @@ def rescale_factor(cfg: OuterConfig, contributing_paths: int) -> float:
 
 
 def outer_lr(cfg: OuterConfig, round_index: int) -> float:
-    """The outer learning rate of 0-based round `round_index` (linear warm-up, then cfg.lr)."""
+    """The outer learning rate of 0-based round `round_index` (linear warm-up, then cfg.lr),
+    divided by 1 + μ in a phase's first round under Nesterov momentum.
+
+    Why the first round: Nesterov's first step is lr x (1 + μ) x Δ (the look-ahead takes the
+    one Δ there is as the next one too), so at the defaults (lr 1.0, μ 0.7) it moves the
+    weights 70% past the mean of where the units ended. From a trained start (phase 2 from
+    the phase-1 model, DiLoCo from a checkpoint) that overshoot is a step backwards: the
+    tiny 2x2 DiPaCo run of bench/quality.py from its 300-step base (H = 25) went from a
+    routed loss of 6.465 to 6.644 in its first round, while the units' own weights before
+    the outer step scored 6.472 and the same round without momentum 6.446: neither the cold
+    AdamW of the units nor the average across paths, but the look-ahead. Dividing the first
+    lr by 1 + μ makes that step the mean Δ itself (the plain average of the units), with the
+    momentum buffer starting at Δ as torch.optim.SGD's does; from round 2 on the step is
+    SGD's own. Measured: 6.465 -> 6.447, 6.438, 6.283 over three rounds (SGD's first step:
+    6.644, 6.397, 6.263; the later rounds catch up). The server and `dipaco simulate` both
+    take their lr here (the phase's own round index).
+    """
     if round_index < 0:
         raise ValueError(f"round_index = {round_index}: rounds count from 0")
-    return cfg.lr * min(1.0, (round_index + 1) / (cfg.warmup_rounds + 1))
+    lr = cfg.lr * min(1.0, (round_index + 1) / (cfg.warmup_rounds + 1))
+    if round_index == 0 and cfg.nesterov and cfg.momentum > 0:
+        lr /= 1.0 + cfg.momentum
+    return lr
 
 
 def aggregate(

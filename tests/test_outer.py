@@ -153,12 +153,25 @@ def test_the_rescale_counts_the_paths_that_contributed() -> None:
 
 
 def test_the_outer_lr_warms_up_linearly_to_its_peak() -> None:
-    cfg = OuterConfig(lr=0.7, warmup_rounds=3)
+    cfg = OuterConfig(lr=0.7, warmup_rounds=3, momentum=0.0)
     assert [outer_lr(cfg, t) for t in range(5)] == pytest.approx([0.175, 0.35, 0.525, 0.7, 0.7])
-    assert outer_lr(OuterConfig(lr=0.7), 0) == 0.7
+    assert outer_lr(OuterConfig(lr=0.7, momentum=0.0), 0) == 0.7
     params, delta = {"w": torch.ones(2)}, {"w": torch.ones(2)}
     new, _ = outer_step(params, delta, None, cfg.model_copy(update={"momentum": 0.0}), lr=0.25)
     assert torch.equal(new["w"], torch.full((2,), 0.75))
+
+
+def test_the_first_nesterov_step_moves_by_the_mean_delta_and_later_ones_as_sgd() -> None:
+    cfg = OuterConfig(lr=1.0, momentum=0.7, nesterov=True)
+    params, delta = {"w": torch.ones(3)}, {"w": torch.full((3,), 0.5)}
+
+    first, momentum = outer_step(params, delta, None, cfg, lr=outer_lr(cfg, 0))
+    second, _ = outer_step(first, delta, momentum, cfg, lr=outer_lr(cfg, 1))
+
+    assert torch.allclose(first["w"], torch.full((3,), 0.5))  # not 1 - 1.7 x 0.5
+    assert torch.equal(momentum["w"], delta["w"])  # SGD's buffer: the first Δ
+    assert torch.allclose(second["w"], 0.5 - (0.5 + 0.7 * (0.7 * 0.5 + 0.5)) * torch.ones(3))
+    assert outer_lr(cfg.model_copy(update={"nesterov": False}), 0) == 1.0  # no look-ahead
 
 
 @pytest.mark.parametrize("clip_norm", [None, 0.5])
