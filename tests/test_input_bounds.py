@@ -35,6 +35,7 @@ from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.services import transition
 from dipaco_server.storage import BlobStore, get_blob_store
 from dipaco_server.workers.models import Worker
+from dipaco_server.workers.speed import MAX_TOKENS_PER_SECOND
 from tests.test_admin_api import admin
 from tests.test_models import tiny_config
 from tests.test_worker_api import Holder, assert_error, call, new_worker, running_run, take_lease
@@ -143,6 +144,16 @@ def test_every_metric_the_agent_sends_is_in_the_schema() -> None:
     sent |= {name for s in sources for name in re.findall(r'metrics\["(\w+)"\] =', s)}
     assert {"loss", "tokens_per_second", "rebase_wait_s"} <= sent
     assert sent <= set(WorkerMetricsIn.model_fields), sent - set(WorkerMetricsIn.model_fields)
+
+
+def test_the_openapi_schema_shows_the_completion_metrics_closed_and_bounded(
+    client: Client, db: None
+) -> None:
+    schema = client.get("/api/v1/openapi.json").json()["components"]["schemas"]
+    metrics = schema["WorkerMetricsIn"]
+    assert metrics["additionalProperties"] is False
+    speed = metrics["properties"]["tokens_per_second"]["anyOf"][0]
+    assert speed["maximum"] == MAX_TOKENS_PER_SECOND
 
 
 def test_the_server_series_are_the_ones_its_evaluation_and_dashboard_write() -> None:
