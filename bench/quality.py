@@ -6,9 +6,10 @@
 
 Every figure is a validation-perplexity ratio, ours / reference (below 1: ours is better),
 keyed in --json as:
-  dipaco_vs_dense_equal_steps   DiPaCo 2x2 (routed) vs the dense path-size model trained the
-                                same number of sequential steps as each path: equal
-                                wall-clock, the DiPaCo paper's setting;
+  dipaco_vs_dense_equal_steps   DiPaCo (routed; the preset's grid unless --grid) vs the
+                                dense path-size model trained the same number of
+                                sequential steps as each path: equal wall-clock, the
+                                DiPaCo paper's setting;
   dipaco_vs_dense_equal_tokens  the same vs the dense model trained on all of DiPaCo's tokens;
   diloco_vs_dp                  DiLoCo, R = 4 replicas, vs synchronous data-parallel at equal
                                 tokens, at a larger inner batch (--diloco-batch) and a
@@ -32,13 +33,18 @@ seed) whose tokens are not counted; every model is scored on one seeded validati
 job; jobs run in --jobs processes of --threads torch threads each (on 2 cores, two
 one-thread processes finish ~1.7x sooner than one two-thread process); the platform run
 comes last, alone. The script prints ratios and the goals beside them, not verdicts.
-Figures and the command: docs/benchmarks.md.
+Figures and the command: docs/benchmarks.md. --preset capacity, with bench/quality_gpu.sh,
+runs the same comparisons with RunConfig.capacity() on one GPU; the JSON then also says
+each job's tokens per path parameter, DiPaCo's capacity over a path's and which inner loop
+each job ran. (Over 500 lines: one self-contained script a GPU machine runs from a clean
+checkout, with its jobs, figures and report in one place.)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import platform
@@ -70,14 +76,24 @@ GOALS: dict[str, tuple[float | None, float]] = {
     "platform_vs_simulate": (0.98, 1.02),
 }
 LABELS = {
-    "dipaco_vs_dense_equal_steps": "DiPaCo 2x2 / dense, equal steps",
-    "dipaco_vs_dense_equal_tokens": "DiPaCo 2x2 / dense, equal tokens",
-    "dipaco_vs_dp": "DiPaCo 2x2 / data-parallel",
+    "dipaco_vs_dense_equal_steps": "DiPaCo / dense, equal steps",
+    "dipaco_vs_dense_equal_tokens": "DiPaCo / dense, equal tokens",
+    "dipaco_vs_dp": "DiPaCo / data-parallel",
     "diloco_vs_dp": "DiLoCo R=4 / data-parallel",
     "int8_vs_fp32": "DiPaCo int8 / fp32",
     "int4_vs_fp32": "DiPaCo int4 / fp32",
     "platform_vs_simulate": "platform / simulate (loss)",
 }
+
+
+PRESETS = {"tiny": RunConfig.tiny, "capacity": RunConfig.capacity}
+
+
+def _grid(text: str) -> tuple[int, int]:
+    levels, _, modules = text.partition("x")
+    if not (levels.isdigit() and modules.isdigit() and int(levels) > 0 and int(modules) > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: write LEVELSxMODULES, e.g. 2x4")
+    return int(levels), int(modules)
 
 
 def goal_text(key: str) -> str:
@@ -101,9 +117,34 @@ class Job:
     device: str
 
 
+class CompileWatch(logging.Handler):
+    """Hears dipaco.inner's one warning that torch.compile failed and the loop went eager."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.failed = self.failed or "torch.compile failed" in record.getMessage()
+
+    def loop(self, device: str) -> str:
+        """Which inner loop the job ran: the library compiles on CUDA, never on the CPU."""
+        if device == "cpu":
+            return "eager"
+        return "eager (torch.compile failed)" if self.failed else "compiled"
+
+
 def run_job(job: Job) -> dict[str, Any]:
     """One method or one baseline, in its own process."""
     torch.set_num_threads(job.threads)
+    watch = CompileWatch()
+    logging.getLogger("dipaco.inner").addHandler(watch)
+    result = _run_job(job)
+    result["loop"] = watch.loop(job.device)
+    return result
+
+
+def _run_job(job: Job) -> dict[str, Any]:
     config = RunConfig.model_validate_json(job.config_json)
     started = time.perf_counter()
     if job.baseline is None:
@@ -167,9 +208,15 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
         "seed": args.seed,
     }
     inner = {"lr": args.inner_lr, "warmup_steps": args.warmup_steps}
-    layers = RunConfig.tiny().model.num_layers
+    preset = PRESETS[args.preset]
+    model = {} if args.model is None else json.loads(args.model)  # e.g. a dry run's sizes
+    common["model"] = model
+    layers = int(model.get("num_layers", preset().model.num_layers))
+    # DiPaCo's grid: --grid, else the preset's (2x2 for tiny, 2 levels x 4 for capacity).
+    levels = args.grid or (len(preset().layout.levels), preset().layout.levels[0].modules)
+    grid = LayoutConfig.grid(layers, *levels)
     block = {} if args.block_size is None else {"block_size": args.block_size}  # int8/int4
-    diloco = RunConfig.tiny(
+    diloco = preset(
         name="quality-diloco", rounds=args.diloco_rounds, replicas_per_path=4,
         layout=LayoutConfig.diloco(layers), comm={"codec": "fp32"},
         inner={**inner, "steps": args.diloco_inner_steps,
@@ -177,11 +224,11 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
         **{**common, "outer": diloco_outer},
     )  # fmt: skip
     dipaco = {
-        codec: RunConfig.tiny(
+        codec: preset(
             name=f"quality-{codec}",
             rounds=args.rounds,
             replicas_per_path=1,
-            layout=LayoutConfig.grid(layers, 2, 2),
+            layout=grid,
             comm={"codec": codec, **block},
             inner={**inner, "steps": args.inner_steps, "micro_batch_size": args.batch},
             # The paper's router: the base model's features of each document's first tokens.
@@ -305,11 +352,11 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def print_tables(
-    summary: dict[str, dict[str, Any]], results: dict[str, Any], console: Console
+    summary: dict[str, dict[str, Any]], results: dict[str, Any], console: Console, grid: str
 ) -> None:
     table = Table(
         title="Validation perplexity ratios (below 1: ours is better)",
-        caption="DiPaCo evaluated with routing; platform / simulate compares losses",
+        caption=f"DiPaCo ({grid}) evaluated with routing; platform / simulate compares losses",
     )
     for column in ("key", "experiment", "ours", "reference", "ratio", "goal", "bytes"):
         table.add_column(column, justify="right")
@@ -356,6 +403,31 @@ def run_platform(args: argparse.Namespace, console: Console) -> dict[str, Any]:
         f"in {result['seconds']:.0f} s"
     )
     return result
+
+
+def scale(
+    args: argparse.Namespace, cfgs: dict[str, RunConfig], results: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """What the figures mean at this size: parameters, DiPaCo's capacity over a path's, each
+    job's tokens (and the base's) per path parameter, the device and each job's inner loop."""
+    dipaco = cfgs["b-fp32"]
+    path = dipaco.num_params()
+    total = sum(dipaco.module_param_counts().values())
+    info = machine(args.device)
+    return {
+        "device": info.get("gpu", args.device),
+        "preset": args.preset,
+        "base_tokens": args.base_steps * args.batch * dipaco.model.seq_len,
+        "path_params": path,
+        "dipaco_params": total,
+        "capacity_ratio": total / path,
+        "grid": [level.modules for level in dipaco.layout.levels],
+        "tokens": {name: r["tokens"] for name, r in results.items() if "tokens" in r},
+        "tokens_per_param": {
+            name: r["tokens"] / path for name, r in results.items() if "tokens" in r
+        },
+        "loop": {name: r["loop"] for name, r in results.items() if "loop" in r},
+    }
 
 
 def machine(device: str) -> dict[str, Any]:
@@ -423,6 +495,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="the phase-1 base every job starts from, trained at --batch (%(default)s)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="tiny",
+        help="the run preset every job starts from: tiny (RunConfig.tiny, 2.84M-parameter "
+        "paths, 2x2) or capacity (RunConfig.capacity, 8.5M-parameter module-dominant paths, "
+        "2 levels x 4 modules) (default %(default)s)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--grid", type=_grid, default=None, metavar="LxK",
+        help="DiPaCo's levels x modules per level (default 2x2, or the preset's own)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--model", default=None, metavar="JSON",
+        help='model fields over the preset\'s, e.g. \'{"hidden_size": 64, "num_layers": 4}\' '
+        "for a dry run",
+    )  # fmt: skip
     parser.add_argument(
         "--only", type=lambda text: [name for name in text.split(",") if name], default=None,
         metavar="JOB,JOB", help="run only these jobs (e.g. b/dipaco-fp32,c/dipaco-int4); "
@@ -495,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_platform and not args.only:
         results["p/platform"] = run_platform(args, console)
     summary = summarize(results)
-    print_tables(summary, results, console)
+    levels = cfgs["b-fp32"].layout.levels
+    grid = f"{len(levels)} levels of {'/'.join(str(level.modules) for level in levels)} modules"
+    print_tables(summary, results, console, grid)
     wall = time.perf_counter() - started
     console.print(
         f"wall time {wall / 60:.1f} min with {args.jobs} x {args.threads} threads; "
@@ -512,6 +601,7 @@ def main(argv: list[str] | None = None) -> int:
             "jobs": results,
             "configs": {k: c.model_dump(mode="json") for k, c in cfgs.items()},
             "wall_seconds": wall,
+            **scale(args, cfgs, results),
             "load_average_before": load_before,
             "load_average_after": os.getloadavg(),
             "machine": machine(args.device),
