@@ -189,6 +189,23 @@ def test_a_completion_whose_upload_is_missing_or_another_size_is_refused_naming_
     assert Lease.objects.get(pk=holder.lease_id).state == Lease.State.ACTIVE
 
 
+def test_a_store_out_of_reach_during_the_upload_check_is_a_503_to_hand_in_again(
+    holder: Holder, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The store is the network choke point: the check's one size lookup fails there."""
+    body = holder.completion()
+
+    def unreachable(self: BlobStore, key: str) -> int:
+        raise OSError("the blob store's disk is gone")
+
+    monkeypatch.setattr(type(holder.store), "size", unreachable)
+    error = assert_error(holder.on("complete", body), 503, "store_unavailable")
+    assert "send the completion again" in error["message"]
+    assert not Contribution.objects.exists()
+    monkeypatch.undo()
+    assert holder.on("complete", body).status_code == 200  # the same completion, later
+
+
 # --- run configs ----------------------------------------------------------------------------
 
 IMPOSSIBLE = [

@@ -39,6 +39,7 @@ from django.utils import timezone
 
 from dipaco.config import RunConfig
 from dipaco.data.windows import step_tokens
+from dipaco_server.errors import ApiError
 from dipaco_server.rounds.lease import (
     check_lease_live,
     check_salvage,
@@ -227,6 +228,17 @@ def check_uploads(lease: Lease, reports: Sequence[ContributionReport], store: Bl
             raise ContributionInvalid(
                 f"{report.module_id}: nothing was uploaded for it under lease {lease.pk}; "
                 "upload its Δ with the URLs from upload-urls, then complete",
+                module=report.module_id,
+            ) from None
+        except Exception as exc:
+            # S3 or the disk out of reach: the worker's Δ is not at fault, so a 503, which
+            # the agent hands in again, not a 500.
+            logger.warning("cannot check upload %s: %s", key, exc)
+            raise ApiError(
+                503,
+                "store_unavailable",
+                f"{report.module_id}: the server cannot reach its blob store to check the "
+                "upload right now; send the completion again in a few seconds",
                 module=report.module_id,
             ) from None
         if size != report.size:
