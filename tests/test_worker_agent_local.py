@@ -161,16 +161,17 @@ def test_without_a_terminal_the_panel_becomes_plain_progress_lines() -> None:
     out = io.StringIO()
     reporter = RichReporter(Console(file=out, force_terminal=False, width=120))
     assert reporter.live is None
-    reporter.event("lease", "lease 4: run tiny round 0 path 1, 20 steps", run="tiny", round=0)
+    reporter.event("lease", "lease 4: run tiny round 1 path 1, 20 steps", run="tiny", round=0)
     reporter.status(step=20, steps=20, loss=3.25, tokens_per_second=1234.0)
     reporter.close()
     text = out.getvalue()
-    assert "lease 4: run tiny round 0 path 1" in text
+    assert "lease 4: run tiny round 1 path 1" in text
     assert "step 20/20" in text and "3.2500" in text and "1,234 tokens/s" in text
     panel = Console(file=io.StringIO(), width=100)
     panel.print(reporter._render())
     rendered = panel.file.getvalue()  # type: ignore[attr-defined]
-    assert "20/20" in rendered and "tiny  round 0" in rendered
+    # People count rounds from 1 (the event's field is the 0-based index).
+    assert "20/20" in rendered and "tiny  round 1" in rendered
 
 
 def test_json_logs_are_one_object_per_line_with_time_and_event() -> None:
