@@ -47,7 +47,7 @@ from dipaco_server.rounds.open import start_run
 from dipaco_server.rounds.outer_step import step_module
 from dipaco_server.rounds.tasks import PREPARING_PHASE2, advance_run, close_ready_rounds
 from dipaco_server.runs import between, keys
-from dipaco_server.runs.models import ModuleVersion, Run
+from dipaco_server.runs.models import MetricPoint, ModuleVersion, Run
 from dipaco_server.runs.prepare import prepare_run, report_progress
 from dipaco_server.runs.services import create_run, record_metric
 from dipaco_server.storage import get_blob_store
@@ -401,6 +401,27 @@ def test_the_dashboard_marks_the_phase_boundary_on_every_curve(client: Client, d
     )
 
 
+def test_the_curves_start_at_phase_2s_starting_point_on_its_own_sample(
+    client: Client, db: None
+) -> None:
+    run = new_run(phase1={"rounds": 2})
+    dense = run.paths.get(phase=1)
+    paths = list(run.paths.filter(phase=2).order_by("index"))
+    run.paths.filter(phase=2).update(val_tokens=100)
+    for t in (0, 1):
+        record_metric(run, "val_loss", 6.0 - t, path=dense, round=t)
+    for path, loss in zip(paths, (4.0, 4.2, 4.4, 4.6), strict=True):  # evaluate_start's
+        record_metric(run, "start_val_loss", loss, path=path, round=1)
+        record_metric(run, "val_loss", loss - 0.5, path=path, round=2)
+
+    charts = chart_data(client.get(f"/runs/{run.pk}/").content.decode())
+
+    series = {s["label"]: s["values"] for s in charts["val_loss"]["series"]}  # rounds 0, 1, 2
+    assert series["path 0"] == [None, 4.0, 3.5]  # the curve starts at its start
+    assert series["dense model (phase 1)"] == [6.0, 5.0, None]  # phase 1's own points stay
+    assert series["routed mean"][1:] == pytest.approx([4.3, 3.8])
+
+
 def test_a_workers_warm_state_of_phase_1_is_not_reused_for_phase_2s_path_0() -> None:
     """Both phases have a path 0 of the same model: the agent keys its warm AdamW state and
     error-feedback residual by (run, path), so the fingerprint must tell the phases apart."""
@@ -470,6 +491,8 @@ def test_real_workers_train_both_phases_with_the_leases_config_alone(
     for chunk in range(between.begin(run)):
         between.embed_chunk(run, chunk)
     assert between.finish(run) == "opened"
+    starts = MetricPoint.objects.filter(run=run, name="start_val_loss")
+    assert sorted(starts.values_list("path__index", "round")) == [(p, 0) for p in range(4)]
 
     dipaco = train_one_unit("second")
     assert (dipaco.unit.round.t, dipaco.unit.path.phase) == (1, 2)
