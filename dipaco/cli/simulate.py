@@ -68,8 +68,8 @@ DILOCO_REPLICAS = 4
 BASELINES = ("data-parallel", "dense", "dense-steps")
 DEFAULT_ROUNDS = 5
 DEFAULT_VAL_FRACTION = 0.05  # DataConfig's 0.01 is for full corpora; a sample needs more
-# Phase 1 when --base-steps is not given and the base model routes: on the tiny model 200
-# steps take ~30 s on one core and reach a loss the phase-2 rounds then improve on.
+# Phase 1 when --base-steps is not given and the base model routes: two thirds of the quality
+# bench's 300 (bench/quality.py), for a first run of the default that ends sooner.
 DEFAULT_BASE_STEPS = 200
 ROUTERS = ("base-lm", "tfidf")
 
