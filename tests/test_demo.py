@@ -240,9 +240,10 @@ def test_a_short_demo_on_a_terminal_trains_both_phases_compares_with_both_dense_
     assert 0 < sent["ratio_vs_data_parallel"] < 1, "fewer bytes than an all-reduce per step"
     assert summary["dashboard"] == f"http://127.0.0.1:{port}/runs/{run['id']}/"
     assert dashboard.status_code == 200 and run["name"] in dashboard.text
-    # The training-loss chart shows what the workers reported, per phase, path and round.
+    # The training-loss chart shows what the workers reported, per phase, path and round
+    # (numbered from 1 for people, as the terminal: phase 2 opens at round 3).
     training = chart_data(dashboard.text)["train_loss"]
-    assert training["x"] == [0, 1, 2, 3] and training["phase_boundary"] == 2
+    assert training["x"] == [1, 2, 3, 4] and training["phase_boundary"] == 3
     series = {s["label"]: s["values"] for s in training["series"]}
     assert sorted(series) == ["dense model (phase 1)", *(f"path {p}" for p in range(4))]
     assert all(v is not None and v > 0 for v in series.pop("dense model (phase 1)")[:2])
