@@ -1,27 +1,36 @@
-"""One attacker among four workers: what each attack does to a run, and what it is credited.
+"""Attackers among four workers: what each attack does to a run, and what it is credited.
 
-    .venv/bin/python bench/attacks.py --json docs/figures/attacks.json   # ~10 min on 2 cores
+    .venv/bin/python bench/attacks.py --seeds 0 1 2 --jobs 3 --json docs/figures/attacks.json
 
 A short DiPaCo 2x2 run with R=1 (dipaco.simulate's round loop: four units a round, one per
 path, each trained by its own simulated worker with warm AdamW state) in which worker 0
-attacks every round. Every upload then goes through the server's own checks, in the
-server's order: the completion's token bound (rounds.complete refuses a unit claiming more
-tokens than H x batch x seq_len), the codec check and the round-median outlier rule
-(rounds.outer_step), then rounds.verify (replay, norm against the module's history,
-direction against its outer momentum, proof of useful work on the unit's own windows and
-on held-out windows), then clipped-mean aggregation and the outer step (dipaco.outer).
+attacks every round (workers 0 and 1 for `colluders`). Every upload then goes through the
+server's own checks, in the server's order: the completion's token bound (rounds.complete
+refuses a unit claiming more tokens than H x batch x seq_len), the codec check and the
+round-median outlier rule, then rounds.verify's rules as rounds.verification applies them
+(replay, norm against the module's history, direction against its outer momentum, proof
+of useful work on the unit's own windows and on held-out windows), replica pairs settled
+by evidence (`settle_replicas`; an honest check copy of a refused original aggregated in
+its place), the first-round peer check (`peer_refusals`), then clipped-mean aggregation
+and the outer step (dipaco.outer). Credit is the server's: a unit is credited when every
+one of its Δs was accepted, its claimed tokens x its useful fraction
+(`verify.useful_fraction`, its gain per token against the round's other accepted units).
 
-Reported per attack: the final routed validation loss ÷ that of the clean run with the same
-seed (`ratio`), and the tokens credited to the attacker (a unit is credited only when every
-one of its contributions was accepted, as the server does). `clean_vs_unverified` is the
-clean run ÷ the same run with verification switched off (outer.verify false, plain mean:
-the platform before issue 19). `overhead` is the verification's CPU seconds per
-contribution (scoring and screening) ÷ the worker's training seconds for one unit.
+Reported per attack, over every seed: the final routed validation loss ÷ that of the
+clean run with the same seed (`ratio`: per seed, mean and spread), the tokens credited to
+the attacker(s) and the tokens they claimed, and the honest workers' rejected
+contributions. `clean_vs_unverified` is the clean run ÷ the same run with verification
+switched off (outer.verify false, plain mean: the platform before issue 19). `overhead` is
+the verification's CPU seconds per contribution ÷ the worker's training seconds for a unit.
 
-Attacks: sign flip; scaled x10, x1e3 and to the fp16 maximum; Gaussian noise of the honest
-norm; zeros (free rider); a Δ replayed from an earlier round (byte-identical); a Δ computed
-for another path; a Δ computed against a stale base version (the previous round's
-modules); an honest Δ whose completion claims 100x the tokens the unit allowed.
+Attacks: sign flip (a plausible norm, from round 0); scaled x10, x1e3 and to the fp16
+maximum; Gaussian noise of the honest norm; zeros (free rider); a Δ replayed from an
+earlier round (byte-identical); a Δ computed for another path; a Δ computed against a
+stale base version; an honest Δ whose completion claims 100x the tokens the unit allowed;
+two colluders flipping their Δs with every unit replicated (each unit's check copy goes to
+the next worker, so worker 1 checks worker 0's unit); a lazy worker sending 0.1 x its Δ
+for the whole unit's tokens; a fixed-direction bias (the same unit vector every round, at
+0.5 x the Δ's norm); a sign flip whose completion claims one token fewer than trained.
 """
 
 from __future__ import annotations
@@ -34,6 +43,8 @@ import statistics
 import sys
 import time
 from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,21 +68,29 @@ from dipaco_server.rounds import verify
 
 ATTACKS = [
     "sign_flip", "scale_x10", "scale_x1e3", "scale_fp16_max", "gaussian_noise", "zeros",
-    "replay", "other_path", "stale_base", "token_inflation_x100",
+    "replay", "other_path", "stale_base", "token_inflation_x100", "colluders", "lazy_x0.1",
+    "bias_0.5", "flip_one_token_short",
 ]  # fmt: skip
-ATTACKER = 0  # worker 0 trains path 0 every round
+FLIPS = ("sign_flip", "colluders", "flip_one_token_short")
+HONEST_BYTES = ("other_path", "stale_base", "token_inflation_x100")  # the Δ itself is honest
 FP16_MAX = 65504.0
 
 Modules = dict[str, dict[str, Tensor]]
 
 
-def config(args: argparse.Namespace, **outer: Any) -> RunConfig:
+def attackers(attack: str | None) -> set[int]:
+    if attack is None:
+        return set()
+    return {0, 1} if attack == "colluders" else {0}
+
+
+def config(args: argparse.Namespace, seed: int, **outer: Any) -> RunConfig:
     layers = RunConfig.tiny().model.num_layers
     from dipaco.config import LayoutConfig
 
     return RunConfig.tiny(
         name="attacks", rounds=args.rounds, replicas_per_path=1,
-        layout=LayoutConfig.grid(layers, 2, 2), seed=args.seed,
+        layout=LayoutConfig.grid(layers, 2, 2), seed=seed,
         inner={"steps": args.inner_steps, "lr": 3e-3, "warmup_steps": 5,
                "micro_batch_size": args.batch},
         data={"val_fraction": 0.05, "corpus": args.corpus}, outer=outer,
@@ -83,14 +102,21 @@ def unit_token_cap(cfg: RunConfig) -> int:
     return unit_windows(cfg) * cfg.model.seq_len
 
 
-def attacked(name: str, delta: dict[str, Tensor], rng: torch.Generator) -> dict[str, Tensor]:
-    """The attacker's version of one module's honest Δ."""
-    if name == "sign_flip":
+def attacked(
+    name: str, delta: dict[str, Tensor], rng: torch.Generator, bias: dict[str, Tensor]
+) -> dict[str, Tensor]:
+    """The attacker's version of one module's honest Δ (`bias`: its fixed unit direction)."""
+    if name in FLIPS:
         return {k: -v for k, v in delta.items()}
     if name == "scale_x10":
         return {k: v * 10 for k, v in delta.items()}
     if name == "scale_x1e3":
         return {k: v * 1e3 for k, v in delta.items()}
+    if name == "lazy_x0.1":
+        return {k: v * 0.1 for k, v in delta.items()}
+    if name == "bias_0.5":
+        size = 0.5 * delta_norm(delta)
+        return {k: v + size * bias[k] for k, v in delta.items()}
     if name == "scale_fp16_max":
         top = max(float(v.abs().max()) for v in delta.values()) or 1.0
         return {k: (v / top * FP16_MAX).clamp(-FP16_MAX, FP16_MAX) for k, v in delta.items()}
@@ -103,189 +129,342 @@ def attacked(name: str, delta: dict[str, Tensor], rng: torch.Generator) -> dict[
     return delta
 
 
-def run(cfg: RunConfig, attack: str | None, args: argparse.Namespace) -> dict[str, Any]:
-    torch.manual_seed(cfg.seed)
-    data, base = prepare_with_base(cfg, DataBudget(), args.work_dir, args.base_steps)
-    windows = data.val_windows(cfg.model.seq_len, args.eval_windows)
-    seq = cfg.model.seq_len
-    sources = [data.train_source(p, seq, path_seed(cfg, p)) for p in range(cfg.num_paths)]
-    heldout = [stream_windows(data.val_tokens(p), seq)[-cfg.outer.score_windows :]
-               for p in range(cfg.num_paths)]  # fmt: skip
-    from dipaco.modular import init_modules_from_base
+@dataclass
+class Unit:
+    """One unit trained this round: an original, or a check copy of `check_of`."""
 
-    assert base is not None  # prepare_with_base trained or loaded it
-    modules: Modules = init_modules_from_base(cfg, base)
-    previous: Modules = {m: dict(t) for m, t in modules.items()}  # the stale base
-    momentum: Modules = {}
-    history: dict[str, list[list[float]]] = defaultdict(list)  # module -> norms per round
-    seen: set[str] = set()
-    states: dict[tuple[int, int], InnerState] = {}
-    replayable: dict[str, bytes] = {}
-    credited: dict[int, int] = defaultdict(int)
-    reasons: dict[str, int] = defaultdict(int)
-    rng = torch.Generator().manual_seed(cfg.seed + 7)
-    model = build_model(cfg.model, cfg.seed)
-    cap = unit_token_cap(cfg)
-    train_seconds, verify_seconds, contributions_scored = 0.0, 0.0, 0
-    for t in range(cfg.rounds):
-        # (worker, path, module, encoded Δ, tokens)
-        uploads: list[tuple[int, int, str, bytes, int]] = []
-        for p in range(cfg.num_paths):
-            worker = p
-            evil = attack if worker == ATTACKER else None
-            trained_path, start_from = p, modules
-            if evil == "other_path":
-                trained_path = (p + 1) % cfg.num_paths
-            if evil == "stale_base":
-                start_from = previous
-            clock = time.perf_counter()
-            result = train_path(
-                cfg, trained_path, start_from, sources[trained_path], round_index=t,
-                start_position=unit_start(cfg, t, 0), state=states.get((worker, trained_path)),
-            )  # fmt: skip
-            train_seconds += time.perf_counter() - clock
-            state = result.state or InnerState()
-            states[(worker, trained_path)] = state
-            own = modules_of_path(cfg, p)
-            trained = modules_of_path(cfg, trained_path)
-            tokens = result.tokens * (100 if evil == "token_inflation_x100" else 1)
-            for module_id, source_id in zip(own, trained, strict=True):
-                delta = result.module_deltas[source_id]
-                if evil is None or evil in ("other_path", "stale_base", "token_inflation_x100"):
-                    encoded, residual = codecs.encode_with_feedback(
-                        delta, cfg.comm.codec, state.module_residual(source_id),
-                        block_size=cfg.comm.block_size,
-                    )  # fmt: skip
+    index: int
+    worker: int
+    path: int
+    tokens: int  # claimed
+    check_of: int | None = None
+    encoded: dict[str, bytes] = field(default_factory=dict)  # module -> its upload
+    score: verify.Score | None = None
+    rejected: bool = False
+
+
+@dataclass
+class Entry:
+    """One upload in a module's step."""
+
+    unit: Unit
+    delta: dict[str, Tensor] | None = None
+    norm: float = 0.0
+    reason: str = ""
+    cosine: float | None = None
+
+
+class Run:
+    """One simulated run: data, model, modules, and what the server remembers."""
+
+    def __init__(self, cfg: RunConfig, attack: str | None, args: argparse.Namespace) -> None:
+        torch.manual_seed(cfg.seed)
+        from dipaco.modular import init_modules_from_base
+
+        self.cfg, self.attack, self.args = cfg, attack, args
+        self.bad = attackers(attack)
+        data, base = prepared(cfg, args)
+        torch.manual_seed(cfg.seed)  # the same state whether the base was trained or loaded
+        seq = cfg.model.seq_len
+        self.windows = data.val_windows(seq, args.eval_windows)
+        self.sources = [data.train_source(p, seq, path_seed(cfg, p)) for p in range(cfg.num_paths)]
+        self.heldout = [stream_windows(data.val_tokens(p), seq)[-cfg.outer.score_windows :]
+                        for p in range(cfg.num_paths)]  # fmt: skip
+        self.modules: Modules = init_modules_from_base(cfg, base)
+        self.previous: Modules = {m: dict(t) for m, t in self.modules.items()}  # stale base
+        self.momentum: Modules = {}
+        self.history: dict[str, list[float]] = defaultdict(list)  # accepted medians per round
+        self.seen: set[str] = set()
+        self.states: dict[tuple[int, int], InnerState] = {}
+        self.replayable: dict[str, bytes] = {}
+        self.credited: dict[int, int] = defaultdict(int)
+        self.claimed: dict[int, int] = defaultdict(int)
+        self.reasons: dict[str, int] = defaultdict(int)
+        self.honest_rejected = 0
+        self.rng = torch.Generator().manual_seed(cfg.seed + 7)
+        self.bias = {  # a fixed unit direction per module, the same every round
+            m: _unit_vector(module_spec(cfg, m), cfg.seed + 11) for m in module_ids(cfg)
+        }
+        self.model = build_model(cfg.model, cfg.seed)
+        self.cap = unit_token_cap(cfg)
+        self.train_seconds = self.verify_seconds = 0.0
+        self.scored = 0
+
+    def train(self, t: int, worker: int, p: int, *, check: bool) -> tuple[dict[str, bytes], int]:
+        """One unit of path p trained by `worker`, as its uploads and claimed tokens."""
+        cfg, evil = self.cfg, self.attack if worker in self.bad else None
+        trained_path, start_from = p, self.modules
+        if evil == "other_path":
+            trained_path = (p + 1) % cfg.num_paths
+        if evil == "stale_base":
+            start_from = self.previous
+        # A check copy goes to a worker without AdamW moments for the path (cold).
+        state = None if check else self.states.get((worker, trained_path))
+        clock = time.perf_counter()
+        result = train_path(
+            cfg, trained_path, start_from, self.sources[trained_path], round_index=t,
+            start_position=unit_start(cfg, t, 0), state=state,
+        )  # fmt: skip
+        self.train_seconds += time.perf_counter() - clock
+        state = result.state or InnerState()
+        if not check:
+            self.states[(worker, trained_path)] = state
+        tokens = result.tokens * (100 if evil == "token_inflation_x100" else 1)
+        tokens -= 1 if evil == "flip_one_token_short" else 0
+        encoded = {}
+        own, trained = modules_of_path(cfg, p), modules_of_path(cfg, trained_path)
+        for module_id, source_id in zip(own, trained, strict=True):
+            delta = result.module_deltas[source_id]
+            if evil is None or evil in HONEST_BYTES:
+                encoded[module_id], residual = codecs.encode_with_feedback(
+                    delta, cfg.comm.codec, state.module_residual(source_id),
+                    block_size=cfg.comm.block_size,
+                )  # fmt: skip
+                if not check:
                     state.set_module_residual(source_id, residual)
-                elif evil == "replay":
-                    fresh = codecs.encode(delta, cfg.comm.codec, block_size=cfg.comm.block_size)
-                    encoded = replayable.setdefault(module_id, fresh)  # round 0's, ever after
-                else:
-                    bad = attacked(evil, delta, rng)
-                    encoded = codecs.encode(bad, cfg.comm.codec, block_size=cfg.comm.block_size)
-                uploads.append((worker, p, module_id, encoded, tokens))
-        previous = {m: dict(v) for m, v in modules.items()}
-        # rounds.complete: a unit claiming more tokens than it holds is refused outright.
-        refused_units = {(w, p) for w, p, _, _, n in uploads if n > cap}
-        for _ in refused_units:
-            reasons["completion_refused: tokens above H x batch x seq_len"] += 1
-        uploads = [u for u in uploads if (u[0], u[1]) not in refused_units]
+            elif evil == "replay":
+                fresh = codecs.encode(delta, cfg.comm.codec, block_size=cfg.comm.block_size)
+                encoded[module_id] = self.replayable.setdefault(module_id, fresh)
+            else:
+                bad = attacked(evil, delta, self.rng, self.bias[module_id])
+                encoded[module_id] = codecs.encode(
+                    bad, cfg.comm.codec, block_size=cfg.comm.block_size
+                )
+        return encoded, tokens
+
+    def round(self, t: int) -> None:
+        cfg = self.cfg
+        units = []
+        for p in range(cfg.num_paths):
+            encoded, tokens = self.train(t, p, p, check=False)
+            units.append(Unit(len(units), p, p, tokens, encoded=encoded))
+        if self.attack == "colluders":  # replication forced on: every unit checked
+            for original in list(units[: cfg.num_paths]):
+                checker = (original.worker + 1) % cfg.num_paths
+                encoded, tokens = self.train(t, checker, original.path, check=True)
+                units.append(
+                    Unit(len(units), checker, original.path, tokens, original.index, encoded)
+                )
+        for u in units:
+            self.claimed[u.worker] += u.tokens
+        self.previous = {m: dict(v) for m, v in self.modules.items()}
+        for u in units:  # rounds.complete: a claim above the unit's tokens is refused outright
+            if u.tokens > self.cap:
+                u.rejected = True
+                self.reasons["completion_refused: tokens above H x batch x seq_len"] += 1
+        live = [u for u in units if not u.rejected]
+        round_base = {m: dict(v) for m, v in self.modules.items()}  # what the units started from
+        self.score_units(live, t, round_base)
         lr = outer_lr(cfg.outer, t)
-        accepted_units: dict[tuple[int, int], bool] = defaultdict(lambda: True)
-        base_cache: dict[int, tuple[float, float]] = {}
-        round_base = {m: dict(v) for m, v in modules.items()}  # what the units started from
         seen_now: set[str] = set()
         for module_id in module_ids(cfg):
-            mine = [u for u in uploads if u[2] == module_id]
-            if not mine:
-                continue
-            spec = module_spec(cfg, module_id)
-            decoded: list[tuple[dict[str, Tensor], float] | None] = []
-            verdicts: list[str] = []
-            for _w, _p, _, encoded, _n in mine:
-                try:
-                    delta = codecs.decode(encoded, spec)
-                    norm = delta_norm(delta)
-                    if not math.isfinite(norm):
-                        raise codecs.CodecError("norm_overflow", "its norm overflows fp32")
-                except codecs.CodecError as exc:
-                    verdicts.append(f"{exc.code}: {exc}")
-                    decoded.append(None)
-                    continue
-                verdicts.append("")
-                decoded.append((delta, norm))
-            ok = [i for i, v in enumerate(verdicts) if not v]
-            norms = [decoded[i][1] for i in ok]  # type: ignore[index]
-            for i, outlier in zip(
-                ok, norm_outliers(norms, cfg.outer.reject_norm_factor), strict=True
-            ):
-                if outlier:
-                    verdicts[i] = "norm_outlier: above reject_norm_factor x the round's median"
-            candidates = []
-            for i, (_w, p, _, encoded, _n) in enumerate(mine):
-                if verdicts[i]:
-                    continue
-                delta, norm = decoded[i]  # type: ignore[misc]
-                clock = time.process_time()
-                score, cos = None, None
-                if cfg.outer.verify:
-                    if module_id in momentum:
-                        cos = verify.cosine(delta, momentum[module_id])
-                    if cfg.outer.score:
-                        train_w = sources[p].batch(
-                            unit_start(cfg, t, 0), cfg.outer.score_windows, seq
-                        )
-                        unit = {  # the unit's whole Δ: every module it uploaded
-                            m: codecs.decode(e, module_spec(cfg, m))
-                            for w, q, m, e, _ in uploads
-                            if (w, q) == (mine[i][0], p)
-                        }
-                        score = verify.score_delta(
-                            cfg, p, model, round_base, unit, train_w, heldout[p],
-                            before=base_cache.get(p),
-                        )  # fmt: skip
-                        base_cache[p] = (score.train_before, score.heldout_before)
-                    contributions_scored += 1
-                candidates.append(
-                    verify.Candidate(i, norm, hashlib.sha256(encoded).hexdigest(), cos, score)
-                )
-                verify_seconds += time.process_time() - clock
-            past = [n for r in history[module_id][-cfg.outer.history_rounds :] for n in r]
-            if args.verbose:
-                for c in candidates:
-                    sc = c.score
-                    print(
-                        f"  t={t} {module_id:6s} w{mine[c.key][0]} norm {c.norm:.3g} "
-                        f"ref {verify.norm_reference(past) or 0:.3g} cos {c.cosine} "
-                        + (
-                            f"gain {sc.gain:.4f} held {sc.heldout_after - sc.heldout_before:+.4f}"
-                            if sc
-                            else ""
-                        ),
-                        file=sys.stderr,
-                    )
+            entries = [Entry(u) for u in live if module_id in u.encoded]
+            if entries:
+                self.step_module(module_id, entries, lr, seen_now)
+        self.seen |= seen_now
+        self.credit(units)
+
+    def score_units(self, units: list[Unit], t: int, base: Modules) -> None:
+        """Proof of useful work per unit, its whole Δ (rounds.verification.scorer)."""
+        cfg = self.cfg
+        if not (cfg.outer.verify and cfg.outer.score):
+            return
+        cache: dict[int, tuple[float, float]] = {}
+        for u in units:
             clock = time.process_time()
-            for i, why in verify.screen(candidates, past, cfg.outer, seen=seen).items():
-                verdicts[i] = why
-            verify_seconds += time.process_time() - clock
-            for c in candidates:
-                seen_now.add(c.sha256)  # replays are judged against earlier rounds
-            good = [i for i, v in enumerate(verdicts) if not v]
-            for i, v in enumerate(verdicts):
-                if v:
-                    accepted_units[(mine[i][0], mine[i][1])] = False
-                    who = "" if mine[i][0] == ATTACKER else "honest "
-                    reasons[who + v.split(":")[0]] += 1
-                else:
-                    accepted_units[(mine[i][0], mine[i][1])] &= True
-            if not good:
+            try:
+                deltas = {m: codecs.decode(e, module_spec(cfg, m)) for m, e in u.encoded.items()}
+            except codecs.CodecError:
+                continue  # refused by the format check in each module's step
+            if not all(math.isfinite(delta_norm(d)) for d in deltas.values()):
                 continue
-            good_norms = [decoded[i][1] for i in good]  # type: ignore[index]
-            limit = None
-            if cfg.outer.robust == "clipped-mean":
-                limit = verify.clip_limit(good_norms, past, cfg.outer)
-            acc = DeltaAccumulator(spec, token_weighting=cfg.outer.token_weighting, clip_norm=limit)
-            for i in good:
-                acc.add(decoded[i][0], mine[i][4])  # type: ignore[index]
-            grad = acc.mean()
-            # What the server keeps per step: the median of the accepted norms (OuterStep).
-            history[module_id].append([statistics.median(good_norms)])
-            modules[module_id], momentum[module_id] = outer_step(
-                modules[module_id], grad, momentum.get(module_id), cfg.outer, lr=lr
-            )
-        seen |= seen_now
-        for (worker, p), ok_unit in accepted_units.items():
-            if ok_unit:
-                credited[worker] += next(u[4] for u in uploads if (u[0], u[1]) == (worker, p))
-    losses = evaluate_paths(cfg, modules, windows)
-    units = cfg.rounds * cfg.num_paths
+            if all(delta_norm(d) == 0 for d in deltas.values()):
+                continue  # the zero check refuses it before scoring
+            train_w = self.sources[u.path].batch(unit_start(cfg, t, 0), cfg.outer.score_windows,
+                                                 cfg.model.seq_len)  # fmt: skip
+            u.score = verify.score_delta(cfg, u.path, self.model, base, deltas, train_w,
+                                         self.heldout[u.path], before=cache.get(u.path))  # fmt: skip
+            cache[u.path] = (u.score.train_before, u.score.heldout_before)
+            self.verify_seconds += time.process_time() - clock
+
+    def work(self, u: Unit) -> float:
+        return min(1.0, u.tokens / self.cap)
+
+    def step_module(
+        self, module_id: str, entries: list[Entry], lr: float, seen_now: set[str]
+    ) -> None:
+        cfg, outer = self.cfg, self.cfg.outer
+        spec = module_spec(cfg, module_id)
+        for e in entries:  # format
+            try:
+                e.delta = codecs.decode(e.unit.encoded[module_id], spec)
+                e.norm = delta_norm(e.delta)
+                if not math.isfinite(e.norm):
+                    raise codecs.CodecError("norm_overflow", "its norm overflows fp32")
+            except codecs.CodecError as exc:
+                e.reason = f"{exc.code}: {exc}"
+        ok = [e for e in entries if not e.reason]
+        for e, outlier in zip(
+            ok, norm_outliers([e.norm for e in ok], outer.reject_norm_factor), strict=True
+        ):
+            if outlier:
+                e.reason = "norm_outlier: above reject_norm_factor x the round's median"
+        past = self.history[module_id][-outer.history_rounds :]
+        clock = time.process_time()
+        if outer.verify:
+            candidates = []
+            for i, e in enumerate(entries):
+                if e.reason:
+                    continue
+                assert e.delta is not None
+                if module_id in self.momentum:
+                    e.cosine = verify.cosine(e.delta, self.momentum[module_id])
+                sha = hashlib.sha256(e.unit.encoded[module_id]).hexdigest()
+                seen_now.add(sha)
+                candidates.append(verify.Candidate(i, e.norm, sha, e.cosine, e.unit.score,
+                                                   work=self.work(e.unit)))  # fmt: skip
+                self.scored += 1
+            for i, why in verify.screen(candidates, past, outer, seen=self.seen).items():
+                entries[i].reason = why
+            self.settle_replicas(entries, module_id)
+            if not past:  # the module's first step: no history yet
+                self.peer_check(entries)
+        self.verify_seconds += time.process_time() - clock
+        chosen = [e for e in entries if not e.reason and self.aggregated(e, entries)]
+        for e in entries:
+            if e.reason:
+                e.unit.rejected = True
+                who = "" if e.unit.worker in self.bad else "honest "
+                self.honest_rejected += 1 if who else 0
+                self.reasons[who + e.reason.split(":")[0]] += 1
+        if self.args.verbose:
+            for e in entries:
+                s = e.unit.score
+                print(f"  {module_id:6s} w{e.unit.worker} p{e.unit.path}"
+                      f"{' check' if e.unit.check_of is not None else ''} norm {e.norm:.3g} "
+                      f"cos {e.cosine} gain {s.gain if s else None} {e.reason[:60]}",
+                      file=sys.stderr)  # fmt: skip
+        if not chosen:
+            return
+        norms = [e.norm for e in chosen]
+        limit = None
+        if outer.robust == "clipped-mean":
+            limit = verify.clip_limit(norms, past, outer)
+        acc = DeltaAccumulator(spec, token_weighting=outer.token_weighting, clip_norm=limit)
+        for e in chosen:
+            assert e.delta is not None
+            acc.add(e.delta, min(e.unit.tokens, self.cap))
+        grad = acc.mean()
+        # What the server keeps per step: the median of the accepted norms (OuterStep).
+        self.history[module_id].append(statistics.median(norms))
+        self.modules[module_id], self.momentum[module_id] = outer_step(
+            self.modules[module_id], grad, self.momentum.get(module_id), outer, lr=lr
+        )
+
+    def aggregated(self, e: Entry, entries: list[Entry]) -> bool:
+        """rounds.verification.aggregated: a check copy only in place of a refused original."""
+        if e.unit.check_of is None:
+            return True
+        original = next((o for o in entries if o.unit.index == e.unit.check_of), None)
+        return original is None or bool(original.reason)
+
+    def settle_replicas(self, entries: list[Entry], module_id: str) -> None:
+        for check in entries:
+            if check.unit.check_of is None or check.reason:
+                continue
+            original = next((o for o in entries if o.unit.index == check.unit.check_of), None)
+            if original is None or original.reason:
+                continue
+            pair = (original, check)
+            assert original.delta is not None and check.delta is not None
+            outcome = verify.settle_replicas(
+                original.delta, check.delta, self.cfg.outer,
+                tuple(verify.ReplicaEvidence(e.unit.score, e.cosine,  # type: ignore[arg-type]
+                      hashlib.sha256(e.unit.encoded[module_id]).hexdigest()) for e in pair),
+            )  # fmt: skip
+            if outcome.kind == "disagree" and outcome.loser is not None:
+                pair[outcome.loser].reason = f"{verify.REPLICA}: {outcome.why}"
+
+    def peer_check(self, entries: list[Entry]) -> None:
+        live = {i: e for i, e in enumerate(entries) if not e.reason and self.aggregated(e, entries)}
+        deltas = {i: e.delta for i, e in live.items() if e.delta is not None and e.norm > 0}
+        rates = {i: verify.gain_rate(e.unit.score, self.work(e.unit)) for i, e in live.items()}
+        for i, why in verify.peer_refusals(verify.pairwise_cosines(deltas), rates).items():
+            entries[i].reason = why
+
+    def credit(self, units: list[Unit]) -> None:
+        """rounds.verification.credit: whole units only, x their useful fraction."""
+        accepted = [u for u in units if not u.rejected]
+        for u in accepted:
+            peers = [(o.score, self.work(o)) for o in accepted if o is not u and o.score]
+            fraction = verify.useful_fraction(u.score, self.work(u), peers)
+            self.credited[u.worker] += round(u.tokens * fraction)
+
+    def result(self) -> dict[str, Any]:
+        losses = evaluate_paths(self.cfg, self.modules, self.windows)
+        units = self.cfg.rounds * self.cfg.num_paths
+        return {
+            "loss": routed_mean(losses),
+            "credited_tokens": sum(self.credited[w] for w in self.bad),
+            "claimed_tokens": sum(self.claimed[w] for w in self.bad),
+            "honest_credited_tokens": sum(v for w, v in self.credited.items() if w not in self.bad),
+            "honest_rejected": self.honest_rejected,
+            "reasons": dict(self.reasons),
+            "train_seconds_per_unit": self.train_seconds / units,
+            "verify_cpu_seconds_per_contribution": self.verify_seconds / max(1, self.scored),
+        }
+
+
+def prepared(cfg: RunConfig, args: argparse.Namespace) -> tuple[Any, dict[str, Tensor]]:
+    """The run's data and its dense base, trained once per seed and configuration and
+    kept in the work dir (tfidf routing: the data does not depend on the base)."""
+    from safetensors.torch import load_file, save_file
+
+    assert cfg.router.featurizer == "tfidf", "the base is trained after the data here"
+    digest = hashlib.sha256(cfg.model_dump_json(exclude={"outer"}).encode()).hexdigest()[:16]
+    file = args.work_dir / f"base-{digest}-{args.base_steps}.safetensors"
+    cached = file.exists()
+    data, base = prepare_with_base(
+        cfg, DataBudget(), args.work_dir, 0 if cached else args.base_steps
+    )
+    if cached:
+        return data, load_file(file)
+    assert base is not None  # prepare_with_base trained it
+    save_file({k: v.contiguous() for k, v in base.items()}, str(file))
+    return data, base
+
+
+def _unit_vector(spec: Any, seed: int) -> dict[str, Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    v = {name: torch.randn(shape, generator=g) for name, (shape, _) in spec.items()}
+    norm = delta_norm(v)
+    return {k: t / norm for k, t in v.items()}
+
+
+def run(cfg: RunConfig, attack: str | None, args: argparse.Namespace) -> dict[str, Any]:
+    sim = Run(cfg, attack, args)
+    for t in range(cfg.rounds):
+        sim.round(t)
+    return sim.result()
+
+
+def one_run(task: tuple[argparse.Namespace, int, str]) -> dict[str, Any]:
+    """One run of the bench in a worker process: (args, seed, "clean" | "unverified" | attack)."""
+    args, seed, name = task
+    torch.set_num_threads(1)
+    args = argparse.Namespace(**{**vars(args), "work_dir": args.work_dir / f"seed-{seed}"})
+    if name == "unverified":
+        return run(config(args, seed, verify=False, robust="mean"), None, args)
+    return run(config(args, seed), None if name == "clean" else name, args)
+
+
+def spread(values: list[float]) -> dict[str, Any]:
     return {
-        "loss": routed_mean(losses),
-        "credited_tokens": credited[ATTACKER],
-        "honest_credited_tokens": sum(v for w, v in credited.items() if w != ATTACKER),
-        "reasons": dict(reasons),
-        "train_seconds_per_unit": train_seconds / units,
-        "verify_cpu_seconds_per_contribution": verify_seconds / max(1, contributions_scored),
+        "mean": round(statistics.mean(values), 4),
+        "stdev": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+        "per_seed": [round(v, 4) for v in values],
     }
 
 
@@ -300,7 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-steps", type=int, default=100, help="dense base (%(default)s)")
     parser.add_argument("--eval-windows", type=int, default=128)
     parser.add_argument("--corpus", default="stdlib", help="stdlib, a directory or a .jsonl")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=1, help="runs at once, one process each")
     parser.add_argument("--verbose", action="store_true", help="each Δ's checks, on stderr")
     parser.add_argument("--no-unverified", action="store_true", help="skip the unverified run")
     parser.add_argument("--attack", action="append", choices=ATTACKS, help="default: all")
@@ -308,31 +488,58 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
-    clean = run(config(args), None, args)
-    unverified = (
-        clean if args.no_unverified else run(config(args, verify=False, robust="mean"), None, args)
-    )
-    print(f"clean {clean['loss']:.4f}; unverified {unverified['loss']:.4f}", flush=True)
-    out: dict[str, Any] = {"attacks": {}}
-    for name in args.attack or ATTACKS:
-        result = run(config(args), name, args)
-        ratio = result["loss"] / clean["loss"]
-        out["attacks"][name] = {
-            "ratio": round(ratio, 4),
-            "credited_tokens": result["credited_tokens"],
-            "reasons": result["reasons"],
-        }
-        print(f"{name:22s} ratio {ratio:.4f} credited {result['credited_tokens']:7d} "
-              f"{result['reasons']}", flush=True)  # fmt: skip
-    out["clean_vs_unverified"] = round(clean["loss"] / unverified["loss"], 4)
-    out["clean"] = {
-        "loss": round(clean["loss"], 4),
-        "honest_credited_tokens": clean["honest_credited_tokens"],
-        "reasons": clean["reasons"],
+    names = args.attack or ATTACKS
+    # The clean runs first (they prepare each seed's data in its own folder), then the rest:
+    # every run is independent, so --jobs processes share them out.
+    first = [(seed, "clean") for seed in args.seeds]
+    rest = [(seed, "unverified") for seed in args.seeds if not args.no_unverified]
+    rest += [(seed, name) for seed in args.seeds for name in names]
+    done: dict[tuple[int, str], dict[str, Any]] = {}
+    with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+        for batch in (first, rest):
+            results_ = pool.map(one_run, [(args, *t) for t in batch])
+            for task, result in zip(batch, results_, strict=True):
+                done[task] = result
+                print(f"seed {task[0]} {task[1]:22s} loss {result['loss']:.4f} credited "
+                      f"{result['credited_tokens']:7d} of {result['claimed_tokens']:7d} "
+                      f"honest rejected {result['honest_rejected']} {result['reasons']}",
+                      flush=True)  # fmt: skip
+    clean = {seed: done[(seed, "clean")] for seed in args.seeds}
+    unverified = {
+        seed: clean[seed]["loss"] / done[(seed, "unverified")]["loss"]
+        for seed in args.seeds
+        if (seed, "unverified") in done
     }
-    per_unit, per_contribution = (
-        clean["train_seconds_per_unit"],
-        clean["verify_cpu_seconds_per_contribution"],
+    results: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for seed in args.seeds:
+        for name in names:
+            result = done[(seed, name)]
+            result["ratio"] = result["loss"] / clean[seed]["loss"]
+            results[name].append(result)
+    out: dict[str, Any] = {"seeds": args.seeds, "attacks": {}}
+    for name, rows in results.items():
+        reasons: dict[str, int] = defaultdict(int)
+        for row in rows:
+            for reason, n in row["reasons"].items():
+                reasons[reason] += n
+        out["attacks"][name] = {
+            "ratio": spread([r["ratio"] for r in rows]),
+            "credited_tokens": [r["credited_tokens"] for r in rows],
+            "claimed_tokens": [r["claimed_tokens"] for r in rows],
+            "honest_rejected": [r["honest_rejected"] for r in rows],
+            "reasons": dict(reasons),
+        }
+    if unverified:
+        out["clean_vs_unverified"] = spread(list(unverified.values()))
+    out["clean"] = {
+        "loss": spread([c["loss"] for c in clean.values()]),
+        "honest_credited_tokens": [c["honest_credited_tokens"] for c in clean.values()],
+        "honest_rejected": [c["honest_rejected"] for c in clean.values()],
+        "reasons": [c["reasons"] for c in clean.values()],
+    }
+    per_unit = statistics.mean(c["train_seconds_per_unit"] for c in clean.values())
+    per_contribution = statistics.mean(
+        c["verify_cpu_seconds_per_contribution"] for c in clean.values()
     )
     out["overhead"] = {
         "verify_cpu_seconds_per_contribution": round(per_contribution, 4),
