@@ -31,6 +31,9 @@ two colluders flipping their Δs with every unit replicated (each unit's check c
 the next worker, so worker 1 checks worker 0's unit); a lazy worker sending 0.1 x its Δ
 for the whole unit's tokens; a fixed-direction bias (the same unit vector every round, at
 0.5 x the Δ's norm); a sign flip whose completion claims one token fewer than trained.
+
+Over 500 lines: the server's step is mirrored here check by check (`Run`), in the server's
+order, so that one file shows what each attack meets.
 """
 
 from __future__ import annotations

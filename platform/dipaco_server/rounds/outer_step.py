@@ -27,6 +27,9 @@ the ModuleVersion, settles every contribution and writes the OuterStep row. Noth
 visible until that commit: a crash before it leaves at most unreferenced blobs, which the
 retry overwrites with the same step's bytes; an OuterStep row makes any later delivery a
 no-op, and the lock makes a concurrent duplicate wait and then find it. Tests arm a `Fault` at that point through ``$DIPACO_FAULTS_DIR``.
+
+Over 500 lines: the two streaming passes, the trimmed mean's chunked reads and the crash-safe
+commit belong to one step; the checks live in rounds.verification.
 """
 
 from __future__ import annotations
