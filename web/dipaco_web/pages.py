@@ -108,7 +108,6 @@ def worker_context(worker: Worker) -> dict[str, Any]:
         .select_related("unit__round__run", "unit__path", "module")
         .order_by("-created_at", "-pk")[:RECENT_CONTRIBUTIONS]
     )
-    accepted_tokens = queries.accepted_tokens_by("lease__worker_id", lease__worker=worker)
     online_since = queries.online_window()
 
     seen = worker.last_seen
@@ -119,7 +118,8 @@ def worker_context(worker: Worker) -> dict[str, Any]:
         "online": not worker.revoked and seen is not None and seen >= timezone.now() - online_since,
         "units": units,
         "contributions": contributions,
-        "credit_tokens": accepted_tokens.get(worker.pk, 0),
+        # the leaderboard's figure: verified useful work (rounds.verification.credit)
+        "credit_tokens": worker.tokens_processed,
         "trust": worker.trust,
         "replicas": (worker.replicas_agreed, worker.replicas_disagreed),
     }
