@@ -357,7 +357,10 @@ def end_to_end(
     wall = _stamp(done[-1]) - _stamp(leases[0])
     train = sum(float(e["train_seconds"]) for e in done)
     fetch = sum(_stamp(f) - _stamp(lease) for lease, f in zip(leases, fetched, strict=True))
-    waiting = sum(_stamp(lease) - _stamp(d) for d, lease in zip(done, leases[1:], strict=False))
+    # the next lease before the last completion is the hand-in overlapping: no wait
+    waiting = sum(
+        max(0.0, _stamp(lease) - _stamp(d)) for d, lease in zip(done, leases[1:], strict=False)
+    )
     return {"run_id": run_id, "rounds": rounds, "units": len(done), "steps": steps,
             "wall_s": wall, "train_s": train, "utilisation": train / wall,
             "fetch_s": fetch, "between_units_s": waiting,

@@ -213,7 +213,8 @@ def unit_assignments(pool: WorkerPool) -> list[dict[str, Any]]:
     """Each completed unit's (round, path, worker), from the workers' JSON logs."""
     units = []
     for worker in pool.workers:
-        lease: dict[str, Any] | None = None
+        # by lease id: a unit's hand-in may complete after the worker's next lease
+        leases: dict[Any, dict[str, Any]] = {}
         for line in worker.log_path.read_text("utf-8", errors="replace").splitlines():
             try:
                 event = json.loads(line)
@@ -222,11 +223,12 @@ def unit_assignments(pool: WorkerPool) -> list[dict[str, Any]]:
             if not isinstance(event, dict):
                 continue
             if event.get("event") == "lease":
-                lease = event
-            elif event.get("event") == "completed" and lease is not None:
-                units.append({"round": lease.get("round"), "path": lease.get("path"),
-                              "worker": worker.name, "loss": event.get("loss")})  # fmt: skip
-                lease = None
+                leases[event.get("lease_id")] = event
+            elif event.get("event") == "completed":
+                lease = leases.pop(event.get("lease_id"), None)
+                if lease is not None:
+                    units.append({"round": lease.get("round"), "path": lease.get("path"),
+                                  "worker": worker.name, "loss": event.get("loss")})  # fmt: skip
     return sorted(units, key=lambda u: (u["round"], u["path"]))
 
 

@@ -188,9 +188,10 @@ def rescale_factor(cfg: OuterConfig, contributing_paths: int) -> float:
     return math.sqrt(contributing_paths)
 
 
-def outer_lr(cfg: OuterConfig, round_index: int) -> float:
+def outer_lr(cfg: OuterConfig, round_index: int, *, trained_start: bool = False) -> float:
     """The outer learning rate of 0-based round `round_index` (linear warm-up, then cfg.lr),
-    divided by 1 + μ in a phase's first round under Nesterov momentum.
+    divided by 1 + μ in the first round of a phase that starts from trained weights
+    (`trained_start`) under Nesterov momentum.
 
     Why the first round: Nesterov's first step is lr x (1 + μ) x Δ (the look-ahead takes the
     one Δ there is as the next one too), so at the defaults (lr 1.0, μ 0.7) it moves the
@@ -206,13 +207,15 @@ def outer_lr(cfg: OuterConfig, round_index: int) -> float:
     6.644, 6.397, 6.263; the later rounds catch up). From random weights it costs: tiny
     DiLoCo, 2 replicas, H = 30, 5 rounds ended at 6.957 against SGD's first step's 6.882
     (its first round is better, 7.196 against 8.480, but the momentum the first Δ leaves
-    overshoots in the second). The server and `dipaco simulate` both take their lr here
-    (the phase's own round index).
+    overshoots in the second), so a start from random weights keeps SGD's first step. The
+    server (phase 2 with a base model: phase 1's or an uploaded checkpoint) and
+    `dipaco simulate` (modules from the base) both take their lr here, with the phase's own
+    round index.
     """
     if round_index < 0:
         raise ValueError(f"round_index = {round_index}: rounds count from 0")
     lr = cfg.lr * min(1.0, (round_index + 1) / (cfg.warmup_rounds + 1))
-    if round_index == 0 and cfg.nesterov and cfg.momentum > 0:
+    if trained_start and round_index == 0 and cfg.nesterov and cfg.momentum > 0:
         lr /= 1.0 + cfg.momentum
     return lr
 

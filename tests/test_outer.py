@@ -165,13 +165,15 @@ def test_the_first_nesterov_step_moves_by_the_mean_delta_and_later_ones_as_sgd()
     cfg = OuterConfig(lr=1.0, momentum=0.7, nesterov=True)
     params, delta = {"w": torch.ones(3)}, {"w": torch.full((3,), 0.5)}
 
-    first, momentum = outer_step(params, delta, None, cfg, lr=outer_lr(cfg, 0))
-    second, _ = outer_step(first, delta, momentum, cfg, lr=outer_lr(cfg, 1))
+    first, momentum = outer_step(params, delta, None, cfg, lr=outer_lr(cfg, 0, trained_start=True))
+    second, _ = outer_step(first, delta, momentum, cfg, lr=outer_lr(cfg, 1, trained_start=True))
 
     assert torch.allclose(first["w"], torch.full((3,), 0.5))  # not 1 - 1.7 x 0.5
     assert torch.equal(momentum["w"], delta["w"])  # SGD's buffer: the first Δ
     assert torch.allclose(second["w"], 0.5 - (0.5 + 0.7 * (0.7 * 0.5 + 0.5)) * torch.ones(3))
-    assert outer_lr(cfg.model_copy(update={"nesterov": False}), 0) == 1.0  # no look-ahead
+    assert outer_lr(cfg.model_copy(update={"nesterov": False}), 0, trained_start=True) == 1.0
+    # from random weights SGD's own first step stays (it costs nothing to overshoot there)
+    assert outer_lr(cfg, 0) == 1.0
 
 
 @pytest.mark.parametrize("clip_norm", [None, 0.5])

@@ -558,7 +558,7 @@ def test_a_warm_up_round_steps_with_its_share_of_the_outer_learning_rate(db: Non
     step_module(run.pk, "0.0", 0)
 
     config = run.run_config.outer
-    first = config.lr / 4 / (1 + config.momentum)  # a first Nesterov step is the mean Δ's
+    first = config.lr / 4  # from random weights (no base model): SGD's own first step
     assert outer_lr(config, 0) == pytest.approx(first)
     spec = module_spec(run.run_config, "0.0")
     grad = aggregate([(codecs.decode(uploaded["0.0"], spec), TOKENS)], config, spec=spec)

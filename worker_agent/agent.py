@@ -369,10 +369,15 @@ class Agent:
         self.inner_states.save(grant.run_id, grant.path, state)
         self.units_done += 1
         self.reporter.event(
-            "completed", f"lease {grant.lease_id} completed: loss {metrics['loss']:.4f}, "
+            "completed",
+            f"lease {grant.lease_id} completed: loss {metrics['loss']:.4f}, "
             f"{metrics['tokens_per_second']:,.0f} tokens/s (micro-batch {micro_batch})",
-            units_done=self.units_done, **metrics,
-        )  # fmt: skip
+            units_done=self.units_done,
+            lease_id=grant.lease_id,
+            round=grant.round,
+            path=grant.path,
+            **metrics,
+        )  # fmt: skip (lease, round and path: the hand-in may end after the next lease)
         self._discard(grant)
 
     def _hand_in_until(self, grant: LeaseGrant) -> float:

@@ -124,6 +124,8 @@ def _outer_round(
     contributions: dict[str, list[tuple[int, bytes, int]]],
     round_index: int,
     published: dict[str, dict[str, Tensor]] | None = None,
+    *,
+    trained_start: bool = False,
 ) -> dict[str, int]:
     """Aggregate each module's encoded (path, Δ, tokens) and take its outer step (in place).
 
@@ -132,7 +134,7 @@ def _outer_round(
     decoded update, as on the platform; `published` keeps each module's error-feedback
     residual between rounds. Returns the encoded update's bytes per stepped module.
     """
-    lr = outer_lr(config.outer, round_index)
+    lr = outer_lr(config.outer, round_index, trained_start=trained_start)
     sizes: dict[str, int] = {}
     for module_id in module_ids(config):
         encoded = contributions.get(module_id)
@@ -273,7 +275,10 @@ def train_dipaco(
                 run.tokens += result.tokens
                 run.units += 1
         previous = dict(modules)  # _outer_round replaces each stepped module's dict
-        update_bytes = _outer_round(config, modules, momentum, contributions, t, published)
+        update_bytes = _outer_round(
+            config, modules, momentum, contributions, t, published,
+            trained_start=base_state is not None,
+        )  # fmt: skip
         record.paths = evaluate_paths(config, modules, windows)
         record.routed_loss = routed_mean(record.paths)
         record.train_loss = sum(last_losses) / len(last_losses)

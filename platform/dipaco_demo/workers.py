@@ -111,7 +111,10 @@ class WorkerProcess:
                 s.state, s.step = "fetching", 0
                 s.round, s.path = event.get("round"), event.get("path")
             elif kind == "completed":
-                s.state, s.unit_loss = "uploaded", event.get("loss", s.unit_loss)
+                s.unit_loss = event.get("loss", s.unit_loss)
+                # the hand-in may end while the next unit trains: that one's state stays
+                if (event.get("round"), event.get("path")) == (s.round, s.path):
+                    s.state = "uploaded"
                 s.units_done = event.get("units_done", s.units_done + 1)
             elif kind == "idle":
                 s.state = "waiting for work"

@@ -86,7 +86,7 @@ from dipaco_server.rounds.verification import (
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
 from dipaco_server.runs.models import Module, ModuleVersion
-from dipaco_server.runs.phases import local_round, round_config
+from dipaco_server.runs.phases import PATHS, local_round, round_config
 from dipaco_server.runs.prepare import work_root
 from dipaco_server.storage import BlobStore, get_blob_store
 
@@ -288,6 +288,7 @@ def compute_step(
     work: Path,
     *,
     round_index: int,
+    trained_start: bool = False,
     history: Sequence[float] = (),
     momentum: Mapping[str, Tensor] | None = None,
     scorer: ScoreFn | None = None,
@@ -296,7 +297,8 @@ def compute_step(
     """Verify, aggregate and step in `work`; the outputs stay there for the caller.
 
     `round_index` is the 0-based round of the run's config whose step this is: it sets
-    the outer learning rate (dipaco.outer.outer_lr, cfg.warmup_rounds). `history`: the
+    the outer learning rate (dipaco.outer.outer_lr, cfg.warmup_rounds; `trained_start`: the
+    phase began from a trained base, whose first step is the mean Δ). `history`: the
     module's accepted median norms of earlier rounds; `momentum`: its outer momentum at
     the base version; `scorer`: proof of useful work (rounds.verify). With `comm` whose
     ``download_codec`` is not fp32, the step is published as an encoded update and the
@@ -325,7 +327,7 @@ def compute_step(
         result.update_norm = math.sqrt(
             sum(float(torch.linalg.vector_norm(t)) ** 2 for t in grad.values())
         )
-        lr = outer_lr(cfg, round_index)
+        lr = outer_lr(cfg, round_index, trained_start=trained_start)
         weights, digest, size, new_momentum = apply_step(store, base, grad, spec, cfg, work, lr)
         if comm is not None and comm.download_codec != "fp32":
             residual = None
@@ -427,6 +429,12 @@ def step_module(
             momentum = outer_momentum(store, base.momentum_key, spec, work)
             if outer.score:
                 scorer = Scorer(store, round_, module, config, work)
+        round_index = local_round(round_.run.run_config, t)
+        # Phase 2 from a base model (phase 1's, or an uploaded checkpoint, both kept there)
+        # starts trained: its first step is the mean Δ (dipaco.outer.outer_lr).
+        trained_start = (
+            round_index == 0 and phase == PATHS and store.exists(keys.base_model_key(run_id))
+        )
         result = compute_step(
             store,
             uploads,
@@ -434,7 +442,8 @@ def step_module(
             spec,
             outer,
             work,
-            round_index=local_round(round_.run.run_config, t),
+            round_index=round_index,
+            trained_start=trained_start,
             history=norm_history(module, t, outer.history_rounds),
             momentum=momentum,
             scorer=scorer,
