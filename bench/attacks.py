@@ -258,7 +258,7 @@ class Run:
         live = [u for u in units if not u.rejected]
         round_base = {m: dict(v) for m, v in self.modules.items()}  # what the units started from
         self.score_units(live, t, round_base)
-        lr = outer_lr(cfg.outer, t, trained_start=True)  # the modules start from the base
+        lr = outer_lr(cfg.outer, t)
         seen_now: set[str] = set()
         for module_id in module_ids(cfg):
             entries = [Entry(u) for u in live if module_id in u.encoded]
