@@ -49,7 +49,7 @@ same size. In order, it:
      pipe or a script (or with --no-serve) it stops the server and exits.
 
 The defaults (5 dense rounds on 2 workers, then 4 paths of 2.8M parameters for 5 rounds
-of 30 steps) take about 5 minutes on 2 CPU cores (docs/benchmarks.md). Ctrl+C stops everything: the run is
+of 30 steps) take about 9 minutes on 2 otherwise idle CPU cores. Ctrl+C stops everything: the run is
 cancelled, workers release their leases, the server stops. Logs are in DATA_DIR/logs."""
 
 EPILOG = """\

@@ -406,7 +406,8 @@ class Demo:
             f"{self.api_token}); `dipaco generate --run {result.run_id} ...` and "
             f"`dipaco download --run {result.run_id} ...` work meanwhile"
         )
-        self.console.print(self._sign_in(self.server.url), highlight=False)
+        # soft_wrap: one line even in a pipe, so the password and command copy whole.
+        self.console.print(self._sign_in(self.server.url), highlight=False, soft_wrap=True)
         self.console.print(
             f"[bold]Dashboard: {result.dashboard}[/] — press Ctrl-C to stop", highlight=False
         )
@@ -428,9 +429,11 @@ class Demo:
             "the server stops with the demo; to see the dashboard again: "
             f"DIPACO_DATA_DIR={self.data_dir} dipaco server --port {port}",
             highlight=False,
+            soft_wrap=True,
         )
         if self.staff_password:
-            self.console.print(self._sign_in(f"http://127.0.0.1:{port}"), highlight=False)
+            line = self._sign_in(f"http://127.0.0.1:{port}")
+            self.console.print(line, highlight=False, soft_wrap=True)
 
     # --- stopping -----------------------------------------------------------------------
 
