@@ -89,7 +89,7 @@ def test_it_refuses_a_path_with_no_trained_version_with_409(db: None, client: Cl
     message = _error(
         client.get(f"/api/v1/runs/{initial.pk}/paths/0/manifest"), 409, "path_not_trained"
     )
-    assert "once its round 0 has closed" in message  # its initial weights are not served
+    assert "once its first round has closed" in message  # its initial weights are not served
     response = client.get(f"/api/v1/runs/{initial.pk}/paths/0/manifest?round=0")
     _error(response, 409, "path_not_trained")
 
