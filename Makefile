@@ -26,11 +26,15 @@ $(VENV)/.installed: pyproject.toml package-lock.json
 demo: setup
 	$(BIN)/dipaco demo
 
+# The suite on TEST_WORKERS processes (pytest-xdist), each test file kept on one of them
+# so its module-scoped servers start once; TEST_WORKERS=0 runs it in this process.
+TEST_WORKERS ?= 2
+
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile
 
 lint: setup
 	$(BIN)/ruff check .
