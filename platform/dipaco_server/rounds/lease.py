@@ -80,7 +80,6 @@ def grant_lease(
     tell training from handing in; the bound holds whatever the worker claims. Its path
     ranks first among the warm ones, as if its completion had arrived.
 
-
     Preference (docs/design.md §4.2): a unit of a path the worker completed before (its
     AdamW state is warm there; the most recently completed first), then the path with
     the fewest units leased or done in its round, then the oldest round.
