@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import transaction
 from django.test import Client
 from django.utils import timezone
 
@@ -131,7 +132,8 @@ def build_short_run(name: str = "short-run", rounds_done: int = 3) -> ShortRun:
                 status=Contribution.Status.REJECTED, reason="non-finite values"
             )
         # ...and the credit it gives for them (the leaderboard shows it).
-        credit(set(verdicts.values_list("unit_id", flat=True)), unit_tokens(config))
+        with transaction.atomic():  # as in the outer step's commit, which locks the units
+            credit(set(verdicts.values_list("unit_id", flat=True)), unit_tokens(config))
         closed = opened + timedelta(minutes=5 + 3 * t)
         assert mark_round_closing(round_, now=closed)
         for module in run.modules.all():

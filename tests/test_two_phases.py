@@ -274,7 +274,7 @@ def test_a_phase1_of_zero_rounds_is_refused_at_the_api_naming_the_field(
 ) -> None:
     body = {"name": "zero", "config": {**config(), "phase1": {"rounds": 0}}}
     response = client.post("/api/v1/runs", body, "application/json", headers=staff)
-    assert response.status_code == 400, response.content
+    assert response.status_code == 422, response.content
     error = response.json()["error"]
     assert [p["field"] for p in error["details"]["problems"]] == ["phase1.rounds"]
     assert "phase1.rounds" in error["message"]
