@@ -45,7 +45,8 @@ import logging
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -269,7 +270,18 @@ class Agent:
         )  # fmt: skip
         self.heartbeats.track(grant.lease_id, grant.secret)
         try:
-            self._train_and_contribute(grant, record, work_dir)
+            with self._lease_ends(grant):
+                self._train_and_contribute(grant, record, work_dir)
+        finally:
+            self.heartbeats.untrack()
+
+    @contextmanager
+    def _lease_ends(self, grant: LeaseGrant) -> Iterator[None]:
+        """How a lease's work ends short of its completion, the same while it trains and
+        while its Δ is handed in: the lease gone (discarded), a stop (released), or this
+        machine unable to do the unit (released for another one, then raised)."""
+        try:
+            yield
         except ServerError as exc:
             if exc.code not in LEASE_GONE:
                 raise
@@ -278,10 +290,8 @@ class Agent:
         except Interrupted:
             self._release(grant)
         except (DiskFull, OutOfMemory):
-            self._release(grant)  # this machine cannot do the unit: let another one have it
+            self._release(grant)
             raise
-        finally:
-            self.heartbeats.untrack()
 
     def _train_and_contribute(self, grant: LeaseGrant, record: LeaseRecord, work: Path) -> None:
         config = RunConfig.model_validate(grant.config)
@@ -344,17 +354,8 @@ class Agent:
         handles them; anything else is raised (again by `_wait_for_hand_in`)."""
         grant = trained.grant
         try:
-            self._send(trained, micro_batch, until)
-        except ServerError as exc:
-            if exc.code not in LEASE_GONE:
-                raise
-            self.reporter.event("lost", f"lease {grant.lease_id} is over: {exc.message}")
-            self._discard(grant)
-        except Interrupted:
-            self._release(grant)
-        except DiskFull:
-            self._release(grant)
-            raise
+            with self._lease_ends(grant):
+                self._send(trained, micro_batch, until)
         finally:
             self.heartbeats.forget(grant.lease_id)
 
