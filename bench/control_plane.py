@@ -644,7 +644,7 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
         # heartbeat interval before the round's deadline as last heard it stops after the
         # step in progress and hands in the partial Δ (worker_agent.agent).
         steps, started = int(lease["steps"]), time.monotonic()
-        step_s = args.unit_seconds * rng.uniform(0.8, 1.2) / int(lease["unit_steps"])
+        step_s = args.unit_seconds * rng.uniform(0.8, 1.2) / int(lease["config"]["inner"]["steps"])
         done_at = started + steps * step_s
         round_end = monotonic_at(lease.get("round_deadline"))
         released = False

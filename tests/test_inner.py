@@ -141,6 +141,42 @@ def test_a_resumed_loop_ends_bit_identical_to_an_uninterrupted_one(
         assert torch.equal(resumed.delta[name], delta), name
 
 
+def test_a_unit_sized_to_fewer_steps_trains_the_first_steps_of_its_slot_and_resumes_longer(
+    tmp_path: Path,
+) -> None:
+    """A unit sized to k < H steps (`stop_at`, the loop's bound: the lease's `steps`)
+    trains the first k steps of its H-step slot, each at the learning rate it has there,
+    bit for bit what a loop stopped after k steps trains, but completed. Its checkpoint
+    resumes under a longer bound (an expired unit given back with more steps) as one
+    uninterrupted loop: the bound is not part of the checkpoint's identity."""
+    cfg = CFG.inner.model_copy(update={"steps": 9})
+    uninterrupted = run(cfg)
+    calls = iter(range(100))
+    stopped = run(cfg, should_stop=lambda: next(calls) == 4)
+    ckpt = tmp_path / "unit.safetensors"
+    sized = run(cfg, stop_at=4, checkpoint_path=ckpt)
+    assert sized.completed and not stopped.completed
+    assert sized.losses == stopped.losses == uninterrupted.losses[:4]
+    assert sized.lrs == uninterrupted.lrs[:4] and sized.tokens == stopped.tokens
+    for name, delta in stopped.delta.items():
+        assert torch.equal(sized.delta[name], delta), name
+    steps_after_resume: list[int] = []
+    longer = run(cfg, stop_at=7, checkpoint_path=ckpt,
+                 on_step=lambda m: steps_after_resume.append(m.step))  # fmt: skip
+    assert steps_after_resume == [5, 6, 7] and longer.completed
+    assert longer.losses == uninterrupted.losses[:7]
+    whole = run(cfg, checkpoint_path=ckpt)  # None: H
+    assert whole.losses == uninterrupted.losses and whole.position == uninterrupted.position
+    for name, delta in uninterrupted.delta.items():
+        assert torch.equal(whole.delta[name], delta), name
+
+
+@pytest.mark.parametrize("stop_at", [0, 10])
+def test_it_refuses_a_bound_outside_the_units_slot(stop_at: int) -> None:
+    with pytest.raises(ValueError, match=f"stop_at = {stop_at}: must be 1 .. inner.steps = 9"):
+        run(CFG.inner.model_copy(update={"steps": 9}), stop_at=stop_at)
+
+
 def test_a_finished_checkpoint_returns_the_same_delta_without_training(tmp_path: Path) -> None:
     ckpt = tmp_path / "unit.safetensors"
     cfg = CFG.inner.model_copy(update={"steps": 3})

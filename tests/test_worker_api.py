@@ -240,6 +240,7 @@ def test_a_worker_registers_leases_downloads_uploads_and_completes_over_http(
 
     lease = http.post("/lease", headers=auth).json()
     assert (lease["run_id"], lease["round"], lease["steps"]) == (run.pk, 0, 20)
+    assert "unit_steps" not in lease, "the unit's length travels once: `steps`"
     assert lease["config"]["model"]["hidden_size"] == 128 and lease["codec"] == "fp16"
     with_secret = {**auth, "X-Lease-Secret": lease["lease_secret"]}
 

@@ -14,9 +14,11 @@ know yet) is handed in before the next lease is asked for: its completion report
 speed that sizes that lease. The state file names the lease in hand-in until it is in
 (worker_agent.state): a restart after a crash then hands its Δ in.
 
-A lease names how many of the unit's H steps to train (`LeaseGrant.steps`, sized by the
-server to this worker's speed, with the reason) and, for a new worker, a time limit that
-calibrates its speed. Training ends early, and the Δ of the steps done is *salvaged*
+A lease names the unit's length once (`LeaseGrant.steps`: H, or fewer when the server
+sized the unit to this worker's speed, with the reason), the inner loop's bound; the run
+config's H (inner.steps) stays the unit's slot of the lr schedule. For a new worker it
+also names a time limit that calibrates its speed. Training ends early, and the Δ of the
+steps done is *salvaged*
 (uploaded and completed with its true token count, which weights it in the outer step),
 when:
 - the first SIGINT/SIGTERM arrives (cli.py): the current step finishes, the partial Δ is
@@ -260,18 +262,20 @@ class Agent:
         if record is None or record.lease_id != grant.lease_id:
             record = LeaseRecord(server=self.client.server, lease=grant.raw)
             self.state.save(record)
-        of = f" of H = {grant.unit_steps}" if grant.unit_steps > grant.steps else ""
+        config = RunConfig.model_validate(grant.config)
+        h = config.inner.steps
+        of = f" of H = {h}" if h > grant.steps else ""
         why = f" ({grant.size_reason})" if grant.size_reason else ""
         self.reporter.event(
             "lease", f"lease {grant.lease_id}: run {grant.run_name} round {grant.round + 1} "
             f"path {grant.path}, {grant.steps} steps{of}{why}",
             lease_id=grant.lease_id, run=grant.run_name, round=grant.round, path=grant.path,
-            steps=grant.steps, unit_steps=grant.unit_steps, size_reason=grant.size_reason,
+            steps=grant.steps, size_reason=grant.size_reason,
         )  # fmt: skip
         self.heartbeats.track(grant.lease_id, grant.secret)
         try:
             with self._lease_ends(grant):
-                self._train_and_contribute(grant, record, work_dir)
+                self._train_and_contribute(grant, config, record, work_dir)
         finally:
             self.heartbeats.untrack()
 
@@ -293,8 +297,9 @@ class Agent:
             self._release(grant)
             raise
 
-    def _train_and_contribute(self, grant: LeaseGrant, record: LeaseRecord, work: Path) -> None:
-        config = RunConfig.model_validate(grant.config)
+    def _train_and_contribute(
+        self, grant: LeaseGrant, config: RunConfig, record: LeaseRecord, work: Path
+    ) -> None:
         with disk_errors(self.options.data_dir):
             # The versions it holds get encoded updates, not fp32 files (downloads.py).
             held = self.modules.held_versions(grant.run_id, grant.modules)
@@ -330,7 +335,7 @@ class Agent:
                 return
             record.phase, record.step = "uploading", len(result.losses)
             self.state.save(record)
-        salvaged = ending.reason if not result.completed and ending.partial else ""
+        salvaged = ending.reason if not result.completed else ""
         trained = TrainedUnit(grant, config, result, work, salvaged, next(iter(rebasers), None))
         until = self._hand_in_until(grant)
         self._wait_for_hand_in()  # one unit in hand-in at a time
@@ -438,9 +443,13 @@ class Agent:
             left = seconds_until(self.heartbeats.round_deadline or grant.round_deadline)
             return None if left is None else left - grant.heartbeat_interval_s
 
-        # Steps of the unit done so far (a resumed checkpoint's included); a unit stopped
-        # and then killed while uploading resumes at its end, so it trains no more steps.
-        done = [record.step if record.phase == "uploading" else 0]
+        # The unit's length, the loop's bound (counted from the unit's start, a resumed
+        # checkpoint's steps included): the lease's steps. A unit stopped short of them
+        # and then killed while handing in resumes at its end, so it trains no more steps.
+        stop_at = grant.steps
+        if record.phase == "uploading" and 0 < record.step < grant.steps:
+            stop_at = record.step
+        done = [0]  # the unit's steps done, from its start, once a step ran here
 
         def on_step_counted(m: StepMetrics) -> None:
             done[0] = m.step
@@ -462,8 +471,6 @@ class Agent:
                 return ending.set("stopped by a signal")
             if lost.is_set():
                 return ending.set(self.heartbeats.lost_reason or "lease lost")
-            if done[0] >= grant.steps:
-                return ending.set(f"the lease's {grant.steps} steps are done", partial=False)
             elapsed = time.monotonic() - started
             if grant.seconds_limit is not None and elapsed >= grant.seconds_limit and done[0]:
                 return ending.set(f"calibration: {grant.seconds_limit:.0f} s are up")
@@ -492,7 +499,7 @@ class Agent:
             if rebasers is not None:
                 rebasers.append(rebaser)
         return train_unit(
-            unit, device=self.device.device, work_dir=work, inner=inner,
+            unit, device=self.device.device, work_dir=work, inner=inner, stop_at=stop_at,
             state=state, checkpoint_every=self.options.checkpoint_every,
             checkpoint_interval_s=self.options.checkpoint_interval_s, should_stop=should_stop,
             on_step=on_step_counted, on_fallback=on_fallback, rebase=rebaser, trainer=self.trainer,
@@ -546,8 +553,6 @@ class Agent:
         """Whether a unit that stopped early uploads its partial Δ; if not, its lease is
         released or dropped here."""
         steps = len(result.losses)
-        if not ending.partial and result.module_deltas:
-            return True  # a unit sized to this worker: its steps are all done
         if self.heartbeats.lease_lost.is_set() and self.heartbeats.release_requested:
             # The round closed or the run stopped: nobody will use this Δ.
             self.reporter.event(
@@ -623,14 +628,13 @@ class _SlowSource:
 
 
 class _Ending:
-    """Why training stopped early (the first reason wins); `set` returns True for
-    `should_stop`."""
+    """Why training stopped short of the lease's steps (the first reason wins); `set`
+    returns True for `should_stop`."""
 
     def __init__(self) -> None:
         self.reason = ""
-        self.partial = True  # False: the unit was sized to fewer steps, and trained them
 
-    def set(self, reason: str, *, partial: bool = True) -> bool:
+    def set(self, reason: str) -> bool:
         if not self.reason:
-            self.reason, self.partial = reason, partial
+            self.reason = reason
         return True

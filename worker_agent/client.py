@@ -85,7 +85,10 @@ class RebasePlan:
 
 @dataclass(frozen=True)
 class LeaseGrant:
-    """One work unit: train `steps` inner steps of path `path` from the modules' base versions."""
+    """One work unit: train `steps` inner steps of path `path` from the modules' base versions.
+
+    `steps` is the unit's length, the inner loop's bound; `config`'s inner.steps (H) is
+    the unit's slot of the lr schedule, which `steps` never changes."""
 
     lease_id: int
     secret: str
@@ -98,11 +101,10 @@ class LeaseGrant:
     path: int
     modules: list[str]
     base_versions: dict[str, int]
-    steps: int  # to train, from the unit's start: sized to this worker's speed (<= H)
+    steps: int  # the unit's length, from its start: H, or fewer sized to this worker's speed
     config: dict[str, Any]  # the whole RunConfig as JSON
     data: DataWindow
     raw: dict[str, Any] = field(repr=False)  # the answer as received, kept for resuming
-    unit_steps: int = 0  # H; 0 from a server that does not size units
     size_reason: str = ""  # why `steps`, from the server
     seconds_limit: float | None = None  # a calibration unit: stop after this long
     round_deadline: str | None = None  # ISO 8601: upload what is trained by then
@@ -516,7 +518,6 @@ def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
         modules=[str(m) for m in data["modules"]],
         base_versions={str(k): int(v) for k, v in data["base_versions"].items()},
         steps=int(data["steps"]),
-        unit_steps=int(data.get("unit_steps") or data["steps"]),
         size_reason=str(data.get("size_reason") or ""),
         seconds_limit=None if data.get("seconds_limit") is None else float(data["seconds_limit"]),
         round_deadline=None if data.get("round_deadline") is None else str(data["round_deadline"]),

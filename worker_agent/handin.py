@@ -194,9 +194,8 @@ def send_unit(
     )  # fmt: skip
     if unit.salvaged:
         reporter.event(
-            "salvaged", f"lease {grant.lease_id}: the partial Δ of {steps} of "
-            f"{grant.unit_steps or grant.steps} steps ({result.tokens:,} tokens) was "
-            f"uploaded and completed ({unit.salvaged})",
+            "salvaged", f"lease {grant.lease_id}: the partial Δ of {steps} of {grant.steps} "
+            f"steps ({result.tokens:,} tokens) was uploaded and completed ({unit.salvaged})",
             steps=steps, tokens=result.tokens, reason=unit.salvaged,
         )  # fmt: skip
     return metrics, state

@@ -172,6 +172,7 @@ def train_unit(
     work_dir: Path,
     state: InnerState | None = None,
     inner: InnerConfig | None = None,
+    stop_at: int | None = None,
     checkpoint_every: int | None = None,
     checkpoint_interval_s: float | None = None,
     should_stop: Callable[[], bool] | None = None,
@@ -183,7 +184,9 @@ def train_unit(
 ) -> tuple[InnerResult, InnerConfig]:
     """Train the unit (resuming its checkpoint if any) from the path's warm `state` (None:
     fresh AdamW); returns the result, whose `state` is the path's next one, and the inner
-    config it finished with (the micro-batch may have shrunk). `rebase`: outer.overlap
+    config it finished with (the micro-batch may have shrunk). `stop_at`: the unit's
+    length, the loop's bound counted from its start (the lease's `steps`; None: H).
+    `rebase`: outer.overlap
     eager's hook (worker_agent.rebase), `dipaco.inner.run_inner_loop`'s. `trainer`: the
     agent's resident trainer (on `device`), or a PathTrainer to use as it is (benches);
     None builds a model for this unit alone."""
@@ -205,8 +208,9 @@ def train_unit(
             result = train_path(
                 config, work.path, work.modules, work.source,
                 round_index=work.round_index, start_position=work.start_position,
-                device=device, checkpoint_path=checkpoint, checkpoint_every=checkpoint_every,
-                checkpoint_interval_s=checkpoint_interval_s, should_stop=should_stop,
+                stop_at=stop_at, device=device, checkpoint_path=checkpoint,
+                checkpoint_every=checkpoint_every, checkpoint_interval_s=checkpoint_interval_s,
+                should_stop=should_stop,
                 on_step=step_hook, state=state, rebase=rebase, trainer=resident,
             )  # fmt: skip
         except CheckpointMismatch as mismatch:

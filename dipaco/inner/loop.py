@@ -80,6 +80,7 @@ def run_inner_loop(
     start_position: int = 0,
     first_step: int = 0,
     total_steps: int | None = None,
+    stop_at: int | None = None,
     checkpoint_path: str | Path | None = None,
     checkpoint_every: int | None = None,
     checkpoint_interval_s: float | None = None,
@@ -91,14 +92,18 @@ def run_inner_loop(
     compile: bool | None = None,
     report_every: int | None = None,
 ) -> InnerResult:
-    """Train `model` (a Hugging Face causal LM whose weights are θ_old) for cfg.steps steps.
+    """Train `model` (a Hugging Face causal LM whose weights are θ_old) for cfg.steps steps,
+    or the first `stop_at` of them.
 
     `adam` (``<parameter name>/<key>`` tensors, as InnerResult.adam returns them) starts
     the optimiser warm instead of fresh; a checkpoint being resumed takes precedence.
 
     The schedule runs over global steps first_step .. first_step + cfg.steps - 1 of a
     `total_steps`-long schedule (default: this loop alone); DiLoCo's run-long schedule is
-    first_step = t·H, total_steps = T·H.
+    first_step = t·H, total_steps = T·H. `stop_at` (1 .. cfg.steps; None: cfg.steps) is
+    the loop's bound, counted from the unit's start (a resumed checkpoint's steps
+    included): a work unit sized to fewer steps than H trains the first `stop_at` steps
+    of its H-step slot, each at the learning rate it has there, and returns completed.
 
     With checkpoint_path, a checkpoint is taken every `checkpoint_every` steps and every
     `checkpoint_interval_s` seconds (either, both or neither), when should_stop() turns
@@ -127,7 +132,7 @@ def run_inner_loop(
     return train_steps(
         engine, source, cfg, seq_len=seq_len, theta_old=cpu_params(model),
         start_position=start_position, first_step=first_step, total_steps=total_steps,
-        checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every,
+        stop_at=stop_at, checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every,
         checkpoint_interval_s=checkpoint_interval_s, resume=resume, on_step=on_step,
         should_stop=should_stop, adam=adam, rebase=rebase, report_every=report_every,
     )  # fmt: skip
@@ -143,6 +148,7 @@ def train_steps(
     start_position: int = 0,
     first_step: int = 0,
     total_steps: int | None = None,
+    stop_at: int | None = None,
     checkpoint_path: str | Path | None = None,
     checkpoint_every: int | None = None,
     checkpoint_interval_s: float | None = None,
@@ -161,6 +167,12 @@ def train_steps(
         raise ValueError(f"checkpoint_interval_s = {checkpoint_interval_s}: must be > 0 or None")
     if report_every is not None and report_every < 1:
         raise ValueError(f"report_every = {report_every}: must be >= 1 or None")
+    stop = cfg.steps if stop_at is None else stop_at
+    if not 1 <= stop <= cfg.steps:
+        raise ValueError(
+            f"stop_at = {stop_at}: must be 1 .. inner.steps = {cfg.steps} (the unit's slot "
+            "of the lr schedule), or None"
+        )
     model, optimizer, device, writer = engine.model, engine.optimizer, engine.device, engine.writer
     cuda = device.type == "cuda"
     every = report_every or (REPORT_EVERY_CUDA if cuda else 1)
@@ -203,8 +215,9 @@ def train_steps(
     try:
         result = _steps(
             engine, source, cfg, seq_len, theta_old, progress, pending, read_back, save,
-            first_step=first_step, total=total, every=every, checkpointing=path is not None,
-            checkpoint_every=checkpoint_every, checkpoint_interval_s=checkpoint_interval_s,
+            first_step=first_step, total=total, stop=stop, every=every,
+            checkpointing=path is not None, checkpoint_every=checkpoint_every,
+            checkpoint_interval_s=checkpoint_interval_s,
             on_step=on_step, should_stop=should_stop, rebase=rebase,
         )  # fmt: skip
         finished = True
@@ -230,6 +243,7 @@ def _steps(
     *,
     first_step: int,
     total: int,
+    stop: int,
     every: int,
     checkpointing: bool,
     checkpoint_every: int | None,
@@ -258,7 +272,7 @@ def _steps(
         (loss / accum).backward()
         return loss.detach()
 
-    while progress.step < cfg.steps:
+    while progress.step < stop:
         if should_stop is not None and should_stop():
             read_back()
             save()
@@ -304,8 +318,8 @@ def _steps(
             checkpoint_interval_s is not None
             and time.monotonic() - last_checkpoint >= checkpoint_interval_s
         )
-        due = checkpointing and (periodic or timed) and progress.step < cfg.steps
-        last = progress.step == cfg.steps
+        due = checkpointing and (periodic or timed) and progress.step < stop
+        last = progress.step == stop
         if due or last or len(pending) >= every or not progress.losses:
             read_back()  # inside the step's time: the device's work is training time
             if (due or last) and cuda:

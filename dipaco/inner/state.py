@@ -74,7 +74,7 @@ class InnerResult:
     tokens: int
     seconds: float
     position: int  # data position after the last micro-batch
-    completed: bool  # False when should_stop ended the loop early (the checkpoint is saved)
+    completed: bool  # False when should_stop ended it before its bound (checkpoint saved)
     module_deltas: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # by train_path
     adam: dict[str, Tensor] = field(default_factory=dict)  # AdamW state by parameter name
     state: InnerState | None = None  # by train_path: the state to hand the path's next unit

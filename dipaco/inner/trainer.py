@@ -89,6 +89,7 @@ class PathTrainer:
         *,
         round_index: int = 0,
         start_position: int = 0,
+        stop_at: int | None = None,
         checkpoint_path: str | Path | None = None,
         checkpoint_every: int | None = None,
         checkpoint_interval_s: float | None = None,
@@ -126,7 +127,7 @@ class PathTrainer:
         result = train_steps(
             self.engine, source, config.inner, seq_len=config.model.seq_len,
             theta_old=theta_old, start_position=start_position, first_step=round_index * h,
-            total_steps=config.rounds * h, checkpoint_path=checkpoint_path,
+            total_steps=config.rounds * h, stop_at=stop_at, checkpoint_path=checkpoint_path,
             checkpoint_every=checkpoint_every, checkpoint_interval_s=checkpoint_interval_s,
             resume=resume, on_step=on_step, should_stop=should_stop, adam=warm, rebase=rebase,
             report_every=self.report_every,
@@ -149,6 +150,7 @@ def train_path(
     round_index: int = 0,
     device: torch.device | str | None = None,
     start_position: int = 0,
+    stop_at: int | None = None,
     checkpoint_path: str | Path | None = None,
     checkpoint_every: int | None = None,
     checkpoint_interval_s: float | None = None,
@@ -161,6 +163,10 @@ def train_path(
     compile: bool | None = None,
 ) -> InnerResult:
     """One work unit: assemble path p from `modules`, train H steps, Δ split per module.
+
+    `stop_at` (None: H): the unit's length when it is sized to fewer steps, the loop's
+    bound counted from the unit's start; its learning rates stay those of the first
+    `stop_at` steps of round `round_index`'s H-step slot (`dipaco.inner.run_inner_loop`).
 
     `state` is the path's inner state from its previous unit on this worker (None: fresh
     AdamW); moments made for another model or other betas are ignored, not misapplied.
@@ -176,7 +182,7 @@ def train_path(
         raise ValueError(f"device {device} differs from the trainer's {trainer.device}")
     return trainer.train_path(
         config, p, modules, source, round_index=round_index, start_position=start_position,
-        checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every,
+        stop_at=stop_at, checkpoint_path=checkpoint_path, checkpoint_every=checkpoint_every,
         checkpoint_interval_s=checkpoint_interval_s, resume=resume, on_step=on_step,
         should_stop=should_stop, state=state, rebase=rebase,
     )  # fmt: skip

@@ -115,10 +115,12 @@ class LeaseOut(Schema):
     modules: list[str] = Field(description="Module ids of the path, in assembly order.")
     base_versions: dict[str, int] = Field(description="Module version each module starts from.")
     steps: int = Field(
-        description="Inner steps to train, counted from the unit's start (a resumed "
-        "checkpoint's included): H, or fewer when the unit is sized to this worker's speed."
+        description="The unit's length, the inner loop's bound: inner steps to train, "
+        "counted from the unit's start (a resumed checkpoint's included). H "
+        "(config.inner.steps), or fewer when the unit is sized to this worker's speed: H "
+        "stays the unit's slot of the lr schedule (steps t·H .. t·H + H - 1 of T·H), of "
+        "which it trains the first `steps`."
     )
-    unit_steps: int = Field(description="H: the unit's full inner steps (its lr schedule).")
     size_reason: str = Field(description="Why `steps` (speed x units.target_seconds, ...).")
     seconds_limit: float | None = Field(
         description="Stop training after this long and upload the steps done (a new "
@@ -411,7 +413,6 @@ def lease(
             "modules": list(unit.path.modules),
             "base_versions": dict(unit.base_versions),
             "steps": leasing.lease_steps(lease, config),
-            "unit_steps": config.inner.steps,
             "size_reason": lease.size_reason,
             "seconds_limit": lease.seconds_limit,
             "round_deadline": unit.round.deadline,

@@ -178,8 +178,9 @@ def grant_lease(
 
 
 def lease_steps(lease: Lease, config: RunConfig) -> int:
-    """The steps `lease` may train (from its unit's start); H for leases granted before
-    units were sized."""
+    """The unit's length under `lease`, the one the lease answer names (`steps`: the
+    agent's inner-loop bound, counted from the unit's start); H for leases granted before
+    units were sized. It never changes the lr schedule, whose slot stays H steps."""
     return min(lease.steps, config.inner.steps) if lease.steps else config.inner.steps
 
 
