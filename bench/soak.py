@@ -204,9 +204,9 @@ def seed(units: int, paths: int) -> tuple[int, str, dict[str, Payload]]:
     from dipaco.modular import init_modules, module_spec
     from dipaco.modules_file import write_module
     from dipaco_server.rounds.open import start_run
-    from dipaco_server.rounds.publish import publish_module_version
     from dipaco_server.runs import keys
     from dipaco_server.runs.services import create_run, transition
+    from dipaco_server.runs.versions import publish_module_version
     from dipaco_server.storage import get_blob_store
     from dipaco_server.workers.services import create_enrollment_token
 

@@ -10,11 +10,11 @@ from django.test import Client
 
 from dipaco_server.accounts.models import ApiToken
 from dipaco_server.accounts.services import create_api_token, create_user, revoke_api_token
+from dipaco_server.core import tokens
 from dipaco_server.rounds.models import Round
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import record_metric, transition
-from dipaco_server.workers import tokens
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.workers.models import EnrollmentToken, Worker
 from tests.test_models import SHARD_TOKENS, make_run, make_worker, tiny_config
 from tests.test_worker_api import assert_error, sent_tasks

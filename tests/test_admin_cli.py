@@ -19,7 +19,7 @@ from django.utils import timezone
 
 from dipaco_server.accounts.models import ApiToken
 from dipaco_server.cli import admin
-from dipaco_server.workers import tokens
+from dipaco_server.core import tokens
 from dipaco_server.workers.models import EnrollmentToken
 from tests.conftest import session_database_url
 

@@ -26,11 +26,11 @@ from dipaco_server.rounds.complete import ContributionReport, complete
 from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution
 from dipaco_server.rounds.open import open_round, start_run
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.rounds.verification.credit import credit
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import record_metric, transition
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.models import Worker
 from dipaco_web import queries

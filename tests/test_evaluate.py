@@ -27,13 +27,13 @@ from dipaco.modules_file import write_module
 from dipaco.simulate.train import evaluate_paths
 from dipaco_demo.baseline import fetch_run_data, path_losses
 from dipaco_server.rounds.open import open_round
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.rounds.tasks import advance_run
 from dipaco_server.runs import keys
 from dipaco_server.runs.evaluate import evaluate_run
 from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 
 MODEL = {

@@ -19,10 +19,10 @@ from django.core.cache import caches
 from django.test import Client
 
 from dipaco_server.accounts.services import create_api_token, create_user
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Dataset, ModuleVersion, Run
 from dipaco_server.runs.sources import check_source
+from dipaco_server.runs.versions import publish_module_version
 from tests.conftest import ROOT, compose_env
 from tests.test_models import make_run, tiny_config
 

@@ -146,9 +146,9 @@ def trained() -> Trained:
 def publish(t: Trained, *, versions: int = 3, name: str | None = None) -> Any:
     """A running run holding `t`: tokenizer, router, module versions 0..versions-1 and the
     last round's validation loss (versions - 2: round t's outer step writes version t + 1)."""
-    from dipaco_server.rounds.publish import publish_module_version
     from dipaco_server.runs import keys
     from dipaco_server.runs.services import create_run, record_metric, transition
+    from dipaco_server.runs.versions import publish_module_version
     from dipaco_server.storage import get_blob_store
 
     config = t.config.model_dump(mode="json")

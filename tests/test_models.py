@@ -13,11 +13,11 @@ from django.db import IntegrityError, connection, transaction
 
 from dipaco.config import RunConfig
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import VersionConflict
 from dipaco_server.runs.models import Module, ModuleVersion, Path, Run
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 

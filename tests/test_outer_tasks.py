@@ -49,11 +49,11 @@ from dipaco_server.rounds.outer_step import (
     compute_step,
     step_module,
 )
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.rounds.tasks import advance_run, fail_round, finish_round
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.models import Worker
 from tests.conftest import (

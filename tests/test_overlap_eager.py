@@ -34,13 +34,13 @@ from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round
 from dipaco_server.rounds.open import open_round, start_run
 from dipaco_server.rounds.outer_step import _delta_bases
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.rounds.rebase import rebase_plan, rebase_targets
 from dipaco_server.rounds.tasks import start_closing
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import ContributionInvalid
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 from tests import test_worker_api as api
 from tests.conftest import CeleryWorker, session_database_url

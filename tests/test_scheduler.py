@@ -37,10 +37,10 @@ from dipaco_server.runs.errors import (
     ModulesNotReady,
     RoundClosed,
     RunNotActive,
-    WorkerRevoked,
 )
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import transition
+from dipaco_server.workers.errors import WorkerRevoked
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import revoke_worker
 from tests.test_models import SHARD_TOKENS, make_run, make_worker, prepare_run

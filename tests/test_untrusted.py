@@ -35,10 +35,11 @@ from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.retention import sweep_blobs
 from dipaco_server.rounds.tasks import finish_round
 from dipaco_server.runs import keys
-from dipaco_server.runs.errors import ContributionInvalid, WorkerDistrusted
+from dipaco_server.runs.errors import ContributionInvalid
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.storage import get_blob_store
+from dipaco_server.workers.errors import WorkerDistrusted
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 from tests.test_outer_tasks import DILOCO, GRID, running_run, stored_version

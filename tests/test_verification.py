@@ -19,8 +19,8 @@ from dipaco_server.rounds import verify
 from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution, OuterStep
 from dipaco_server.rounds.replication import CHECK_OFFSET
-from dipaco_server.runs.errors import WorkerDistrusted
 from dipaco_server.workers import trust
+from dipaco_server.workers.errors import WorkerDistrusted
 from dipaco_server.workers.models import Worker
 from tests.test_outer_tasks import DILOCO, running_run
 from tests.test_untrusted import (

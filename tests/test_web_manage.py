@@ -211,8 +211,8 @@ def test_the_prompt_box_routes_a_text_to_its_path_and_continues_it(
     """A prepared 2x2 run (tf-idf router): the text goes to the router's path, whichever
     path page it was typed on, and that path's weights continue it, bounded in tokens."""
     from dipaco_server.inference.routing import route_text
-    from dipaco_server.rounds.publish import publish_module_version
     from dipaco_server.runs.prepare import prepare_run
+    from dipaco_server.runs.versions import publish_module_version
     from tests.test_two_phases import FILES, new_run
 
     settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}

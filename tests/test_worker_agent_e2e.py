@@ -41,10 +41,10 @@ from dipaco_server.rounds.lease import expire_leases
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.open import start_run
 from dipaco_server.rounds.outer_step import step_module
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import ModuleVersion, Run
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token

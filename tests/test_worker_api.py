@@ -24,15 +24,15 @@ from django.utils import timezone
 from dipaco.codecs import decode, encode
 from dipaco.data.shards import ShardIndex, ShardInfo
 from dipaco.data.windows import path_seed, unit_start, unit_windows
+from dipaco_server.core import tokens
 from dipaco_server.errors import MAX_JSON_BODY_BYTES
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.open import open_round
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
-from dipaco_server.workers import tokens
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import (
     create_enrollment_token,

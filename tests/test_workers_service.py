@@ -9,8 +9,13 @@ import pytest
 from django.db import connection
 from django.utils import timezone
 
-from dipaco_server.runs.errors import EnrollmentRefused, TokenInvalid, WorkerInvalid, WorkerRevoked
-from dipaco_server.workers import tokens
+from dipaco_server.core import tokens
+from dipaco_server.workers.errors import (
+    EnrollmentRefused,
+    TokenInvalid,
+    WorkerInvalid,
+    WorkerRevoked,
+)
 from dipaco_server.workers.models import EnrollmentToken, Worker
 from dipaco_server.workers.services import (
     authenticate_worker,

@@ -85,6 +85,9 @@ def fetch_run_data(run_id: int, work: Path, *, units: bool = True) -> RunData:
     from dipaco.data.shards import ShardIndex, TokenShard
     from dipaco.data.windows import ShardSource, unit_start, unit_windows
     from dipaco.evaluate import sample_shard
+
+    # The server's models (once control.setup_django ran) and torch (seconds): only the
+    # baselines need them.
     from dipaco_server.runs import keys
     from dipaco_server.runs.checkpoint import load_base_state
     from dipaco_server.runs.evaluate import eval_settings, run_sample

@@ -135,7 +135,7 @@ def setup_django(environ: dict[str, str]) -> None:
     for name in SERVICE_VARIABLES:
         os.environ.pop(name, None)
     os.environ.update(environ)
-    from dipaco_server.cli.admin import setup_django as setup
+    from dipaco_server.cli.admin import setup_django as setup  # after os.environ is set
 
     setup()
     # The server logs what it does; here its INFO lines would break the panel.
@@ -146,6 +146,7 @@ def mint_tokens(label: str, enrollments: int) -> tuple[str, str]:
     """(a staff API token of the user "demo", an enrollment token for `enrollments` workers)."""
     from django.db import connections
 
+    # The server's models: importable once setup_django (above) has set Django up.
     from dipaco_server.accounts.services import UserExists, create_api_token, create_user, find_user
     from dipaco_server.workers.services import create_enrollment_token
 

@@ -35,6 +35,8 @@ def traffic(run_id: int) -> Traffic:
     from django.db import connections
     from django.db.models import Sum
 
+    # The server's models: importable once setup_django (control.py) has pointed Django
+    # at the demo's database, which this module's importers do not need.
     from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
     from dipaco_server.rounds.replication import CHECK_OFFSET
     from dipaco_server.runs.models import ModuleVersion
@@ -95,7 +97,7 @@ def phase_clock(run_id: int, config: RunConfig) -> PhaseClock:
     """Each phase's seconds, from the run's Round rows (opened_at, closed_at)."""
     from django.db import connections
 
-    from dipaco_server.rounds.models import Round
+    from dipaco_server.rounds.models import Round  # once Django is set up, as above
 
     times = {
         t: (opened, closed)

@@ -26,10 +26,10 @@ from dipaco_server.audit.api import router as audit_router
 from dipaco_server.core.api import router as core_router
 from dipaco_server.inference.api import router as inference_router
 from dipaco_server.rounds.api import router as lease_router
+from dipaco_server.rounds.api import staff_router as rounds_staff_router
 from dipaco_server.runs.api import router as runs_router
 from dipaco_server.shedding import document_shedding
 from dipaco_server.workers.api import router as workers_router
-from dipaco_server.workers.api import worker_router as registration_router
 
 PUBLIC_READ_SCHEME = "PublicReadOrStaff"  # the name ninja gives inference.api's auth
 
@@ -85,7 +85,7 @@ errors.install(api)
 api.add_router("/", core_router)
 api.add_router("/", runs_router)
 api.add_router("/", workers_router)
+api.add_router("/", rounds_staff_router)
 api.add_router("/", inference_router)
 api.add_router("/", audit_router)
-api.add_router("/worker", registration_router)
 api.add_router("/worker", lease_router)

@@ -8,7 +8,9 @@ are never 500: malformed JSON, missing fields, unknown routes, wrong methods,
 bodies over the limit and auth failures all land here. A 500 means a bug; it
 is logged with its traceback and answered in the same shape.
 
-`install(api)` registers the handlers on a NinjaAPI; `error_response` is the
+`ServiceError` is the base of every app's errors (runs.errors, workers.errors, the
+accounts services): this module is at the bottom of the server's layers and imports no
+app. `install(api)` registers the handlers on a NinjaAPI; `error_response` is the
 helper everything else (the blob views too) builds its errors with.
 """
 
@@ -18,7 +20,7 @@ import json
 import logging
 from collections.abc import Callable, Mapping
 from functools import wraps
-from typing import Any
+from typing import Any, ClassVar
 
 from django.core.exceptions import RequestDataTooBig
 from django.core.serializers.json import DjangoJSONEncoder
@@ -31,7 +33,6 @@ from ninja.errors import AuthenticationError, AuthorizationError, HttpError, Val
 from ninja.parser import Parser
 
 from dipaco_server.cli.server import REQUEST_LINE_LIMIT  # gunicorn's; the module is stdlib-only
-from dipaco_server.runs.errors import ServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,27 @@ STATUS_CODES = {
     422: "invalid_request",
     429: "too_many_requests",
 }
+
+
+class ServiceError(Exception):
+    """What a service raises on purpose; every app's errors subclass it.
+
+    ``code`` is stable and part of the API contract, ``status`` is the HTTP status (client
+    faults are 4xx, never 500), ``details`` is JSON; the message is for a person and says
+    what to do. `install` answers it in the one error shape. Anything else a service raises
+    is a bug (a 500).
+    """
+
+    code: ClassVar[str] = "error"
+    status: ClassVar[int] = 400
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message)
+        self.message = message
+        self.details = details
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"code": self.code, "message": self.message, "details": self.details}
 
 
 class ApiError(Exception):

@@ -46,10 +46,10 @@ from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution, Round
 from dipaco_server.rounds.open import start_run
 from dipaco_server.rounds.outer_step import step_module
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.models import EnrollmentToken, Worker
 from tests.browser.test_dashboard_browser import (

@@ -31,11 +31,11 @@ from django.views.decorators.http import require_POST
 from markdown_it import MarkdownIt
 
 from dipaco_server.audit.services import client_address
-from dipaco_server.inference import card
+from dipaco_server.errors import ServiceError
+from dipaco_server.inference import card, routing
 from dipaco_server.inference import services as inference
 from dipaco_server.inference.services import Selection
 from dipaco_server.rounds.models import Contribution, Lease
-from dipaco_server.runs.errors import ServiceError
 from dipaco_server.runs.models import MetricPoint, Path, Run
 from dipaco_server.runs.phases import PATHS
 from dipaco_server.storage import get_blob_store
@@ -281,9 +281,7 @@ def generate_text(run: Run, path_index: int, prompt: str, new_tokens: int) -> di
     routed = False
     chosen = path_index
     if run.paths.filter(phase=PATHS).count() > 1:
-        from dipaco_server.inference.routing import route_text
-
-        chosen = int(route_text(run.pk, prompt)["path"])
+        chosen = int(routing.route_text(run.pk, prompt)["path"])
         routed = True
     selection = inference.select(run.pk, chosen)
     model, tokenizer = _open(selection)

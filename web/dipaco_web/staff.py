@@ -32,9 +32,10 @@ from django.views.decorators.http import require_http_methods, require_POST
 from dipaco.config import RunConfig
 from dipaco_server.audit.services import record
 from dipaco_server.env import DEFAULT_WORKER_INSTALL
-from dipaco_server.errors import ApiError
+from dipaco_server.errors import ApiError, ServiceError
 from dipaco_server.runs import services as run_services
-from dipaco_server.runs.errors import ConfigInvalid, ServiceError
+from dipaco_server.runs.actions import enqueue
+from dipaco_server.runs.errors import ConfigInvalid
 from dipaco_server.runs.models import Dataset, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.phases import PATHS
@@ -65,13 +66,6 @@ def _audit(request: HttpRequest, action: str, target_type: str, target_id: Any =
            **fields: Any) -> None:  # fmt: skip
     record(request, action, channel="dashboard", user=request.user, target_type=target_type,
            target_id=target_id, **fields)  # fmt: skip
-
-
-def _enqueue(task: str, *args: Any) -> None:
-    """The admin API's enqueue (a broker that does not answer: ApiError 503 naming the fix)."""
-    from dipaco_server.runs.actions import enqueue
-
-    enqueue(task, *args)
 
 
 # --- runs -----------------------------------------------------------------------------------
@@ -236,7 +230,7 @@ def dataset_new(request: HttpRequest) -> HttpResponse:
         return _dataset_page(request, form, status=409)
     _audit(request, "dataset.create", "dataset", dataset.pk, params=params)
     try:
-        _enqueue("dipaco_server.runs.tasks.prepare_dataset", dataset.pk)
+        enqueue("dipaco_server.runs.tasks.prepare_dataset", dataset.pk)
     except ApiError as exc:
         messages.error(request, exc.message)
     else:

@@ -28,8 +28,7 @@ from django.views.decorators.http import require_GET, require_POST
 
 from dipaco import __version__
 from dipaco_server.audit.services import record
-from dipaco_server.errors import ApiError
-from dipaco_server.runs.errors import ServiceError
+from dipaco_server.errors import ApiError, ServiceError
 from dipaco_server.runs.models import Run
 from dipaco_web import actions, curves, queries
 from dipaco_web.numbering import charts_for_people

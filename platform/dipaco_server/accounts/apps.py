@@ -7,5 +7,6 @@ class AccountsConfig(AppConfig):
     verbose_name = "dipaco accounts"
 
     def ready(self) -> None:
-        # Connects the sign-in throttle's signal receivers (failures counted, success clears).
+        # Connects the sign-in throttle's signal receivers (failures counted, success clears);
+        # imported here, as Django wants, once every app's models are loaded.
         from dipaco_server.accounts import throttle  # noqa: F401

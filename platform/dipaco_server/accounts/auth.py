@@ -1,8 +1,8 @@
-"""Bearer-token auth for the two APIs: staff tokens (admin API) and worker tokens (worker API).
+"""Bearer-token auth for the admin API: staff tokens (worker tokens: workers.auth).
 
-Both read ``Authorization: Bearer <token>``. A missing header is 401
-``unauthenticated``; the services decide the rest (unknown or revoked token
-401, a valid token of the wrong kind of account 403), and their errors reach
+It reads ``Authorization: Bearer <token>``. A missing header is 401
+``unauthenticated``; the service decides the rest (unknown or revoked token
+401, a valid token of a user who is not active staff 403), and its errors reach
 the client through dipaco_server.errors in the one error shape.
 """
 
@@ -14,8 +14,6 @@ from django.http import HttpRequest
 from ninja.security import HttpBearer
 
 from dipaco_server.accounts.services import authenticate_staff
-from dipaco_server.workers.models import Worker
-from dipaco_server.workers.services import authenticate_worker
 
 
 class StaffToken(HttpBearer):
@@ -25,20 +23,4 @@ class StaffToken(HttpBearer):
         return authenticate_staff(token)
 
 
-class WorkerToken(HttpBearer):
-    """A worker's own token, received once from ``POST /api/v1/worker/register``."""
-
-    def authenticate(self, request: HttpRequest, token: str) -> Worker:
-        return authenticate_worker(token)
-
-
 staff_auth = StaffToken()
-worker_auth = WorkerToken()
-
-
-def current_worker(request: HttpRequest) -> Worker:
-    """The worker a request under `worker_auth` was authenticated as."""
-    worker = getattr(request, "auth", None)
-    if not isinstance(worker, Worker):  # a route mounted without worker_auth: a bug
-        raise TypeError("this route needs auth=worker_auth")
-    return worker

@@ -14,7 +14,7 @@ class ApiToken(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="api_tokens"
     )
     name = models.CharField(max_length=100, blank=True)
-    token_hash = models.CharField(max_length=64, unique=True)  # sha256 hex (workers.tokens)
+    token_hash = models.CharField(max_length=64, unique=True)  # sha256 hex (core.tokens)
     created_at = models.DateTimeField(default=timezone.now)
     last_used = models.DateTimeField(null=True, blank=True)
     revoked = models.BooleanField(default=False)

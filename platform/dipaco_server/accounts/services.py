@@ -1,7 +1,7 @@
 """Staff users and their admin API tokens: create, authenticate, revoke.
 
 A token is shown once when it is made; the database keeps its sha256 (the same
-scheme as worker tokens, see workers.tokens). Authentication refuses unknown
+scheme as worker tokens, see core.tokens). Authentication refuses unknown
 and revoked tokens with 401 and a token whose user is not active staff with
 403, so the API can tell "who are you?" from "you may not".
 """
@@ -19,8 +19,8 @@ from django.db.models import Q
 from django.utils import timezone
 
 from dipaco_server.accounts.models import ApiToken
-from dipaco_server.runs.errors import ServiceError
-from dipaco_server.workers import tokens
+from dipaco_server.core import tokens
+from dipaco_server.errors import ServiceError
 
 logger = logging.getLogger(__name__)
 

@@ -28,9 +28,10 @@ from ninja.errors import AuthenticationError, AuthorizationError, HttpError, Val
 from ninja.responses import Status
 from pydantic import BaseModel
 
+from dipaco_server.accounts.models import ApiToken
 from dipaco_server.audit.models import AuditEntry
-from dipaco_server.errors import STATUS_CODES, ApiError
-from dipaco_server.runs.errors import ServiceError
+from dipaco_server.core import tokens
+from dipaco_server.errors import STATUS_CODES, ApiError, ServiceError
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,6 @@ def client_address(request: HttpRequest) -> str | None:
 
 
 def _api_token_id(request: HttpRequest) -> int | None:
-    from dipaco_server.accounts.models import ApiToken
-    from dipaco_server.workers import tokens
-
     scheme, _, token = request.META.get("HTTP_AUTHORIZATION", "").partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None

@@ -181,7 +181,7 @@ def check_database_exists(environ: Mapping[str, str], given_by: str = "DIPACO_DA
     """
     from django.core.exceptions import ImproperlyConfigured
 
-    from dipaco_server import env
+    from dipaco_server import env  # needs Django, which this module imports without
 
     try:
         data = env.data_dir_path(environ)
@@ -245,6 +245,7 @@ def _say(message: str) -> None:
 
 
 def createuser(args: argparse.Namespace) -> int:
+    # Models load once run() has set Django up; this module imports without Django.
     from dipaco_server.accounts.services import create_user
 
     password = None
@@ -263,6 +264,7 @@ def createuser(args: argparse.Namespace) -> int:
 
 
 def token_create(args: argparse.Namespace) -> int:
+    # Models load once run() has set Django up; this module imports without Django.
     from dipaco_server.accounts.services import create_api_token, find_user
 
     user = find_user(args.user)
@@ -275,6 +277,7 @@ def token_create(args: argparse.Namespace) -> int:
 
 
 def token_revoke(args: argparse.Namespace) -> int:
+    # Models load once run() has set Django up; this module imports without Django.
     from dipaco_server.accounts.services import revoke_api_token
 
     row = revoke_api_token(args.id)
@@ -283,6 +286,7 @@ def token_revoke(args: argparse.Namespace) -> int:
 
 
 def enroll(args: argparse.Namespace) -> int:
+    # Models load once run() has set Django up; this module imports without Django.
     from dipaco_server.workers.services import create_enrollment_token
 
     row, plaintext = create_enrollment_token(
@@ -318,7 +322,7 @@ def run(args: argparse.Namespace) -> int:
         setup_django()
         from django.db import DatabaseError
 
-        from dipaco_server.runs.errors import ServiceError
+        from dipaco_server.errors import ServiceError  # needs Django, set up just above
 
         try:
             with server_logs(getattr(args, "verbose", False)):

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 from django.db import connection
 
+from dipaco_server.celery import app
+
 
 @dataclass(frozen=True)
 class Check:
@@ -26,8 +28,6 @@ def check_database() -> Check:
 
 
 def check_broker() -> Check:
-    from dipaco_server.celery import app
-
     conn = app.connection_for_write()
     transport = conn.transport_cls
     try:

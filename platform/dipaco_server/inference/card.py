@@ -13,9 +13,11 @@ from typing import TYPE_CHECKING, Any
 from dipaco.config import RunConfig
 from dipaco.evaluate import perplexity
 from dipaco.inference import CARD_FILE, MODEL_FORMAT, RUN_FILE
+from dipaco_server.runs.keys import base_model_key
 from dipaco_server.runs.models import MetricPoint
+from dipaco_server.storage import get_blob_store
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # inference.services imports this module; the type alone is needed here
     from dipaco_server.inference.services import Selection
 
 VAL_LOSS_METRIC = "val_loss"  # the evaluation task's per-path series (docs/design.md §4 step 5)
@@ -96,9 +98,6 @@ def _training_phases(config: RunConfig, uploaded: bool) -> str:
 def _has_base_model(run_id: int) -> bool:
     """Whether the run has a base model (phase 1's, or an uploaded checkpoint): blobs are
     immutable, so the card stays a function of what the run is."""
-    from dipaco_server.runs.keys import base_model_key
-    from dipaco_server.storage import get_blob_store
-
     return get_blob_store().exists(base_model_key(run_id))
 
 

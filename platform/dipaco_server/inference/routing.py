@@ -13,6 +13,7 @@ from collections import OrderedDict
 from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Any
 
+from dipaco_server.errors import ServiceError
 from dipaco_server.inference.services import (
     RunNotPrepared,
     base_model_bytes,
@@ -20,7 +21,6 @@ from dipaco_server.inference.services import (
     router_bytes,
     tokenizer_blob,
 )
-from dipaco_server.runs.errors import ServiceError
 from dipaco_server.runs.models import Run
 
 if TYPE_CHECKING:
@@ -61,6 +61,7 @@ def _load(run: Run, tokenizer_json: bytes, router_file: bytes) -> Router:
 
 
 def _base_model(run: Run, tmp: FsPath) -> Any:
+    # torch: runs.checkpoint imports it (seconds); the URLs load without it (test_boundaries).
     from dipaco_server.runs.checkpoint import base_model, verify_checkpoint
 
     file = tmp / "base-model.safetensors"

@@ -33,9 +33,10 @@ from dipaco.inference import (
     tokenizer_files,
     write_model_file,
 )
+from dipaco_server.errors import ServiceError
 from dipaco_server.inference import card
 from dipaco_server.runs import keys
-from dipaco_server.runs.errors import RunNotFound, ServiceError
+from dipaco_server.runs.errors import RunNotFound
 from dipaco_server.runs.models import ModuleVersion, Path, Run
 from dipaco_server.runs.phases import PATHS
 from dipaco_server.storage import BlobStore, get_blob_store, validate_key

@@ -7,23 +7,9 @@ module version was computed from.
 """
 
 from django.contrib import admin
-from django.db.models import Model
-from django.http import HttpRequest
 
+from dipaco_server.core.admin import ReadOnly
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
-
-
-class ReadOnly(admin.ModelAdmin):
-    """Listed and viewed; never added, changed or deleted through the admin."""
-
-    def has_add_permission(self, request: HttpRequest) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Model | None = None) -> bool:
-        return False
 
 
 @admin.register(Round)

@@ -1,6 +1,9 @@
-"""The worker protocol over HTTP (docs/design.md §4.2-4.3): lease, manifest, upload URLs, complete.
+"""The worker protocol over HTTP (docs/design.md §4.2-4.3): register, lease, manifest, upload
+URLs, complete; and the contributions of a worker with the verdict on each.
 
-Mounted under /api/v1/worker with worker bearer tokens. A lease comes with a
+``router`` is mounted under /api/v1/worker with worker bearer tokens (registration needs
+none: it hands one out). ``staff_router`` answers staff what rounds record: a worker's
+contributions, and a run's status with its current round and the workers on it. A lease comes with a
 secret, shown once; every call about the lease sends it back in the
 ``X-Lease-Secret`` header. Keys of uploads are built from ids only (runs.keys);
 presigned URLs are short-lived and name one key each. Nothing here reads the
@@ -16,18 +19,20 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import Count, F, QuerySet
 from django.db.models.functions import Coalesce
 from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from kombu.exceptions import KombuError
 from ninja import Field, Header, Query, Router, Schema, Status
+from ninja.pagination import paginate
 
 from dipaco.data.windows import path_seed
-from dipaco_server.accounts.auth import current_worker, worker_auth
-from dipaco_server.bounds import MAX_ID, JsonId, LeaseId
+from dipaco_server.accounts.auth import staff_auth
+from dipaco_server.bounds import MAX_ID, JsonId, LeaseId, Paging, RunId, WorkerId
 from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
+from dipaco_server.patterns import NAME, OPTIONAL_NAME, declared
 from dipaco_server.rounds import lease as leasing
 from dipaco_server.rounds.close import ADAPT_EVERY_S, round_ready_to_close
 from dipaco_server.rounds.complete import (
@@ -38,20 +43,26 @@ from dipaco_server.rounds.complete import (
     upload_key,
 )
 from dipaco_server.rounds.downloads import HELD_PATTERN, parse_held, plan_downloads
-from dipaco_server.rounds.models import Lease, OuterStep, Round, WorkUnit
+from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.open import overlaps
 from dipaco_server.rounds.rebase import rebase_plan, rebase_state
+from dipaco_server.rounds.tasks import start_closing
 from dipaco_server.rounds.unit_data import unit_data
 from dipaco_server.rounds.worker_metrics import WorkerMetricsIn, worker_metrics
+from dipaco_server.runs.api import RunOut, find_run, run_out
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
 from dipaco_server.runs.prepare import data_index_key, work_root
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
+from dipaco_server.workers.api import find_worker
+from dipaco_server.workers.auth import current_worker, worker_auth
+from dipaco_server.workers.services import MAX_NAME_LENGTH, MAX_OWNER_LENGTH, register_worker
 
 logger = logging.getLogger(__name__)
 router = Router(tags=["worker"], auth=worker_auth)
+staff_router = Router(auth=staff_auth)
 
 # Presigned URLs live long enough to start a transfer (S3 checks the signature once, at
 # the start) and no longer: a leaked URL is useless after a quarter of an hour.
@@ -655,8 +666,6 @@ def _close_if_ready(round_: Round) -> None:
         return
     force = False
     if overlaps(round_.run.run_config, round_.t):
-        from dipaco_server.rounds.tasks import start_closing
-
         if not start_closing(round_):
             return  # a concurrent completion closed it
         force = True
@@ -682,3 +691,226 @@ def release_lease(request: HttpRequest, lease_id: LeaseId, lease_secret: Secret)
     """Give the unit back unfinished (it is queued again); releasing twice is a no-op."""
     lease = leasing.release(current_worker(request), lease_id, lease_secret)
     return _lease_state(lease)
+
+
+# --- registration and a worker's contributions -----------------------------------------------
+# A machine trades an enrollment token for its own worker token (workers.services), shown
+# once and stored hashed, and is told the heartbeat interval leases keep; a worker, and
+# staff, list its contributions and why any was rejected (issue 19).
+
+
+class ContributionVerdictOut(Schema):
+    """One Δ a worker uploaded and what the server decided about it."""
+
+    id: int
+    run_id: int
+    round: int
+    path: int
+    module_id: str
+    lease_id: int
+    status: str = Field(description="pending, accepted or rejected.")
+    reason: str = Field(description='Why it was rejected: "<code>: <message>"; empty otherwise.')
+    reason_code: str = Field(description="The reason's code alone (e.g. no_training_gain).")
+    tokens: int
+    created_at: datetime
+    verified_at: datetime | None
+
+    @staticmethod
+    def resolve_run_id(obj: Contribution) -> int:
+        return obj.unit.round.run_id
+
+    @staticmethod
+    def resolve_round(obj: Contribution) -> int:
+        return obj.unit.round.t
+
+    @staticmethod
+    def resolve_path(obj: Contribution) -> int:
+        return obj.unit.path.index
+
+    @staticmethod
+    def resolve_module_id(obj: Contribution) -> str:
+        return obj.module.module_id
+
+    @staticmethod
+    def resolve_reason_code(obj: Contribution) -> str:
+        return obj.reason.partition(":")[0] if obj.reason else ""
+
+
+def contributions_of(worker_id: int, status: str | None = None) -> QuerySet[Contribution]:
+    """A worker's contributions, newest first (the API's and the dashboard's query)."""
+    rows = Contribution.objects.filter(lease__worker_id=worker_id)
+    if status is not None:
+        if status not in Contribution.Status.values:
+            raise ApiError(
+                422,
+                "invalid_status",
+                f"status {status!r} is not one of {', '.join(Contribution.Status.values)}",
+            )
+        rows = rows.filter(status=status)
+    return rows.select_related("unit__round", "unit__path", "module").order_by("-pk")
+
+
+class RegisterIn(Schema):
+    enrollment_token: str = Field(max_length=256, description="From the operator (dpe_...).")
+    name: str = Field(
+        min_length=1,
+        max_length=MAX_NAME_LENGTH,
+        json_schema_extra=declared(NAME),
+        description="This machine's name, shown on the dashboard: not only spaces, and no "
+        "control or format characters (spaces at either end are dropped).",
+    )
+    owner: str = Field(
+        "",
+        max_length=MAX_OWNER_LENGTH,
+        json_schema_extra=declared(OPTIONAL_NAME),
+        description="Who runs it (optional); no control or format characters.",
+    )
+    device: dict[str, Any] = Field(
+        default_factory=dict, description='What it trains on, e.g. {"gpu": "RTX 4090"}.'
+    )
+
+
+class RegisterOut(Schema):
+    worker_id: int
+    name: str
+    token: str = Field(description="This worker's bearer token. Shown once: keep it.")
+    heartbeat_interval_s: float
+
+
+@staff_router.get(
+    "/workers/{worker_id}/contributions",
+    response=list[ContributionVerdictOut],
+    tags=["admin: workers"],
+)
+@paginate(Paging)
+def worker_contributions(
+    request: HttpRequest, worker_id: WorkerId, status: Contribution.Status | None = None
+) -> QuerySet[Contribution]:
+    """A worker's contributions, newest first, each with the reason it was rejected."""
+    return contributions_of(find_worker(worker_id).pk, status)
+
+
+@router.post("/register", response={201: RegisterOut}, auth=None)
+def register(request: HttpRequest, body: RegisterIn) -> Status[dict[str, Any]]:
+    """Trade an enrollment token for this worker's own token (shown once, stored hashed)."""
+    worker, plaintext = register_worker(
+        body.enrollment_token, body.name, body.device, owner=body.owner
+    )
+    return Status(
+        201,
+        {
+            "worker_id": worker.pk,
+            "name": worker.name,
+            "token": plaintext,
+            "heartbeat_interval_s": leasing.heartbeat_interval_s(),
+        },
+    )
+
+
+@router.get("/contributions", response=list[ContributionVerdictOut])
+@paginate(Paging)
+def my_contributions(
+    request: HttpRequest, status: Contribution.Status | None = None
+) -> QuerySet[Contribution]:
+    """This worker's contributions, newest first: accepted, rejected (with the reason) or
+    still pending verification. Only accepted ones earn credit."""
+    return contributions_of(current_worker(request).pk, status)
+
+
+# --- a run's status (staff) ------------------------------------------------------------------
+# A run with its current round and the workers on it: rounds' records, so a rounds route
+# (the run's own routes are runs.api's).
+
+
+class ModuleOut(Schema):
+    phase: int = Field(description="1: a module of the dense phase-1 model; 2: a DiPaCo module.")
+    module_id: str
+    level: int | None
+    index: int
+    current_version: int | None
+    blob_key: str | None = Field(description="The current version's blob (fp32 safetensors).")
+    sha256: str | None
+    size: int | None
+
+
+class PathOut(Schema):
+    phase: int = Field(description="1: the dense phase-1 model's one path; 2: a DiPaCo path.")
+    index: int
+    choices: list[int]
+    modules: list[str]
+    state: str
+    train_tokens: int
+    val_tokens: int
+    best_val_loss: float | None
+    best_round: int | None
+    routing_share: float | None
+
+
+class RoundOut(Schema):
+    t: int
+    state: str
+    opened_at: datetime
+    deadline: datetime | None
+    closed_at: datetime | None
+    units: dict[str, int] = Field(description="Work units of the round by state.")
+
+
+class WorkerCounts(Schema):
+    active: int = Field(description="Workers holding a live lease of this run now.")
+    contributed: int = Field(description="Workers that completed at least one unit of this run.")
+
+
+class RunStatusOut(RunOut):
+    config: dict[str, Any]
+    blob_prefix: str
+    round: RoundOut | None = Field(description="The current round, once one was opened.")
+    paths: list[PathOut]
+    modules: list[ModuleOut]
+    workers: WorkerCounts
+
+
+@staff_router.get("/runs/{run_id}", response=RunStatusOut, tags=["admin: runs"])
+def get_run(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
+    """A run with its config, current round, paths, modules (current versions) and workers."""
+    run = find_run(run_id)
+    out = run_out(run)
+    out.update(config=run.config, blob_prefix=f"runs/{run.pk}")
+    round_ = run.rounds.filter(t=run.current_round).first()
+    out["round"] = None
+    if round_ is not None:
+        units = dict(round_.units.values_list("state").annotate(n=Count("pk")).order_by())
+        out["round"] = {
+            "t": round_.t,
+            "state": round_.state,
+            "opened_at": round_.opened_at,
+            "deadline": round_.deadline,
+            "closed_at": round_.closed_at,
+            "units": units,
+        }
+    out["paths"] = list(run.paths.order_by("phase", "index"))
+    current = {
+        v.module_id: v
+        for v in ModuleVersion.objects.filter(module__run=run, version=F("module__current_version"))
+    }
+    out["modules"] = [
+        {
+            "phase": m.phase,
+            "module_id": m.module_id,
+            "level": m.level,
+            "index": m.index,
+            "current_version": m.current_version,
+            "blob_key": getattr(current.get(m.pk), "blob_key", None),
+            "sha256": getattr(current.get(m.pk), "sha256", None),
+            "size": getattr(current.get(m.pk), "size", None),
+        }
+        for m in run.modules.order_by("pk")
+    ]
+    leases = Lease.objects.filter(unit__round__run=run)
+    out["workers"] = {
+        "active": leases.filter(state=Lease.State.ACTIVE).values("worker").distinct().count(),
+        "contributed": leases.filter(state=Lease.State.COMPLETED)
+        .values("worker")
+        .distinct()
+        .count(),
+    }
+    return out

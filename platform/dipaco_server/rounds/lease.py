@@ -27,6 +27,7 @@ from django.utils import timezone
 
 from dipaco.config import RunConfig
 from dipaco.data.windows import step_tokens
+from dipaco_server.core import tokens
 from dipaco_server.rounds import replication
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import SchedulerPolicy, current_policy
@@ -39,12 +40,12 @@ from dipaco_server.runs.errors import (
     LeaseSecretInvalid,
     RoundClosed,
     RunNotActive,
-    WorkerRevoked,
 )
 from dipaco_server.runs.models import Path, Run
 from dipaco_server.runs.phases import phase_config
 from dipaco_server.runs.services import TERMINAL
-from dipaco_server.workers import tokens, trust
+from dipaco_server.workers import trust
+from dipaco_server.workers.errors import WorkerRevoked
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.speed import plausible_speed
 

@@ -20,15 +20,13 @@ from dipaco.config import RunConfig
 from dipaco.data.windows import unit_start, unit_windows
 from dipaco_server.rounds.models import Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.publish import current_versions
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RunNotActive
 from dipaco_server.runs.models import Path, Run
 from dipaco_server.runs.phases import PATHS, first_round, round_config
-from dipaco_server.runs.services import transition
+from dipaco_server.runs.services import OPENABLE, transition
+from dipaco_server.runs.versions import current_versions
 
 logger = logging.getLogger(__name__)
-
-OPENABLE = (Run.State.RUNNING, Run.State.PAUSED)  # a paused run's next round waits queued
 
 
 def open_round(

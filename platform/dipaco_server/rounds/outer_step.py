@@ -69,7 +69,7 @@ from dipaco_server.rounds import verify
 from dipaco_server.rounds.close import previous_published
 from dipaco_server.rounds.lease import lease_tokens
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
-from dipaco_server.rounds.publish import EncodedUpdate, encode_update, publish_module_version
+from dipaco_server.rounds.publish import EncodedUpdate, encode_update
 from dipaco_server.rounds.verification import (
     ScoreFn,
     Scorer,
@@ -88,6 +88,7 @@ from dipaco_server.runs.errors import RoundClosed
 from dipaco_server.runs.models import Module, ModuleVersion
 from dipaco_server.runs.phases import PATHS, local_round, round_config
 from dipaco_server.runs.prepare import work_root
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 
 logger = logging.getLogger(__name__)

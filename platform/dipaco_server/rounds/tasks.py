@@ -26,14 +26,14 @@ from __future__ import annotations
 import importlib
 import logging
 from datetime import timedelta
-from typing import Any
 
-from botocore.exceptions import BotoCoreError, ClientError
 from celery import Task, chord, shared_task
 from celery.signals import worker_init
-from django.db import InterfaceError, OperationalError
 from django.utils import timezone
 
+from dipaco_server.core.tasks import RETRY, same_queue
+from dipaco_server.errors import ServiceError
+from dipaco_server.rounds import retention
 from dipaco_server.rounds.close import (
     mark_round_closed,
     mark_round_closing,
@@ -44,7 +44,6 @@ from dipaco_server.rounds.lease import expire_leases
 from dipaco_server.rounds.models import OuterStep, Round
 from dipaco_server.rounds.open import open_round, overlaps
 from dipaco_server.rounds.policy import current_policy
-from dipaco_server.runs.errors import ServiceError
 from dipaco_server.runs.models import Module, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.phases import DENSE, round_phase
@@ -52,29 +51,6 @@ from dipaco_server.runs.services import TERMINAL, transition
 
 logger = logging.getLogger(__name__)
 PREPARING_PHASE2 = "preparing phase 2"
-
-# Errors worth retrying with backoff: the database or the object store was unreachable.
-TRANSIENT = (
-    OperationalError,
-    InterfaceError,
-    ConnectionError,
-    TimeoutError,
-    BotoCoreError,
-    ClientError,
-)
-RETRY = {
-    "autoretry_for": TRANSIENT,
-    "retry_backoff": 2,
-    "retry_backoff_max": 120,
-    "retry_jitter": True,
-    "max_retries": 6,
-}
-
-
-def same_queue(task: Task) -> dict[str, Any]:
-    """Options that send a follow-up task to the queue `task` was taken from."""
-    queue = (task.request.delivery_info or {}).get("routing_key")
-    return {"queue": queue} if queue else {}
 
 
 @worker_init.connect
@@ -99,9 +75,7 @@ def sweep_leases() -> int:
 @shared_task(name="dipaco_server.rounds.tasks.sweep_blobs")
 def sweep_blobs() -> dict[str, int]:
     """Delete uploads and module versions past retention (rounds.retention)."""
-    from dipaco_server.rounds.retention import sweep_blobs as sweep
-
-    return sweep().as_dict()
+    return retention.sweep_blobs().as_dict()
 
 
 @shared_task(bind=True, name="dipaco_server.rounds.tasks.close_ready_rounds")
@@ -245,6 +219,8 @@ def start_closing(round_: Round) -> bool:
 )
 def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, object]:
     """Verify, aggregate and apply round t's contributions to one module, exactly once."""
+    # torch (seconds): the Celery app and the URLs load without it (tests/test_boundaries);
+    # worker_init's preload imports it before the pool forks.
     from dipaco_server.rounds.outer_step import step_module
 
     return step_module(run_id, module_id, t)
@@ -260,7 +236,7 @@ def finish_round(self: Task, run_id: int, t: int) -> str:
     ``eval.patience`` set, its decision shapes the next round, so it comes first; after
     the last round it comes first too, so a finished run has its final scores.
     """
-    from dipaco_server.runs.evaluate import eval_settings
+    from dipaco_server.runs.evaluate import eval_settings  # torch, as in outer_step above
 
     round_ = Round.objects.select_related("run").get(run_id=run_id, t=t)
     mark_round_closed(round_)
@@ -287,7 +263,7 @@ def finish_round(self: Task, run_id: int, t: int) -> str:
 
 def _evaluate(run: Run, t: int) -> None:
     try:
-        from dipaco_server.runs.evaluate import evaluate_run
+        from dipaco_server.runs.evaluate import evaluate_run  # torch, as in outer_step
 
         evaluate_run(run, t)
     except Exception:  # evaluation is for curves and early stopping; training goes on
@@ -323,7 +299,7 @@ def advance_run(run: Run, t: int) -> str:
     active = run.paths.filter(phase=phase, state=RunPath.State.ACTIVE)
     if phase == DENSE and (round_phase(config, t + 1) != DENSE or not active.exists()):
         active.update(state=RunPath.State.FINISHED)
-        from dipaco_server.runs.between import enter_preparing
+        from dipaco_server.runs.between import enter_preparing  # torch, as in outer_step
 
         return PREPARING_PHASE2 if enter_preparing(run) else "preparing elsewhere"
     if t + 1 < config.total_rounds and active.exists():

@@ -21,10 +21,10 @@ from kombu.exceptions import KombuError
 
 from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
-from dipaco_server.rounds.open import open_round
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import transition
+from dipaco_server.runs.signals import open_round
 from dipaco_server.storage import get_blob_store
 
 __all__ = ["ACTIONS", "cancel", "check_base_model", "enqueue", "pause", "perform", "prepare",

@@ -2,7 +2,7 @@
 
 from django.contrib import admin
 
-from dipaco_server.rounds.admin import ReadOnly
+from dipaco_server.core.admin import ReadOnly
 from dipaco_server.runs.models import Dataset, MetricPoint, Module, ModuleVersion, Path, Run
 
 

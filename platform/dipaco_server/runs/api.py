@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from django.db import IntegrityError, transaction
-from django.db.models import Count, F, QuerySet
+from django.db.models import F, QuerySet
 from django.http import HttpRequest
 from ninja import Field, Query, Router, Schema, Status, UploadedFile
 from ninja import File as NinjaFile
@@ -28,12 +28,12 @@ from dipaco.config import RunConfig
 from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.services import audited
 from dipaco_server.bounds import MAX_INT, DatasetId, JsonId, Paging, RunId
-from dipaco_server.errors import ApiError
+from dipaco_server.errors import ApiError, ServiceError
 from dipaco_server.patterns import WHITESPACE, declared
-from dipaco_server.rounds.models import Lease
 from dipaco_server.runs import actions, keys, services
-from dipaco_server.runs.errors import RunNotFound, ServiceError
-from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
+from dipaco_server.runs.errors import RunNotFound
+from dipaco_server.runs.models import Dataset, MetricPoint, Run
+from dipaco_server.runs.prepare import work_root
 from dipaco_server.runs.sources import BUILTIN_SOURCES, MAX_SOURCE_LENGTH, check_source
 from dipaco_server.storage import get_blob_store
 
@@ -150,53 +150,6 @@ def _run_of(obj: Run | dict[str, Any]) -> Run:
     return obj if isinstance(obj, Run) else obj["run"]
 
 
-class ModuleOut(Schema):
-    phase: int = Field(description="1: a module of the dense phase-1 model; 2: a DiPaCo module.")
-    module_id: str
-    level: int | None
-    index: int
-    current_version: int | None
-    blob_key: str | None = Field(description="The current version's blob (fp32 safetensors).")
-    sha256: str | None
-    size: int | None
-
-
-class PathOut(Schema):
-    phase: int = Field(description="1: the dense phase-1 model's one path; 2: a DiPaCo path.")
-    index: int
-    choices: list[int]
-    modules: list[str]
-    state: str
-    train_tokens: int
-    val_tokens: int
-    best_val_loss: float | None
-    best_round: int | None
-    routing_share: float | None
-
-
-class RoundOut(Schema):
-    t: int
-    state: str
-    opened_at: datetime
-    deadline: datetime | None
-    closed_at: datetime | None
-    units: dict[str, int] = Field(description="Work units of the round by state.")
-
-
-class WorkerCounts(Schema):
-    active: int = Field(description="Workers holding a live lease of this run now.")
-    contributed: int = Field(description="Workers that completed at least one unit of this run.")
-
-
-class RunStatusOut(RunOut):
-    config: dict[str, Any]
-    blob_prefix: str
-    round: RoundOut | None = Field(description="The current round, once one was opened.")
-    paths: list[PathOut]
-    modules: list[ModuleOut]
-    workers: WorkerCounts
-
-
 class RunFilter(Schema):
     state: Run.State | None = Field(None, description="Only runs in this state.")
 
@@ -261,7 +214,8 @@ def get_dataset(request: HttpRequest, dataset_id: DatasetId) -> Dataset:
 # --- runs ----------------------------------------------------------------------------------
 
 
-def _run(run_id: int) -> Run:
+def find_run(run_id: int) -> Run:
+    """The run of id `run_id`; 404 run_not_found when there is none."""
     run = Run.objects.filter(pk=run_id).first()
     if run is None:
         raise RunNotFound(f"no run with id {run_id}; list them at GET /api/v1/runs")
@@ -271,7 +225,8 @@ def _run(run_id: int) -> Run:
 _RESOLVED = ("allowed_moves", "phase1_rounds", "phase1_rounds_done")
 
 
-def _run_out(run: Run) -> dict[str, Any]:
+def run_out(run: Run) -> dict[str, Any]:
+    """RunOut's fields of `run`, to answer with more fields (its resolvers read "run")."""
     out = {f: getattr(run, f) for f in RunOut.model_fields if f not in _RESOLVED}
     return {**out, "run": run}
 
@@ -298,59 +253,12 @@ def list_runs(request: HttpRequest, filters: Query[RunFilter]) -> QuerySet[Run]:
     return runs if filters.state is None else runs.filter(state=filters.state)
 
 
-@router.get("/runs/{run_id}", response=RunStatusOut)
-def get_run(request: HttpRequest, run_id: RunId) -> dict[str, Any]:
-    """A run with its config, current round, paths, modules (current versions) and workers."""
-    run = _run(run_id)
-    out = _run_out(run)
-    out.update(config=run.config, blob_prefix=f"runs/{run.pk}")
-    round_ = run.rounds.filter(t=run.current_round).first()
-    out["round"] = None
-    if round_ is not None:
-        units = dict(round_.units.values_list("state").annotate(n=Count("pk")).order_by())
-        out["round"] = {
-            "t": round_.t,
-            "state": round_.state,
-            "opened_at": round_.opened_at,
-            "deadline": round_.deadline,
-            "closed_at": round_.closed_at,
-            "units": units,
-        }
-    out["paths"] = list(run.paths.order_by("phase", "index"))
-    current = {
-        v.module_id: v
-        for v in ModuleVersion.objects.filter(module__run=run, version=F("module__current_version"))
-    }
-    out["modules"] = [
-        {
-            "phase": m.phase,
-            "module_id": m.module_id,
-            "level": m.level,
-            "index": m.index,
-            "current_version": m.current_version,
-            "blob_key": getattr(current.get(m.pk), "blob_key", None),
-            "sha256": getattr(current.get(m.pk), "sha256", None),
-            "size": getattr(current.get(m.pk), "size", None),
-        }
-        for m in run.modules.order_by("pk")
-    ]
-    leases = Lease.objects.filter(unit__round__run=run)
-    out["workers"] = {
-        "active": leases.filter(state=Lease.State.ACTIVE).values("worker").distinct().count(),
-        "contributed": leases.filter(state=Lease.State.COMPLETED)
-        .values("worker")
-        .distinct()
-        .count(),
-    }
-    return out
-
-
 @router.post("/runs/{run_id}/start", response=RunOut)
 @audited("run.start", "run")
 def start_run(request: HttpRequest, run_id: RunId) -> Run:
     """draft → preparing (a task prepares data and modules, then the run is ready), or
     ready → running with its first round open."""
-    return actions.start(_run(run_id))
+    return actions.start(find_run(run_id))
 
 
 class CheckpointOut(Schema):
@@ -375,14 +283,14 @@ def upload_checkpoint(
     `tokenizer`: the tokenizer.json the checkpoint was trained with (a downloaded path has
     one); preparation then uses it instead of training a new one, so token ids keep their
     meaning. Without it, the run's tokenizer is trained from its corpus as usual."""
+    # torch: runs.checkpoint imports it (seconds); the URLs load without it (test_boundaries).
     from dipaco_server.runs.checkpoint import (
         verify_checkpoint,
         verify_tokenizer,
         write_base_model,
     )
-    from dipaco_server.runs.prepare import work_root
 
-    run = _run(run_id)
+    run = find_run(run_id)
     if run.state != Run.State.DRAFT:
         raise ApiError(
             409,
@@ -427,21 +335,21 @@ def upload_checkpoint(
 @audited("run.pause", "run")
 def pause_run(request: HttpRequest, run_id: RunId) -> Run:
     """running → paused: no new leases; units already leased may still complete."""
-    return actions.pause(_run(run_id))
+    return actions.pause(find_run(run_id))
 
 
 @router.post("/runs/{run_id}/resume", response=RunOut)
 @audited("run.resume", "run")
 def resume_run(request: HttpRequest, run_id: RunId) -> Run:
     """paused → running."""
-    return actions.resume(_run(run_id))
+    return actions.resume(find_run(run_id))
 
 
 @router.post("/runs/{run_id}/cancel", response=RunOut)
 @audited("run.cancel", "run")
 def cancel_run(request: HttpRequest, run_id: RunId) -> Run:
     """Any live state → cancelled (final): workers are told to drop its units."""
-    return actions.cancel(_run(run_id))
+    return actions.cancel(find_run(run_id))
 
 
 @router.get("/runs/{run_id}/metrics", response=list[MetricOut])
@@ -450,7 +358,7 @@ def run_metrics(
     request: HttpRequest, run_id: RunId, filters: Query[MetricFilter]
 ) -> QuerySet[MetricPoint]:
     """A run's metric points, oldest first, filtered by series name, path and round."""
-    points = MetricPoint.objects.filter(run=_run(run_id))
+    points = MetricPoint.objects.filter(run=find_run(run_id))
     if filters.name is not None:
         points = points.filter(name=filters.name)
     if filters.path is not None:

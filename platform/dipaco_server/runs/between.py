@@ -37,6 +37,7 @@ from torch import Tensor
 from dipaco.modules_file import read_module
 from dipaco_server.runs import keys, phases
 from dipaco_server.runs.checkpoint import base_model, load_base_state, write_base_model
+from dipaco_server.runs.evaluate import evaluate_start_or_log
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.prepare import (
@@ -45,7 +46,8 @@ from dipaco_server.runs.prepare import (
     upload_shards,
     work_root,
 )
-from dipaco_server.runs.services import TERMINAL
+from dipaco_server.runs.services import OPENABLE, TERMINAL
+from dipaco_server.runs.signals import open_round
 from dipaco_server.storage import BlobStore, get_blob_store
 
 logger = logging.getLogger(__name__)
@@ -168,8 +170,6 @@ def finish(run: Run, *, store: BlobStore | None = None) -> str:
     from dipaco.modular import init_modules_from_base
     from dipaco.routing.featurize import PrecomputedFeaturizer
     from dipaco.routing.router import Router, prefix_ids
-    from dipaco_server.rounds.open import OPENABLE, open_round
-    from dipaco_server.runs.evaluate import evaluate_start_or_log
 
     run.refresh_from_db()
     if run.state in TERMINAL:

@@ -23,8 +23,8 @@ import torch
 from torch import Tensor
 
 from dipaco.config import RunConfig
+from dipaco_server.errors import ServiceError
 from dipaco_server.runs import keys
-from dipaco_server.runs.errors import ServiceError
 from dipaco_server.storage import BlobStore
 
 FLOAT_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}

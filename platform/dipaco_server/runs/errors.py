@@ -1,30 +1,11 @@
-"""Every error the control-plane services raise on purpose, with a stable code and a status.
-
-The API turns a `ServiceError` into its one JSON error shape
-(``{"code": ..., "message": ..., "details": ...}``) with ``status`` as the HTTP
-status: client faults are 4xx, never 500. Codes are part of the API contract;
-messages are for people and say what to do. Anything else a service raises is
-a bug (a 500).
+"""The errors the runs services raise on purpose, and those of rounds, leases and
+contributions (rounds builds on runs). Each is a `ServiceError` (dipaco_server.errors)
+with a stable code and an HTTP status; the API answers it in the one error shape.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
-
-
-class ServiceError(Exception):
-    """Base class: ``code`` is stable, ``status`` is the HTTP status, ``details`` is JSON."""
-
-    code: ClassVar[str] = "error"
-    status: ClassVar[int] = 400
-
-    def __init__(self, message: str, **details: Any) -> None:
-        super().__init__(message)
-        self.message = message
-        self.details = details
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"code": self.code, "message": self.message, "details": self.details}
+from dipaco_server.errors import ServiceError
 
 
 # --- runs -----------------------------------------------------------------------
@@ -66,31 +47,6 @@ class VersionConflict(ServiceError):
     """A module version exists with other content; versions are immutable."""
 
     code, status = "version_conflict", 409
-
-
-# --- workers --------------------------------------------------------------------
-class TokenInvalid(ServiceError):
-    code, status = "token_invalid", 401
-
-
-class WorkerRevoked(ServiceError):
-    code, status = "worker_revoked", 403
-
-
-class WorkerDistrusted(ServiceError):
-    """Its work failed verification too often (workers.trust); details: trust, minimum."""
-
-    code, status = "worker_distrusted", 403
-
-
-class EnrollmentRefused(ServiceError):
-    """details["reason"]: unknown, revoked, expired or used_up."""
-
-    code, status = "enrollment_refused", 403
-
-
-class WorkerInvalid(ServiceError):
-    code, status = "worker_invalid", 422
 
 
 # --- rounds, leases, contributions ----------------------------------------------

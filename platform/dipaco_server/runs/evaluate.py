@@ -33,7 +33,7 @@ from dipaco.modules_file import read_module
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
-from dipaco_server.runs.phases import round_config
+from dipaco_server.runs.phases import PATHS, first_round, round_config
 from dipaco_server.runs.prepare import data_index_key, work_root
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import BlobStore, get_blob_store
@@ -81,8 +81,6 @@ def evaluate_start(run: Run, *, store: BlobStore | None = None) -> list[PathEval
     model's layers) on the run's validation sample, recorded as ``start_val_loss`` at the
     round before phase 2's first (phase 1's last), so the dashboard's curves start where
     phase 2 does; not an early-stopping point. A run without phase 1 has round 0's."""
-    from dipaco_server.runs.phases import PATHS, first_round
-
     first = first_round(run.run_config, PATHS)
     if first == 0:
         return []

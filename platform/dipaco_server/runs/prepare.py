@@ -42,12 +42,12 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.utils import timezone
 
-from dipaco_server.rounds.publish import publish_module_version
 from dipaco_server.runs import keys, phases
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.services import transition
 from dipaco_server.runs.sources import check_source
+from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 
 if TYPE_CHECKING:
@@ -110,6 +110,7 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     config = run.run_config
     paths = config.num_paths
     dense = config.phase1 is not None
+    # torch: runs.checkpoint imports it (seconds); the URLs load this module (rounds.api).
     from dipaco_server.runs.checkpoint import base_model, load_base_state
 
     has_base = not dense and store.exists(keys.base_model_key(run.pk))

@@ -20,13 +20,10 @@ from django.utils import timezone
 from pydantic import ValidationError
 
 from dipaco.config import RunConfig, config_problems
-from dipaco_server.runs.errors import (
-    ConfigInvalid,
-    InvalidTransition,
-    RunNameTaken,
-    RunNotFound,
-)
+from dipaco_server.runs.errors import ConfigInvalid, InvalidTransition, RunNameTaken, RunNotFound
 from dipaco_server.runs.models import Dataset, MetricPoint, Module, Path, Run
+from dipaco_server.runs.signals import run_ended
+from dipaco_server.runs.sources import check_source
 
 logger = logging.getLogger(__name__)
 State = Run.State
@@ -45,6 +42,8 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     State.CANCELLED: (),
 }
 TERMINAL = frozenset(s for s, moves in TRANSITIONS.items() if not moves)
+# States whose rounds open (rounds.open); a paused run's next round waits queued.
+OPENABLE = (State.RUNNING, State.PAUSED)
 _RACE_RETRIES = 3
 
 
@@ -98,8 +97,6 @@ def create_run(name: str, config: Mapping[str, Any], *, dataset: Dataset | None 
         )
     spec = validate_config(given)
     if dataset is None:
-        from dipaco_server.runs.sources import check_source
-
         check_source(spec.data.corpus)
     # Imported here: dipaco.modular pulls in torch and transformers (seconds), which
     # only run creation and the outer step need, not every server process start.
@@ -186,7 +183,8 @@ def transition(run: Run, to: str, *, error: str = "", now: datetime | None = Non
         with transaction.atomic():
             moved = Run.objects.filter(pk=run.pk, state=current).update(**changes)
             if moved and target in TERMINAL:
-                _end_leases(run, now)
+                # Its leases end in this transaction (rounds.receivers.end_leases).
+                run_ended.send(sender=Run, run=run, now=now)
         if moved:
             run.refresh_from_db()
             logger.info("run %s: %s -> %s", run.pk, current, target)
@@ -197,24 +195,6 @@ def transition(run: Run, to: str, *, error: str = "", now: datetime | None = Non
         requested=str(target),
         allowed=[],
     )
-
-
-def _end_leases(run: Run, now: datetime) -> None:
-    """A run that ended (finished, failed, cancelled) holds no lease: each active one is
-    released and its unit given up, so no heartbeat extends it and no grant hands it back
-    (a cancelled run's lease was answered again by POST /worker/lease before, issue 34).
-    Not the workers' fault, so no lease counts as expired against them."""
-    # Imported here: rounds builds on runs (its models name Run), not the other way round.
-    from dipaco_server.rounds.models import Lease, WorkUnit
-
-    held = Lease.objects.filter(unit__round__run=run, state=Lease.State.ACTIVE)
-    units = list(held.values_list("unit_id", flat=True))
-    released = held.update(state=Lease.State.RELEASED, ended_at=now)
-    WorkUnit.objects.filter(pk__in=units, state=WorkUnit.State.LEASED).update(
-        state=WorkUnit.State.EXPIRED, updated_at=now
-    )
-    if released:
-        logger.info("run %s ended: released its %d active lease(s)", run.pk, released)
 
 
 def record_metric(

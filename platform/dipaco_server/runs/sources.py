@@ -18,7 +18,7 @@ from pathlib import Path
 
 from django.conf import settings
 
-from dipaco_server.runs.errors import ServiceError
+from dipaco_server.errors import ServiceError
 
 BUILTIN_SOURCES = ("stdlib",)
 MAX_SOURCE_LENGTH = 1000

@@ -19,7 +19,8 @@ import logging
 
 from celery import Task, chord, shared_task
 
-from dipaco_server.rounds.tasks import RETRY, TRANSIENT, same_queue
+from dipaco_server.core.tasks import RETRY, TRANSIENT, same_queue
+from dipaco_server.runs import prepare as preparation
 from dipaco_server.runs.models import Dataset, Run
 from dipaco_server.runs.services import TERMINAL, transition
 
@@ -38,11 +39,9 @@ def _retry_or_raise(task: Task, exc: Exception) -> None:
 @shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_run")
 def prepare_run(self: Task, run_id: int, max_files: int | None = None) -> str:
     """Tokenise, route, shard, initialise modules; the run ends ready (or failed, with why)."""
-    from dipaco_server.runs.prepare import prepare_run as prepare
-
     run = Run.objects.get(pk=run_id)
     try:
-        prepare(run, max_files=max_files)
+        preparation.prepare_run(run, max_files=max_files)
     except Exception as exc:
         _retry_or_raise(self, exc)
         logger.exception("run %s: preparation failed", run_id)
@@ -56,16 +55,13 @@ def prepare_run(self: Task, run_id: int, max_files: int | None = None) -> str:
 @shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_dataset")
 def prepare_dataset(self: Task, dataset_id: int) -> dict[str, object]:
     """Read a dataset's corpus and record its statistics; it ends ready or failed."""
-    from dipaco_server.runs.prepare import fail_dataset
-    from dipaco_server.runs.prepare import prepare_dataset as prepare
-
     dataset = Dataset.objects.get(pk=dataset_id)
     try:
-        prepare(dataset)
+        preparation.prepare_dataset(dataset)
     except Exception as exc:
         _retry_or_raise(self, exc)
         logger.exception("dataset %s: preparation failed", dataset_id)
-        fail_dataset(dataset, f"preparation failed: {exc}")
+        preparation.fail_dataset(dataset, f"preparation failed: {exc}")
         raise
     return dict(dataset.stats)
 
@@ -73,6 +69,8 @@ def prepare_dataset(self: Task, dataset_id: int) -> dict[str, object]:
 @shared_task(bind=True, name="dipaco_server.runs.tasks.evaluate")
 def evaluate(self: Task, run_id: int, t: int) -> list[dict[str, object]]:
     """Held-out loss and perplexity of every active path after round t; early stopping."""
+    # torch (seconds), here and in runs.between below: the Celery app and the URLs load
+    # without it (tests/test_boundaries).
     from dipaco_server.runs.evaluate import evaluate_run
 
     run = Run.objects.get(pk=run_id)
@@ -90,7 +88,7 @@ def evaluate(self: Task, run_id: int, t: int) -> list[dict[str, object]]:
 @shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_phase2", **RETRY)
 def prepare_phase2(self: Task, run_id: int) -> int:
     """After phase 1: the base model, then one embed_chunk per chunk, then finish_phase2."""
-    from dipaco_server.runs.between import begin
+    from dipaco_server.runs.between import begin  # torch, as in evaluate above
 
     run = Run.objects.get(pk=run_id)
     if run.state in TERMINAL:
@@ -113,7 +111,7 @@ def prepare_phase2(self: Task, run_id: int) -> int:
 )
 def embed_chunk(self: Task, run_id: int, chunk: int) -> int:
     """Base-LM features of one chunk of documents (runs.between.embed_chunk)."""
-    from dipaco_server.runs.between import embed_chunk as embed
+    from dipaco_server.runs.between import embed_chunk as embed  # torch, as above
 
     run = Run.objects.get(pk=run_id)
     return 0 if run.state in TERMINAL else embed(run, chunk)
@@ -122,7 +120,7 @@ def embed_chunk(self: Task, run_id: int, chunk: int) -> int:
 @shared_task(bind=True, name="dipaco_server.runs.tasks.finish_phase2", **RETRY)
 def finish_phase2(self: Task, run_id: int) -> str:
     """Router, shards and phase-2 modules from the features; opens phase 2's first round."""
-    from dipaco_server.runs.between import finish
+    from dipaco_server.runs.between import finish  # torch, as in evaluate above
 
     return finish(Run.objects.get(pk=run_id))
 

@@ -1,10 +1,9 @@
-"""Workers over HTTP: enrollment tokens and workers for staff, registration for volunteers.
+"""Workers over HTTP, for staff: enrollment tokens and workers.
 
-``router`` (staff): create, list and revoke enrollment tokens; list and revoke
-workers, list a worker's contributions with the reason of each rejection, reset its
-trust. ``worker_router`` (mounted under /worker): a machine trades an enrollment token
-for its own worker token, shown once and stored hashed; a worker lists its own
-contributions and why any was rejected (issue 19).
+``router``: create, list and revoke enrollment tokens; list and revoke workers, reset a
+worker's trust. A machine's registration and the contributions of a worker are answered
+with rounds' records (the heartbeat interval leases keep, the verdicts of its Δs), so
+they are rounds' routes (rounds.api).
 """
 
 from datetime import datetime, timedelta
@@ -16,19 +15,14 @@ from ninja import Field, Router, Schema, Status
 from ninja.pagination import paginate
 from pydantic import Field as Range
 
-from dipaco_server.accounts.auth import current_worker, staff_auth, worker_auth
+from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.services import audited
 from dipaco_server.bounds import JSON_INTEGER, MAX_INT, Paging, TokenId, WorkerId
 from dipaco_server.errors import ApiError
-from dipaco_server.patterns import NAME, OPTIONAL_NAME, declared
-from dipaco_server.rounds.lease import heartbeat_interval_s
-from dipaco_server.rounds.models import Contribution
 from dipaco_server.workers import services
 from dipaco_server.workers.models import EnrollmentToken, Worker
-from dipaco_server.workers.services import MAX_NAME_LENGTH, MAX_OWNER_LENGTH
 
 router = Router(tags=["admin: workers"], auth=staff_auth)
-worker_router = Router(tags=["worker"])
 MAX_EXPIRY_S = 365 * 24 * 3600
 
 
@@ -84,84 +78,6 @@ class WorkerOut(Schema):
     replicas_disagreed: int
 
 
-class ContributionVerdictOut(Schema):
-    """One Δ a worker uploaded and what the server decided about it."""
-
-    id: int
-    run_id: int
-    round: int
-    path: int
-    module_id: str
-    lease_id: int
-    status: str = Field(description="pending, accepted or rejected.")
-    reason: str = Field(description='Why it was rejected: "<code>: <message>"; empty otherwise.')
-    reason_code: str = Field(description="The reason's code alone (e.g. no_training_gain).")
-    tokens: int
-    created_at: datetime
-    verified_at: datetime | None
-
-    @staticmethod
-    def resolve_run_id(obj: Contribution) -> int:
-        return obj.unit.round.run_id
-
-    @staticmethod
-    def resolve_round(obj: Contribution) -> int:
-        return obj.unit.round.t
-
-    @staticmethod
-    def resolve_path(obj: Contribution) -> int:
-        return obj.unit.path.index
-
-    @staticmethod
-    def resolve_module_id(obj: Contribution) -> str:
-        return obj.module.module_id
-
-    @staticmethod
-    def resolve_reason_code(obj: Contribution) -> str:
-        return obj.reason.partition(":")[0] if obj.reason else ""
-
-
-def contributions_of(worker_id: int, status: str | None = None) -> QuerySet[Contribution]:
-    """A worker's contributions, newest first (the API's and the dashboard's query)."""
-    rows = Contribution.objects.filter(lease__worker_id=worker_id)
-    if status is not None:
-        if status not in Contribution.Status.values:
-            raise ApiError(
-                422,
-                "invalid_status",
-                f"status {status!r} is not one of {', '.join(Contribution.Status.values)}",
-            )
-        rows = rows.filter(status=status)
-    return rows.select_related("unit__round", "unit__path", "module").order_by("-pk")
-
-
-class RegisterIn(Schema):
-    enrollment_token: str = Field(max_length=256, description="From the operator (dpe_...).")
-    name: str = Field(
-        min_length=1,
-        max_length=MAX_NAME_LENGTH,
-        json_schema_extra=declared(NAME),
-        description="This machine's name, shown on the dashboard: not only spaces, and no "
-        "control or format characters (spaces at either end are dropped).",
-    )
-    owner: str = Field(
-        "",
-        max_length=MAX_OWNER_LENGTH,
-        json_schema_extra=declared(OPTIONAL_NAME),
-        description="Who runs it (optional); no control or format characters.",
-    )
-    device: dict[str, Any] = Field(
-        default_factory=dict, description='What it trains on, e.g. {"gpu": "RTX 4090"}.'
-    )
-
-
-class RegisterOut(Schema):
-    worker_id: int
-    name: str
-    token: str = Field(description="This worker's bearer token. Shown once: keep it.")
-    heartbeat_interval_s: float
-
-
 # --- enrollment tokens (staff) -------------------------------------------------------------
 
 
@@ -205,7 +121,8 @@ def list_workers(request: HttpRequest, revoked: bool | None = None) -> QuerySet[
     return workers if revoked is None else workers.filter(revoked=revoked)
 
 
-def _worker(worker_id: int) -> Worker:
+def find_worker(worker_id: int) -> Worker:
+    """The worker of id `worker_id`; 404 worker_not_found when there is none."""
     worker = Worker.objects.filter(pk=worker_id).first()
     if worker is None:
         raise ApiError(404, "worker_not_found", f"no worker with id {worker_id}")
@@ -214,23 +131,14 @@ def _worker(worker_id: int) -> Worker:
 
 @router.get("/workers/{worker_id}", response=WorkerOut)
 def get_worker(request: HttpRequest, worker_id: WorkerId) -> Worker:
-    return _worker(worker_id)
-
-
-@router.get("/workers/{worker_id}/contributions", response=list[ContributionVerdictOut])
-@paginate(Paging)
-def worker_contributions(
-    request: HttpRequest, worker_id: WorkerId, status: Contribution.Status | None = None
-) -> QuerySet[Contribution]:
-    """A worker's contributions, newest first, each with the reason it was rejected."""
-    return contributions_of(_worker(worker_id).pk, status)
+    return find_worker(worker_id)
 
 
 @router.post("/workers/{worker_id}/reset-trust", response=WorkerOut)
 @audited("worker.reset_trust", "worker")
 def reset_trust(request: HttpRequest, worker_id: WorkerId) -> Worker:
     """Trust the worker fully again (1.0), e.g. after its owner fixed a broken machine."""
-    worker = _worker(worker_id)
+    worker = find_worker(worker_id)
     Worker.objects.filter(pk=worker.pk).update(trust=1.0)
     worker.refresh_from_db()
     return worker
@@ -240,36 +148,6 @@ def reset_trust(request: HttpRequest, worker_id: WorkerId) -> Worker:
 @audited("worker.revoke", "worker")
 def revoke_worker(request: HttpRequest, worker_id: WorkerId) -> Worker:
     """Refuse the worker's token from now on; the lease sweep takes its units back."""
-    worker = _worker(worker_id)
+    worker = find_worker(worker_id)
     services.revoke_worker(worker)
     return worker
-
-
-# --- registration (volunteers) -------------------------------------------------------------
-
-
-@worker_router.post("/register", response={201: RegisterOut}, auth=None)
-def register(request: HttpRequest, body: RegisterIn) -> Status[dict[str, Any]]:
-    """Trade an enrollment token for this worker's own token (shown once, stored hashed)."""
-    worker, plaintext = services.register_worker(
-        body.enrollment_token, body.name, body.device, owner=body.owner
-    )
-    return Status(
-        201,
-        {
-            "worker_id": worker.pk,
-            "name": worker.name,
-            "token": plaintext,
-            "heartbeat_interval_s": heartbeat_interval_s(),
-        },
-    )
-
-
-@worker_router.get("/contributions", response=list[ContributionVerdictOut], auth=worker_auth)
-@paginate(Paging)
-def my_contributions(
-    request: HttpRequest, status: Contribution.Status | None = None
-) -> QuerySet[Contribution]:
-    """This worker's contributions, newest first: accepted, rejected (with the reason) or
-    still pending verification. Only accepted ones earn credit."""
-    return contributions_of(current_worker(request).pk, status)

@@ -1,6 +1,6 @@
 """Workers (volunteer machines) and the enrollment tokens that let them register.
 
-Only hashes of tokens are stored (see workers.tokens); logic is in workers.services.
+Only hashes of tokens are stored (see core.tokens); logic is in workers.services.
 """
 
 from __future__ import annotations

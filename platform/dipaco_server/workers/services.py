@@ -18,8 +18,13 @@ from django.db import transaction
 from django.db.models import F, Q
 from django.utils import timezone
 
-from dipaco_server.runs.errors import EnrollmentRefused, TokenInvalid, WorkerInvalid, WorkerRevoked
-from dipaco_server.workers import tokens
+from dipaco_server.core import tokens
+from dipaco_server.workers.errors import (
+    EnrollmentRefused,
+    TokenInvalid,
+    WorkerInvalid,
+    WorkerRevoked,
+)
 from dipaco_server.workers.models import EnrollmentToken, Worker
 
 logger = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db.models import F, Value
 from django.db.models.functions import Least
 
-from dipaco_server.runs.errors import WorkerDistrusted
+from dipaco_server.workers.errors import WorkerDistrusted
 from dipaco_server.workers.models import Worker
 
 DEFAULTS: dict[str, float] = {
