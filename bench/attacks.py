@@ -30,7 +30,10 @@ stale base version; an honest Δ whose completion claims 100x the tokens the uni
 two colluders flipping their Δs with every unit replicated (each unit's check copy goes to
 the next worker, so worker 1 checks worker 0's unit); a lazy worker sending 0.1 x its Δ
 for the whole unit's tokens; a fixed-direction bias (the same unit vector every round, at
-0.5 x the Δ's norm); a sign flip whose completion claims one token fewer than trained.
+0.5 x the Δ's norm; every unit replicated, by another worker each round: a copy's
+difference from the other copy, held against what its worker's copies differed by against
+other workers before, refuses it once it repeats, rounds.persistence); a sign flip whose
+completion claims one token fewer than trained.
 
 Over 500 lines: the server's step is mirrored here check by check (`Run`), in the server's
 order, so that one file shows what each attack meets.
@@ -67,7 +70,7 @@ from dipaco.outer import DeltaAccumulator, delta_norm, norm_outliers, outer_lr, 
 from dipaco.simulate import DataBudget
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.train import evaluate_paths
-from dipaco_server.rounds import verify
+from dipaco_server.rounds import persistence, verify
 
 ATTACKS = [
     "sign_flip", "scale_x10", "scale_x1e3", "scale_fp16_max", "gaussian_noise", "zeros",
@@ -76,6 +79,7 @@ ATTACKS = [
 ]  # fmt: skip
 FLIPS = ("sign_flip", "colluders", "flip_one_token_short")
 HONEST_BYTES = ("other_path", "stale_base", "token_inflation_x100")  # the Δ itself is honest
+REPLICATED = ("colluders", "bias_0.5")  # every unit also trained by another worker
 FP16_MAX = 65504.0
 
 Modules = dict[str, dict[str, Tensor]]
@@ -184,6 +188,9 @@ class Run:
         self.claimed: dict[int, int] = defaultdict(int)
         self.reasons: dict[str, int] = defaultdict(int)
         self.honest_rejected = 0
+        # (worker, module) -> its compared copies' difference sketches, newest first
+        self.replica_past: dict[tuple[int, str], list[tuple[int, Tensor]]] = defaultdict(list)
+        self.replica_new: list[tuple[list[tuple[int, Tensor]], int, Tensor]] = []
         self.rng = torch.Generator().manual_seed(cfg.seed + 7)
         self.bias = {  # a fixed unit direction per module, the same every round
             m: _unit_vector(module_spec(cfg, m), cfg.seed + 11) for m in module_ids(cfg)
@@ -241,9 +248,12 @@ class Run:
         for p in range(cfg.num_paths):
             encoded, tokens = self.train(t, p, p, check=False)
             units.append(Unit(len(units), p, p, tokens, encoded=encoded))
-        if self.attack == "colluders":  # replication forced on: every unit checked
+        if self.attack in REPLICATED:  # replication forced on: every unit checked
             for original in list(units[: cfg.num_paths]):
-                checker = (original.worker + 1) % cfg.num_paths
+                # `colluders`: the next worker; otherwise each round another (checks go to
+                # whichever worker asks, so a worker meets several partners)
+                shift = 1 if self.attack == "colluders" else 1 + t % (cfg.num_paths - 1)
+                checker = (original.worker + shift) % cfg.num_paths
                 encoded, tokens = self.train(t, checker, original.path, check=True)
                 units.append(
                     Unit(len(units), checker, original.path, tokens, original.index, encoded)
@@ -380,13 +390,42 @@ class Run:
                 continue
             pair = (original, check)
             assert original.delta is not None and check.delta is not None
-            outcome = verify.settle_replicas(
-                original.delta, check.delta, self.cfg.outer,
-                tuple(verify.ReplicaEvidence(e.unit.score, e.cosine,  # type: ignore[arg-type]
-                      hashlib.sha256(e.unit.encoded[module_id]).hexdigest()) for e in pair),
-            )  # fmt: skip
+            repeats = self.repeated(pair, module_id)
+            flagged = [i for i, why in enumerate(repeats) if why]
+            if len(flagged) == 1:
+                outcome = verify.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
+            else:
+                outcome = verify.settle_replicas(
+                    original.delta, check.delta, self.cfg.outer,
+                    tuple(verify.ReplicaEvidence(e.unit.score, e.cosine,  # type: ignore[arg-type]
+                          hashlib.sha256(e.unit.encoded[module_id]).hexdigest()) for e in pair),
+                    repeated="; ".join(repeats) if flagged else "",
+                )  # fmt: skip
             if outcome.kind == "disagree" and outcome.loser is not None:
                 pair[outcome.loser].reason = f"{verify.REPLICA}: {outcome.why}"
+        for past, partner, signed in self.replica_new:  # newest first, as the server reads
+            past.insert(0, (partner, persistence.from_bytes(persistence.to_bytes(signed))))
+            del past[persistence.PAST :]
+        self.replica_new.clear()
+
+    def repeated(self, pair: tuple[Entry, Entry], module_id: str) -> list[str]:
+        """rounds.verification.checks._repeated: per copy, whether its difference repeats
+        what its worker's copies in the module differed by against other workers; each
+        keeps its side of it."""
+        if pair[0].unit.encoded[module_id] == pair[1].unit.encoded[module_id]:
+            return ["", ""]
+        a, b = (e.delta for e in pair)
+        assert a is not None and b is not None
+        sketch, difference = persistence.difference_sketch(a, b, module_spec(self.cfg, module_id))
+        sides, kept = [], []
+        for e, other, signed in ((*pair, sketch), (pair[1], pair[0], -sketch)):
+            past = self.replica_past[(e.unit.worker, module_id)]
+            sides.append((e.unit.worker, signed,
+                          [s for partner, s in past if partner != other.unit.worker]))  # fmt: skip
+            kept.append((past, other.unit.worker, signed))
+        for past, partner, signed in kept:  # as stored, seen from the next round's step on
+            self.replica_new.append((past, partner, signed))
+        return persistence.repeated(sides, difference, min(e.norm for e in pair))
 
     def peer_check(self, entries: list[Entry]) -> None:
         live = {i: e for i, e in enumerate(entries) if not e.reason and self.aggregated(e, entries)}

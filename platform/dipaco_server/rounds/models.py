@@ -162,6 +162,13 @@ class Contribution(models.Model):
     reason = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     verified_at = models.DateTimeField(null=True, blank=True)
+    # When a second worker's copy of its unit was compared with it: its Δ minus that copy's,
+    # as a count sketch (rounds.persistence), its worker's evidence of what it
+    # keeps adding, and that copy's worker; null otherwise.
+    replica_sketch = models.BinaryField(null=True, blank=True)
+    replica_partner = models.ForeignKey(
+        Worker, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
 
     class Meta:
         constraints = (

@@ -81,6 +81,7 @@ from dipaco_server.rounds.verification import (
     norm_history,
     outer_momentum,
     replayed,
+    replica_past,
     settle,
 )
 from dipaco_server.runs import keys
@@ -393,6 +394,7 @@ def step_module(
     delta_bases = _delta_bases(rows)
     replays = replayed(run_id, t, rows)
     checks = check_copies(rows)
+    pasts = replica_past(module, rows, checks)  # what paired workers' copies differed by
     uploads = [
         Upload(
             c.pk,
@@ -411,6 +413,7 @@ def step_module(
             work=min(1.0, min(c.tokens, lease_tokens(c.lease, config)) / whole_unit),
             sized=min(1.0, lease_tokens(c.lease, config) / whole_unit),
             delta_base=delta_bases[c.lease_id],
+            replica_past=pasts.get(c.lease.worker_id, ()),
         )
         for c in rows
     ]

@@ -254,6 +254,7 @@ def settle_replicas(
     check: Tensors,
     cfg: OuterConfig,
     evidence: tuple[ReplicaEvidence, ReplicaEvidence] = (ReplicaEvidence(), ReplicaEvidence()),
+    repeated: str = "",
 ) -> ReplicaOutcome:
     """Two workers' Δs of one unit, settled by evidence (issue 34).
 
@@ -263,7 +264,9 @@ def settle_replicas(
     smaller proof-of-useful-work gain on the unit's own windows (both copies start from the
     same base on the same windows, so their gains compare directly; ties go to the lower
     held-out loss), else the lower cosine with the module's outer momentum. Rejecting both
-    let one dishonest copy take an honest original down with it.
+    let one dishonest copy take an honest original down with it. `repeated`: why the pair
+    disagrees however close it is (rounds.persistence: one copy differs from
+    the other where that worker's copies differed before), else "".
     """
     a, b = evidence
     if a.sha256 and a.sha256 == b.sha256:
@@ -273,8 +276,9 @@ def settle_replicas(
     if same_norm and (cosine(original, check) or 0.0) >= IDENTICAL_COSINE:
         return ReplicaOutcome("identical", why="the same Δ within float rounding")
     agree, why = replicas_agree(original, check, cfg)
-    if agree:
+    if agree and not repeated:
         return ReplicaOutcome("agree")
+    why = why or repeated
     if a.score is not None and b.score is not None:
         key_a = (a.score.gain, -a.score.heldout_after)
         key_b = (b.score.gain, -b.score.heldout_after)

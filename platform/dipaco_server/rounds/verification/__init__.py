@@ -12,6 +12,7 @@ from dipaco_server.rounds.verification.context import (
     norm_history,
     outer_momentum,
     replayed,
+    replica_past,
 )
 from dipaco_server.rounds.verification.credit import settle
 from dipaco_server.rounds.verification.scorer import Scorer
@@ -29,5 +30,6 @@ __all__ = [
     "norm_history",
     "outer_momentum",
     "replayed",
+    "replica_past",
     "settle",
 ]

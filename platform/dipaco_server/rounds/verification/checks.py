@@ -8,8 +8,10 @@
    ``outer.verify``): replay, norm against the module's history, cosine with its outer
    momentum, proof of useful work (`scorer.Scorer`).
 3. **replication** (`compare_replicas`): a check copy's Δ against its original's, a
-   disagreement settled by evidence; `aggregated` puts a check copy in the place of a
-   refused original.
+   disagreement settled by evidence; a copy that differs in the direction its worker's
+   copies differed from other workers' before is refused however close the pair is
+   (rounds.persistence: a fixed-direction bias); `aggregated` puts a check copy in the
+   place of a refused original.
 4. **peers** (`peer_check`), in a module's first step only: no free first round.
 
 Each Δ is decoded to tensors at most once (`Verdict.decoded`) and kept for the later
@@ -30,10 +32,11 @@ from dipaco.codecs import CodecError
 from dipaco.config import OuterConfig
 from dipaco.modules_file import Spec
 from dipaco.outer import norm_outliers
-from dipaco_server.rounds import verify
+from dipaco_server.rounds import persistence, verify
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict, check_upload
 from dipaco_server.storage import BlobStore
 
+Tensors = Mapping[str, Tensor]
 GRAM_CHUNK = 1 << 16  # values of each Δ per step of the peer check's Gram matrix
 
 
@@ -218,14 +221,22 @@ def compare_replicas(
             # not in time (rounds.rebase). Relative to other versions, they are not comparable.
             continue
         pair = (original, check)
-        outcome = verify.settle_replicas(
-            original.decoded(spec),
-            check.decoded(spec),
-            cfg,
-            tuple(  # type: ignore[arg-type]
-                verify.ReplicaEvidence(v.score, v.cosine, v.upload.sha256) for v in pair
-            ),
-        )
+        a, b = original.decoded(spec), check.decoded(spec)
+        repeats = _repeated(pair, a, b, spec)
+        flagged = [i for i, why in enumerate(repeats) if why]
+        if len(flagged) == 1:  # only that worker's copies keep adding one direction
+            outcome = verify.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
+        else:
+            outcome = verify.settle_replicas(
+                a,
+                b,
+                cfg,
+                tuple(  # type: ignore[arg-type]
+                    verify.ReplicaEvidence(v.score, v.cosine, v.upload.sha256) for v in pair
+                ),
+                repeated="; ".join(repeats) if flagged else "",
+            )
+        del a, b
         if outcome.kind == "agree":
             moves += [(v.upload.worker_id, "replicas_agreed") for v in pair]
         elif outcome.kind == "disagree" and outcome.loser is not None:
@@ -236,6 +247,27 @@ def compare_replicas(
                 f"two workers trained unit {original.upload.unit_id}: {outcome.why}",
             )
     return moves
+
+
+def _repeated(pair: tuple[Verdict, Verdict], a: Tensors, b: Tensors, spec: Spec) -> list[str]:
+    """Per copy, whether its difference from the other repeats what its worker's copies
+    kept adding against other workers (persistence.repeated); each copy keeps its side of
+    the difference (`Verdict.sketch`, `Verdict.partner`). Identical bytes are no
+    difference: nothing to keep."""
+    if pair[0].upload.sha256 == pair[1].upload.sha256:
+        return ["", ""]
+    sketch, difference = persistence.difference_sketch(a, b, spec)
+    sides = []
+    for verdict, other, signed in ((pair[0], pair[1], sketch), (pair[1], pair[0], -sketch)):
+        verdict.sketch, verdict.partner = persistence.to_bytes(signed), other.upload.worker_id
+        past = [
+            persistence.from_bytes(data)
+            for partner, data in verdict.upload.replica_past
+            if partner != other.upload.worker_id
+        ]
+        sides.append((verdict.upload.worker_id, signed, past))
+    smaller = min(float(v.norm or 0.0) for v in pair)
+    return persistence.repeated(sides, difference, smaller)
 
 
 def aggregated(verdicts: Sequence[Verdict]) -> list[Verdict]:

@@ -1,6 +1,7 @@
 """What the checks compare a round's uploads against, read from the database and the
-store: earlier rounds' bytes (replays), each check copy's original (replication), the
-module's accepted norms (history) and its outer momentum (direction)."""
+store: earlier rounds' bytes (replays), each check copy's original (replication), what
+the paired workers' copies differed by before (persistence), the module's accepted norms
+(history) and its outer momentum (direction)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import Tensor
 
 from dipaco.modules_file import Spec, read_module
 from dipaco_server.rounds.models import Contribution, OuterStep
+from dipaco_server.rounds.persistence import PAST
 from dipaco_server.rounds.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Module
 from dipaco_server.storage import BlobStore
@@ -27,6 +29,27 @@ def check_copies(rows: Sequence[Contribution]) -> dict[int, int]:
         for c in rows
         if c.unit.replica >= CHECK_OFFSET and (c.unit.path_id, c.unit.data_position) in originals
     }
+
+
+def replica_past(
+    module: Module, rows: Sequence[Contribution], checks: dict[int, int]
+) -> dict[int, tuple[tuple[int, bytes], ...]]:
+    """Worker -> (the other copy's worker, the difference sketch) of its earlier compared
+    copies in `module`, newest first, at most persistence.PAST: for each worker with a
+    copy in one of the round's replica pairs (`checks`, check_copies)."""
+    paired = set(checks) | set(checks.values())
+    workers = {c.lease.worker_id for c in rows if c.pk in paired}
+    if not workers:
+        return {}
+    earlier = Contribution.objects.filter(module=module, replica_sketch__isnull=False).exclude(
+        pk__in=[c.pk for c in rows]
+    )
+    out: dict[int, tuple[tuple[int, bytes], ...]] = {}
+    for worker_id in sorted(workers):  # one bounded query per paired worker (index: module)
+        kept = earlier.filter(lease__worker_id=worker_id).order_by("-pk")[:PAST]
+        found = kept.values_list("replica_partner_id", "replica_sketch")
+        out[worker_id] = tuple((partner or 0, bytes(sketch)) for partner, sketch in found)
+    return out
 
 
 def replayed(run_id: int, t: int, rows: Sequence[Contribution]) -> set[int]:

@@ -95,7 +95,13 @@ def _round_scores(
 def settle(
     verdicts: Sequence[Verdict], replicas: Sequence[tuple[int, str]], whole_unit: int
 ) -> None:
-    """Counts, trust and credit for one step's verdicts (already saved on their rows)."""
+    """Counts, trust and credit for one step's verdicts (already saved on their rows), and
+    each compared copy's difference sketch: its worker's evidence for later rounds."""
+    for v in verdicts:
+        if v.sketch is not None:
+            Contribution.objects.filter(pk=v.upload.contribution_id).update(
+                replica_sketch=v.sketch, replica_partner_id=v.partner
+            )
     accepted = [v for v in verdicts if v.accepted]
     rejected = [v for v in verdicts if not v.accepted]
     count(accepted, "contributions_accepted")

@@ -50,6 +50,9 @@ class Upload:
     # relative to (the unit's base, or with outer.overlap eager those it rebased onto,
     # rounds.rebase); proof of useful work scores it there. (): the unit's base versions.
     delta_base: tuple[tuple[str, int], ...] = ()
+    # Its worker's earlier replica differences in this module, newest first: (the other
+    # copy's worker, the difference's sketch, rounds.persistence).
+    replica_past: tuple[tuple[int, bytes], ...] = ()
 
 
 @dataclass(eq=False)  # identity: it holds tensors
@@ -64,6 +67,10 @@ class Verdict:
     # screen, the replica comparison, the peer check and the aggregation read that back
     # one Δ at a time, so each upload is decoded once a step and memory stays bounded.
     raw: Path | None = None
+    # Its Δ minus the other copy's of its unit, sketched (rounds.persistence), when
+    # the two were compared: kept on its contribution as its worker's evidence.
+    sketch: bytes | None = None
+    partner: int | None = None  # the other copy's worker
 
     @property
     def accepted(self) -> bool:

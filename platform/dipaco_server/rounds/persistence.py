@@ -1,0 +1,118 @@
+"""A fixed-direction bias, caught by what a worker's copy of a unit keeps adding round after
+round (issue 34).
+
+An honest Δ plus the same vector every round, at half the Δ's norm, passes every check of
+one round: its norm, its cosine with the momentum and its gain stay within what honest Δs
+show. Nor does its deviation from the module's other Δs give it away: honest workers stay on
+their path (warm AdamW moments), so their deviations repeat round over round as well
+(bench/attacks.py's 2x2 run: the cosine of a worker's deviation with its earlier ones
+0.14-0.65 honest, 0.27-0.66 for the biased worker; in a module with two contributors the two
+deviations are exact opposites).
+
+A check copy tells them apart: two workers train the same unit (same path, windows, base),
+so their Δs differ only by what differs between the two machines (kernels, warm against cold
+AdamW moments), and that changes with the unit's windows and base every round, while a bias
+is the same vector whatever the unit and whoever checks it. Each compared pair's difference
+is kept, as a seeded count sketch (`SKETCH` values), on both copies' contributions, signed
+from each side, with the other copy's worker. When a worker's difference points where its
+earlier differences in the module against *other* workers pointed (cosine with their mean
+direction at least `REPEAT_COSINE`), and is not float rounding (at least `MIN_DIFFERENCE` x
+the smaller Δ's norm), its copy is refused however close the two copies are. An honest
+worker paired with a biased one sees the same difference mirrored, so only differences
+against other partners count: with a fixed partner there is no evidence either way. When
+both copies repeat, the pair is a disagreement settled by evidence as any other
+(rounds.verify.settle_replicas). Proof of useful work alone cannot settle it: a random
+direction at half the Δ's norm moves the unit's loss less than two honest machines differ
+(tests/test_replica_bias.py measured gains 0.4552 biased, 0.4521 honest).
+
+Measured in bench/attacks.py's 2x2 run (cold check copies against warm originals, seed 0,
+five rounds): honest pairs differ by 1.3-1.5 x the Δ's norm, in directions whose cosine with
+the same worker's earlier ones is -0.31 to 0.20; the biased worker's differences (0.5 x
+bias among them) 0.28-0.73.
+
+rounds.verification.checks applies it (compare_replicas); pure functions without Django,
+so bench/attacks.py runs the same rule. The sketch's seed is fixed: a worker that knows it could hide a bias in the sketch's null
+space; the difference's norm is exact.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import Tensor
+
+from dipaco.modules_file import Spec
+
+SKETCH = 1024  # values per sketch: cosines between sketches are within ~1/√SKETCH of the true
+SKETCH_SEED = 34
+SKETCH_CHUNK = 1 << 20  # values hashed at a time
+PAST = 8  # a worker's earlier differences in a module held against a new one
+REPEAT_COSINE = 0.25
+MIN_DIFFERENCE = 0.05
+
+
+def difference_sketch(
+    a: Mapping[str, Tensor], b: Mapping[str, Tensor], spec: Spec
+) -> tuple[Tensor, float]:
+    """(count sketch of a - b, (SKETCH,) float64; the exact norm of a - b). Each value goes to
+    a bucket with a sign, both drawn from one seeded generator in the spec's order, so every
+    sketch of a module is the same linear map and cosines between sketches estimate the
+    cosines between the differences."""
+    generator = torch.Generator().manual_seed(SKETCH_SEED)
+    out = torch.zeros(SKETCH, dtype=torch.float64)
+    squares = 0.0
+    for name in spec:
+        flat = (a[name].double() - b[name].double()).reshape(-1)
+        for start in range(0, flat.numel(), SKETCH_CHUNK):
+            part = flat[start : start + SKETCH_CHUNK]
+            buckets = torch.randint(SKETCH, (part.numel(),), generator=generator)
+            signs = torch.randint(2, (part.numel(),), generator=generator).double().mul_(2).sub_(1)
+            out.index_add_(0, buckets, part * signs)
+            squares += float(part.pow(2).sum())
+    return out, math.sqrt(squares)
+
+
+def to_bytes(sketch: Tensor) -> bytes:
+    return sketch.float().numpy().tobytes()
+
+
+def from_bytes(data: bytes) -> Tensor:
+    if len(data) != 4 * SKETCH:
+        raise ValueError(f"a difference sketch holds {SKETCH} float32 values, not {len(data)} B")
+    return torch.frombuffer(bytearray(data), dtype=torch.float32).double()
+
+
+def repeat_cosine(now: Tensor, past: Sequence[Tensor]) -> float | None:
+    """The cosine of `now` with the mean direction of `past` (each unit-normalised); None
+    without a past or with zero vectors."""
+    directions = [p / p.norm() for p in past if float(p.norm()) > 0]
+    if not directions or float(now.norm()) == 0:
+        return None
+    mean = torch.stack(directions).sum(0)
+    scale = float(now.norm() * mean.norm())
+    return float(now @ mean) / scale if scale > 0 else None
+
+
+def repeated(
+    sides: Sequence[tuple[int, Tensor, Sequence[Tensor]]], difference: float, smaller: float
+) -> list[str]:
+    """Per copy of a pair, why its difference repeats what its worker's copies kept adding,
+    or "": `sides` holds (worker, its signed difference sketch, its earlier ones in the
+    module against other workers) per copy; `difference` the exact norm of the difference,
+    `smaller` the smaller of the two Δs' norms."""
+    out = []
+    for worker, now, past in sides:
+        cosine = repeat_cosine(now, past)
+        small = smaller <= 0 or difference < MIN_DIFFERENCE * smaller  # float rounding
+        if small or cosine is None or cosine < REPEAT_COSINE:
+            out.append("")
+        else:
+            out.append(
+                f"worker {worker}'s copy differs from the other by {difference / smaller:.2f} x "
+                f"the Δ's norm, in the direction its {len(past)} earlier copies in this module "
+                f"differed from other workers' (cosine {cosine:.2f} >= {REPEAT_COSINE:g}): a "
+                "fixed direction added to every unit"
+            )
+    return out

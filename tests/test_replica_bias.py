@@ -1,0 +1,130 @@
+"""A fixed-direction bias caught over rounds by what a worker's copies keep adding (issue 34).
+
+Real services as in tests/test_verification.py: a DiLoCo run whose every unit a second
+worker also trains, proof of useful work on. An honest Δ plus the same vector every round
+(half the Δ's norm) agrees with its honest copy in any one round; its difference from that
+copy repeats round after round, while two honest copies differ by what differs between
+two machines, new every round (here: fresh noise at 0.3 x the Δ's norm).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dipaco import codecs
+from dipaco.data.windows import ShardSource
+from dipaco_server.rounds import persistence
+from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.lease import grant_lease
+from dipaco_server.rounds.models import Contribution
+from dipaco_server.runs.models import Run
+from dipaco_server.storage import get_blob_store
+from dipaco_server.workers.models import Worker
+from dipaco_server.workers.services import create_enrollment_token, register_worker
+from tests.test_outer_tasks import DILOCO, running_run
+from tests.test_untrusted import INNER, Deltas, honest_deltas, step_round, with_data
+
+pytestmark = pytest.mark.django_db
+
+
+def added(deltas: Deltas, seed: int, size: float) -> Deltas:
+    """Each module's Δ plus a unit vector drawn from `seed`, at `size` x the Δ's norm."""
+    generator = torch.Generator().manual_seed(seed)
+    out = {}
+    for module_id, delta in deltas.items():
+        direction = {k: torch.randn(v.shape, generator=generator) for k, v in delta.items()}
+        scale = size * _norm(delta) / _norm(direction)
+        out[module_id] = {k: v + scale * direction[k] for k, v in delta.items()}
+    return out
+
+
+def _norm(delta: dict[str, torch.Tensor]) -> float:
+    return float(sum(v.double().pow(2).sum() for v in delta.values()) ** 0.5)
+
+
+def contribute(run: Run, worker: Worker, sources: dict[int, ShardSource], seed: int) -> None:
+    """`worker` leases a unit, trains it and uploads its Δs plus `seed`'s vector."""
+    granted = grant_lease(worker)
+    assert granted is not None
+    deltas = added(honest_deltas(run, granted.unit, sources), seed, 0.5 if seed < 100 else 0.3)
+    tokens = run.run_config.inner.steps * 4 * run.run_config.model.seq_len
+    reports = []
+    for module_id, delta in deltas.items():
+        data = codecs.encode(delta, "fp16")
+        get_blob_store().put_bytes(upload_key(granted.lease, module_id), data)
+        reports.append(
+            ContributionReport(module_id, len(data), hashlib.sha256(data).hexdigest(), tokens)
+        )
+    complete(worker, granted.lease.pk, granted.secret, reports)
+
+
+def statuses(worker: Worker) -> list[tuple[int, str, str]]:
+    rows = Contribution.objects.filter(lease__worker=worker).order_by("unit__round__t", "pk")
+    return [(c.unit.round.t, c.module.module_id, c.reason.partition(":")[0]) for c in rows]
+
+
+# Who trains each round's unit, then its check copy: the biased worker meets both honest
+# ones, and in round 2 the two honest workers check each other.
+PAIRS = (("honest-a", "biased"), ("biased", "honest-b"), ("honest-b", "honest-a"),
+         ("honest-a", "biased"))  # fmt: skip
+
+
+def test_a_fixed_direction_added_to_every_unit_is_refused_once_it_repeats(
+    tmp_path: Path, settings: Any
+) -> None:
+    """ "biased" adds one fixed vector (seed 7) to every unit; an honest worker adds noise
+    drawn anew each round (another machine's kernels)."""
+    settings.DIPACO_REPLICATION_RATE = 1.0
+    settings.DIPACO_MIN_TRUST = 0.0
+    run = running_run(
+        DILOCO, replicas=1, rounds=len(PAIRS), inner=INNER, data={"val_fraction": 0.2}
+    )
+    sources = with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    names = ("honest-a", "honest-b", "biased")
+    workers = {name: register_worker(token, name, {})[0] for name in names}
+    for t, pair in enumerate(PAIRS):
+        for i, name in enumerate(pair):
+            contribute(run, workers[name], sources, 7 if name == "biased" else 100 + 10 * t + i)
+        step_round(run, t)
+
+    # Round 0: nothing to repeat yet, and the pair agrees (cosine about 0.9). Round 1: its
+    # difference from honest-b's copy points where its difference from honest-a's pointed.
+    biased = statuses(workers["biased"])
+    assert {reason for t, _, reason in biased if t == 0} == {""}
+    assert {reason for t, _, reason in biased if t > 0} == {"replica_disagrees"}
+    refused = Contribution.objects.filter(lease__worker=workers["biased"], unit__round__t=1)
+    assert all("a fixed direction added to every unit" in c.reason for c in refused)
+    # Two modules a round: honest-a agreed in rounds 0 and 2, honest-b in round 2 (two
+    # honest copies whose earlier differences, against the biased worker, they do not repeat).
+    for name, agreed in (("honest-a", 4), ("honest-b", 2)):
+        assert all(reason == "" for _, _, reason in statuses(workers[name]))
+        worker = Worker.objects.get(pk=workers[name].pk)
+        assert worker.trust == 1.0 and worker.contributions_rejected == 0
+        assert (worker.replicas_agreed, worker.replicas_disagreed) == (agreed, 0)
+    assert Worker.objects.get(pk=workers["biased"].pk).contributions_rejected == 2 * 2
+    # Each compared copy keeps its side of the difference and the other copy's worker.
+    for c in Contribution.objects.filter(unit__round__run=run):
+        assert c.replica_sketch is not None and len(c.replica_sketch) == 4 * persistence.SKETCH
+        assert c.replica_partner_id not in (None, c.lease.worker_id)
+
+
+def test_repetition_needs_a_past_a_real_difference_and_a_repeated_direction() -> None:
+    generator = torch.Generator().manual_seed(0)
+    fixed = torch.randn(persistence.SKETCH, generator=generator)
+    past = [fixed + 0.8 * torch.randn(persistence.SKETCH, generator=generator) for _ in range(3)]
+    fresh = [torch.randn(persistence.SKETCH, generator=generator) for _ in range(3)]
+    now = fixed + 0.8 * torch.randn(persistence.SKETCH, generator=generator)
+    found = persistence.repeated([(1, now, past), (2, -now, fresh)], 0.5, 1.0)
+    assert found[0].startswith("worker 1's copy") and found[1] == ""
+    assert persistence.repeated([(1, now, [])], 0.5, 1.0) == [""]
+    assert persistence.repeated([(1, now, past)], 0.01, 1.0) == [""]  # float rounding
+    stored = persistence.from_bytes(persistence.to_bytes(now))
+    assert torch.allclose(stored, now.double(), rtol=1e-6)
+    with pytest.raises(ValueError, match="float32 values"):
+        persistence.from_bytes(b"\0" * 12)
