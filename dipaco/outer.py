@@ -35,6 +35,7 @@ __all__ = [
     "outer_lr",
     "outer_step",
     "rescale_factor",
+    "round_momentum",
     "trimmed_mean",
 ]
 
@@ -188,36 +189,45 @@ def rescale_factor(cfg: OuterConfig, contributing_paths: int) -> float:
     return math.sqrt(contributing_paths)
 
 
-def outer_lr(cfg: OuterConfig, round_index: int, *, trained_start: bool = False) -> float:
-    """The outer learning rate of 0-based round `round_index` (linear warm-up, then cfg.lr),
-    divided by 1 + μ in the first round of a phase that starts from trained weights
-    (`trained_start`) under Nesterov momentum.
+def outer_lr(cfg: OuterConfig, round_index: int) -> float:
+    """The outer learning rate of 0-based round `round_index`: a linear warm-up over
+    cfg.warmup_rounds, then cfg.lr."""
+    if round_index < 0:
+        raise ValueError(f"round_index = {round_index}: rounds count from 0")
+    return cfg.lr * min(1.0, (round_index + 1) / (cfg.warmup_rounds + 1))
+
+
+def round_momentum(cfg: OuterConfig, round_index: int, *, trained_start: bool = False) -> float:
+    """The outer momentum μ of 0-based round `round_index`: cfg.momentum, except in the first
+    round of a phase that starts from trained weights (`trained_start`: phase 2 from the
+    phase-1 model or an uploaded checkpoint, DiLoCo from a checkpoint, `dipaco simulate`
+    from its base), which takes none: its step is the mean Δ itself and it leaves no buffer,
+    so the second round is torch.optim.SGD's first step and the rounds after it SGD's own.
 
     Why the first round: Nesterov's first step is lr x (1 + μ) x Δ (the look-ahead takes the
-    one Δ there is as the next one too), so at the defaults (lr 1.0, μ 0.7) it moves the
-    weights 70% past the mean of where the units ended. From a trained start (phase 2 from
-    the phase-1 model, DiLoCo from a checkpoint) that overshoot is a step backwards: the
-    tiny 2x2 DiPaCo run of bench/quality.py from its 300-step base (H = 25) went from a
-    routed loss of 6.465 to 6.644 in its first round, while the units' own weights before
-    the outer step scored 6.472 and the same round without momentum 6.446: neither the cold
-    AdamW of the units nor the average across paths, but the look-ahead. Dividing the first
-    lr by 1 + μ makes that step the mean Δ itself (the plain average of the units), with the
-    momentum buffer starting at Δ as torch.optim.SGD's does; from round 2 on the step is
-    SGD's own. Measured: 6.465 -> 6.447, 6.438, 6.283 over three rounds (SGD's first step:
-    6.644, 6.397, 6.263; the later rounds catch up). From random weights it costs: tiny
-    DiLoCo, 2 replicas, H = 30, 5 rounds ended at 6.957 against SGD's first step's 6.882
-    (its first round is better, 7.196 against 8.480, but the momentum the first Δ leaves
-    overshoots in the second), so a start from random weights keeps SGD's first step. The
-    server (phase 2 with a base model: phase 1's or an uploaded checkpoint) and
-    `dipaco simulate` (modules from the base) both take their lr here, with the phase's own
-    round index.
+    one Δ there is as the next one too), at the defaults (lr 1.0, μ 0.7) 70% past the mean of
+    where the units ended. From trained weights that is a step backwards: the tiny 2x2
+    DiPaCo run of bench/quality.py from its 300-step base (H = 25) went from a routed loss
+    of 6.465 to 6.644 in its first round, while the units' own weights scored 6.472 and the
+    same round without momentum 6.446.
+
+    Why no buffer: the mean-Δ first step used to keep SGD's buffer (Δ1), so the second step
+    was lr x ((1 + μ) Δ2 + μ² Δ1), Δ1 applied a second time from weights that already hold
+    it; it stepped back in 2 of the quality run's 3 seeds (6.516 -> 6.499 -> 6.605 and
+    6.522 -> 6.445 -> 6.506). Measured on the bench's b/dipaco-fp32 job (seed 0, base at
+    6.472), routed loss after rounds 1-8 with the buffer kept: 6.428, 6.345, 6.300, 6.071,
+    5.948, 5.904, 5.860, 5.816; without it: 6.428, 6.320, 6.308, 6.065, 5.947, 5.883, 5.840,
+    **5.797** (docs/benchmarks.md, "The phase boundary").
+
+    From random weights the look-ahead costs nothing: tiny DiLoCo, 2 replicas, H = 30,
+    5 rounds ended at 6.882 with SGD's first step and 6.957 with the mean Δ, so a random
+    start keeps cfg.momentum from round 0. The server's outer step
+    (dipaco_server.rounds.outer_step) and `dipaco simulate` both take μ here, with the
+    phase's own round index.
     """
     if round_index < 0:
         raise ValueError(f"round_index = {round_index}: rounds count from 0")
-    lr = cfg.lr * min(1.0, (round_index + 1) / (cfg.warmup_rounds + 1))
-    if trained_start and round_index == 0 and cfg.nesterov and cfg.momentum > 0:
-        lr /= 1.0 + cfg.momentum
-    return lr
+    return 0.0 if trained_start and round_index == 0 else cfg.momentum
 
 
 def aggregate(
@@ -270,26 +280,31 @@ def outer_step(
     cfg: OuterConfig,
     *,
     lr: float | None = None,
+    mu: float | None = None,
 ) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """New (params, momentum) after one SGD step with `delta` as the gradient.
 
-    `lr` overrides cfg.lr (`outer_lr(cfg, t)` gives round t's under the warm-up).
+    `lr` overrides cfg.lr (`outer_lr(cfg, t)` gives round t's under the warm-up); `mu`
+    overrides cfg.momentum for this step (`round_momentum(cfg, t)`: none in the first round
+    from trained weights). A step at μ = 0 is plain SGD and returns no buffer, as a run
+    without momentum; the next step with μ > 0 then starts one, as SGD's first.
 
-    The arithmetic of torch.optim.SGD(lr, momentum, nesterov, dampening=0, weight_decay=0):
+    The arithmetic of torch.optim.SGD(lr, momentum=μ, nesterov, dampening=0, weight_decay=0):
     buf = μ·buf + g (buf = g on the first step, when `momentum` is None or empty);
     update = g + μ·buf with Nesterov, else buf; θ = θ − η·update. Inputs are not modified.
     """
+    factor = cfg.momentum if mu is None else mu
     new_params, new_momentum = {}, {}
     for name, param in params.items():
         grad = delta[name].to(param.device, torch.float32)
         update = grad
-        if cfg.momentum > 0:
+        if factor > 0:
             if momentum:
-                buf = momentum[name].to(torch.float32).mul(cfg.momentum).add_(grad)
+                buf = momentum[name].to(torch.float32).mul(factor).add_(grad)
             else:
                 buf = grad.clone()
             new_momentum[name] = buf
-            update = grad.add(buf, alpha=cfg.momentum) if cfg.nesterov else buf
+            update = grad.add(buf, alpha=factor) if cfg.nesterov else buf
         new_params[name] = param.to(torch.float32).add(
             update, alpha=-(cfg.lr if lr is None else lr)
         )

@@ -192,6 +192,12 @@ def test_a_short_demo_on_a_terminal_trains_both_phases_compares_with_both_dense_
     assert routed["final"] == routed["rounds"][-1]["loss"]
     assert routed["final"] < routed["initial"], "validation loss fell over the run"
     assert routed["before"] < routed["initial"], "phase 2 starts from a trained model"
+    # No step back at the phase boundary (dipaco.outer.round_momentum): the first phase-2
+    # round scores no worse than the phase-1 model it started from, on the routed sample
+    # ("before", the same weights) and against phase 1's own last figure; nor the second.
+    first, second = (r["loss"] for r in routed["rounds"])
+    assert first <= routed["before"] and first <= phase1["final_loss"], (routed, phase1)
+    assert second <= first, routed["rounds"]
     for name in ("initial", "before", "routed"):
         assert math.isfinite(summary["perplexity"][name]) and summary["perplexity"][name] > 0
     assert len(summary["paths"]) == 4

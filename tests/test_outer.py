@@ -18,6 +18,7 @@ from dipaco.outer import (
     outer_lr,
     outer_step,
     rescale_factor,
+    round_momentum,
     trimmed_mean,
 )
 
@@ -161,19 +162,31 @@ def test_the_outer_lr_warms_up_linearly_to_its_peak() -> None:
     assert torch.equal(new["w"], torch.full((2,), 0.75))
 
 
-def test_the_first_nesterov_step_moves_by_the_mean_delta_and_later_ones_as_sgd() -> None:
+def test_from_trained_weights_the_first_step_is_the_mean_delta_then_sgd_from_scratch() -> None:
     cfg = OuterConfig(lr=1.0, momentum=0.7, nesterov=True)
+    mus = [round_momentum(cfg, t, trained_start=True) for t in range(3)]
+    assert mus == [0.0, 0.7, 0.7]
+    # from random weights SGD's own μ from the first step (it costs nothing to overshoot there)
+    assert [round_momentum(cfg, t) for t in range(2)] == [0.7, 0.7]
     params, delta = {"w": torch.ones(3)}, {"w": torch.full((3,), 0.5)}
+    later = {"w": torch.full((3,), 0.25)}
 
-    first, momentum = outer_step(params, delta, None, cfg, lr=outer_lr(cfg, 0, trained_start=True))
-    second, _ = outer_step(first, delta, momentum, cfg, lr=outer_lr(cfg, 1, trained_start=True))
+    first, kept = outer_step(params, delta, None, cfg, lr=outer_lr(cfg, 0), mu=mus[0])
+    second, buffer = outer_step(first, later, kept, cfg, lr=outer_lr(cfg, 1), mu=mus[1])
+    third, _ = outer_step(second, later, buffer, cfg, lr=outer_lr(cfg, 2), mu=mus[2])
 
-    assert torch.allclose(first["w"], torch.full((3,), 0.5))  # not 1 - 1.7 x 0.5
-    assert torch.equal(momentum["w"], delta["w"])  # SGD's buffer: the first Δ
-    assert torch.allclose(second["w"], 0.5 - (0.5 + 0.7 * (0.7 * 0.5 + 0.5)) * torch.ones(3))
-    assert outer_lr(cfg.model_copy(update={"nesterov": False}), 0, trained_start=True) == 1.0
-    # from random weights SGD's own first step stays (it costs nothing to overshoot there)
-    assert outer_lr(cfg, 0) == 1.0
+    assert torch.equal(first["w"], torch.full((3,), 0.5))  # the mean Δ, not 1 - 1.7 x 0.5
+    assert kept == {}, "no buffer: the first Δ is not applied again"
+    assert torch.equal(buffer["w"], later["w"])  # SGD's first step: buffer = Δ2
+    assert torch.allclose(second["w"], first["w"] - 1.7 * 0.25)
+    sgd = torch.optim.SGD([w := torch.nn.Parameter(second["w"].clone())], lr=1.0, momentum=0.7,
+                          nesterov=True)  # fmt: skip
+    sgd.state[w]["momentum_buffer"] = buffer["w"].clone()
+    w.grad = later["w"].clone()
+    sgd.step()
+    assert torch.allclose(third["w"], w.detach()), "then SGD's own steps"
+    with pytest.raises(ValueError, match="rounds count from 0"):
+        round_momentum(cfg, -1, trained_start=True)
 
 
 @pytest.mark.parametrize("clip_norm", [None, 0.5])

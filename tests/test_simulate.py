@@ -218,8 +218,8 @@ def test_the_first_phase_2_round_does_not_step_back_from_the_phase_1_model(
 ) -> None:
     """The paper's recipe, seeded: phase 2 starts every module from a 200-step base model whose
     features route the documents. With torch SGD's first Nesterov step (1.7 x the mean Δ)
-    this run's first round went from 4.839 to 4.856; dipaco.outer.outer_lr makes that step
-    the mean Δ (4.807)."""
+    this run's first round went from 4.839 to 4.856; dipaco.outer.round_momentum makes that
+    step the mean Δ, without momentum (4.807)."""
     config = tiny_config(
         rounds=2, inner={"steps": 10, "warmup_steps": 2}, router={"featurizer": "base-lm"}
     )

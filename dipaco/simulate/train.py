@@ -18,7 +18,8 @@ after that (its worker holds the version before).
 Each (path, replica) keeps its inner AdamW state from round to round (train_path takes
 and returns it, as the worker agent keeps one per (run, path)), and with it the codec's
 error-feedback residual. The inner lr schedule is run-long (warm-up once, cosine over
-T·H steps); the outer lr follows dipaco.outer.outer_lr (its warm-up rounds).
+T·H steps); the outer lr and momentum follow dipaco.outer.outer_lr (its warm-up rounds) and
+dipaco.outer.round_momentum (none in the first round from the base model).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from dipaco.modular import (
     module_spec,
     modules_of_path,
 )
-from dipaco.outer import aggregate, outer_lr, outer_step
+from dipaco.outer import aggregate, outer_lr, outer_step, round_momentum
 from dipaco.simulate.prepare import PreparedData, ShardSource
 from dipaco.updates import apply_update, publish_update
 
@@ -83,6 +84,7 @@ class DipacoRun:
     upload_bytes: int = 0
     download_bytes: int = 0
     seconds: float = 0.0
+    modules: Modules = field(default_factory=dict)  # every module after the last round
 
 
 def training_sources(config: RunConfig, data: PreparedData) -> list[ShardSource]:
@@ -134,7 +136,8 @@ def _outer_round(
     decoded update, as on the platform; `published` keeps each module's error-feedback
     residual between rounds. Returns the encoded update's bytes per stepped module.
     """
-    lr = outer_lr(config.outer, round_index, trained_start=trained_start)
+    lr = outer_lr(config.outer, round_index)
+    mu = round_momentum(config.outer, round_index, trained_start=trained_start)
     sizes: dict[str, int] = {}
     for module_id in module_ids(config):
         encoded = contributions.get(module_id)
@@ -150,7 +153,7 @@ def _outer_round(
         )
         old = modules[module_id]
         new, momentum[module_id] = outer_step(
-            old, delta, momentum.get(module_id), config.outer, lr=lr
+            old, delta, momentum.get(module_id), config.outer, lr=lr, mu=mu
         )
         if config.comm.download_codec == "fp32":
             modules[module_id] = new
@@ -287,4 +290,5 @@ def train_dipaco(
         run.download_bytes += record.download_bytes
         run.rounds.append(record)
     run.seconds = time.perf_counter() - started
+    run.modules = modules
     return run

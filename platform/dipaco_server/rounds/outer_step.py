@@ -63,6 +63,7 @@ from dipaco.outer import (
     outer_lr,
     outer_step,
     rescale_factor,
+    round_momentum,
     trimmed_mean,
 )
 from dipaco_server.rounds import verify
@@ -247,12 +248,14 @@ def apply_step(
     cfg: OuterConfig,
     work: Path,
     lr: float,
+    mu: float,
 ) -> tuple[Path, str, int, Path | None]:
-    """dipaco.outer.outer_step at outer learning rate `lr`, chunk by chunk, streaming version
-    `base` and its momentum in: (weights file, its sha256, its size, momentum file)."""
+    """dipaco.outer.outer_step at outer learning rate `lr` and momentum `mu`, chunk by chunk,
+    streaming version `base` and its momentum in: (weights file, its sha256, its size,
+    momentum file; None at μ = 0, which keeps no buffer)."""
     base_path, base_momentum = work / "base.safetensors", None
     store.download_to(base.key, base_path)
-    if base.momentum_key and cfg.momentum:
+    if base.momentum_key and mu:
         base_momentum = work / "base-momentum.safetensors"
         store.download_to(base.momentum_key, base_momentum)
     weights_path, momentum_path = work / "weights.safetensors", work / "momentum.safetensors"
@@ -260,7 +263,7 @@ def apply_step(
         ModuleReader(base_path, spec, base.sha256) as params,
         ModuleReader(base_momentum, spec) if base_momentum else nullcontext() as buffer,
         ModuleWriter(weights_path, spec) as weights_out,
-        ModuleWriter(momentum_path, spec) if cfg.momentum else nullcontext() as momentum_out,
+        ModuleWriter(momentum_path, spec) if mu else nullcontext() as momentum_out,
     ):
         for name, (shape, _) in spec.items():
             flat = grad[name].view(-1)
@@ -268,7 +271,7 @@ def apply_step(
                 g = flat[start : start + STEP_CHUNK]  # (c,)
                 p = params.read(g.numel())  # (c,)
                 m = {name: buffer.read(g.numel())} if buffer is not None else None  # (c,)
-                new_p, new_m = outer_step({name: p}, {name: g}, m, cfg, lr=lr)
+                new_p, new_m = outer_step({name: p}, {name: g}, m, cfg, lr=lr, mu=mu)
                 weights_out.write(new_p[name])
                 if momentum_out is not None:
                     momentum_out.write(new_m[name])
@@ -278,7 +281,7 @@ def apply_step(
         digest, size = weights_out.close()
         if momentum_out is not None:
             momentum_out.close()
-    return weights_path, digest, size, momentum_path if cfg.momentum else None
+    return weights_path, digest, size, momentum_path if mu else None
 
 
 def compute_step(
@@ -299,8 +302,9 @@ def compute_step(
     """Verify, aggregate and step in `work`; the outputs stay there for the caller.
 
     `round_index` is the 0-based round of the run's config whose step this is: it sets
-    the outer learning rate (dipaco.outer.outer_lr, cfg.warmup_rounds; `trained_start`: the
-    phase began from a trained base, whose first step is the mean Δ). `history`: the
+    the outer learning rate (dipaco.outer.outer_lr, cfg.warmup_rounds) and momentum
+    (dipaco.outer.round_momentum; `trained_start`: the phase began from a trained base,
+    whose first step takes none). `history`: the
     module's accepted median norms of earlier rounds; `momentum`: its outer momentum at
     the base version; `scorer`: proof of useful work (rounds.verify). With `comm` whose
     ``download_codec`` is not fp32, the step is published as an encoded update and the
@@ -329,8 +333,9 @@ def compute_step(
         result.update_norm = math.sqrt(
             sum(float(torch.linalg.vector_norm(t)) ** 2 for t in grad.values())
         )
-        lr = outer_lr(cfg, round_index, trained_start=trained_start)
-        weights, digest, size, new_momentum = apply_step(store, base, grad, spec, cfg, work, lr)
+        lr = outer_lr(cfg, round_index)
+        mu = round_momentum(cfg, round_index, trained_start=trained_start)
+        weights, digest, size, new_momentum = apply_step(store, base, grad, spec, cfg, work, lr, mu)
         if comm is not None and comm.download_codec != "fp32":
             residual = None
             if base.residual_key:
@@ -435,7 +440,7 @@ def step_module(
                 scorer = Scorer(store, round_, module, config, work)
         round_index = local_round(round_.run.run_config, t)
         # Phase 2 from a base model (phase 1's, or an uploaded checkpoint, both kept there)
-        # starts trained: its first step is the mean Δ (dipaco.outer.outer_lr).
+        # starts trained: its first step takes no momentum (dipaco.outer.round_momentum).
         trained_start = (
             round_index == 0 and phase == PATHS and store.exists(keys.base_model_key(run_id))
         )
