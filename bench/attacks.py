@@ -32,7 +32,7 @@ the next worker, so worker 1 checks worker 0's unit); a lazy worker sending 0.1 
 for the whole unit's tokens; a fixed-direction bias (the same unit vector every round, at
 0.5 x the Δ's norm; every unit replicated, by another worker each round: a copy's
 difference from the other copy, held against what its worker's copies differed by against
-other workers before, refuses it once it repeats, rounds.persistence); a sign flip whose
+other workers in the other role before, refuses it once it repeats, rounds.persistence); a sign flip whose
 completion claims one token fewer than trained.
 
 Over 500 lines: the server's step is mirrored here check by check (`Run`), in the server's
@@ -189,8 +189,10 @@ class Run:
         self.reasons: dict[str, int] = defaultdict(int)
         self.honest_rejected = 0
         # (worker, module) -> its compared copies' difference sketches, newest first
-        self.replica_past: dict[tuple[int, str], list[tuple[int, Tensor]]] = defaultdict(list)
-        self.replica_new: list[tuple[list[tuple[int, Tensor]], int, Tensor]] = []
+        self.replica_past: dict[tuple[int, str], list[tuple[int, bool, Tensor]]] = defaultdict(
+            list
+        )  # (worker, module) -> (partner, was the check copy, its difference sketch)
+        self.replica_new: list[tuple[list[tuple[int, bool, Tensor]], int, bool, Tensor]] = []
         self.rng = torch.Generator().manual_seed(cfg.seed + 7)
         self.bias = {  # a fixed unit direction per module, the same every round
             m: _unit_vector(module_spec(cfg, m), cfg.seed + 11) for m in module_ids(cfg)
@@ -403,15 +405,15 @@ class Run:
                 )  # fmt: skip
             if outcome.kind == "disagree" and outcome.loser is not None:
                 pair[outcome.loser].reason = f"{verify.REPLICA}: {outcome.why}"
-        for past, partner, signed in self.replica_new:  # newest first, as the server reads
-            past.insert(0, (partner, persistence.from_bytes(persistence.to_bytes(signed))))
+        for past, partner, check, signed in self.replica_new:  # newest first, as the server
+            past.insert(0, (partner, check, persistence.from_bytes(persistence.to_bytes(signed))))
             del past[persistence.PAST :]
         self.replica_new.clear()
 
     def repeated(self, pair: tuple[Entry, Entry], module_id: str) -> list[str]:
         """rounds.verification.checks._repeated: per copy, whether its difference repeats
-        what its worker's copies in the module differed by against other workers; each
-        keeps its side of it."""
+        what its worker's copies in the module differed by against other workers, in the
+        other role; each keeps its side of it."""
         if pair[0].unit.encoded[module_id] == pair[1].unit.encoded[module_id]:
             return ["", ""]
         a, b = (e.delta for e in pair)
@@ -421,10 +423,11 @@ class Run:
         for e, other, signed in ((*pair, sketch), (pair[1], pair[0], -sketch)):
             past = self.replica_past[(e.unit.worker, module_id)]
             sides.append((e.unit.worker, signed,
-                          [s for partner, s in past if partner != other.unit.worker]))  # fmt: skip
-            kept.append((past, other.unit.worker, signed))
-        for past, partner, signed in kept:  # as stored, seen from the next round's step on
-            self.replica_new.append((past, partner, signed))
+                          [s for partner, check, s in past  # other workers, other role
+                           if partner != other.unit.worker and check != (e is pair[1])]))  # fmt: skip
+            kept.append((past, other.unit.worker, e is pair[1], signed))
+        for entry in kept:  # as stored, seen from the next round's step on
+            self.replica_new.append(entry)
         return persistence.repeated(sides, difference, min(e.norm for e in pair))
 
     def peer_check(self, entries: list[Entry]) -> None:

@@ -3,8 +3,9 @@
 Real services as in tests/test_verification.py: a DiLoCo run whose every unit a second
 worker also trains, proof of useful work on. An honest Δ plus the same vector every round
 (half the Δ's norm) agrees with its honest copy in any one round; its difference from that
-copy repeats round after round, while two honest copies differ by what differs between
-two machines, new every round (here: fresh noise at 0.3 x the Δ's norm).
+copy repeats round after round, whoever the partner and whichever copy it trains, while two
+honest copies differ by what differs between two machines, new every round (here: fresh
+noise at 0.3 x the Δ's norm).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ def statuses(worker: Worker) -> list[tuple[int, str, str]]:
 
 
 # Who trains each round's unit, then its check copy: the biased worker meets both honest
-# ones, and in round 2 the two honest workers check each other.
+# ones in both roles, and in round 2 the two honest workers check each other.
 PAIRS = (("honest-a", "biased"), ("biased", "honest-b"), ("honest-b", "honest-a"),
          ("honest-a", "biased"))  # fmt: skip
 
@@ -94,7 +95,8 @@ def test_a_fixed_direction_added_to_every_unit_is_refused_once_it_repeats(
         step_round(run, t)
 
     # Round 0: nothing to repeat yet, and the pair agrees (cosine about 0.9). Round 1: its
-    # difference from honest-b's copy points where its difference from honest-a's pointed.
+    # original differs from honest-b's copy where its check copy differed from honest-a's
+    # original; round 3 the other way round.
     biased = statuses(workers["biased"])
     assert {reason for t, _, reason in biased if t == 0} == {""}
     assert {reason for t, _, reason in biased if t > 0} == {"replica_disagrees"}

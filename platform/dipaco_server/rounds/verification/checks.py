@@ -9,7 +9,8 @@
    momentum, proof of useful work (`scorer.Scorer`).
 3. **replication** (`compare_replicas`): a check copy's Δ against its original's, a
    disagreement settled by evidence; a copy that differs in the direction its worker's
-   copies differed from other workers' before is refused however close the pair is
+   copies differed from other workers' before, in the other role, is refused however close
+   the pair is
    (rounds.persistence: a fixed-direction bias); `aggregated` puts a check copy in the
    place of a refused original.
 4. **peers** (`peer_check`), in a module's first step only: no free first round.
@@ -251,8 +252,8 @@ def compare_replicas(
 
 def _repeated(pair: tuple[Verdict, Verdict], a: Tensors, b: Tensors, spec: Spec) -> list[str]:
     """Per copy, whether its difference from the other repeats what its worker's copies
-    kept adding against other workers (persistence.repeated); each copy keeps its side of
-    the difference (`Verdict.sketch`, `Verdict.partner`). Identical bytes are no
+    kept adding against other workers, in the other role (persistence.repeated); each copy
+    keeps its side of the difference (`Verdict.sketch`, `Verdict.partner`). Identical bytes are no
     difference: nothing to keep."""
     if pair[0].upload.sha256 == pair[1].upload.sha256:
         return ["", ""]
@@ -260,10 +261,11 @@ def _repeated(pair: tuple[Verdict, Verdict], a: Tensors, b: Tensors, spec: Spec)
     sides = []
     for verdict, other, signed in ((pair[0], pair[1], sketch), (pair[1], pair[0], -sketch)):
         verdict.sketch, verdict.partner = persistence.to_bytes(signed), other.upload.worker_id
-        past = [
+        role = verdict.upload.check_of is not None
+        past = [  # against other workers, in the other role (original or check copy)
             persistence.from_bytes(data)
-            for partner, data in verdict.upload.replica_past
-            if partner != other.upload.worker_id
+            for partner, was_check, data in verdict.upload.replica_past
+            if partner != other.upload.worker_id and was_check != role
         ]
         sides.append((verdict.upload.worker_id, signed, past))
     smaller = min(float(v.norm or 0.0) for v in pair)

@@ -33,9 +33,9 @@ def check_copies(rows: Sequence[Contribution]) -> dict[int, int]:
 
 def replica_past(
     module: Module, rows: Sequence[Contribution], checks: dict[int, int]
-) -> dict[int, tuple[tuple[int, bytes], ...]]:
-    """Worker -> (the other copy's worker, the difference sketch) of its earlier compared
-    copies in `module`, newest first, at most persistence.PAST: for each worker with a
+) -> dict[int, tuple[tuple[int, bool, bytes], ...]]:
+    """Worker -> (the other copy's worker, whether it was the check copy, the difference
+    sketch) of its earlier compared copies in `module`, newest first, at most persistence.PAST: for each worker with a
     copy in one of the round's replica pairs (`checks`, check_copies)."""
     paired = set(checks) | set(checks.values())
     workers = {c.lease.worker_id for c in rows if c.pk in paired}
@@ -44,11 +44,14 @@ def replica_past(
     earlier = Contribution.objects.filter(module=module, replica_sketch__isnull=False).exclude(
         pk__in=[c.pk for c in rows]
     )
-    out: dict[int, tuple[tuple[int, bytes], ...]] = {}
+    out: dict[int, tuple[tuple[int, bool, bytes], ...]] = {}
     for worker_id in sorted(workers):  # one bounded query per paired worker (index: module)
         kept = earlier.filter(lease__worker_id=worker_id).order_by("-pk")[:PAST]
-        found = kept.values_list("replica_partner_id", "replica_sketch")
-        out[worker_id] = tuple((partner or 0, bytes(sketch)) for partner, sketch in found)
+        found = kept.values_list("replica_partner_id", "unit__replica", "replica_sketch")
+        out[worker_id] = tuple(
+            (partner or 0, replica >= CHECK_OFFSET, bytes(sketch))
+            for partner, replica, sketch in found
+        )
     return out
 
 

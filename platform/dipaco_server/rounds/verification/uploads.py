@@ -51,8 +51,9 @@ class Upload:
     # rounds.rebase); proof of useful work scores it there. (): the unit's base versions.
     delta_base: tuple[tuple[str, int], ...] = ()
     # Its worker's earlier replica differences in this module, newest first: (the other
-    # copy's worker, the difference's sketch, rounds.persistence).
-    replica_past: tuple[tuple[int, bytes], ...] = ()
+    # copy's worker, whether its own copy was the check copy, the difference's sketch,
+    # rounds.persistence).
+    replica_past: tuple[tuple[int, bool, bytes], ...] = ()
 
 
 @dataclass(eq=False)  # identity: it holds tensors
