@@ -19,6 +19,7 @@ import sys
 import termios
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +112,18 @@ class DemoProcess:
             parts.append(f"--- {log.relative_to(self.data_dir)} (last {tail} characters)\n{text}")
         return "\n".join(parts)
 
+    def stop(self) -> None:
+        """End a demo that a failed check left running: Ctrl-C, as a person would (it stops
+        its workers and server, which also die with it), then by force."""
+        if self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGINT)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(timeout=30)
+
     def finish(self, timeout: float = DEMO_TIMEOUT_S) -> int:
         try:
             code = self.process.wait(timeout=timeout)
@@ -119,6 +132,21 @@ class DemoProcess:
             raise
         self._reader.join(timeout=10)
         return code
+
+
+@pytest.fixture
+def start_demo() -> Iterator[Callable[..., DemoProcess]]:
+    """Starts `DemoProcess`es and stops any still running when the test ends, pass or fail:
+    a demo left behind keeps training and serving, and slows every test after it."""
+    demos: list[DemoProcess] = []
+
+    def start(args: list[str], data_dir: Path, *, terminal: bool = False) -> DemoProcess:
+        demos.append(DemoProcess(args, data_dir, terminal=terminal))
+        return demos[-1]
+
+    yield start
+    for demo in demos:
+        demo.stop()
 
 
 def run_states(data_dir: Path) -> dict[str, str]:
@@ -164,11 +192,11 @@ def chart_data(html: str) -> dict[str, Any]:
 
 
 def test_a_short_demo_on_a_terminal_trains_both_phases_compares_with_both_dense_models_and_keeps_serving(
-    tmp_path: Path,
+    tmp_path: Path, start_demo: Callable[..., DemoProcess]
 ) -> None:
     port, summary_path = free_port(), tmp_path / "summary.json"
     args = [*SHORT, "--port", str(port), "--json", str(summary_path)]
-    demo = DemoProcess(args, tmp_path / "d", terminal=True)
+    demo = start_demo(args, tmp_path / "d", terminal=True)
     demo.wait_for("press Ctrl-C to stop")
     summary: dict[str, Any] = json.loads(summary_path.read_text())
     time.sleep(2)  # still serving after the summary, not on its way out
@@ -288,9 +316,11 @@ def test_the_demo_serves_after_its_summary_on_a_terminal_unless_told(
     assert serve_after_summary(parser.parse_args(flags).serve, interactive) is serves
 
 
-def test_ctrl_c_during_training_cancels_the_run_and_stops_every_process(tmp_path: Path) -> None:
+def test_ctrl_c_during_training_cancels_the_run_and_stops_every_process(
+    tmp_path: Path, start_demo: Callable[..., DemoProcess]
+) -> None:
     port = free_port()
-    demo = DemoProcess([*SHORT, "--inner-steps", "400", "--port", str(port)], tmp_path / "d")
+    demo = start_demo([*SHORT, "--inner-steps", "400", "--port", str(port)], tmp_path / "d")
     demo.wait_for("dipaco-worker processes")
     children = children_of(demo.process.pid)
     assert len(children) >= 4, "a server with its web, task worker and beat, and 2 workers"
