@@ -1,7 +1,7 @@
 """Soak: simulated volunteers through real rounds, with random kills (issue 11).
 
     .venv/bin/python bench/soak.py --volunteers 500 --duration 600 --json soak.json
-    .venv/bin/python bench/soak.py --volunteers 24 --units-per-volunteer 0.5 --duration 50 \\
+    .venv/bin/python bench/soak.py --volunteers 24 --units-per-volunteer 0.5 --duration 32 \\
         --unit-seconds 3 --lease-timeout 9 --round-deadline 12 --sweep-every 2 \\
         --kill-fraction 0.2 --celery-kill-every 20 --celery-kill-max 1 \\
         --visibility-timeout 10   # the short version tests/test_soak.py runs

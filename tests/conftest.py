@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -286,6 +286,24 @@ def stop_process(process: subprocess.Popen[bytes], timeout: float = PROCESS_STOP
     with contextlib.suppress(ProcessLookupError):
         os.killpg(process.pid, signal.SIGKILL)  # also the pool children it left
     return process.wait(timeout=10)
+
+
+def stop_processes(
+    processes: Iterable[subprocess.Popen[bytes]], timeout: float = PROCESS_STOP_TIMEOUT_S
+) -> list[int]:
+    """``stop_process`` on several at once: SIGTERM to all, then one shared wait (a web,
+    a Celery worker and beat shut down side by side, as compose stops its services)."""
+    processes = list(processes)
+    for process in processes:
+        if process.poll() is None:
+            process.terminate()
+    deadline = time.monotonic() + timeout
+    codes = []
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+        codes.append(stop_process(process, 0))  # SIGKILL to the group if it is still there
+    return codes
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -29,7 +29,7 @@ from tests.conftest import (
     compose_env,
     log_tail,
     start_process,
-    stop_process,
+    stop_processes,
 )
 
 ROUNDS = 2
@@ -79,8 +79,7 @@ def cluster(
                "bucket": s3_bucket}  # fmt: skip
     finally:
         workers.stop()
-        for process in processes.values():
-            stop_process(process)
+        stop_processes(processes.values())
         redis.Redis.from_url(redis_db).flushdb()
 
 

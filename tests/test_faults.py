@@ -41,7 +41,7 @@ from tests.conftest import (
     log_tail,
     require_service,
     start_process,
-    stop_process,
+    stop_processes,
 )
 from tests.faults import (
     Accepted,
@@ -160,8 +160,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iter
             stack.dataset_id = client.dataset("stdlib-sample", str(corpus))["id"]
         yield stack
     finally:
-        for process in processes.values():
-            stop_process(process)
+        stop_processes(processes.values())
         proxy.stop()
         redis.stop()
         postgres.remove()

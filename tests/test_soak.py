@@ -32,7 +32,7 @@ def test_a_short_soak_with_killed_volunteers_and_a_killed_celery_worker_loses_an
     report = tmp_path / "soak.json"
     command = [
         sys.executable, str(ROOT / "bench" / "soak.py"), "--quiet",
-        "--volunteers", "24", "--units-per-volunteer", "0.5", "--duration", "50",
+        "--volunteers", "24", "--units-per-volunteer", "0.5", "--duration", "32",
         "--min-rounds", "2", "--max-duration", "150",
         "--unit-seconds", "3", "--ramp", "3", "--lease-timeout", "9", "--sweep-every", "2",
         "--kill-fraction", "0.2", "--celery-kill-every", "20", "--celery-kill-max", "1",
