@@ -59,3 +59,36 @@ def test_the_worker_acknowledges_late_and_takes_one_task_at_a_time() -> None:
         assert folder.is_relative_to(Path(os.environ["DIPACO_DATA_DIR"]))
     app.loader.import_default_modules()  # what a worker does at start
     assert PING in app.tasks
+
+
+@pytest.mark.timeout(60)  # a drain that ignored the stop would wait out its hour
+def test_the_embedded_broker_delivers_what_waits_then_ends_a_stopping_workers_drain(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Celery drains a polling broker 2 s at a time, and once more after SIGTERM: kombu's
+    transport waited out both before the warm shutdown began. dipaco_server.broker's ends
+    the drain at its next empty poll once the worker is stopping."""
+    from celery.worker import state
+    from kombu import Connection
+
+    from dipaco_server.broker import FilesystemTransport
+
+    transport = celery_transport(tmp_path, None)
+    assert transport["broker_transport"] == "dipaco_server.broker:FilesystemTransport"
+    with Connection(
+        transport["broker_url"],
+        transport=transport["broker_transport"],
+        transport_options=transport["broker_transport_options"],
+    ) as connection:
+        assert isinstance(connection.transport, FilesystemTransport)
+        queue = connection.SimpleQueue("drain-test")
+        queue.put({"n": 1})
+        assert queue.get(timeout=5).payload == {"n": 1}
+        with pytest.raises(queue.Empty):  # not stopping: an empty queue waits its timeout
+            queue.get(timeout=0.5)
+        queue.put({"n": 2})
+        monkeypatch.setattr(state, "should_stop", 0)  # what the SIGTERM handler sets
+        assert queue.get(timeout=3600).payload == {"n": 2}  # a waiting message still comes
+        with pytest.raises(queue.Empty):
+            queue.get(timeout=3600)  # ends at the first empty poll
+        queue.close()

@@ -316,7 +316,12 @@ def celery_transport(data: Path, redis: str | None) -> dict[str, Any]:
         # over an outer step of a large module; a round closing longer than that is also
         # resent by the beat sweep (DIPACO_ROUND_CLOSE_RETRY_S).
         options = {"visibility_timeout": 1800}
-        return {"broker_url": redis, "result_backend": redis, "broker_transport_options": options}
+        return {
+            "broker_url": redis,
+            "broker_transport": None,  # the URL's: redis
+            "result_backend": redis,
+            "broker_transport_options": options,
+        }
     queue, control, results = (
         data / "broker" / "queue",
         data / "broker" / "control",
@@ -326,6 +331,8 @@ def celery_transport(data: Path, redis: str | None) -> dict[str, Any]:
         folder.mkdir(parents=True, exist_ok=True)
     return {
         "broker_url": "filesystem://localhost//",
+        # kombu's filesystem transport, made to stop within a poll (dipaco_server.broker).
+        "broker_transport": "dipaco_server.broker:FilesystemTransport",
         "result_backend": f"file://{results}",
         "broker_transport_options": {
             # One folder for both directions: producers and workers share it.

@@ -158,6 +158,7 @@ CACHES = {
 # --- Celery (read by dipaco_server.celery through the CELERY_ namespace) -----
 _celery = env.celery_transport(DIPACO_DATA_DIR, REDIS_URL)
 CELERY_BROKER_URL = _celery["broker_url"]
+CELERY_BROKER_TRANSPORT = _celery["broker_transport"]
 CELERY_RESULT_BACKEND = _celery["result_backend"]
 CELERY_BROKER_TRANSPORT_OPTIONS = _celery["broker_transport_options"]
 CELERY_BROKER_CONNECTION_RETRY_ON_STARTUP = True
