@@ -92,3 +92,19 @@ def test_the_embedded_broker_delivers_what_waits_then_ends_a_stopping_workers_dr
         with pytest.raises(queue.Empty):
             queue.get(timeout=3600)  # ends at the first empty poll
         queue.close()
+
+
+def test_the_health_check_names_the_embedded_broker_and_finds_its_folder_missing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from dipaco_server.celery import app
+    from dipaco_server.core.services import Check, check_broker
+
+    transport = celery_transport(tmp_path, None)
+    for key in ("broker_url", "broker_transport", "broker_transport_options"):
+        monkeypatch.setitem(app.conf, key, transport[key])
+    assert check_broker() == Check(True, "filesystem")
+    missing = tmp_path / "gone"
+    options = {**transport["broker_transport_options"], "data_folder_out": str(missing)}
+    monkeypatch.setitem(app.conf, "broker_transport_options", options)
+    assert check_broker() == Check(False, f"filesystem: {missing} is not writable")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from urllib.parse import urlsplit
 
 from django.db import connection
 
@@ -29,7 +30,8 @@ def check_database() -> Check:
 
 def check_broker() -> Check:
     conn = app.connection_for_write()
-    transport = conn.transport_cls
+    # The URL's scheme: the embedded broker's transport class is ours (dipaco_server.broker).
+    transport = urlsplit(app.conf.broker_url).scheme
     try:
         if transport == "filesystem":
             # kombu's filesystem transport "connects" without touching the disk;
