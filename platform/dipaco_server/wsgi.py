@@ -4,6 +4,7 @@ import gc
 import os
 
 from django.core.wsgi import get_wsgi_application
+from django.db import connections
 
 os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dipaco_server.settings")
 
@@ -14,6 +15,10 @@ application = get_wsgi_application()
 from dipaco_server.core.preload import import_heavy_libraries  # noqa: E402
 
 import_heavy_libraries()
+
+# gunicorn --preload runs this module in its master and forks the workers from it: no
+# database connection may cross the fork (Django opens one per thread on first use).
+connections.close_all()
 
 # Everything loaded so far (Django, the apps, pydantic schemas) lives as long as the
 # process: move it out of the collector's sight, so full collections under load scan

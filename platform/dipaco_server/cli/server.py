@@ -117,6 +117,10 @@ def child_commands(
             "--worker-connections", str(WEB_CONNECTIONS),
             "--limit-request-line", str(REQUEST_LINE_LIMIT),
             "--access-logfile", "-",
+            # Load the app (Django, torch, transformers: ~4 s of CPU, wsgi.py) once in the
+            # master and fork the workers from it, sharing those pages, instead of once per
+            # worker.
+            "--preload",
             # gunicorn >= 25.1 otherwise opens ~/.gunicorn/gunicorn.ctl, which two
             # servers on one machine (or a test beside a dev server) would share.
             "--no-control-socket",
