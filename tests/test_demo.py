@@ -222,10 +222,13 @@ def test_a_short_demo_on_a_terminal_trains_both_phases_compares_with_both_dense_
     assert routed["before"] < routed["initial"], "phase 2 starts from a trained model"
     # No step back at the phase boundary (dipaco.outer.round_momentum): the first phase-2
     # round scores no worse than the phase-1 model it started from, on the routed sample
-    # ("before", the same weights) and against phase 1's own last figure; nor the second.
+    # ("before", the same weights) and against phase 1's own last figure. The second round
+    # holds it within 1%: which worker trains which unit (warm or cold AdamW moments) moves a
+    # round's loss by up to ~1% here (tests/test_platform_vs_simulate.py), and one seen run
+    # went 5.947 -> 5.959.
     first, second = (r["loss"] for r in routed["rounds"])
     assert first <= routed["before"] and first <= phase1["final_loss"], (routed, phase1)
-    assert second <= first, routed["rounds"]
+    assert second <= first * 1.01, routed["rounds"]
     for name in ("initial", "before", "routed"):
         assert math.isfinite(summary["perplexity"][name]) and summary["perplexity"][name] > 0
     assert len(summary["paths"]) == 4
