@@ -56,7 +56,13 @@ from dipaco.simulate.baselines import data_parallel_bytes
 from dipaco.simulate.prepare import PreparedData
 from dipaco.simulate.train import evaluate_paths, train_dipaco
 from dipaco_demo import plan
-from dipaco_demo.control import AdminClient, ServerProcess, embedded_environ, free_port
+from dipaco_demo.control import (
+    AdminClient,
+    DemoError,
+    ServerProcess,
+    embedded_environ,
+    free_port,
+)
 from dipaco_demo.workers import WorkerPool
 from worker_agent.payload import load_module
 
@@ -195,6 +201,11 @@ def run_platform(
             "train_seconds": finished_at - prepared_at,
             "units": unit_assignments(pool),
         }
+    except DemoError as exc:  # e.g. "the server does not answer": say what the server said
+        server_log = logs / "server.log"
+        text = server_log.read_text(errors="replace") if server_log.exists() else "(no log)"
+        tail = "\n".join(text.splitlines()[-40:])
+        raise RuntimeError(f"{exc}\nthe end of {server_log}:\n{tail}") from None
     finally:
         if pool is not None:
             pool.stop()
