@@ -13,7 +13,7 @@ server serves, as three identities, one after the other:
 - staff: a staff API token (last: it may cancel the run and revoke the worker).
 
 Both backends get schemathesis' examples and fuzzing; the coverage phase (every edge of
-every keyword, over three thousand requests) runs on the cluster only: the request checks
+every keyword, about 2,800 requests) runs on the cluster only: the request checks
 are the same code on both, and PostgreSQL is the stricter store of the two (it enforces
 column lengths, 32-bit integers and no NUL in text, where SQLite stores them).
 
