@@ -62,6 +62,7 @@ from dipaco_demo.control import (
     ServerProcess,
     embedded_environ,
     free_port,
+    log_tail,
 )
 from dipaco_demo.workers import WorkerPool
 from worker_agent.payload import load_module
@@ -203,9 +204,7 @@ def run_platform(
         }
     except DemoError as exc:  # e.g. "the server does not answer": say what the server said
         server_log = logs / "server.log"
-        text = server_log.read_text(errors="replace") if server_log.exists() else "(no log)"
-        tail = "\n".join(text.splitlines()[-40:])
-        raise RuntimeError(f"{exc}\nthe end of {server_log}:\n{tail}") from None
+        raise RuntimeError(f"{exc}\nthe end of {server_log}:\n{log_tail(server_log, 40)}") from None
     finally:
         if pool is not None:
             pool.stop()
