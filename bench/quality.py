@@ -50,7 +50,7 @@ import os
 import platform
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
 from pathlib import Path
@@ -62,9 +62,10 @@ from rich.table import Table
 
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.evaluate import SAMPLE_WINDOWS
+from dipaco.inner import StepMetrics
 from dipaco.simulate import DataBudget, SimulateOptions, simulate
 from dipaco.simulate.base import prepare_with_base
-from dipaco.simulate.baselines import data_parallel_bytes, train_baseline
+from dipaco.simulate.baselines import baseline_steps, data_parallel_bytes, train_baseline
 
 # The issue's goals: (low, high) bounds on each ratio.
 GOALS: dict[str, tuple[float | None, float]] = {
@@ -75,6 +76,9 @@ GOALS: dict[str, tuple[float | None, float]] = {
     "int4_vs_fp32": (None, 1.01),
     "platform_vs_simulate": (0.98, 1.02),
 }
+# RunConfig.capacity() exists to show DiPaCo's claim: at least as good as the dense
+# path-size model on the same tokens (issue 35), where tiny's shared embedding cannot.
+CAPACITY_GOALS = {**GOALS, "dipaco_vs_dense_equal_tokens": (None, 1.00)}
 LABELS = {
     "dipaco_vs_dense_equal_steps": "DiPaCo / dense, equal steps",
     "dipaco_vs_dense_equal_tokens": "DiPaCo / dense, equal tokens",
@@ -96,10 +100,10 @@ def _grid(text: str) -> tuple[int, int]:
     return int(levels), int(modules)
 
 
-def goal_text(key: str) -> str:
-    if key not in GOALS:
+def goal_text(key: str, goals: dict[str, tuple[float | None, float]] = GOALS) -> str:
+    if key not in goals:
         return "-"
-    low, high = GOALS[key]
+    low, high = goals[key]
     return f"<= {high}" if low is None else f"{low}-{high}"
 
 
@@ -295,7 +299,84 @@ JOB_CONFIG = {
 }  # fmt: skip
 
 
-def summarize(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def planned_tokens(name: str, config: RunConfig) -> int:
+    """The tokens job `name` will train on with `config` (make_jobs's pairing)."""
+    per_step = config.inner.micro_batch_size * config.model.seq_len
+    baseline = name.split("/", 1)[1]
+    if baseline in ("dense", "dense-steps", "data-parallel"):
+        steps, accum = baseline_steps(config, baseline)
+        return steps * accum * per_step
+    units = config.rounds * config.num_paths * config.replicas_per_path
+    return units * config.inner.steps * config.inner.grad_accum_steps * per_step
+
+
+class Throughput:
+    """The base model's training speed, read from its steps after the first `skip` (the
+    compilation and warm-up): what sizes the jobs under --time-budget."""
+
+    def __init__(self, skip: int = 50) -> None:
+        self.skip = skip
+        self.first: StepMetrics | None = None
+        self.last: StepMetrics | None = None
+
+    def __call__(self, metrics: StepMetrics) -> None:
+        if metrics.step == self.skip:
+            self.first = metrics
+        elif metrics.step > self.skip:
+            self.last = metrics
+
+    def tokens_per_s(self) -> float | None:
+        if self.first is None or self.last is None or self.last.seconds <= self.first.seconds:
+            return None
+        return (self.last.tokens - self.first.tokens) / (self.last.seconds - self.first.seconds)
+
+
+# Under --time-budget, what the jobs cost beyond their training tokens: spawning, compiling
+# (the base's compilation is cached for the jobs' identical shapes), evaluations; and the
+# share of the base's tokens/s the jobs are counted on together, since they time-slice one
+# device (a guess on the safe side: the JSON's sizing and jobs say what they reached).
+JOB_RESERVE_S = 90.0
+SHARED_RATE = 0.75
+
+
+def fit_budget(
+    args: argparse.Namespace, cfgs: dict[str, RunConfig], rate: float | None, elapsed: float
+) -> tuple[dict[str, RunConfig], dict[str, Any]]:
+    """Scale DiPaCo's and DiLoCo's H (and so every baseline's steps, which follow them) down
+    so the jobs' tokens fit the time left at `rate` tokens/s, all jobs sharing one device."""
+    names = [job.name for job in make_jobs(args, cfgs)]
+    tokens = sum(planned_tokens(n, cfgs[JOB_CONFIG[n]]) for n in names)
+    sizing: dict[str, Any] = {
+        "time_budget_s": args.time_budget, "elapsed_before_jobs_s": elapsed,
+        "base_tokens_per_s": rate, "shared_rate": SHARED_RATE, "planned_job_tokens": tokens,
+        "scale": 1.0,
+    }  # fmt: skip
+    if rate is None:  # a cached base: nothing measured, the sizes stay
+        return cfgs, sizing
+    rate *= SHARED_RATE
+    left = args.time_budget - elapsed - JOB_RESERVE_S
+    scale = min(1.0, max(left, 0.0) * rate / tokens)
+    sizing["predicted_job_s"] = JOB_RESERVE_S + tokens / rate
+    if scale >= 1.0:
+        return cfgs, sizing
+    scaled = {
+        key: cfg.model_copy(
+            update={"inner": cfg.inner.model_copy(
+                update={"steps": max(1, math.floor(cfg.inner.steps * scale))}
+            )}
+        )
+        for key, cfg in cfgs.items()
+    }  # fmt: skip
+    sizing["scale"] = scale
+    sizing["predicted_scaled_job_s"] = left + JOB_RESERVE_S
+    sizing["inner_steps"] = {key: cfg.inner.steps for key, cfg in scaled.items()}
+    sizing["scaled_job_tokens"] = sum(planned_tokens(n, scaled[JOB_CONFIG[n]]) for n in names)
+    return scaled, sizing
+
+
+def summarize(
+    results: dict[str, dict[str, Any]], goals: dict[str, tuple[float | None, float]] = GOALS
+) -> dict[str, dict[str, Any]]:
     pairs = {
         "dipaco_vs_dense_equal_steps": ("b/dipaco-fp32", "b/dense-steps"),
         "dipaco_vs_dense_equal_tokens": ("b/dipaco-fp32", "b/dense"),
@@ -314,7 +395,7 @@ def summarize(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
             "perplexity": results[ours]["perplexity"],
             "reference_perplexity": results[reference]["perplexity"],
             "ratio": results[ours]["perplexity"] / results[reference]["perplexity"],
-            "goal": goal_text(key),
+            "goal": goal_text(key, goals),
         }
     a, b = results.get("a/diloco"), results.get("b/dipaco-fp32")
     if "diloco_vs_dp" in summary and a is not None:
@@ -373,7 +454,7 @@ def print_tables(
         label = LABELS[key] + (f" (mean of {seeds} seeds; seed 0 ppl)" if seeds > 1 else "")
         table.add_row(
             key, label, f"{ours:.3f}", f"{reference:.3f}",
-            f"{row['ratio']:.4f}", goal_text(key), sent,
+            f"{row['ratio']:.4f}", row["goal"], sent,
         )  # fmt: skip
     console.print(table)
     for key, row in summary.items():
@@ -530,6 +611,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="processes (default: %(default)s)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument(
+        "--time-budget", type=float, default=0.0, metavar="SECONDS",
+        help="fit the run into SECONDS of wall time (0: no limit): after the base trains, "
+        "its measured tokens/s sizes the jobs, scaling DiPaCo's and DiLoCo's H down if the "
+        f"planned tokens would not fit ({JOB_RESERVE_S:.0f} s kept for the jobs' start-up); "
+        "the JSON's sizing says what was measured and chosen",
+    )  # fmt: skip
+    parser.add_argument(
         "--device", default="cpu", choices=("cpu", "cuda"),
         help="where every job trains; cuda trains in bf16 autocast, as dipaco-worker does on "
         "a GPU, and several --jobs share the one GPU (default %(default)s)",
@@ -557,31 +645,74 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(width=None if sys.stdout.isatty() else 140)
     started, load_before = time.perf_counter(), os.getloadavg()
     cfgs = configs(args)
+    goals = CAPACITY_GOALS if args.preset == "capacity" else GOALS
     # Prepare (or reuse) both data layouts here, so the jobs never race to build them.
     budget = DataBudget(max_docs=args.max_docs or None)
     # One base for all: it is keyed by the stream of all documents, which every layout
     # shares, and trains at --batch whatever the job's own batch (DiLoCo's is larger).
     console.log(f"base model: {args.base_steps} steps (cached in {args.work_dir})")
     needed = {JOB_CONFIG[name] for name in args.only} if args.only else set(cfgs)
+    throughput = Throughput()
     for key in sorted(needed):
         prepare_with_base(
             cfgs[key], budget, args.work_dir, args.base_steps, log=console.log,
-            device=args.device, batch_size=args.batch,
+            device=args.device, batch_size=args.batch, on_step=throughput,
         )  # fmt: skip
+    sizing: dict[str, Any] | None = None
+    if args.time_budget:
+        rate = throughput.tokens_per_s()
+        cfgs, sizing = fit_budget(args, cfgs, rate, time.perf_counter() - started)
+        console.log(
+            f"time budget {args.time_budget:.0f} s: base at "
+            + ("? (cached)" if rate is None else f"{rate:,.0f} tokens/s")
+            + f", {sizing['planned_job_tokens'] / 1e6:.1f}M job tokens planned, H scaled by "
+            f"{sizing['scale']:.3f}"
+        )
     jobs = make_jobs(args, cfgs)
     results: dict[str, dict[str, Any]] = {}
+
+    def report(done: bool) -> None:
+        """The JSON so far: rewritten after every job, so a run cut short keeps its figures."""
+        if args.json is None:
+            return
+        summary = summarize(results, goals)
+        data = {
+            # The issue's keys first, each the ratio its summary row explains.
+            **{key: row["ratio"] for key, row in summary.items() if key in GOALS},
+            "goals": {key: goal_text(key, goals) for key in goals},
+            "complete": done,
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "sizing": sizing,
+            "summary": summary,
+            "jobs": results,
+            "configs": {k: c.model_dump(mode="json") for k, c in cfgs.items()},
+            "wall_seconds": time.perf_counter() - started,
+            **scale(args, cfgs, results),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            "machine": machine(args.device),
+        }  # fmt: skip
+        tmp = args.json.with_name(f".{args.json.name}.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, args.json)
+
     # spawn, not fork: a forked child of a process that ran torch's thread pool can hang.
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
-        for result in pool.map(run_job, jobs):
+        futures = [pool.submit(run_job, job) for job in jobs]
+        for future in as_completed(futures):
+            result = future.result()
             results[result["name"]] = result
             console.log(f"{result['name']}: loss {result['loss']:.4f} in {result['seconds']:.0f} s")
+            report(False)
+    results = {job.name: results[job.name] for job in jobs}  # make_jobs's order
     starts = {name: r["base_steps"] for name, r in results.items()}
     if len(set(starts.values())) != 1:  # every comparison must share its starting point
         raise RuntimeError(f"jobs started from different base models: {starts}")
     # last and alone: it runs a server, Celery and two workers; --only skips it
     if not args.no_platform and not args.only:
         results["p/platform"] = run_platform(args, console)
-    summary = summarize(results)
+    summary = summarize(results, goals)
     levels = cfgs["b-fp32"].layout.levels
     grid = f"{len(levels)} levels of {'/'.join(str(level.modules) for level in levels)} modules"
     print_tables(summary, results, console, grid)
@@ -591,22 +722,7 @@ def main(argv: list[str] | None = None) -> int:
         f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}"
     )
     if args.json is not None:
-        report = {
-            # The issue's keys first, each the ratio its summary row explains.
-            **{key: row["ratio"] for key, row in summary.items() if key in GOALS},
-            "goals": {key: goal_text(key) for key in GOALS},
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "summary": summary,
-            "jobs": results,
-            "configs": {k: c.model_dump(mode="json") for k, c in cfgs.items()},
-            "wall_seconds": wall,
-            **scale(args, cfgs, results),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-            "machine": machine(args.device),
-        }  # fmt: skip
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        report(True)
         console.print(f"wrote {args.json}")
     return 0
 

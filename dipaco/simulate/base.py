@@ -133,7 +133,10 @@ def prepare_with_base(
         base = train_base(
             dense, dense_data, steps, on_step=on_step, device=device, batch_size=batch_size
         )
-        return prepare_data(config, budget, work_dir, log=log, base_state=base), base
+        return (
+            prepare_data(config, budget, work_dir, log=log, base_state=base, device=device),
+            base,
+        )
     data = prepare_data(config, budget, work_dir, log=log)
     if steps:
         base = train_base(
