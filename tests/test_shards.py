@@ -149,6 +149,24 @@ def test_build_shards_puts_each_document_on_the_path_it_routes_to(tmp_path: Path
         assert index.info(p, "train").tokens == len(expected)
 
 
+def test_the_unrouted_copy_is_what_a_build_without_a_router_writes(tmp_path: Path) -> None:
+    split = load_corpus("stdlib", max_files=30, max_chars=3000, val_fraction=0.2)
+    tokenizer = train_tokenizer(split.train, vocab_size=400, max_chars=200_000)
+    router = Router.fit([d.text for d in split.train], tokenizer, factors=(2, 2))
+    routed = build_shards(split.train, split.val, tokenizer, router, tmp_path / "paths",
+                          progress=False, unrouted_dir=tmp_path / "all")  # fmt: skip
+    alone = build_shards(split.train, split.val, tokenizer, None, tmp_path / "alone",
+                         progress=False)  # fmt: skip
+
+    assert ShardIndex.load(tmp_path / "all") == alone  # the same bytes, by sha256 and count
+    ShardIndex.load(tmp_path / "all").verify(tmp_path / "all")
+    assert routed == ShardIndex.load(tmp_path / "paths") and routed.num_paths == 4
+    for split_name in ("train", "val"):
+        assert alone.info(0, split_name).tokens == sum(
+            routed.info(p, split_name).tokens for p in range(4)
+        )
+
+
 def test_without_a_router_everything_goes_to_one_path(tmp_path: Path) -> None:
     split = load_corpus("stdlib", max_files=5, val_fraction=0.0)
     tokenizer = train_tokenizer(split.train, vocab_size=300, max_chars=50_000)

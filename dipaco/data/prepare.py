@@ -71,12 +71,15 @@ def prepare_documents(
     num_paths: int | None = None,
     tokenizer_chars: int = DEFAULT_TRAIN_CHARS,
     on_stage: Stage = lambda stage, detail: None,
+    unrouted_dir: Path | None = None,
 ) -> Prepared:
     """Tokenizer (trained on `train` unless given), router (when `num_paths` > 1) and
     shards, written under `out` (tokenizer/, router/, shards/).
 
     `num_paths` defaults to the layout's; 1 writes one shard of every document (no
     router). `model` is the base model a "base-lm" router reads its features with.
+    `unrouted_dir`: also one shard of every document there, from the same tokenisation
+    (build_shards).
     """
     paths = config.layout.num_paths if num_paths is None else num_paths
     if tokenizer is None:
@@ -94,5 +97,8 @@ def prepare_documents(
         on_stage("router", "one path: no router")
     on_stage("shards", f"tokenising and routing {len(train)} + {len(val)} documents")
     shard_dir = out / "shards"
-    shards = build_shards(train, val, tokenizer, router, shard_dir, num_paths=paths, progress=False)
+    shards = build_shards(
+        train, val, tokenizer, router, shard_dir, num_paths=paths, progress=False,
+        unrouted_dir=unrouted_dir,
+    )  # fmt: skip
     return Prepared(tokenizer, tokenizer_dir, router, router_file, shards, shard_dir)

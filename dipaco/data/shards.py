@@ -79,7 +79,7 @@ class ShardWriter:
         path.parent.mkdir(parents=True, exist_ok=True)
         self._tmp.write_bytes(b"")
 
-    def add_document(self, ids: Sequence[int]) -> None:
+    def add_document(self, ids: Sequence[int] | np.ndarray[Any, Any]) -> None:
         arr = np.asarray(ids, dtype=np.int64)
         if len(arr) and (int(arr.min()) < 0 or int(arr.max()) > self._max_id):
             raise ValueError(
@@ -249,13 +249,16 @@ def build_shards(
     num_paths: int | None = None,
     batch_docs: int = 256,
     progress: bool = True,
+    unrouted_dir: str | os.PathLike[str] | None = None,
 ) -> ShardIndex:
     """Tokenise, route and write every document into its path's shard.
 
     ``router=None`` puts everything on path 0 (plain DiLoCo: one path, replicas
     read different windows); then ``num_paths`` must be 1 or left out. Returns
     the index, also saved as ``out_dir/index.json``: tokens and documents per
-    path and split.
+    path and split. ``unrouted_dir``: also write every document, in the same order, into
+    one path there (what ``router=None`` would write; the simulator's baselines read it),
+    from the same tokenisation.
     """
     root = Path(out_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -268,6 +271,17 @@ def build_shards(
         for p in range(paths)
         for split in SPLITS
     }
+    unrouted = Path(unrouted_dir) if unrouted_dir is not None else None
+    if unrouted is not None:
+        unrouted.mkdir(parents=True, exist_ok=True)
+        writers.update(
+            {
+                (-1, split): ShardWriter(
+                    unrouted / "0" / f"{split}.bin", dtype, tokenizer.separator_id
+                )
+                for split in SPLITS
+            }
+        )
     finished = False
     try:
         with Progress(disable=not progress, transient=True) as bar:
@@ -279,14 +293,29 @@ def build_shards(
                     ids = tokenizer.encode_batch(texts)
                     routes = router.route_batch(texts) if router is not None else [0] * len(texts)
                     for path, doc_ids in zip(routes, ids, strict=True):
-                        writers[path, split].add_document(doc_ids)
+                        arr = np.asarray(doc_ids, dtype=np.int64)  # (L,)
+                        writers[path, split].add_document(arr)
+                        if unrouted is not None:
+                            writers[-1, split].add_document(arr)
                     bar.advance(task, len(batch))
-        infos = {key: w.close(root) for key, w in writers.items()}
+        infos = {
+            key: w.close(root if key[0] >= 0 or unrouted is None else unrouted)
+            for key, w in writers.items()
+        }
         finished = True
     finally:
         if not finished:  # leave no temporary files behind, whatever stopped us
             for w in writers.values():
                 w.abort()
+    if unrouted is not None:
+        ShardIndex(
+            dtype=dtype.str,
+            vocab_size=tokenizer.vocab_size,
+            separator_id=tokenizer.separator_id,
+            num_paths=1,
+            tokenizer_fingerprint=tokenizer.fingerprint,
+            paths=[{split: infos[-1, split] for split in SPLITS}],
+        ).save(unrouted)
     index = ShardIndex(
         dtype=dtype.str,
         vocab_size=tokenizer.vocab_size,

@@ -40,7 +40,7 @@ from torch import Tensor, nn
 from dipaco.config import RunConfig
 from dipaco.data.corpus import CorpusStats, Document, iter_corpus, split_documents
 from dipaco.data.prepare import prepare_documents
-from dipaco.data.shards import ShardIndex, build_shards
+from dipaco.data.shards import ShardIndex
 from dipaco.data.tokenizer import RunTokenizer
 from dipaco.data.windows import ShardSource  # the platform's window order (re-exported)
 from dipaco.evaluate import ValWindows, sample_streams
@@ -205,10 +205,10 @@ def _build(
     prepared = prepare_documents(
         config, train_docs, val_docs, out, model=model,
         tokenizer_chars=budget.tokenizer_chars, on_stage=lambda stage, detail: log(detail),
+        # the baselines' i.i.d. stream of every document, from the same tokenisation
+        unrouted_dir=out / "all" if config.layout.num_paths > 1 else None,
     )  # fmt: skip
     tokenizer = prepared.tokenizer
-    if prepared.router is not None:  # the baselines' i.i.d. stream of every document
-        build_shards(train_docs, val_docs, tokenizer, None, out / "all", progress=False)
     return {
         "inputs": cache_inputs(config, budget, base_state),
         "train_docs": len(train_docs),
