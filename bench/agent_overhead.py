@@ -118,7 +118,8 @@ def with_batch(config: RunConfig, batch: int, device: torch.device) -> RunConfig
     inner = config.inner.model_copy(update={"micro_batch_size": batch, "grad_accum_steps": 1})
     config = config.model_copy(update={"inner": inner})
     budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    return config.model_copy(update={"inner": fit_micro_batch(config, budget)})
+    fitted = fit_micro_batch(config, budget, device.type)
+    return config.model_copy(update={"inner": fitted})
 
 
 def write_window(config: RunConfig, path: Path) -> None:
@@ -465,7 +466,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cpu = device.type == "cpu"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     best = max(units, key=lambda u: u.unit)
-    estimate = estimate_path_memory(config.model, config.inner).total_bytes
+    estimate = estimate_path_memory(config.model, config.inner, device=device.type).total_bytes
     figures: dict[str, Any] = {
         "preset": args.preset,
         "device": name,

@@ -6,6 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from dipaco.config import (
+    CUDA_LOGITS_PER_CHUNK,
     GiB,
     LayoutConfig,
     Level,
@@ -145,6 +146,21 @@ def test_memory_estimate_grows_with_the_micro_batch() -> None:
     large = estimate_path_memory(cfg.model, cfg.inner)
     assert large.activation_bytes == 8 * small.activation_bytes
     assert small.state_bytes == large.state_bytes == 20 * cfg.num_params()
+
+
+def test_the_cuda_estimate_counts_bf16_activations_and_one_chunk_of_logits() -> None:
+    from dipaco.inner.loss import LOGITS_PER_CHUNK
+
+    assert LOGITS_PER_CHUNK == CUDA_LOGITS_PER_CHUNK  # the loop chunks as the estimate counts
+    cfg = RunConfig()
+    cpu = estimate_path_memory(cfg.model, cfg.inner)
+    cuda = estimate_path_memory(cfg.model, cfg.inner, device="cuda")
+    assert cuda.state_bytes == cpu.state_bytes
+    m, tokens = cfg.model, cfg.inner.micro_batch_size * cfg.model.seq_len
+    blocks = tokens * m.num_layers * (10 * m.hidden_size + 4 * m.intermediate_size)
+    chunk = min(tokens, LOGITS_PER_CHUNK // m.vocab_size)
+    assert cuda.activation_bytes == 2 * blocks + 12 * chunk * m.vocab_size
+    assert cpu.activation_bytes == 4 * blocks + 12 * tokens * m.vocab_size
 
 
 @pytest.mark.parametrize("tied", [False, True])

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from dipaco.data.corpus import Document, load_corpus
 from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
 from dipaco.routing.balance import fit_biases, load_bounds, tie_break
-from dipaco.routing.featurize import TfidfFeaturizer
+from dipaco.routing.featurize import PrecomputedFeaturizer, TfidfFeaturizer
 from dipaco.routing.kmeans import kmeans, product_kmeans
 from dipaco.routing.router import Router, modules_to_path, path_to_modules
 
@@ -235,3 +235,17 @@ def test_the_base_lm_featurizer_routes_with_a_model(
         Router.load(tmp_path, tokenizer)
     loaded = Router.load(tmp_path, tokenizer, model=model)
     assert loaded.route_batch(sample) == router.route_batch(sample)
+
+
+def test_a_fitted_router_shards_with_the_features_it_was_fitted_on(
+    texts: list[str], tokenizer: RunTokenizer, tmp_path: Path
+) -> None:
+    router = Router.fit(texts, tokenizer, factors=(2, 2))
+    assert isinstance(router.featurizer, PrecomputedFeaturizer)  # no second featurizing pass
+    routes = router.route_batch(texts)
+    loaded = Router.load(router.save(tmp_path / "router"), tokenizer)
+    assert not isinstance(loaded.featurizer, PrecomputedFeaturizer)
+    assert loaded.route_batch(texts) == routes  # what was fitted is what is served
+    assert torch.bincount(torch.tensor(routes), minlength=4).tolist() == list(
+        router.spec.train_loads
+    )

@@ -238,6 +238,12 @@ def test_a_memory_budget_shrinks_the_micro_batch_before_training(config: RunConf
     assert fit_micro_batch(big, None) == big.inner
     with pytest.raises(OutOfMemory, match="--memory-cap"):
         fit_micro_batch(big, GiB // 1024)
+    # On a GPU the estimate is bf16's (the loop's autocast): a budget the CPU's bound
+    # exceeds can hold the whole micro-batch there.
+    on_gpu = estimate_path_memory(big.model, big.inner, device="cuda").total_bytes
+    assert on_gpu < need
+    assert fit_micro_batch(big, on_gpu, "cuda") == big.inner
+    assert fit_micro_batch(big, on_gpu).micro_batch_size < 8
     odd = smaller_micro_batch(big.inner.model_copy(update={"micro_batch_size": 6}))
     assert odd is not None and (odd.micro_batch_size, odd.grad_accum_steps) == (3, 4)
 

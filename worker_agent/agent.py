@@ -414,7 +414,9 @@ class Agent:
                 "grad_accum_steps": inner.batch_size // record.micro_batch_size,
             })  # fmt: skip
         else:
-            inner = fit_micro_batch(config, self.options.memory_budget_bytes)
+            inner = fit_micro_batch(
+                config, self.options.memory_budget_bytes, self.device.device.type
+            )
 
         def on_step(m: StepMetrics) -> None:
             speed = m.tokens / m.seconds if m.seconds > 0 else 0.0

@@ -136,15 +136,18 @@ def smaller_micro_batch(inner: InnerConfig) -> InnerConfig | None:
     return inner.model_copy(update={"micro_batch_size": smaller, "grad_accum_steps": accum})
 
 
-def fit_micro_batch(config: RunConfig, budget_bytes: int | None) -> InnerConfig:
-    """Shrink the micro-batch until the library's memory estimate fits the budget."""
+def fit_micro_batch(
+    config: RunConfig, budget_bytes: int | None, device: str = "cpu"
+) -> InnerConfig:
+    """Shrink the micro-batch until the library's memory estimate for `device` (its type:
+    "cuda" trains in bf16 with a chunked loss) fits the budget."""
     inner = config.inner
     if budget_bytes is None:
         return inner
-    while estimate_path_memory(config.model, inner).total_bytes > budget_bytes:
+    while estimate_path_memory(config.model, inner, device=device).total_bytes > budget_bytes:
         smaller = smaller_micro_batch(inner)
         if smaller is None:
-            need = estimate_path_memory(config.model, inner).total_bytes / GiB
+            need = estimate_path_memory(config.model, inner, device=device).total_bytes / GiB
             raise OutOfMemory(
                 f"this run needs about {need:.1f} GiB even with one sequence per micro-batch; "
                 f"the memory budget is {budget_bytes / GiB:.1f} GiB (raise --memory-cap or "

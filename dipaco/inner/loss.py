@@ -26,12 +26,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
+from dipaco.config import CUDA_LOGITS_PER_CHUNK
+
 log = logging.getLogger(__name__)
 
 # Logit elements per chunk: 2^25 is 128 MiB in fp32 (1,024 tokens at V = 32,768), small
 # beside a 150M model's activations at micro-batch 8 x 1024, and a head matmul of 1,024 rows
-# runs near the GPU's peak.
-LOGITS_PER_CHUNK = 2**25
+# runs near the GPU's peak. Defined with the memory estimate that counts it (dipaco.config).
+LOGITS_PER_CHUNK = CUDA_LOGITS_PER_CHUNK
 # On the CPU memory is plentiful and recomputing a chunk's logits is not free: chunks only
 # past 2^28 logits (1 GiB in fp32), so the CPU's usual batches run in one, as a plain loop.
 LOGITS_PER_CHUNK_CPU = 2**28
