@@ -353,7 +353,7 @@ def fit_budget(
         "base_tokens_per_s": rate, "shared_rate": SHARED_RATE, "planned_job_tokens": tokens,
         "scale": 1.0,
     }  # fmt: skip
-    if rate is None:  # a cached base: nothing measured, the sizes stay
+    if rate is None:  # a cached or short base: nothing measured, the sizes stay
         return cfgs, sizing
     rate *= SHARED_RATE
     left = args.time_budget - elapsed - JOB_RESERVE_S
@@ -666,7 +666,11 @@ def main(argv: list[str] | None = None) -> int:
         cfgs, sizing = fit_budget(args, cfgs, rate, time.perf_counter() - started)
         console.log(
             f"time budget {args.time_budget:.0f} s: base at "
-            + ("? (cached)" if rate is None else f"{rate:,.0f} tokens/s")
+            + (
+                "not measured (cached, or 50 steps or fewer)"
+                if rate is None
+                else f"{rate:,.0f} tokens/s"
+            )
             + f", {sizing['planned_job_tokens'] / 1e6:.1f}M job tokens planned, H scaled by "
             f"{sizing['scale']:.3f}"
         )
