@@ -21,17 +21,18 @@
 # Settings (environment): DEVICE (cuda), PRESET (150m; tiny on the CPU), BATCH (sequences
 # per step: 64; 4 on the CPU), STEPS (H: 500; 20 on the CPU), WARMUP (steps: 20; 3 on the
 # CPU), CHECKPOINT_INTERVAL (seconds: 30, so a 500-step unit writes a few and their
-# blocking time is measured; the agent's default is longer), OUT (docs/figures/gpu.json;
-# /tmp/gpu_check_cpu.json on the CPU: a CPU figure is never written where a GPU one goes).
+# blocking time is measured; the agent's default is longer), JSON (docs/figures/gpu.json;
+# /tmp/gpu_check_cpu.json on the CPU: a CPU figure is never written where a GPU one goes;
+# on a lent machine whose output folder is $OUT, JSON=$OUT/gpu.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 device=${DEVICE:-cuda}
 if [ "$device" = cpu ]; then
     preset=${PRESET:-tiny} batch=${BATCH:-4} steps=${STEPS:-20} warmup=${WARMUP:-3}
-    out=${OUT:-/tmp/gpu_check_cpu.json}
+    out=${JSON:-/tmp/gpu_check_cpu.json}
 else
     preset=${PRESET:-150m} batch=${BATCH:-64} steps=${STEPS:-500} warmup=${WARMUP:-20}
-    out=${OUT:-docs/figures/gpu.json}
+    out=${JSON:-docs/figures/gpu.json}
 fi
 py=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
