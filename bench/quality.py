@@ -36,7 +36,9 @@ comes last, alone. The script prints ratios and the goals beside them, not verdi
 Figures and the command: docs/benchmarks.md. --preset capacity, with bench/quality_gpu.sh,
 runs the same comparisons with RunConfig.capacity() on one GPU; the JSON then also says
 each job's tokens per path parameter, DiPaCo's capacity over a path's and which inner loop
-each job ran. (Over 500 lines: one self-contained script a GPU machine runs from a clean
+each job ran. The JSON is rewritten as each job ends ("complete": false until the last), and
+--time-budget sizes the jobs from the base's measured tokens/s ("sizing" says how). (Over
+500 lines: one self-contained script a GPU machine runs from a clean
 checkout, with its jobs, figures and report in one place.)
 """
 
