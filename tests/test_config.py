@@ -149,16 +149,13 @@ def test_memory_estimate_grows_with_the_micro_batch() -> None:
 
 
 def test_the_cuda_estimate_counts_bf16_activations_and_one_chunk_of_logits() -> None:
-    from dipaco.inner.loss import LOGITS_PER_CHUNK
-
-    assert LOGITS_PER_CHUNK == CUDA_LOGITS_PER_CHUNK  # the loop chunks as the estimate counts
     cfg = RunConfig()
     cpu = estimate_path_memory(cfg.model, cfg.inner)
     cuda = estimate_path_memory(cfg.model, cfg.inner, device="cuda")
     assert cuda.state_bytes == cpu.state_bytes
     m, tokens = cfg.model, cfg.inner.micro_batch_size * cfg.model.seq_len
     blocks = tokens * m.num_layers * (10 * m.hidden_size + 4 * m.intermediate_size)
-    chunk = min(tokens, LOGITS_PER_CHUNK // m.vocab_size)
+    chunk = min(tokens, CUDA_LOGITS_PER_CHUNK // m.vocab_size)
     assert cuda.activation_bytes == 2 * blocks + 12 * chunk * m.vocab_size
     assert cpu.activation_bytes == 4 * blocks + 12 * tokens * m.vocab_size
 
