@@ -63,6 +63,11 @@ def refuse(field: str, value: Any, rule: str) -> PydanticCustomError:
     )
 
 
+# Every Linear and the embedding start ~ N(0, INIT_STD), as transformers' Llama does
+# (LlamaConfig.initializer_range); dipaco.model draws them, config.json records it.
+INIT_STD = 0.02
+
+
 class _Section(BaseModel):
     # Closed (an unknown key is refused, naming it) and finite: no inf or NaN reaches a
     # lease size, an outer step or a JSON column (issue 34).
@@ -70,7 +75,8 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    """A Llama-family causal LM (transformers' LlamaForCausalLM). Defaults: the papers' 150M."""
+    """A Llama-family causal LM (dipaco.model; downloaded as transformers' LlamaForCausalLM).
+    Defaults: the papers' 150M."""
 
     # Sizes: the largest open models are 16,384 wide with 126 blocks and 128 heads
     # (Llama 3.1 405B); the bounds sit above them, and the memory limit refuses the rest.
@@ -110,26 +116,38 @@ class ModelConfig(_Section):
     def head_dim(self) -> int:
         return self.hidden_size // self.num_heads
 
-    def to_hf_config(self) -> Any:
-        """The equivalent `transformers.LlamaConfig` (returned as Any: transformers' stubs vary)."""
-        from transformers import LlamaConfig
-
-        kwargs: dict[str, Any] = {
+    def hf_config(self) -> dict[str, Any]:
+        """transformers' LlamaConfig of this model, as the keys of a config.json (written
+        without importing transformers: seconds of CPU in every server process)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
             "hidden_size": self.hidden_size,
             "num_hidden_layers": self.num_layers,
             "num_attention_heads": self.num_heads,
             "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
             "intermediate_size": self.intermediate_size,
+            "hidden_act": "silu",
             "vocab_size": self.vocab_size,
             "max_position_embeddings": self.seq_len,
+            # transformers 5 reads rope_parameters, 4.x rope_theta
+            "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
             "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
+            "initializer_range": INIT_STD,
             "tie_word_embeddings": self.tie_embeddings,
             "attention_bias": False,
+            "attention_dropout": 0.0,
             "mlp_bias": False,
             "use_cache": False,
         }
-        return LlamaConfig(**kwargs)
+
+    def to_hf_config(self) -> Any:
+        """The equivalent `transformers.LlamaConfig` (returned as Any: transformers' stubs vary)."""
+        from dipaco.hf import transformers
+
+        return transformers().LlamaConfig.from_dict(self.hf_config())
 
 
 PathPart = Literal["embeddings", "final_norm", "lm_head"]

@@ -2,7 +2,7 @@
 
 A path directory holds:
 
-    config.json             transformers' LlamaConfig (RunConfig.model.to_hf_config())
+    config.json             transformers' LlamaConfig (RunConfig.model.hf_config())
     generation_config.json  the separator as BOS/EOS/PAD, sampling defaults
     model.safetensors       the path's modules assembled, fp32
     tokenizer.json, tokenizer_config.json, special_tokens_map.json
@@ -120,30 +120,32 @@ def _json_bytes(value: Any) -> bytes:
 
 def hf_config_json(config: RunConfig, separator_id: int) -> bytes:
     """config.json: the run's LlamaConfig, ready for inference (KV cache on, fp32)."""
-    hf = config.model.to_hf_config()
-    hf.architectures = ["LlamaForCausalLM"]
-    hf.bos_token_id = hf.eos_token_id = hf.pad_token_id = separator_id
-    hf.use_cache = True  # the training config turns it off; generation wants it
-    hf.dtype = "float32"
-    raw = json.loads(hf.to_json_string())
-    raw.setdefault("rope_theta", config.model.rope_theta)  # transformers 4.x reads this key
+    raw = {
+        **config.model.hf_config(),
+        "bos_token_id": separator_id,
+        "eos_token_id": separator_id,
+        "pad_token_id": separator_id,
+        "use_cache": True,  # the training config turns it off; generation wants it
+        "dtype": "float32",  # transformers 5; 4.x reads torch_dtype
+        "torch_dtype": "float32",
+    }
     return _json_bytes(raw)
 
 
 def generation_config_json(separator_id: int) -> bytes:
-    """generation_config.json: stop at the document separator; sample by default."""
-    from transformers import GenerationConfig
-
-    generation = GenerationConfig(
-        bos_token_id=separator_id,
-        eos_token_id=separator_id,
-        pad_token_id=separator_id,
-        do_sample=True,
-        temperature=TEMPERATURE,
-        top_k=TOP_K,
-        max_new_tokens=MAX_NEW_TOKENS,
+    """generation_config.json (transformers' GenerationConfig): stop at the document
+    separator; sample by default."""
+    return _json_bytes(
+        {
+            "bos_token_id": separator_id,
+            "eos_token_id": separator_id,
+            "pad_token_id": separator_id,
+            "do_sample": True,
+            "temperature": TEMPERATURE,
+            "top_k": TOP_K,
+            "max_new_tokens": MAX_NEW_TOKENS,
+        }
     )
-    return _json_bytes(json.loads(generation.to_json_string()))
 
 
 def tokenizer_files(tokenizer_json: bytes) -> tuple[dict[str, bytes], int]:
@@ -173,12 +175,14 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 def open_path_dir(directory: str | os.PathLike[str], *, device: str = "cpu") -> tuple[Any, Any]:
     """(model, tokenizer) of a path directory through transformers' Auto classes, offline."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model: Any = AutoModelForCausalLM.from_pretrained(
+    from dipaco.hf import transformers
+
+    hf = transformers()
+    model: Any = hf.AutoModelForCausalLM.from_pretrained(
         str(directory), dtype=torch.float32, local_files_only=True
     )
-    tokenizer = AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
+    tokenizer = hf.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     return model.to(device).eval(), tokenizer
 
 

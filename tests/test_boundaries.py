@@ -150,3 +150,33 @@ def test_the_servers_urls_and_celery_app_load_without_torch() -> None:
         [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
     )
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_server_process_trains_scores_and_steps_paths_without_importing_transformers() -> None:
+    """What gunicorn preloads and what a Celery worker imports before its pool forks, then
+    a path built, scored and trained a step: transformers (seconds of CPU per process) is
+    not among them; only the consumers of a downloaded path import it (dipaco.hf)."""
+    script = (
+        "import sys, django\n"
+        "django.setup()\n"
+        "from dipaco_server.core.preload import import_heavy_libraries\n"
+        "import_heavy_libraries()\n"
+        "import dipaco_server.rounds.tasks as tasks\n"
+        "tasks.preload()\n"
+        "import torch\n"
+        "from dipaco.config import RunConfig\n"
+        "from dipaco.inference import generation_config_json, hf_config_json\n"
+        "from dipaco.model import build_model\n"
+        "config = RunConfig.tiny()\n"
+        "model = build_model(config.model, 0)\n"
+        "ids = torch.zeros((1, 8), dtype=torch.long)\n"
+        "model(ids).logits.sum().backward()\n"
+        "hf_config_json(config, 0), generation_config_json(0)\n"
+        "print('LOADED', 'transformers' in sys.modules, 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "DJANGO_SETTINGS_MODULE": "dipaco_server.settings"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "LOADED False True" in done.stdout, done.stdout + done.stderr

@@ -61,6 +61,10 @@ def test_a_tied_path_written_here_opens_with_transformers_and_gives_the_library_
     model, tokenizer = open_path_dir(tmp_path)
     assert model.config.tie_word_embeddings and model.config.rope_parameters["rope_theta"] == 5000
     assert tokenizer.eos_token_id == separator_id == model.generation_config.eos_token_id
+    generation = model.generation_config  # written without transformers: read back by it
+    assert (generation.do_sample, generation.top_k, generation.max_new_tokens) == (True, 50, 128)
+    assert (model.config.num_key_value_heads, model.config.rms_norm_eps) == (1, 1e-5)
+    assert model.config.use_cache and model.dtype == torch.float32
     reference = build_model(config.model, 0)
     reference.load_state_dict(assemble_path_state(config, 1, modules))
     ids = torch.tensor([[separator_id, *t.tokenizer.encode("ship wave tide")]])  # (1, T)
@@ -113,3 +117,52 @@ def test_the_zip_stream_is_a_valid_archive_and_the_same_for_the_same_files() -> 
 def test_the_zip_stream_refuses_an_entry_shorter_than_announced() -> None:
     with pytest.raises(ValueError, match="expected 10 bytes, read 2"):
         list(stream_zip([ZipEntry("x", 10, lambda: iter([b"ab"]))]))
+
+
+@pytest.mark.parametrize(("tied", "kv_heads"), [(False, 2), (True, 1)])
+def test_the_path_model_is_transformers_llama_name_for_name_and_logit_for_logit(
+    tied: bool, kv_heads: int
+) -> None:
+    """dipaco.model is plain torch; a path must still be transformers' LlamaForCausalLM:
+    the same state-dict names and shapes, the same logits, the same body output, and with
+    right padding (the router's featurizer) the same last hidden state."""
+    from transformers import LlamaForCausalLM
+
+    from dipaco.model import state_shapes
+
+    config = _tied_config(300).model.model_copy(
+        update={"tie_embeddings": tied, "num_kv_heads": kv_heads}
+    )
+    ours = build_model(config, seed=5).eval()
+    theirs = LlamaForCausalLM(config.to_hf_config()).eval()
+    expected = {name: tuple(t.shape) for name, t in theirs.state_dict().items()}
+    assert state_shapes(config) == expected
+    assert {name: tuple(t.shape) for name, t in ours.state_dict().items()} == expected
+    theirs.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 300, (3, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, 9:] = 0  # right padding
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids).logits, theirs(input_ids=ids).logits)
+        torch.testing.assert_close(
+            ours.model(input_ids=ids).last_hidden_state,
+            theirs.model(input_ids=ids).last_hidden_state,
+        )
+        a = ours(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        b = theirs(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+        assert a is not None and len(a) == len(b) == config.num_layers + 1
+        torch.testing.assert_close(a[-1], b[-1])
+    assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == tied
+
+
+def test_the_same_seed_builds_the_same_path_model_and_leaves_the_global_rng_alone() -> None:
+    config = _tied_config(300).model
+    before = torch.random.get_rng_state()
+    a, b, c = build_model(config, 1), build_model(config, 1), build_model(config, 2)
+    assert torch.equal(torch.random.get_rng_state(), before)
+    for name, tensor in a.state_dict().items():
+        assert torch.equal(tensor, b.state_dict()[name]), name
+    weight = "model.layers.0.mlp.up_proj.weight"
+    assert not torch.equal(a.state_dict()[weight], c.state_dict()[weight])
+    assert abs(float(a.state_dict()[weight].std()) - 0.02) < 0.002  # transformers' init
+    assert torch.equal(a.state_dict()["model.norm.weight"], torch.ones(config.hidden_size))

@@ -124,9 +124,9 @@ class RunTokenizer:
             return cls(Tokenizer.from_file(str(file)), separator)
         if not path.is_dir():
             raise FileNotFoundError(f"no tokenizer at {path}; pass a directory with tokenizer.json")
-        from transformers import AutoTokenizer  # only for foreign formats: slow import
+        from dipaco.hf import transformers  # only for foreign formats: slow import
 
-        hf = AutoTokenizer.from_pretrained(str(path))
+        hf = transformers().AutoTokenizer.from_pretrained(str(path))
         if hf.eos_token is None or not hasattr(hf, "backend_tokenizer"):
             raise ValueError(f"tokenizer at {path} has no fast backend with an EOS token")
         return cls(hf.backend_tokenizer, str(hf.eos_token))

@@ -10,8 +10,7 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dipaco_server.settings")
 
 application = get_wsgi_application()
 
-# torch and transformers now, before the first request (not lazily inside one, where
-# transformers' lazy imports race between a gthread worker's threads).
+# torch and the modules that use it now, before the first request (not inside one).
 from dipaco_server.core.preload import import_heavy_libraries  # noqa: E402
 
 import_heavy_libraries()
