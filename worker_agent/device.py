@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from worker_agent.errors import UsageError
 
@@ -122,7 +123,8 @@ def speed_probe(device: torch.device, seconds: float = 1.0) -> float:
     batch = torch.randint(0, cfg.vocab_size, (4, cfg.seq_len), generator=generator).to(device)
 
     def step() -> None:
-        loss = model(input_ids=batch, labels=batch).loss
+        logits = model(batch).logits[:, :-1]  # next-token cross-entropy
+        loss = F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
