@@ -162,6 +162,7 @@ class PathModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
+        self.config = cfg  # `.hidden_size`, `.vocab_size` as on transformers' config
         self.model = Body(cfg)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
