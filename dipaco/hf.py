@@ -5,8 +5,9 @@ serve paths never import transformers; only the consumers of a downloaded path d
 Auto classes, a foreign tokenizer, the LlamaConfig object). transformers resolves its names
 lazily, and that first resolution is not thread-safe: two threads of a gthread gunicorn
 worker touching a name first can see ``ImportError: cannot import name 'LlamaConfig'``.
-`transformers()` imports the package and resolves every name the project uses under one
-lock, so later lookups only read attributes.
+`transformers()` imports the package and resolves, under one lock, the names the project
+uses and those the Auto classes reach when they open a path, so later lookups only read
+attributes.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ NAMES = (
     "LlamaConfig",
     "LlamaForCausalLM",
     "PreTrainedTokenizerFast",
-    "TextStreamer",
 )
 _lock = threading.Lock()
 _module: Any = None

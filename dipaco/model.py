@@ -142,12 +142,13 @@ class Body(nn.Module):
             causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
             mask = causal[None, None] & attention_mask.bool()[:, None, None, :]  # (B, 1, T, T)
             mask = mask | ~mask.any(dim=-1, keepdim=True)
-        hidden = [x]
+        hidden = [x] if output_hidden_states else None  # kept only when asked for
         for block in self.layers:
             x = block(x, cos, sin, mask)
-            hidden.append(x)
+            if hidden is not None:
+                hidden.append(x)
         x = self.norm(x)
-        if not output_hidden_states:
+        if hidden is None:
             return BodyOutput(x)
         hidden[-1] = x  # as transformers reports it: the last entry is the normed output
         return BodyOutput(x, tuple(hidden))
