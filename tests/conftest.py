@@ -42,6 +42,20 @@ from urllib.parse import urlsplit, urlunsplit
 import hypothesis
 import pytest
 
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE_FILE = ROOT / "docker-compose.yml"
+VENV_BIN = Path(sys.executable).parent
+CI = os.environ.get("CI", "").lower() == "true"
+
+# One intra-op thread per torch process: the suite runs two pytest workers and, beside
+# them, the servers, Celery workers and volunteers they start, all on a few cores. torch's
+# default (a thread per core in every process) made those threads wait on each other: on two
+# cores, scoring a micro model's validation sample took 11 s of CPU with two threads and
+# 1.5 s with one. Set here, before anything imports torch, so the pytest workers and every
+# process they start (their environment is this one's) inherit it; a test that wants more
+# threads asks torch for them. Already set (a developer's own value) is kept.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # A GPU machine may hold only the worker's dependencies (a CUDA torch, transformers,
 # pydantic...): bench/gpu_check.sh runs the tests that need no server there. Without the
 # server's packages nothing below touches Django, PostgreSQL or Redis; under CI=true they
@@ -50,11 +64,6 @@ SERVER = all(
     importlib.util.find_spec(name) is not None
     for name in ("django", "pytest_django", "psycopg", "dipaco_server")
 )
-
-ROOT = Path(__file__).resolve().parent.parent
-COMPOSE_FILE = ROOT / "docker-compose.yml"
-VENV_BIN = Path(sys.executable).parent
-CI = os.environ.get("CI", "").lower() == "true"
 
 # The fuzz tests (hypothesis, and schemathesis on top of it) explore new examples on every
 # developer run; under CI they replay the same derandomised examples, so a submission

@@ -108,3 +108,24 @@ def test_the_health_check_names_the_embedded_broker_and_finds_its_folder_missing
     options = {**transport["broker_transport_options"], "data_folder_out": str(missing)}
     monkeypatch.setitem(app.conf, "broker_transport_options", options)
     assert check_broker() == Check(False, f"filesystem: {missing} is not writable")
+
+
+def test_each_pool_process_gets_its_share_of_the_cores_unless_the_operator_chose(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from types import SimpleNamespace
+
+    from dipaco_server.celery import pool_threads, share_cores_between_pool_processes
+
+    assert [pool_threads(8, n) for n in (1, 2, 3, 8, 16)] == [8, 4, 2, 1, 1]
+    assert pool_threads(1, 0) == 1
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    share_cores_between_pool_processes(SimpleNamespace(concurrency=1))
+    assert os.environ["OMP_NUM_THREADS"] == str(cpus), "one process: every core"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    share_cores_between_pool_processes(SimpleNamespace(concurrency="auto"))
+    assert os.environ["OMP_NUM_THREADS"] == "1", "auto: a process per core, a thread each"
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    share_cores_between_pool_processes(SimpleNamespace(concurrency=cpus * 4))
+    assert os.environ["OMP_NUM_THREADS"] == "3", "the operator's own value is kept"
