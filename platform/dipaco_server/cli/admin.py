@@ -123,6 +123,11 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
         help="e.g. 30m, 12h, 7d, 2w or never (default: 7d)",
     )
     enroll_parser.add_argument("--label", default="", help="who or what it is for")
+    enroll_parser.add_argument(
+        "--trusted",
+        action="store_true",
+        help="for your own machines: its workers skip probation and referee first rounds",
+    )
     enroll_parser.set_defaults(handler=enroll)
 
 
@@ -280,11 +285,12 @@ def enroll(args: argparse.Namespace) -> int:
     from dipaco_server.workers.services import create_enrollment_token
 
     row, plaintext = create_enrollment_token(
-        label=args.label, max_uses=args.uses, expires_in=args.expires
+        label=args.label, max_uses=args.uses, expires_in=args.expires, trusted=args.trusted
     )
     uses = "unlimited uses" if row.max_uses is None else f"{row.max_uses} use(s)"
     until = f"until {row.expires_at:%Y-%m-%d %H:%M} UTC" if row.expires_at else "never expires"
-    _say(f"enrollment token {row.pk}: {uses}, {until}; it is shown once:")
+    trusted = ", trusted (no probation)" if row.trusted else ""
+    _say(f"enrollment token {row.pk}: {uses}, {until}{trusted}; it is shown once:")
     print(plaintext, flush=True)
     return 0
 
