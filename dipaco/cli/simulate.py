@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dipaco.cli.command import Command
 from dipaco.codecs.registry import CODECS
 
 DESCRIPTION = """\
@@ -74,18 +75,6 @@ DEFAULT_VAL_FRACTION = 0.05  # DataConfig's 0.01 is for full corpora; a sample n
 # bench's 300 (bench/quality.py), for a first run of the default that ends sooner.
 DEFAULT_BASE_STEPS = 200
 ROUTERS = ("base-lm", "tfidf")
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "simulate",
-        help="train DiPaCo/DiLoCo in one process and compare with baselines",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def _paths(text: str) -> tuple[int, int]:
@@ -314,16 +303,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run without the `dipaco` dispatcher: python -m dipaco.cli.simulate ..."""
-    parser = argparse.ArgumentParser(
-        prog="dipaco simulate",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+COMMAND = Command(
+    "simulate",
+    "train DiPaCo/DiLoCo in one process and compare with baselines",
+    DESCRIPTION,
+    add_arguments,
+    run,
+    epilog=EPILOG,
+)
+register = COMMAND.register
+# python -m dipaco.cli.simulate ...: without the `dipaco` dispatcher
+main = COMMAND.main
 
 
 if __name__ == "__main__":
