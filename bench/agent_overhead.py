@@ -78,9 +78,6 @@ from rich.table import Table
 
 from dipaco.config import (
     GiB,
-    InnerConfig,
-    LayoutConfig,
-    ModelConfig,
     OuterConfig,
     RunConfig,
 )
@@ -111,12 +108,9 @@ def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
                                "grad_accum_steps": accum, "warmup_steps": 2},
         )  # fmt: skip
     if name == "150m":  # the papers' 150M path: 12 blocks of width 896, sequences of 1024
-        return RunConfig(
-            rounds=100,
-            model=ModelConfig(),
-            layout=LayoutConfig.grid(12, 2, 2),
-            inner=InnerConfig(steps=steps, micro_batch_size=micro or 8, grad_accum_steps=accum,
-                              warmup_steps=2),
+        return RunConfig.paper_150m(
+            inner={"steps": steps, "micro_batch_size": micro or 8, "grad_accum_steps": accum,
+                   "warmup_steps": 2},
         )  # fmt: skip
     raise SystemExit(f"unknown preset {name!r}: tiny or 150m")
 

@@ -63,6 +63,8 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         "hidden_size": 256, "num_layers": 6, "num_heads": 8, "num_kv_heads": 4,
         "intermediate_size": 704, "vocab_size": 8192, "seq_len": 256,
     },
+    # The papers' 150M path (RunConfig.paper_150m's model and 2x2 grid): a GPU's size.
+    "150m": {"preset": "paper_150m"},
 }  # fmt: skip
 DILOCO_REPLICAS = 4
 # dipaco.simulate.baselines.BASELINES, named here so --help needs no torch import
@@ -217,7 +219,9 @@ def build_config(args: argparse.Namespace) -> Any:
             data={"val_fraction": DEFAULT_VAL_FRACTION},
             router={"featurizer": "base-lm"},  # the paper's recipe
         ).model_dump(mode="json")
-    if args.model_size is not None:
+    if args.model_size == "150m":
+        base["model"] = RunConfig.paper_150m().model.model_dump(mode="json")
+    elif args.model_size is not None:
         base["model"] = {
             **RunConfig.tiny().model.model_dump(mode="json"),
             **MODEL_SIZES[args.model_size],
