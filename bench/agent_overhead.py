@@ -46,7 +46,7 @@ steps) on loopback, a tiny 2x2-path run prepared by the server's own `prepare_ru
 rounds. Utilisation is the worker's training seconds (the sum of its units'
 ``train_seconds``) over the wall seconds from its first lease to its last completion;
 the rest is fetching, encoding, uploading, completing, and waiting for outer steps
-(goal >= 0.97, issue 20). ``--overlap delayed`` runs it with one-step-delayed outer steps
+(goal >= 0.97: a volunteer's GPU trains almost all the time). ``--overlap delayed`` runs it with one-step-delayed outer steps
 (outer.overlap): the next round opens as soon as one closes, so the worker does not wait
 for outer steps; its quality cost is bench/overlap_quality.py's. ``--overlap eager`` adds
 the eager correction: each unit of an overlapped round waits at step ceil(0.1 H) for the
@@ -78,9 +78,6 @@ from rich.table import Table
 
 from dipaco.config import (
     GiB,
-    InnerConfig,
-    LayoutConfig,
-    ModelConfig,
     OuterConfig,
     RunConfig,
 )
@@ -111,12 +108,9 @@ def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
                                "grad_accum_steps": accum, "warmup_steps": 2},
         )  # fmt: skip
     if name == "150m":  # the papers' 150M path: 12 blocks of width 896, sequences of 1024
-        return RunConfig(
-            rounds=100,
-            model=ModelConfig(),
-            layout=LayoutConfig.grid(12, 2, 2),
-            inner=InnerConfig(steps=steps, micro_batch_size=micro or 8, grad_accum_steps=accum,
-                              warmup_steps=2),
+        return RunConfig.paper_150m(
+            inner={"steps": steps, "micro_batch_size": micro or 8, "grad_accum_steps": accum,
+                   "warmup_steps": 2},
         )  # fmt: skip
     raise SystemExit(f"unknown preset {name!r}: tiny or 150m")
 

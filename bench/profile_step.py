@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
-from dipaco.config import InnerConfig, LayoutConfig, ModelConfig, RunConfig
+from dipaco.config import RunConfig
 from dipaco.data.windows import ShardSource
 from dipaco.inner import InMemoryTokenSource, ResidentTrainer, UnitWork, fit_micro_batch
 from dipaco.modular import init_modules
@@ -38,8 +38,7 @@ def preset(name: str, batch: int, steps: int) -> RunConfig:
     if name == "tiny":
         return RunConfig.tiny(rounds=10, inner={**inner, "warmup_steps": 1})
     if name == "150m":
-        return RunConfig(rounds=10, model=ModelConfig(), layout=LayoutConfig.grid(12, 2, 2),
-                         inner=InnerConfig(**inner, warmup_steps=1))  # fmt: skip
+        return RunConfig.paper_150m(rounds=10, inner={**inner, "warmup_steps": 1})
     raise SystemExit(f"unknown preset {name!r}: tiny or 150m")
 
 

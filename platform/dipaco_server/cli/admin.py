@@ -24,6 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from dipaco.cli.command import Command
+
 DESCRIPTION = """\
 Manage who may use this dipaco server:
   createuser NAME        a user (add --staff for the admin API)
@@ -70,18 +72,6 @@ def parse_uses(text: str) -> int | None:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: use a count of at least 1, or unlimited")
     return int(text)
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "admin",
-        help="manage users, admin API tokens and enrollment tokens",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_commands(parser)
-    parser.set_defaults(func=run)
 
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
@@ -349,17 +339,17 @@ def run(args: argparse.Namespace) -> int:
     return int(code or 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dipaco_server.cli.admin ...``: the same commands without the ``dipaco`` wrapper."""
-    parser = argparse.ArgumentParser(
-        prog="dipaco admin",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_commands(parser)
-    args = parser.parse_args(argv)
-    return run(args)
+COMMAND = Command(
+    "admin",
+    "manage users, admin API tokens and enrollment tokens",
+    DESCRIPTION,
+    add_commands,
+    run,
+    epilog=EPILOG,
+)
+register = COMMAND.register
+# python -m dipaco_server.cli.admin ...: the same commands without the `dipaco` wrapper
+main = COMMAND.main
 
 
 if __name__ == "__main__":
