@@ -46,7 +46,7 @@ from dipaco_server.runs import keys, phases
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.services import transition
-from dipaco_server.runs.sources import check_source
+from dipaco_server.runs.sources import check_source, s3_options
 from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 
@@ -266,7 +266,8 @@ def prepare_dataset(dataset: Dataset) -> Dataset:
     check_source(dataset.source)  # the roots may have changed since it was created
     stats = CorpusStats()
     report_progress(dataset, "corpus", 0, 1, f"reading {dataset.source}")
-    for count, _ in enumerate(iter_corpus(dataset.source, stats), start=1):
+    docs = iter_corpus(dataset.source, stats, text_field=dataset.text_field, s3=s3_options())
+    for count, _ in enumerate(docs, start=1):
         if count % DATASET_PROGRESS_EVERY == 0:
             report_progress(dataset, "corpus", 0, 1, f"{count} documents read")
     if stats.documents == 0:
@@ -274,14 +275,7 @@ def prepare_dataset(dataset: Dataset) -> Dataset:
             f"corpus {dataset.source!r} holds no readable text ({stats.files} files, "
             f"skipped {dict(stats.skipped)}); point the dataset at text files or a .jsonl"
         )
-    dataset.stats = {
-        "files": stats.files,
-        "documents": stats.documents,
-        "chars": stats.chars,
-        "ignored": stats.ignored,
-        "skipped": dict(stats.skipped),
-        "skipped_examples": stats.skipped_examples,
-    }
+    dataset.stats = stats.to_json()
     dataset.state = Dataset.State.READY
     Dataset.objects.filter(pk=dataset.pk).update(
         stats=dataset.stats, state=dataset.state, updated_at=timezone.now()
