@@ -315,8 +315,7 @@ def test_the_whole_celery_worker_killed_mid_outer_step_is_replaced_and_the_round
             """This run's outer steps in kombu's unacked hash (earlier tests share Redis)."""
             mine = f"({run_id}, ".encode()
             return sum(
-                b"rounds.tasks.outer_step" in raw and mine in raw
-                for raw in broker.hvals("unacked")
+                b"rounds.tasks.outer_step" in raw and mine in raw for raw in broker.hvals("unacked")
             )
 
         wait_until(mid_step, "round 0's outer steps", timeout=120)
