@@ -20,7 +20,7 @@ Reported per attack, over every seed: the final routed validation loss ÷ that o
 clean run with the same seed (`ratio`: per seed, mean and spread), the tokens credited to
 the attacker(s) and the tokens they claimed, and the honest workers' rejected
 contributions. `clean_vs_unverified` is the clean run ÷ the same run with verification
-switched off (outer.verify false, plain mean: the platform before issue 19). `overhead` is
+switched off (outer.verify false, plain mean: the platform before it screened Δs). `overhead` is
 the verification's CPU seconds per contribution ÷ the worker's training seconds for a unit.
 
 Attacks: sign flip (a plausible norm, from round 0); scaled x10, x1e3 and to the fp16

@@ -79,7 +79,7 @@ GOALS: dict[str, tuple[float | None, float]] = {
     "platform_vs_simulate": (0.98, 1.02),
 }
 # RunConfig.capacity() exists to show DiPaCo's claim: at least as good as the dense
-# path-size model on the same tokens (issue 35), where tiny's shared embedding cannot.
+# path-size model on the same tokens (the paper's claim), where tiny's shared embedding cannot.
 CAPACITY_GOALS = {**GOALS, "dipaco_vs_dense_equal_tokens": (None, 1.00)}
 LABELS = {
     "dipaco_vs_dense_equal_steps": "DiPaCo / dense, equal steps",

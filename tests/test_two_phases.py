@@ -40,7 +40,7 @@ from dipaco_server.accounts.services import create_api_token, create_user
 from dipaco_server.env import celery_transport
 from dipaco_server.inference.card import model_card
 from dipaco_server.inference.routing import route_text
-from dipaco_server.inference.services import Selection
+from dipaco_server.inference.selection import Selection
 from dipaco_server.rounds.lifecycle.close import mark_round_closed, mark_round_closing
 from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.lifecycle.tasks import PREPARING_PHASE2, advance_run, close_ready_rounds

@@ -263,13 +263,18 @@ def test_a_path_that_cannot_be_scored_is_looked_up_once_per_step_not_once_per_de
     missing = keys.data_key(run.pk, 0, "val", phase)
     store.delete(missing)
     fetched: list[str] = []
-    download_to = type(store).download_to
+    download_to, size = type(store).download_to, type(store).size
 
     def counting(self: Any, key: str, path: Any) -> None:
         fetched.append(key)
         download_to(self, key, path)
 
+    def sizing(self: Any, key: str) -> int:  # a shard read by ranges asks its size first
+        fetched.append(key)
+        return size(self, key)
+
     monkeypatch.setattr(type(store), "download_to", counting)
+    monkeypatch.setattr(type(store), "size", sizing)
     assert mark_round_closing(Round.objects.get(run=run, t=0))
     step_module(run.pk, "0.0", 0)
 
@@ -390,7 +395,9 @@ def test_a_worker_sees_each_rejection_and_its_reason_over_the_api(work: Path) ->
 def test_retention_deletes_exactly_the_old_uploads_and_versions_and_downloads_still_work(
     work: Path, settings: Any
 ) -> None:
-    from dipaco_server.inference.services import ensure_model_blob, select
+    # Only this test reads what a download serves.
+    from dipaco_server.inference.selection import select
+    from dipaco_server.inference.services import ensure_model_blob
 
     settings.DIPACO_RETENTION_ROUNDS = 0
     settings.DIPACO_RETENTION_VERSIONS = 2

@@ -24,7 +24,6 @@ dipaco.outer.round_momentum (none in the first round from the base model).
 
 from __future__ import annotations
 
-import math
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping
@@ -34,7 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from dipaco import codecs
-from dipaco.config import RunConfig
+from dipaco.config import RunConfig, eager_rebase_step
 from dipaco.data.windows import path_seed, unit_start
 from dipaco.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
 from dipaco.inner import InnerState, PathTrainer, StepMetrics, path_shift, train_path
@@ -186,7 +185,7 @@ def _eager(
     ceil(eager_at x H), the shift from the version it trained from to the newest one."""
     if eager_at is None or old is new:
         return None
-    at = max(1, math.ceil(eager_at * config.inner.steps))
+    at = eager_rebase_step(eager_at, config.inner.steps)
 
     def rebase(step: int) -> dict[str, Tensor] | None:
         if step != at:

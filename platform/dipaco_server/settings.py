@@ -187,7 +187,7 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "task": "dipaco_server.rounds.tasks.close_ready_rounds",
         "schedule": 30.0,
     },
-    # Uploads and module versions past retention (rounds.lifecycle.retention, issue 19).
+    # Uploads and module versions past retention (rounds.lifecycle.retention): the store stays bounded.
     "sweep-blobs": {"task": "dipaco_server.rounds.tasks.sweep_blobs", "schedule": 600.0},
 }
 

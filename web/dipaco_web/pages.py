@@ -34,11 +34,12 @@ from dipaco_server.audit.services import client_address
 from dipaco_server.errors import ServiceError
 from dipaco_server.inference import card, routing
 from dipaco_server.inference import services as inference
-from dipaco_server.inference.services import Selection
+from dipaco_server.inference.selection import Selection
 from dipaco_server.rounds.models import Contribution, Lease
 from dipaco_server.runs.models import MetricPoint, Path, Run
 from dipaco_server.runs.phases import PATHS
 from dipaco_server.storage import get_blob_store
+from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 from dipaco_web import queries
 from dipaco_web.numbering import charts_for_people
@@ -94,7 +95,7 @@ def worker_context(worker: Worker) -> dict[str, Any]:
             round=lease.unit.round.t,
             path=lease.unit.path.index,
             tokens=tokens.get(lease.pk, 0),
-            # 0: granted before units were sized (issue 20), meaning the run's H
+            # 0: granted before units were sized to the worker's speed, meaning the run's H
             steps=lease.steps or lease.unit.round.run.run_config.inner.steps,
             size_reason=lease.size_reason,
             accepted=verdicts.get(lease.pk, {}).get(queries.ACCEPTED, 0),
@@ -122,6 +123,21 @@ def worker_context(worker: Worker) -> dict[str, Any]:
         "credit_tokens": worker.tokens_processed,
         "trust": worker.trust,
         "replicas": (worker.replicas_agreed, worker.replicas_disagreed),
+        # workers.probation: trust is earned by agreement with several distinct partners
+        "standing": _standing(worker),
+    }
+
+
+def _standing(worker: Worker) -> dict[str, Any]:
+    partners, as_original, as_check = probation.probation_progress(worker.partners)
+    return {
+        "probation": worker.probation,
+        "operator_trusted": worker.operator_trusted,
+        "partners": partners,
+        "needed": trust.partners_needed(),
+        "roles": (as_original, as_check),
+        "audits": worker.audits,
+        "rate": trust.replication_rate(worker),
     }
 
 

@@ -1,4 +1,4 @@
-"""The blob store interface and the factory that builds the configured one.
+"""The blob store interface (the factory that builds the configured one is factory.py).
 
 Two backends implement `BlobStore` and pass the same contract suite
 (tests/test_blobstore_contract.py): `S3BlobStore` (any S3-compatible
@@ -55,7 +55,7 @@ class BlobStore(abc.ABC):
     """Flat key → bytes storage with presigned URLs for workers."""
 
     # Whether a presigned PUT's max_bytes is enforced by the store itself. Workers are
-    # handed a PUT only where it is (issue 19); everywhere else they POST a form whose
+    # handed a PUT only where it is (an unbounded PUT could fill the store); everywhere else they POST a form whose
     # signed policy carries content-length-range.
     bounds_put: bool = False
 
@@ -76,6 +76,12 @@ class BlobStore(abc.ABC):
     def get_bytes(self, key: str) -> bytes:
         with self.open(key) as stream:
             return stream.read()
+
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the blob, cut at its end (a start past it gives b"");
+        raises BlobNotFound, and ValueError for a negative start or an end before it. The
+        server reads windows of a shard this way, never the whole shard (dipaco.data.ranged)."""
 
     def iter_chunks(self, key: str, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
         """The blob in chunks. Raises BlobNotFound here, not on the first `next()`."""
@@ -132,6 +138,12 @@ def write_atomically(stream: BinaryIO, path: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+def check_range(start: int, end: int) -> None:
+    """Shared argument checks for ranged reads, so both backends refuse the same things."""
+    if not isinstance(start, int) or not isinstance(end, int) or start < 0 or end < start:
+        raise ValueError(f"a byte range needs 0 <= start <= end, got [{start!r}, {end!r})")
+
+
 def check_presign_args(key: str, expires_s: int, max_bytes: int | None = None) -> None:
     """Shared argument checks for presigned URLs, so both backends refuse the same things."""
     validate_key(key)
@@ -141,51 +153,4 @@ def check_presign_args(key: str, expires_s: int, max_bytes: int | None = None) -
         raise ValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
 
 
-def get_blob_store() -> BlobStore:
-    """The store named by `settings.DIPACO_BLOB_STORE` (cached per configuration)."""
-    from django.conf import settings
-
-    config = settings.DIPACO_BLOB_STORE
-    public_url = getattr(settings, "DIPACO_PUBLIC_URL", "http://127.0.0.1:8000")
-    frozen = tuple(sorted((str(k), str(v)) for k, v in config.items()))
-    cache_key = (frozen, public_url, settings.SECRET_KEY)
-    store = _STORES.get(cache_key)
-    if store is None:
-        store = build_blob_store(config, public_url=public_url, secret=settings.SECRET_KEY)
-        _STORES.clear()  # a new configuration (tests override settings); drop the old ones
-        _STORES[cache_key] = store
-    return store
-
-
-_STORES: dict[object, BlobStore] = {}
-
-
-def build_blob_store(config: dict[str, object], *, public_url: str, secret: str) -> BlobStore:
-    """Build a store from a DIPACO_BLOB_STORE-shaped dict (see settings)."""
-    from django.core.exceptions import ImproperlyConfigured
-
-    backend = config.get("backend")
-    if backend == "local":
-        from .local import LocalBlobStore
-
-        return LocalBlobStore(Path(str(config["root"])), public_url=public_url, secret=secret)
-    if backend == "s3":
-        from .s3 import S3BlobStore
-
-        missing = [k for k in ("bucket",) if not config.get(k)]
-        if missing:
-            raise ImproperlyConfigured(f"DIPACO_BLOB_STORE for s3 needs {', '.join(missing)}")
-        return S3BlobStore.from_config(config)
-    raise ImproperlyConfigured(
-        f"DIPACO_BLOB_STORE backend is {backend!r}; use 'local' (a directory) or 's3'"
-    )
-
-
-__all__ = [
-    "BlobStore",
-    "BlobStoreError",
-    "PresignedPost",
-    "build_blob_store",
-    "check_presign_args",
-    "get_blob_store",
-]
+__all__ = ["BlobStore", "BlobStoreError", "PresignedPost", "check_presign_args", "check_range"]

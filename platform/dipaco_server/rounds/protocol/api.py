@@ -66,7 +66,7 @@ from dipaco_server.rounds.signals import lease_completed
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
-from dipaco_server.runs.prepare import data_index_key, work_root
+from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
 from dipaco_server.workers.auth import current_worker, worker_auth
@@ -250,7 +250,6 @@ def manifest(
         seed=path_seed(config, unit.path.index),
         first=unit.data_position,
         count=unit.data_windows,
-        work=work_root(),
     )
     Lease.objects.filter(pk=lease.pk).update(download_bytes=sent)
     return {
