@@ -425,7 +425,7 @@ class Run:
         for e, other, signed in ((*pair, sketch), (pair[1], pair[0], -sketch)):
             past = self.replica_past[(e.unit.worker, module_id)]
             sides.append((e.unit.worker, signed,
-                          [s for partner, check, s in past  # other workers, other role
+                          [(partner, s) for partner, check, s in past  # others, other role
                            if partner != other.unit.worker and check != (e is pair[1])]))  # fmt: skip
             kept.append((past, other.unit.worker, e is pair[1], signed))
         for entry in kept:  # as stored, seen from the next round's step on
