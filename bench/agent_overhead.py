@@ -9,14 +9,15 @@
 Both sides train the same Llama (dipaco.model.build_model, same seed) on the same
 token window with the same batch (micro-batch x accumulation x sequence length), AdamW,
 gradient clipping and (on CUDA) bf16 autocast. The *agent* side is exactly what
-``dipaco-worker`` runs for a unit: worker_agent.trainer.train_unit on the agent's resident
-trainer (dipaco.inner.PathTrainer, built and compiled once and kept across units) over the
+``dipaco-worker`` runs for a unit: the agent's resident trainer (dipaco.inner.ResidentTrainer:
+a PathTrainer built and compiled once and kept across units) over the
 token file (memory-mapped, as downloaded) read in the path's shuffled window order
 (dipaco.data.windows), with warm inner state from a previous unit of the same path, the
 agent's checkpoints by time (written in the background), a progress callback, the Δ split
-and its encoding. The *bare* side is the best plain loop: on CUDA nanoGPT's (compiled,
-fused AdamW, pinned non-blocking copies, no per-step sync), on the CPU the eager loop; it
-keeps no checkpoint and reads an in-memory token tensor. ``--batch`` splits a step's
+and its encoding. The *bare* side is the best plain loop: on CUDA the model, head and loss
+in one compiled function, fused AdamW, pinned non-blocking copies, no per-step sync, the
+whole batch as one micro-batch when it fits; on the CPU the eager loop; it keeps no
+checkpoint and reads an in-memory token tensor. ``--batch`` splits a step's
 sequences into micro-batches as the worker fits them to the device (fit_micro_batch).
 
 Reported after one untimed warm-up run of each (``--warmup-steps``; compiling happens
@@ -27,10 +28,14 @@ which another program's load disturbs far less:
   the agent's includes its per-step callback, stop checks and data reads); the ratio is
   the overhead of the agent's inner-loop path (goal >= 0.98);
 - **unit tokens/s**: the same tokens over the agent's whole unit (weights and warm state
-  into the resident model, training, checkpoints, Δ split and encoding); it depends on H
-  and the batch, since the fixed costs are paid once per unit;
+  into the resident model, training, checkpoints, Δ split, its encoding and the path's
+  state kept; the last checkpoint is written meanwhile); it depends on H and the batch,
+  since the fixed costs are paid once per unit;
 - **MFU** of each (dipaco.flops: the PaLM FLOPs count per token and the device's dense
-  bf16 peak, both in the JSON), the per-unit **fixed cost** (seconds outside its steps),
+  bf16 peak, both in the JSON), the per-unit **fixed cost** (seconds outside its steps,
+  and by part in ``fixed_cost_parts``: loading, the first step's excess, the final
+  snapshot, Δ and moments from it, the split, encoding, saving the state, the wait for
+  the final write left after encoding, the rest),
   the **checkpoint's blocking time**, and **peak GPU memory** against
   dipaco.config.estimate_path_memory.
 
@@ -87,12 +92,20 @@ from dipaco.config import (
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource
 from dipaco.flops import flops_per_token, mfu, peak_flops
-from dipaco.inner import DEFAULT_CHECKPOINT_INTERVAL_S, PathTrainer, StepMetrics, lr_at
+from dipaco.inner import (
+    DEFAULT_CHECKPOINT_INTERVAL_S,
+    ResidentTrainer,
+    StepMetrics,
+    UnitHooks,
+    UnitWork,
+    fit_micro_batch,
+    lr_at,
+)
 from dipaco.model import build_model
 from dipaco.modular import init_modules
 from worker_agent.payload import encode_deltas
 from worker_agent.progress import Reporter
-from worker_agent.trainer import InnerStates, UnitWork, fit_micro_batch, train_unit
+from worker_agent.state import InnerStates
 
 
 def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
@@ -112,13 +125,14 @@ def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
     raise SystemExit(f"unknown preset {name!r}: tiny or 150m")
 
 
-def with_batch(config: RunConfig, batch: int, device: torch.device) -> RunConfig:
+def with_batch(config: RunConfig, batch: int, device: torch.device, compiled: bool) -> RunConfig:
     """`batch` sequences per step, split into micro-batches as the worker splits them:
-    fit_micro_batch against the device's free memory (the whole batch on the CPU)."""
+    fit_micro_batch against the device's free memory (the whole batch on the CPU), the
+    compiled loss's whole logits counted."""
     inner = config.inner.model_copy(update={"micro_batch_size": batch, "grad_accum_steps": 1})
     config = config.model_copy(update={"inner": inner})
     budget = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
-    fitted = fit_micro_batch(config, budget, device.type)
+    fitted = fit_micro_batch(config, budget, device.type, whole_logits=compiled)
     return config.model_copy(update={"inner": fitted})
 
 
@@ -151,18 +165,26 @@ def bare_loop(
 ) -> Rates:
     """Tokens/s of a plain training loop over steps 2..H: the baseline.
 
-    On CUDA the best plain loop (nanoGPT's): `torch.compile`, fused AdamW, bf16 autocast,
-    pinned non-blocking copies, no host synchronisation per step. On the CPU (compiled
-    False) the eager loop with foreach AdamW, as the library runs there."""
+    On CUDA the best plain loop (nanoGPT's and modded-nanogpt's): the model, its head and
+    the cross-entropy in one `torch.compile`d function, fused AdamW, bf16 autocast, pinned
+    non-blocking copies, no host synchronisation per step, and the whole batch as one
+    micro-batch when the device holds it (`with_batch`). On the CPU (compiled False) the
+    eager loop with AdamW's default, as the library runs there."""
     cfg, t = config.inner, config.model.seq_len
     model = build_model(config.model, config.seed, device=device).train()
-    forward = torch.compile(model) if compiled else model
+    vocab = config.model.vocab_size
+
+    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = model(input_ids=inputs).logits  # (B, T, V)
+        return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+
+    loss_fn = torch.compile(loss_of) if compiled else loss_of
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
         weight_decay=cfg.weight_decay, fused=device.type == "cuda",
     )  # fmt: skip
     autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
-    vocab, micro, sequence = config.model.vocab_size, cfg.micro_batch_size, 0
+    micro, sequence = cfg.micro_batch_size, 0
     pin = device.type == "cuda"
     started = now()
     for step in range(cfg.steps):
@@ -176,8 +198,7 @@ def bare_loop(
             rows = rows.to(device, non_blocking=True)
             sequence += micro
             with autocast:
-                logits = forward(input_ids=rows[:, :-1]).logits  # (B, T, V)
-            loss = F.cross_entropy(logits.float().reshape(-1, vocab), rows[:, 1:].reshape(-1))
+                loss = loss_fn(rows[:, :-1], rows[:, 1:])
             (loss / cfg.grad_accum_steps).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         optimizer.step()
@@ -192,8 +213,9 @@ def bare_loop(
 @dataclass
 class UnitFigures:
     inner: Rates  # tokens/s over steps 2..H
-    unit: float  # tokens/s over the whole unit: train_unit and the Δ's encoding
+    unit: float  # tokens/s over the whole unit: training, the Δ, its encoding, the state
     fixed_cost_s: float  # the unit's seconds outside its steps: before step 1, after step H
+    fixed_cost_parts: dict[str, float]  # fixed_cost_s by part (see agent_unit)
     checkpoint_block_s: float  # seconds the loop stood still for checkpoints
     checkpoints: int
     peak_memory_bytes: int
@@ -205,10 +227,12 @@ def agent_unit(
     device: torch.device,
     work: Path,
     states: InnerStates,
-    trainer: PathTrainer,
+    trainer: ResidentTrainer,
     checkpoint_interval_s: float,
 ) -> UnitFigures:
-    """One unit as dipaco-worker does it: train_unit on its resident trainer, then encode."""
+    """One unit as dipaco-worker does it: on its resident trainer, the path's warm state
+    (resident after an accepted unit of the same path), the final checkpoint written while
+    the Δ is encoded, then the state kept as an accepted completion keeps it."""
     reporter, stamps = Reporter(), []
     steps = config.inner.steps
 
@@ -223,25 +247,42 @@ def agent_unit(
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     started = time.perf_counter()
-    result, _ = train_unit(
-        unit, device=device, work_dir=work, state=states.load(1, 0, config), trainer=trainer,
-        checkpoint_interval_s=checkpoint_interval_s, on_step=on_step,
+    result, _ = trainer.train(
+        unit, work_dir=work, state=states.load(1, 0, config), hooks=UnitHooks(on_step=on_step),
+        checkpoint_interval_s=checkpoint_interval_s, finish_write=False,
     )  # fmt: skip
+    trained = time.perf_counter()
     _, state = encode_deltas(result.module_deltas, config, work / "deltas", result.state)
-    states.save(1, 0, state)  # what the agent keeps for the path's next unit
+    encoded = time.perf_counter()
+    states.save(1, 0, state)  # what the agent keeps for the path's next unit, once accepted
+    saved = time.perf_counter()
+    result.checkpoint_written()  # the agent joins it before the unit's folder goes
     sync(device)
     wall = time.perf_counter() - started
     shutil.rmtree(work)  # each unit starts clean, as the agent's work dir does
     per_step = config.inner.batch_size * config.model.seq_len
     steps_s = stamps[-1][0] - stamps[0][0]  # steps 2..H
-    training_s = steps_s * len(stamps) / max(1, len(stamps) - 1)  # and step 1 at their mean
+    step_s = steps_s / max(1, len(stamps) - 1)
+    training_s = step_s * len(stamps)  # and step 1 at their mean
+    timings = result.timings
+    parts = {
+        "load_s": timings.get("load_s", 0.0),  # weights and warm state into the resident model
+        # the first step's excess over a step (the step's start and, cold, compiling)
+        "first_step_excess_s": stamps[0][0] - started - timings.get("load_s", 0.0) - step_s,
+        "final_snapshot_s": timings.get("final_snapshot_s", 0.0),
+        "delta_and_moments_s": timings.get("delta_and_moments_s", 0.0),
+        "split_s": timings.get("split_s", 0.0),
+        "encode_s": encoded - trained,
+        "state_save_s": saved - encoded,
+        "final_write_wait_s": time.perf_counter() - saved,  # after encoding: what is left
+    }
+    parts["other_s"] = (wall - training_s) - sum(parts.values())
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     return UnitFigures(
         inner=rates(per_step * (len(stamps) - 1), stamps[0], stamps[-1]),
         unit=result.tokens / wall,
-        # lease in hand to step 1 (weights and warm state into the resident model, step 1's
-        # excess over a step) and step H to the Δ encoded (final checkpoint, split, encode)
         fixed_cost_s=wall - training_s,
+        fixed_cost_parts=parts,
         checkpoint_block_s=result.checkpoint_block_s,
         checkpoints=result.checkpoints,
         peak_memory_bytes=peak,
@@ -431,13 +472,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     compiled = device.type == "cuda" if args.compile is None else args.compile
     config = preset(args.preset, args.steps, args.micro_batch, args.accum)
     if args.batch:
-        config = with_batch(config, args.batch, device)
+        config = with_batch(config, args.batch, device, compiled)
     warm_steps = args.warmup_steps or config.inner.steps
     warm = config.model_copy(
         update={"inner": config.inner.model_copy(update={"steps": warm_steps})}
     )
     console = Console()
-    trainer = PathTrainer(config, device, compile=compiled)  # the agent's, kept across units
+    trainer = ResidentTrainer(device, compile=compiled)  # the agent's, kept across units
     with tempfile.TemporaryDirectory(prefix="agent-overhead-") as tmp:
         root = Path(tmp)
         window_path = root / "window.bin"
@@ -491,6 +532,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bare_mfu": mfu(max(b[0] for b in bare), config.model, name),
         "unit_mfu": mfu(best.unit, config.model, name),
         "fixed_cost_s": statistics.median(u.fixed_cost_s for u in units),
+        # by part, the median over the repeats of each (so they need not add up exactly)
+        "fixed_cost_parts": {
+            key: statistics.median(u.fixed_cost_parts[key] for u in units)
+            for key in units[0].fixed_cost_parts
+        },
         "checkpoint_interval_s": args.checkpoint_interval,
         "checkpoints": best.checkpoints,
         "checkpoint_block_s": statistics.median(u.checkpoint_block_s for u in units),
@@ -549,6 +595,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "inner_vs_bare": ratio,
             "unit_vs_bare": unit_ratio,
             "fixed_cost_s": figures["fixed_cost_s"],
+            "fixed_cost_parts": figures["fixed_cost_parts"],
             "checkpoint_block_s": figures["checkpoint_block_s"],
             "peak_memory_gib": figures["peak_memory_bytes"] / GiB if not cpu else None,
             "estimated_memory_gib": estimate / GiB,

@@ -28,7 +28,8 @@ from urllib.parse import urljoin, urlsplit
 
 import httpx
 
-from dipaco.inference import MODEL_FILE, RUN_FILE, sha256_file
+from dipaco.config import RunConfig
+from dipaco.inference import MODEL_FILE, RUN_FILE, open_path_dir, sha256_file, write_model_file
 from dipaco.retry import Backoff, retry
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
@@ -246,9 +247,7 @@ def _assemble(
 ) -> None:
     """model.safetensors from the module blobs, as the server builds it; the server's copy
     when this dipaco builds other bytes (another version on either side)."""
-    from dipaco.config import RunConfig
-    from dipaco.inference import write_model_file
-    from dipaco.modules_file import load_module_file
+    from dipaco.modules_file import load_module_file  # torch: `dipaco download` starts without it
 
     staged = out / f".{MODEL_FILE}.assembled"
     try:
@@ -295,3 +294,25 @@ def cached_path_dir(
         run_dir = cache_root(cache_dir) / server_part / f"run-{run}"
         out = run_dir / manifest["folder"]
         return download_path(client, manifest, out, module_dir=run_dir / "modules", log=log)
+
+
+def load_path(
+    server: str,
+    run: int,
+    path: int,
+    cache_dir: str | os.PathLike[str] | None = None,
+    *,
+    round: int | None = None,
+    token: str | None = None,
+    device: str = "cpu",
+) -> tuple[Any, Any]:
+    """Download path `path` of run `run` from a dipaco server (once; later calls reuse the
+    cache) and open it: returns a transformers model (eval mode) and its tokenizer.
+
+    >>> model, tokenizer = dipaco.load_path("http://127.0.0.1:8000", run=1, path=2)
+
+    `round`: the weights after that round closed (default: the last closed round).
+    `cache_dir`: default ``$DIPACO_CACHE`` or ``~/.cache/dipaco``.
+    """
+    directory = cached_path_dir(server, run, path, cache_dir, round=round, token=token)
+    return open_path_dir(directory, device=device)

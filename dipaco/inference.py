@@ -44,7 +44,6 @@ __all__ = [
     "export_state",
     "generation_config_json",
     "hf_config_json",
-    "load_path",
     "model_metadata",
     "open_path_dir",
     "sha256_file",
@@ -184,27 +183,3 @@ def open_path_dir(directory: str | os.PathLike[str], *, device: str = "cpu") -> 
     )
     tokenizer = hf.AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
     return model.to(device).eval(), tokenizer
-
-
-def load_path(
-    server: str,
-    run: int,
-    path: int,
-    cache_dir: str | os.PathLike[str] | None = None,
-    *,
-    round: int | None = None,
-    token: str | None = None,
-    device: str = "cpu",
-) -> tuple[Any, Any]:
-    """Download path `path` of run `run` from a dipaco server (once; later calls reuse the
-    cache) and open it: returns a transformers model (eval mode) and its tokenizer.
-
-    >>> model, tokenizer = dipaco.load_path("http://127.0.0.1:8000", run=1, path=2)
-
-    `round`: the weights after that round closed (default: the last closed round).
-    `cache_dir`: default ``$DIPACO_CACHE`` or ``~/.cache/dipaco``.
-    """
-    from dipaco.client import cached_path_dir  # the library's one HTTP module
-
-    directory = cached_path_dir(server, run, path, cache_dir, round=round, token=token)
-    return open_path_dir(directory, device=device)

@@ -46,7 +46,10 @@ class RMSNorm(nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        out = self.weight * x.to(dtype)  # an fp32 weight promotes: fp32, as transformers'
+        # A bf16/fp16 stream (training under autocast) stays in its dtype, the statistics
+        # having been taken in fp32; an fp32 one is transformers' arithmetic exactly.
+        return out if dtype == torch.float32 else out.to(dtype)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -133,6 +136,12 @@ class Body(nn.Module):
         output_hidden_states: bool = False,
     ) -> BodyOutput:
         x = self.embed_tokens(input_ids)  # (B, T, C)
+        kind = x.device.type
+        if torch.is_autocast_enabled(kind):
+            # Under autocast the residual stream is the autocast dtype (bf16 on a GPU), as
+            # the memory estimate assumes: half the elementwise traffic of an fp32 stream,
+            # and RoPE's cos/sin follow it. The weights, their gradients and AdamW stay fp32.
+            x = x.to(torch.get_autocast_dtype(kind))
         t = input_ids.shape[1]
         cos, sin = rotary(t, self.head_dim, self.rope_theta, x)
         mask = None

@@ -21,7 +21,7 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from dipaco_server.storage import InvalidBlobKey, get_blob_store, validate_key
-from dipaco_server.storage.base import build_blob_store
+from dipaco_server.storage.factory import build_blob_store
 from dipaco_server.storage.local import LocalBlobStore
 from dipaco_server.storage.uploads import BlobTooLarge, copy_limited
 from dipaco_server.storage.views import blob as blob_view

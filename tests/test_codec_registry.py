@@ -13,6 +13,7 @@ import torch
 
 from dipaco import codecs
 from dipaco.cli import simulate as simulate_cli
+from dipaco.codecs import kernels
 from dipaco.codecs.container import STORED_DTYPES, stored_layout
 from dipaco.codecs.registry import CODECS, PAYLOAD_BITS, REGISTRY, UPDATE_CODECS
 from dipaco.config import CommConfig
@@ -57,6 +58,13 @@ def test_the_registry_loads_without_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_every_row_names_kernels_that_exist() -> None:
+    """The table names its kernels; dipaco.codecs.api calls them by those names."""
+    for codec in REGISTRY.values():
+        for name in (codec.encoder, codec.decoder):
+            assert callable(getattr(kernels, name, None)), (codec.name, name)
 
 
 def test_every_payload_width_matches_the_containers_dtypes() -> None:

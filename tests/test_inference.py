@@ -26,6 +26,7 @@ import pytest
 import torch
 from safetensors.torch import save as safetensors_bytes
 
+import dipaco
 from dipaco.cli import download, generate, route
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.corpus import Document
@@ -345,8 +346,6 @@ def test_download_again_fetches_only_what_is_missing_or_wrong(
 def test_generate_routes_the_prompt_downloads_its_path_once_and_streams_text(
     served: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import dipaco.inference
-
     t = trained()
     run = publish(t)
     doc = t.train_docs[-1]
@@ -370,7 +369,7 @@ def test_generate_routes_the_prompt_downloads_its_path_once_and_streams_text(
     captured = capsys.readouterr()
     routed = int(captured.err.split("routed to path ")[1].split()[0])
     assert captured.out.startswith(prompt) and len(captured.out) > len(prompt)
-    model, tokenizer = dipaco.inference.load_path(served, run.pk, routed, cache_dir)
+    model, tokenizer = dipaco.load_path(served, run.pk, routed, cache_dir)
     assert "0 to fetch" in capsys.readouterr().err  # the cache served it
     ids = torch.tensor([[tokenizer.bos_token_id, *tokenizer.encode(prompt)]])
     greedy = model.generate(

@@ -165,7 +165,7 @@ def test_a_failing_compile_falls_back_to_eager_and_says_why_once(
         if where == "torch.compile":
             raise RuntimeError("no compiler for this device")
 
-        def compiled(**__: Any) -> Any:
+        def compiled(*_: Any, **__: Any) -> Any:
             raise RuntimeError("inductor failed on this kernel")
 
         return compiled

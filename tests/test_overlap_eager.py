@@ -23,7 +23,7 @@ from torch import Tensor
 
 from dipaco import codecs
 from dipaco.config import RunConfig
-from dipaco.inner import StepMetrics, train_path
+from dipaco.inner import ResidentTrainer, StepMetrics, UnitHooks, UnitWork, train_path
 from dipaco.modular import init_modules, module_spec
 from dipaco.modules_file import write_module
 from dipaco.outer import aggregate, outer_lr, outer_step
@@ -76,7 +76,6 @@ from tests.test_worker_api import (
 from worker_agent.client import BlobRef, RebaseAnswer, RebasePlan
 from worker_agent.errors import ServerError
 from worker_agent.rebase import MARKER_NAME, Rebaser, rebased_versions
-from worker_agent.trainer import UnitWork, train_unit
 
 EAGER = {"outer": {"overlap": "eager"}}
 Modules = dict[str, dict[str, Tensor]]
@@ -147,7 +146,9 @@ def agent_train(
     config: RunConfig, old: Modules, work: Path, hook: Rebaser | None, **options: Any
 ) -> Any:
     unit = UnitWork(config, 1, 0, 0, old, SOURCE, 0)
-    result, _ = train_unit(unit, device=torch.device("cpu"), work_dir=work, rebase=hook, **options)
+    trainer = ResidentTrainer("cpu")
+    hooks = UnitHooks(rebase=hook, fault=options.pop("fault", None))
+    result, _ = trainer.train(unit, work_dir=work, hooks=hooks, **options)
     return result
 
 

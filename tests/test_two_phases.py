@@ -40,7 +40,7 @@ from dipaco_server.accounts.services import create_api_token, create_user
 from dipaco_server.env import celery_transport
 from dipaco_server.inference.card import model_card
 from dipaco_server.inference.routing import route_text
-from dipaco_server.inference.services import Selection
+from dipaco_server.inference.selection import Selection
 from dipaco_server.rounds.close import mark_round_closed, mark_round_closing
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.rounds.open import start_run

@@ -390,7 +390,9 @@ def test_a_worker_sees_each_rejection_and_its_reason_over_the_api(work: Path) ->
 def test_retention_deletes_exactly_the_old_uploads_and_versions_and_downloads_still_work(
     work: Path, settings: Any
 ) -> None:
-    from dipaco_server.inference.services import ensure_model_blob, select
+    # Only this test reads what a download serves.
+    from dipaco_server.inference.selection import select
+    from dipaco_server.inference.services import ensure_model_blob
 
     settings.DIPACO_RETENTION_ROUNDS = 0
     settings.DIPACO_RETENTION_VERSIONS = 2

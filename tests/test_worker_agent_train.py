@@ -7,6 +7,7 @@ tests check what the agent adds around it.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,22 +15,27 @@ import torch
 from safetensors import safe_open
 
 from dipaco import codecs
-from dipaco.config import GiB, RunConfig, estimate_path_memory
+from dipaco.config import GiB, InnerConfig, RunConfig, estimate_path_memory
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource, unit_start
-from dipaco.inner import InnerState, StepMetrics, state_fingerprint, train_path
-from dipaco.modular import init_modules
-from worker_agent.errors import OutOfMemory
-from worker_agent.payload import encode_deltas
-from worker_agent.trainer import (
+from dipaco.inner import (
     CHECKPOINT_NAME,
-    InnerStates,
+    DoesNotFit,
+    InnerResult,
+    InnerState,
     ResidentTrainer,
+    StepMetrics,
+    UnitHooks,
     UnitWork,
     fit_micro_batch,
     smaller_micro_batch,
-    train_unit,
+    state_fingerprint,
+    train_path,
 )
+from dipaco.inner.trainer import Fault
+from dipaco.modular import init_modules
+from worker_agent.payload import encode_deltas
+from worker_agent.state import InnerStates
 
 STEPS = 3
 # Smaller than RunConfig.tiny's model, so a unit takes a fraction of a second on a busy CPU.
@@ -57,6 +63,20 @@ def window_file(tmp_path: Path, config: RunConfig, seed: int = 0, windows: int =
 def unit(config: RunConfig, window: Path, round_index: int = 0, start: int = 0) -> UnitWork:
     source = ShardSource.for_path(TokenShard(window, "<u2"), config, 0)
     return UnitWork(config, 1, 0, round_index, init_modules(config), source, start)
+
+
+def train_unit(
+    work: UnitWork,
+    *,
+    device: torch.device,
+    work_dir: Path,
+    trainer: ResidentTrainer | None = None,
+    fault: Fault | None = None,
+    **options: Any,
+) -> tuple[InnerResult, InnerConfig]:
+    """One unit on `trainer` (None: a resident trainer built for it), as the agent trains it."""
+    trainer = trainer or ResidentTrainer(device)
+    return trainer.train(work, work_dir=work_dir, hooks=UnitHooks(fault=fault), **options)
 
 
 def adam_steps(checkpoint: Path) -> float:
@@ -225,7 +245,7 @@ def test_out_of_memory_at_one_sequence_per_micro_batch_gives_up_with_advice(
     def always(metrics: StepMetrics, inner: object) -> None:
         raise RuntimeError("MPS backend out of memory (MPS allocated: 1 GB)")
 
-    with pytest.raises(OutOfMemory, match="bigger device"):
+    with pytest.raises(DoesNotFit, match="bigger device"):
         train_unit(unit(config, window_file(tmp_path, config)), device=torch.device("cpu"),
                    work_dir=tmp_path / "w", fault=always)  # fmt: skip
 
@@ -236,7 +256,7 @@ def test_a_memory_budget_shrinks_the_micro_batch_before_training(config: RunConf
     fitted = fit_micro_batch(big, int(need * 0.7))
     assert fitted.micro_batch_size < 8 and fitted.batch_size == big.inner.batch_size
     assert fit_micro_batch(big, None) == big.inner
-    with pytest.raises(OutOfMemory, match="--memory-cap"):
+    with pytest.raises(DoesNotFit, match="--memory-cap"):
         fit_micro_batch(big, GiB // 1024)
     # On a GPU the estimate is bf16's (the loop's autocast): a budget the CPU's bound
     # exceeds can hold the whole micro-batch there.

@@ -30,7 +30,7 @@ from dipaco_server.rounds.open import open_round
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import transition
 from dipaco_server.storage import BlobStore, get_blob_store
-from dipaco_server.storage.base import _STORES
+from dipaco_server.storage.factory import _STORES
 from dipaco_server.workers.services import create_enrollment_token
 from tests.conftest import (
     S3Server,

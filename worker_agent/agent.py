@@ -7,7 +7,7 @@ run on their own thread (worker_agent.heartbeat) and cover both leases.
 
 At most one unit trains and one is handed in. The next unit of the *same* path waits for
 its predecessor's hand-in before it trains: its warm AdamW moments and codec residual are
-the path's only once that completion is accepted (worker_agent.trainer), so a refused
+the path's only once that completion is accepted (worker_agent.state.InnerStates), so a refused
 hand-in leaves them as the last accepted unit left them, as before the overlap. Units of
 other paths start at once. A calibration unit (a worker whose speed the server does not
 know yet) is handed in before the next lease is asked for: its completion reports the
@@ -37,8 +37,11 @@ restart resumes the saved lease if the server still calls it active; if it expir
 meanwhile the server gives this worker the same unit back under a new lease
 (rounds.lease) and training resumes from the checkpoint, while its round is open.
 
-Over 500 lines: one unit's training hooks (its stop reasons, progress, the memory
-fallback, the rebase) close over the agent's state; the hand-in lives in worker_agent.handin.
+`_work` is one lease top to bottom: lease -> fetch -> train -> hand in. The policies it
+applies are named: the micro-batch fitted to the device and its stop reasons and progress
+(worker_agent.unit), the out-of-memory fallback and the resident model (the library's
+`dipaco.inner.ResidentTrainer`), salvage (`_salvageable`), the hand-in's patience
+(worker_agent.handin).
 """
 
 from __future__ import annotations
@@ -54,10 +57,15 @@ from pathlib import Path
 
 from torch import Tensor
 
-from dipaco.config import GiB, InnerConfig, RunConfig
-from dipaco.data.shards import TokenShard
-from dipaco.data.windows import ShardSource, UnitSource
-from dipaco.inner import DEFAULT_CHECKPOINT_INTERVAL_S, InnerResult, StepMetrics
+from dipaco.config import GiB, RunConfig
+from dipaco.inner import (
+    DEFAULT_CHECKPOINT_INTERVAL_S,
+    DoesNotFit,
+    InnerResult,
+    ResidentTrainer,
+    UnitHooks,
+    UnitWork,
+)
 from dipaco.retry import HAND_IN_PAUSE_S, hand_in_patience_s, idle_pause_s
 from worker_agent.client import (
     BlobRef,
@@ -83,15 +91,9 @@ from worker_agent.heartbeat import HeartbeatThread
 from worker_agent.progress import Reporter
 from worker_agent.rebase import Rebaser
 from worker_agent.retry import Backoff
-from worker_agent.state import LeaseRecord, LeaseStateFile
-from worker_agent.trainer import (
-    InnerStates,
-    ResidentTrainer,
-    UnitWork,
-    fit_micro_batch,
-    train_unit,
-)
+from worker_agent.state import InnerStates, LeaseRecord, LeaseStateFile
 from worker_agent.transfer import BlobCache, Transfers, disk_errors
+from worker_agent.unit import UnitProgress, UnitStops, unit_source, unit_split, unit_stop_at
 
 __all__ = ["Agent", "AgentOptions", "hand_in"]
 
@@ -253,16 +255,36 @@ class Agent:
         )  # fmt: skip
         return grant
 
-    # --- one unit ---------------------------------------------------------------------
+    # --- one unit: lease -> fetch -> train -> hand in --------------------------------------
 
     def _work(self, grant: LeaseGrant) -> None:
-        work_dir = self._work_dir(grant)
-        self._prune_work(keep=work_dir)
+        """One lease, top to bottom. How its work ends short of a completion (the lease
+        gone, a stop, this machine unable to do it) is `_lease_ends`' policy."""
+        work = self._work_dir(grant)
+        self._prune_work(keep=work)
+        record = self._record(grant)
+        config = RunConfig.model_validate(grant.config)
+        self._announce(grant, config)
+        self.heartbeats.track(grant.lease_id, grant.secret)
+        try:
+            with self._lease_ends(grant), disk_errors(self.options.data_dir):
+                manifest, modules, shard = self._fetch(grant, config)
+                self._wait_for_same_path(grant)
+                trained = self._train(grant, config, modules, (shard, manifest.data), record, work)
+                if trained is not None:
+                    self._start_hand_in(trained, manifest)
+        finally:
+            self.heartbeats.untrack()
+
+    def _record(self, grant: LeaseGrant) -> LeaseRecord:
+        """The lease's record on disk (a resumed lease's, with its step and split)."""
         record = self.state.load()
         if record is None or record.lease_id != grant.lease_id:
             record = LeaseRecord(server=self.client.server, lease=grant.raw)
             self.state.save(record)
-        config = RunConfig.model_validate(grant.config)
+        return record
+
+    def _announce(self, grant: LeaseGrant, config: RunConfig) -> None:
         h = config.inner.steps
         of = f" of H = {h}" if h > grant.steps else ""
         why = f" ({grant.size_reason})" if grant.size_reason else ""
@@ -272,12 +294,6 @@ class Agent:
             lease_id=grant.lease_id, run=grant.run_name, round=grant.round, path=grant.path,
             steps=grant.steps, size_reason=grant.size_reason,
         )  # fmt: skip
-        self.heartbeats.track(grant.lease_id, grant.secret)
-        try:
-            with self._lease_ends(grant):
-                self._train_and_contribute(grant, config, record, work_dir)
-        finally:
-            self.heartbeats.untrack()
 
     @contextmanager
     def _lease_ends(self, grant: LeaseGrant) -> Iterator[None]:
@@ -293,78 +309,118 @@ class Agent:
             self._discard(grant)
         except Interrupted:
             self._release(grant)
+        except DoesNotFit as exc:
+            self._release(grant)
+            raise OutOfMemory(str(exc)) from exc
         except (DiskFull, OutOfMemory):
             self._release(grant)
             raise
 
-    def _train_and_contribute(
-        self, grant: LeaseGrant, config: RunConfig, record: LeaseRecord, work: Path
-    ) -> None:
-        with disk_errors(self.options.data_dir):
-            # The versions it holds get encoded updates, not fp32 files (downloads.py).
-            held = self.modules.held_versions(grant.run_id, grant.modules)
-            manifest = self.client.manifest(grant.lease_id, grant.secret, held)
-            modules, fetched = self.modules.fetch(grant.run_id, manifest, config)
+    def _fetch(
+        self, grant: LeaseGrant, config: RunConfig
+    ) -> tuple[Manifest, dict[str, dict[str, Tensor]], Path]:
+        """The path's modules (encoded updates from the versions it holds, else fp32 files:
+        downloads.py) and the unit's windows of its shard."""
+        held = self.modules.held_versions(grant.run_id, grant.modules)
+        manifest = self.client.manifest(grant.lease_id, grant.secret, held)
+        modules, fetched = self.modules.fetch(grant.run_id, manifest, config)
+        self.reporter.event(
+            "modules", f"modules: {fetched.from_updates} from encoded updates "
+            f"({fetched.update_bytes:,} B), {fetched.whole} whole ({fetched.module_bytes:,} B), "
+            f"{fetched.held} held already, {fetched.fallbacks} fallback(s)",
+            **{f"download_{k}": v for k, v in asdict(fetched).items()},
+        )  # fmt: skip
+        data = manifest.data
+        shard = self.cache.fetch(
+            data.url, data.sha256, data.size, what=f"training data of path {grant.path}"
+        )
+        self.reporter.event("fetched", f"fetched {len(modules)} modules and the training data")
+        return manifest, modules, shard
+
+    def _wait_for_same_path(self, grant: LeaseGrant) -> None:
+        """A unit of the path being handed in trains once that completion is accepted: its
+        warm state is the path's only then (module doc)."""
+        job = self.handing_in
+        if job is not None and (job.run_id, job.path) == (grant.run_id, grant.path):
             self.reporter.event(
-                "modules", f"modules: {fetched.from_updates} from encoded updates "
-                f"({fetched.update_bytes:,} B), {fetched.whole} whole ({fetched.module_bytes:,} B), "
-                f"{fetched.held} held already, {fetched.fallbacks} fallback(s)",
-                **{f"download_{k}": v for k, v in asdict(fetched).items()},
+                "hand_in_first", f"lease {grant.lease_id}: path {grant.path} trains once "
+                f"lease {job.lease_id}'s Δ of the same path is handed in",
+                lease_id=grant.lease_id, handing_in=job.lease_id,
             )  # fmt: skip
-            # The unit's windows (a server that predates them sends the path's whole shard).
-            data = manifest.data
-            shard = self.cache.fetch(
-                data.url, data.sha256, data.size, what=f"training data of path {grant.path}"
-            )
-            self.reporter.event("fetched", f"fetched {len(modules)} modules and the training data")
-            job = self.handing_in
-            if job is not None and (job.run_id, job.path) == (grant.run_id, grant.path):
-                # Its warm state is the path's once that completion is accepted (module doc).
-                self.reporter.event(
-                    "hand_in_first", f"lease {grant.lease_id}: path {grant.path} trains once "
-                    f"lease {job.lease_id}'s Δ of the same path is handed in",
-                    lease_id=grant.lease_id, handing_in=job.lease_id,
-                )  # fmt: skip
-                self._wait_for_hand_in()
-            ending = _Ending()
-            rebasers: list[Rebaser] = []  # outer.overlap eager: this unit's hook, if any
-            result, inner = self._train(
-                grant, config, modules, (shard, data), record, work, ending, rebasers
-            )
-            if not result.completed and not self._salvageable(grant, config, result, ending):
-                return
-            record.phase, record.step = "uploading", len(result.losses)
-            self.state.save(record)
-        salvaged = ending.reason if not result.completed else ""
-        trained = TrainedUnit(grant, config, result, work, salvaged, next(iter(rebasers), None))
+            self._wait_for_hand_in()
+
+    def _train(
+        self,
+        grant: LeaseGrant,
+        config: RunConfig,
+        modules: dict[str, dict[str, Tensor]],
+        data: tuple[Path, ShardRef],
+        record: LeaseRecord,
+        work: Path,
+    ) -> TrainedUnit | None:
+        """Train the unit; None when it stopped early and its Δ is not worth handing in."""
+        device = self.device.device.type
+        compiled = self.options.compile if self.options.compile is not None else device == "cuda"
+        inner = unit_split(config, record, self.options.memory_budget_bytes, device,
+                           compiled=compiled)  # fmt: skip
+        stops = UnitStops(grant, self.stop, self.heartbeats)
+        progress = UnitProgress(grant, record, self.state, self.reporter, stops)
+        shard, ref = data
+        source = unit_source(grant, config, shard, ref, step_delay_s=self.options.step_delay_s,
+                             accum=inner.grad_accum_steps)  # fmt: skip
+        rebaser = None
+        if grant.rebase is not None:
+            rebaser = self._rebaser(grant, config, modules, ref, work, stops.must_stop)
+        hooks = UnitHooks(should_stop=stops.should_stop, on_step=progress.on_step,
+                          on_fallback=progress.on_fallback, rebase=rebaser)  # fmt: skip
+        unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules, source,
+                        grant.data.start_position)  # fmt: skip
+        result, inner = self.trainer.train(
+            unit, work_dir=work, state=self.inner_states.load(grant.run_id, grant.path, config),
+            inner=inner, stop_at=unit_stop_at(grant, record), hooks=hooks,
+            checkpoint_every=self.options.checkpoint_every,
+            checkpoint_interval_s=self.options.checkpoint_interval_s,
+            finish_write=False,  # the last checkpoint is written while the Δ is handed in
+        )  # fmt: skip
+        if not result.completed and not self._salvageable(grant, config, result, stops.reason):
+            result.checkpoint_written()
+            return None
+        record.phase, record.step = "uploading", len(result.losses)
+        self.state.save(record)
+        salvaged = stops.reason if not result.completed else ""
+        return TrainedUnit(grant, config, result, work, salvaged, rebaser, inner.micro_batch_size)
+
+    def _start_hand_in(self, trained: TrainedUnit, manifest: Manifest) -> None:
+        """Hand the trained unit's Δ in on its own thread while the next unit trains."""
+        grant = trained.grant
         until = self._hand_in_until(grant)
         self._wait_for_hand_in()  # one unit in hand-in at a time
         self.state.hold(grant.lease_id)  # a restart hands it in (the next unit's record waits)
         self.heartbeats.keep_alive(grant.lease_id, grant.secret)
         job = HandInThread(
-            grant.lease_id, grant.run_id, grant.path, work,
-            lambda: self._hand_in_unit(trained, inner.micro_batch_size, until),
+            grant.lease_id, grant.run_id, grant.path, trained.work,
+            lambda: self._hand_in_unit(trained, until),
             before_next_lease=grant.seconds_limit is not None,
         )  # fmt: skip
         self.handing_in = job
         job.start()
         # The next unit's fetch starts from here: keep what this unit used (held modules).
-        rebased = rebasers[0].refs if rebasers else []
+        rebased = trained.rebaser.refs if trained.rebaser is not None else []
         keep = {ref.sha256 for ref in [*manifest.modules, *rebased]} | {manifest.data.sha256}
         self.cache.prune(keep, self.options.cache_max_bytes)
 
-    def _hand_in_unit(self, trained: TrainedUnit, micro_batch: int, until: float) -> None:
+    def _hand_in_unit(self, trained: TrainedUnit, until: float) -> None:
         """Encode, upload and complete a trained unit's Δ (on its hand-in thread), then keep
         its path's new inner state. A lease gone or a stop is handled here, as `_work`
         handles them; anything else is raised (again by `_wait_for_hand_in`)."""
         grant = trained.grant
         try:
             with self._lease_ends(grant):
-                self._send(trained, micro_batch, until)
+                self._send(trained, until)
         finally:
             self.heartbeats.forget(grant.lease_id)
 
-    def _send(self, trained: TrainedUnit, micro_batch: int, until: float) -> None:
+    def _send(self, trained: TrainedUnit, until: float) -> None:
         grant = trained.grant
         metrics, state = send_unit(
             trained, until=until, client=self.client, transfers=self.upload_transfers,
@@ -377,13 +433,14 @@ class Agent:
         self.reporter.event(
             "completed",
             f"lease {grant.lease_id} completed: loss {metrics['loss']:.4f}, "
-            f"{metrics['tokens_per_second']:,.0f} tokens/s (micro-batch {micro_batch})",
+            f"{metrics['tokens_per_second']:,.0f} tokens/s (micro-batch {trained.micro_batch})",
             units_done=self.units_done,
             lease_id=grant.lease_id,
             round=grant.round,
             path=grant.path,
             **metrics,
         )  # fmt: skip (lease, round and path: the hand-in may end after the next lease)
+        trained.result.checkpoint_written()  # in flight while the Δ went in: its folder goes
         self._discard(grant)
 
     def _hand_in_until(self, grant: LeaseGrant) -> float:
@@ -392,120 +449,6 @@ class Agent:
         floor = self.client.policy.longest_total_s
         patience = hand_in_patience_s(left, grant.heartbeat_interval_s, floor)
         return time.monotonic() + patience
-
-    def _train(
-        self,
-        grant: LeaseGrant,
-        config: RunConfig,
-        modules: dict[str, dict[str, Tensor]],
-        data: tuple[Path, ShardRef],
-        record: LeaseRecord,
-        work: Path,
-        ending: _Ending,
-        rebasers: list[Rebaser] | None = None,
-    ) -> tuple[InnerResult, InnerConfig]:
-        inner = config.inner
-        if (
-            record.micro_batch_size is not None
-            and record.micro_batch_size != inner.micro_batch_size
-        ):
-            inner = inner.model_copy(update={
-                "micro_batch_size": record.micro_batch_size,
-                "grad_accum_steps": inner.batch_size // record.micro_batch_size,
-            })  # fmt: skip
-        else:
-            inner = fit_micro_batch(
-                config, self.options.memory_budget_bytes, self.device.device.type
-            )
-
-        def on_step(m: StepMetrics) -> None:
-            speed = m.tokens / m.seconds if m.seconds > 0 else 0.0
-            self.reporter.status(step=m.step, steps=grant.steps, loss=m.loss,
-                                 tokens_per_second=speed, lease_id=grant.lease_id)  # fmt: skip
-            # The step of the newest checkpoint written to disk (the library writes them in
-            # the background, by time): what a restart resumes from.
-            if m.checkpointed_step > record.step:
-                record.step = m.checkpointed_step
-                self.state.save(record)
-
-        def on_fallback(old: InnerConfig, new: InnerConfig) -> None:
-            record.micro_batch_size = new.micro_batch_size
-            self.state.save(record)
-            self.reporter.event(
-                "fallback", f"out of memory: micro-batch {old.micro_batch_size} -> "
-                f"{new.micro_batch_size}, accumulation {new.grad_accum_steps} (same batch)",
-            )  # fmt: skip
-
-        stop, lost = self.stop, self.heartbeats.lease_lost
-        started = time.monotonic()
-
-        # Stop early enough before the round's deadline to upload (a heartbeat interval);
-        # a heartbeat may bring it forward (an adaptive close, rounds.close).
-        def round_end() -> float | None:
-            left = seconds_until(self.heartbeats.round_deadline or grant.round_deadline)
-            return None if left is None else left - grant.heartbeat_interval_s
-
-        # The unit's length, the loop's bound (counted from the unit's start, a resumed
-        # checkpoint's steps included): the lease's steps. A unit stopped short of them
-        # and then killed while handing in resumes at its end, so it trains no more steps.
-        stop_at = grant.steps
-        if record.phase == "uploading" and 0 < record.step < grant.steps:
-            stop_at = record.step
-        done = [0]  # the unit's steps done, from its start, once a step ran here
-
-        def on_step_counted(m: StepMetrics) -> None:
-            done[0] = m.step
-            on_step(m)
-
-        def must_stop() -> str | None:
-            """Why the unit must stop now, whatever its steps (None: it may go on)."""
-            if stop.is_set():
-                return "stopped by a signal"
-            if lost.is_set():
-                return self.heartbeats.lost_reason or "lease lost"
-            left = round_end()
-            if left is not None and left <= 0 and done[0]:
-                return "the round's deadline is near"
-            return None
-
-        def should_stop() -> bool:
-            if stop.is_set():
-                return ending.set("stopped by a signal")
-            if lost.is_set():
-                return ending.set(self.heartbeats.lost_reason or "lease lost")
-            elapsed = time.monotonic() - started
-            if grant.seconds_limit is not None and elapsed >= grant.seconds_limit and done[0]:
-                return ending.set(f"calibration: {grant.seconds_limit:.0f} s are up")
-            left = round_end()
-            if left is not None and left <= 0 and done[0]:
-                return ending.set("the round's deadline is near")
-            return False
-
-        # The unit's windows in the path's seeded order, from its start: as dipaco simulate.
-        shard, ref = data
-        tokens, seq_len = TokenShard(shard, grant.data.dtype), config.model.seq_len
-        shard_source: ShardSource | UnitSource = (
-            UnitSource(tokens, seq_len, ref.first_position)
-            if ref.scope == "unit"
-            else ShardSource(tokens, seq_len, grant.data.seed)
-        )
-        source: ShardSource | UnitSource | _SlowSource = shard_source
-        if self.options.step_delay_s:
-            source = _SlowSource(shard_source, self.options.step_delay_s / inner.grad_accum_steps)
-        unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules, source,
-                        grant.data.start_position)  # fmt: skip
-        state = self.inner_states.load(grant.run_id, grant.path, config)
-        rebaser = None
-        if grant.rebase is not None:
-            rebaser = self._rebaser(grant, config, modules, ref, work, must_stop)
-            if rebasers is not None:
-                rebasers.append(rebaser)
-        return train_unit(
-            unit, device=self.device.device, work_dir=work, inner=inner, stop_at=stop_at,
-            state=state, checkpoint_every=self.options.checkpoint_every,
-            checkpoint_interval_s=self.options.checkpoint_interval_s, should_stop=should_stop,
-            on_step=on_step_counted, on_fallback=on_fallback, rebase=rebaser, trainer=self.trainer,
-        )  # fmt: skip
 
     def _rebaser(
         self,
@@ -550,7 +493,7 @@ class Agent:
     # --- endings ----------------------------------------------------------------------
 
     def _salvageable(
-        self, grant: LeaseGrant, config: RunConfig, result: InnerResult, ending: _Ending
+        self, grant: LeaseGrant, config: RunConfig, result: InnerResult, reason: str
     ) -> bool:
         """Whether a unit that stopped early uploads its partial Δ; if not, its lease is
         released or dropped here."""
@@ -573,9 +516,9 @@ class Agent:
                 self._release(grant)
             return False
         self.reporter.event(
-            "salvage", f"lease {grant.lease_id}: {ending.reason}; uploading the Δ of the "
+            "salvage", f"lease {grant.lease_id}: {reason}; uploading the Δ of the "
             f"{steps} step(s) trained ({result.tokens:,} tokens)",
-            steps=steps, tokens=result.tokens, reason=ending.reason,
+            steps=steps, tokens=result.tokens, reason=reason,
         )  # fmt: skip
         return True
 
@@ -614,29 +557,3 @@ class Agent:
             for folder in root.iterdir():
                 if folder not in kept:
                     shutil.rmtree(folder, ignore_errors=True)
-
-
-class _SlowSource:
-    """A token source that sleeps before each micro-batch (--step-delay): inside the timed
-    part of a step, so the speed the agent reports, and the server sizes units by, is the
-    slower one."""
-
-    def __init__(self, source: ShardSource | UnitSource, delay_s: float) -> None:
-        self.source, self.delay_s = source, delay_s
-
-    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
-        time.sleep(self.delay_s)
-        return self.source.batch(position, batch_size, seq_len)
-
-
-class _Ending:
-    """Why training stopped short of the lease's steps (the first reason wins); `set`
-    returns True for `should_stop`."""
-
-    def __init__(self) -> None:
-        self.reason = ""
-
-    def set(self, reason: str) -> bool:
-        if not self.reason:
-            self.reason = reason
-        return True

@@ -122,6 +122,7 @@ class TrainedUnit:
     work: Path  # the unit's work directory: its encoded Δs go under deltas/
     salvaged: str  # why a partial Δ stopped early ("" for a unit that trained its steps)
     rebaser: Rebaser | None  # outer.overlap eager's hook, if the unit had one
+    micro_batch: int = 0  # the micro-batch it trained with (reported)
 
 
 def send_unit(

@@ -23,9 +23,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dipaco.config import RunConfig
+from dipaco.inner import InnerState, state_fingerprint
 from worker_agent.config import write_private_json
 
-__all__ = ["LeaseRecord", "LeaseStateFile"]
+__all__ = ["InnerStates", "LeaseRecord", "LeaseStateFile"]
 
 log = logging.getLogger(__name__)
 STATE_NAME = "lease.json"
@@ -90,3 +92,38 @@ class LeaseStateFile:
                 self._held, pending, self._pending = None, self._pending, None
                 if pending is not None:
                     write_private_json(self.path, asdict(pending))
+
+
+class InnerStates:
+    """The warm `InnerState` of each (run, path) under ``<root>/run-<id>/path-<p>.safetensors``.
+
+    Written with `InnerState.save` (atomic) once the server accepted the unit that made it
+    (worker_agent.agent), and read with `InnerState.load`, which returns None for a missing,
+    torn or foreign file, or one made for another model or other betas
+    (`dipaco.inner.state_fingerprint`): the unit then starts with fresh moments.
+
+    The last state saved is also kept in memory, and `load` returns that very object: its
+    moments are the tensors the resident trainer returned, so the path's next unit keeps
+    the moments still in the optimizer instead of reading 2 GB back in at 150M
+    (`dipaco.inner.PathTrainer.train_path`). A refused completion saves nothing, so the
+    next unit gets the last accepted state, whose tensors are not the resident ones.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._last: tuple[int, int, InnerState] | None = None
+
+    def path_for(self, run_id: int, path: int) -> Path:
+        return self.root / f"run-{int(run_id)}" / f"path-{int(path)}.safetensors"
+
+    def load(self, run_id: int, path: int, config: RunConfig) -> InnerState | None:
+        fingerprint = state_fingerprint(config)
+        last = self._last
+        if last is not None and last[:2] == (run_id, path) and last[2].fingerprint == fingerprint:
+            return last[2]
+        return InnerState.load(self.path_for(run_id, path), fingerprint)
+
+    def save(self, run_id: int, path: int, state: InnerState) -> None:
+        if state.adam:  # a unit that never stepped has nothing worth keeping
+            state.save(self.path_for(run_id, path))
+            self._last = (run_id, path, state)

@@ -15,6 +15,7 @@ from typing import BinaryIO
 import torch
 
 from dipaco.codecs import compression as zstd
+from dipaco.codecs import kernels
 from dipaco.codecs.container import (
     LOGICAL_NAME,
     MAX_ELEMENTS,
@@ -121,8 +122,9 @@ def _build(
         raise CodecError("bad_input", f"{total} values exceed the codec limit of {MAX_ELEMENTS}")
     arrays: list[tuple[str, torch.Tensor]] = []
     groups: list[list[memoryview]] = []
+    encoder = getattr(kernels, spec.encoder)
     for name, tensor in tensors.items():
-        stored = spec.encode(name, tensor.detach().reshape(-1), spec, block_size)
+        stored = encoder(name, tensor.detach().reshape(-1), spec, block_size)
         layout = stored_layout(codec, tensor.numel(), block_size)
         arrays += [
             (name + suffix, array) for (suffix, _, _), array in zip(layout, stored, strict=True)
@@ -418,7 +420,7 @@ def _decoded(
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
     """``(start, end, fp32 values)`` of one tensor, chunk by chunk (the codec's decoder)."""
     codec = REGISTRY[header.codec]
-    return codec.decode(codec, header.block_size, numel, arrays)
+    return getattr(kernels, codec.decoder)(codec, header.block_size, numel, arrays)
 
 
 def _norm_pass(header: ContainerHeader, stored: dict[str, list[torch.Tensor]]) -> float:

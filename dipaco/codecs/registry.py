@@ -4,9 +4,9 @@ The run config's choices (``comm.codec``, ``comm.download_codec``), the CLI's ``
 the container's reader all come from ``REGISTRY`` below, so adding a codec is one row here
 (and its kernels, if it needs new ones) plus its tests.
 
-The table is torch-free at import: the run config and the CLI read it, and they load without
-torch (tests/test_boundaries.py). Each row names its kernels in ``dipaco.codecs.kernels``,
-which are imported on the first encode or decode.
+The table is torch-free and imports nothing of the package: the run config and the CLI read
+it, and they load without torch (tests/test_boundaries.py). Each row names its kernels in
+``dipaco.codecs.kernels``, which ``dipaco.codecs.api`` calls by those names.
 
 Stored layout of one logical tensor of ``numel`` values: the payload array, 1-D, of dtype
 ``payload`` (safetensors' names), holding ``values_per_element`` values per element; a
@@ -17,34 +17,11 @@ bytes (low and high nibbles; ``dipaco.codecs.kernels``), hence ceil(blocks / 2) 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    import torch
 
 SCALES_SUFFIX = "::scales"
 # safetensors dtype name -> bits per element, for the payload arrays the table may name
 PAYLOAD_BITS = {"F32": 32, "BF16": 16, "F16": 16, "I8": 8, "U8": 8}
-
-Encoder = Callable[[str, "torch.Tensor", "Codec", int], list["torch.Tensor"]]
-Decoder = Callable[
-    ["Codec", int, int, list["torch.Tensor"]], Iterator[tuple[int, int, "torch.Tensor"]]
-]
-
-
-@dataclass(frozen=True)
-class _Kernel:
-    """A function of ``dipaco.codecs.kernels``, imported on its first call (keeps the table
-    torch-free)."""
-
-    name: str
-
-    def __call__(self, *args: Any) -> Any:
-        from dipaco.codecs import kernels
-
-        return getattr(kernels, self.name)(*args)
 
 
 @dataclass(frozen=True)
@@ -57,8 +34,10 @@ class Codec:
     blocked: bool  # values in blocks of block_size, one F32 scale each
     exact: bool  # decodes to the very fp32 values encoded: error feedback keeps no residual
     for_updates: bool  # offered for published outer updates (comm.download_codec)
-    encode: Encoder  # (tensor name, flat tensor, codec, block_size) -> stored arrays
-    decode: Decoder  # (codec, block_size, numel, stored arrays) -> (start, end, fp32 values)
+    # Names of its functions in dipaco.codecs.kernels, which the codec's users
+    # (dipaco.codecs.api) call, so the table imports no kernel (and no torch):
+    encoder: str  # (tensor name, flat tensor, codec, block_size) -> stored arrays
+    decoder: str  # (codec, block_size, numel, stored arrays) -> (start, end, fp32 values)
     summary: str  # one line for the config's and the CLI's help
 
     @property
@@ -78,14 +57,14 @@ def _float(
     name: str, bits: int, payload: str, *, exact: bool, for_updates: bool, summary: str
 ) -> Codec:
     """A float codec: the values cast to ``payload``, rounding to nearest even."""
-    encode, decode = _Kernel("encode_float"), _Kernel("decode_float")
-    return Codec(name, bits, payload, False, exact, for_updates, encode, decode, summary)
+    encoder, decoder = "encode_float", "decode_float"
+    return Codec(name, bits, payload, False, exact, for_updates, encoder, decoder, summary)
 
 
 def _blocked(name: str, bits: int, payload: str, *, for_updates: bool, summary: str) -> Codec:
     """A block codec; its kernels are ``encode_<name>`` and ``decode_<name>``."""
-    encode, decode = _Kernel(f"encode_{name}"), _Kernel(f"decode_{name}")
-    return Codec(name, bits, payload, True, False, for_updates, encode, decode, summary)
+    encoder, decoder = f"encode_{name}", f"decode_{name}"
+    return Codec(name, bits, payload, True, False, for_updates, encoder, decoder, summary)
 
 
 REGISTRY: dict[str, Codec] = {

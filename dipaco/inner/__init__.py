@@ -15,10 +15,19 @@ on disk and the simulator one per (path, replica) in memory, through the same ca
 `InnerState` follows torchtitan's `Stateful` pattern (`state_dict` / `load_state_dict`)
 and is keyed by parameter name, so it survives a change of micro-batch or device.
 `PathTrainer` (dipaco.inner.trainer) keeps one model per run architecture resident on the
-device across units.
+device across units; `ResidentTrainer` trains unit after unit on it with the micro-batch
+fitted to the device (dipaco.inner.fit) and the out-of-memory fallback.
 """
 
 from dipaco.inner.checkpoint import CHECKPOINT_FORMAT, checkpoint_identity
+from dipaco.inner.fit import (
+    DoesNotFit,
+    Precision,
+    fit_micro_batch,
+    is_out_of_memory,
+    precision_for,
+    smaller_micro_batch,
+)
 from dipaco.inner.loop import REPORT_EVERY_CUDA, run_inner_loop
 from dipaco.inner.state import (
     STATE_FORMAT,
@@ -31,24 +40,43 @@ from dipaco.inner.state import (
     lr_at,
     state_fingerprint,
 )
-from dipaco.inner.trainer import DEFAULT_CHECKPOINT_INTERVAL_S, PathTrainer, path_shift, train_path
+from dipaco.inner.trainer import (
+    CHECKPOINT_NAME,
+    DEFAULT_CHECKPOINT_INTERVAL_S,
+    PathTrainer,
+    ResidentTrainer,
+    UnitHooks,
+    UnitWork,
+    path_shift,
+    train_path,
+)
 
 __all__ = [
     "CHECKPOINT_FORMAT",
+    "CHECKPOINT_NAME",
     "DEFAULT_CHECKPOINT_INTERVAL_S",
     "REPORT_EVERY_CUDA",
     "STATE_FORMAT",
     "CheckpointMismatch",
+    "DoesNotFit",
     "InMemoryTokenSource",
     "InnerResult",
     "InnerState",
     "PathTrainer",
+    "Precision",
+    "ResidentTrainer",
     "StepMetrics",
     "TokenSource",
+    "UnitHooks",
+    "UnitWork",
     "checkpoint_identity",
+    "fit_micro_batch",
+    "is_out_of_memory",
     "lr_at",
     "path_shift",
+    "precision_for",
     "run_inner_loop",
+    "smaller_micro_batch",
     "state_fingerprint",
     "train_path",
 ]

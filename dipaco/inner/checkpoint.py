@@ -23,7 +23,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -99,13 +99,18 @@ class CheckpointWriter:
         self._buffers: dict[str, Tensor] = {}  # kept across loops: a resident trainer's
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._lock = threading.Lock()  # `wait` from the loop's thread and a caller's
         self.begin(None)
 
     def begin(self, path: Path | None) -> None:
-        """Start a loop's checkpoints to `path` (after the previous loop's last write), and
+        """Start a loop's checkpoints to `path` (after the previous loop's last write, which
+        may have been left in flight: its failure is logged, its loop having returned), and
         delete the temporary files of writes a killed process left there (whole ones are
         renamed at once, so a temporary file is always a torn one)."""
-        self.wait()
+        try:
+            self.wait()
+        except Exception as error:
+            log.error("the previous unit's last checkpoint could not be written: %s", error)
         if path is not None and path.parent.is_dir():
             for torn in path.parent.iterdir():
                 if torn.name.startswith(f"{path.name}.tmp-"):
@@ -149,12 +154,38 @@ class CheckpointWriter:
 
     def wait(self) -> None:
         """Until the write in flight (if any) is on disk; raises its error if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+        with self._lock:
+            if self._thread is not None:
+                self._thread.join()
+                self._thread = None
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise error
+
+    def in_flight(self) -> Callable[[], None]:
+        """Waits for the write in flight now (if any) from another thread, without taking
+        its error (the writer's own thread raises it at its next `begin`, which logs it):
+        what a caller that removes the checkpoint's folder calls first."""
+        thread = self._thread
+        return (lambda: None) if thread is None else thread.join
+
+    def snapshot_weights(self) -> dict[str, Tensor]:
+        """The last snapshot's weights (fp32 host buffers, by parameter name), valid until
+        the next `save`."""
+        return {key[8:]: t for key, t in self._buffers.items() if key.startswith("weights/")}
+
+    def snapshot_adam(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer
+    ) -> dict[str, Tensor]:
+        """The last snapshot's AdamW state as ``<parameter name>/<key>`` copies (the
+        buffers are reused by the next snapshot), as `adam_by_name` reads it off the device."""
+        names = {id(p): n for n, p in model.named_parameters()}
+        order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        out = {}
+        for index, state in optimizer.state_dict()["state"].items():
+            for key in state:
+                out[f"{order[index]}/{key}"] = self._buffers[f"adam/{index}/{key}"].clone()
+        return out
 
     def _snapshot(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, theta_old: Mapping[str, Tensor]

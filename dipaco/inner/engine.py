@@ -1,4 +1,4 @@
-"""What the inner loop trains with: the optimizer, the (compiled) decoder body, the loss,
+"""What the inner loop trains with: the optimizer, the (compiled) loss, the arithmetic,
 the token feed and the checkpoint writer, grouped as an `Engine` that a resident trainer
 keeps from one unit to the next."""
 
@@ -10,10 +10,12 @@ from dataclasses import dataclass
 from typing import Any, cast
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dipaco.config import InnerConfig
 from dipaco.inner.checkpoint import CheckpointWriter
+from dipaco.inner.fit import Precision, precision_for
 from dipaco.inner.loss import CausalLMLoss
 from dipaco.inner.state import CheckpointMismatch
 
@@ -101,23 +103,47 @@ def cpu_params(model: nn.Module) -> dict[str, Tensor]:
     return {n: p.detach().to("cpu", torch.float32, copy=True) for n, p in model.named_parameters()}
 
 
-class Forward:
-    """The decoder body, compiled or eager. `torch.compile` compiles at the first call;
-    if that call (forward and backward) raises, the loop goes on eagerly and the reason
-    is logged once: a volunteer's GPU or driver that Inductor cannot serve still trains."""
+class WholeLoss(nn.Module):
+    """The body, the head and the mean cross-entropy as one module, for torch.compile: the
+    head and the loss inside the compiled graph, where Inductor fuses the logits' cast,
+    log-softmax, gather and their gradient into a few kernels over the (N, V) logits and
+    never writes an fp32 copy of them (the way modded-nanogpt compiles its loss)."""
 
-    def __init__(self, body: nn.Module, compile: bool) -> None:
-        self.eager = body
-        self.compiled: Callable[..., Any] | None = None
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        path = cast(Any, self.model)
+        hidden = path.model(input_ids=inputs).last_hidden_state  # (B, T, C)
+        logits = path.lm_head(hidden)  # (B, T, V), bf16 under autocast
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())  # fp32 ()
+
+
+class Forward:
+    """A micro-batch's loss (forward; its backward follows), compiled or eager.
+
+    Compiled: `WholeLoss` under `torch.compile` (body, head and loss in one graph). Eager:
+    the body, then `CausalLMLoss` (the CPU's reference arithmetic; on CUDA the chunked
+    fused loss, or Liger's kernel). `torch.compile` compiles at the first call; if that
+    call (forward and backward) raises, the loop goes on eagerly and the reason is logged
+    once: a volunteer's GPU or driver that Inductor cannot serve still trains."""
+
+    def __init__(self, model: nn.Module, loss: CausalLMLoss, compile: bool) -> None:
+        body = cast(Any, model).model
+        self.eager: Callable[[Tensor, Tensor], Tensor] = lambda inputs, targets: loss(
+            body, inputs, targets
+        )
+        self.compiled: Callable[[Tensor, Tensor], Tensor] | None = None
         self.proven = False  # a compiled forward and backward have run
         if compile:
             try:
-                self.compiled = cast(Callable[..., Any], torch.compile(body))
+                self.compiled = cast(Callable[..., Tensor], torch.compile(WholeLoss(model)))
             except Exception as error:
                 self.fallback(error)
 
     @property
-    def body(self) -> Callable[..., Any]:
+    def loss(self) -> Callable[[Tensor, Tensor], Tensor]:
         return self.compiled if self.compiled is not None else self.eager
 
     def fallback(self, error: BaseException) -> None:
@@ -163,27 +189,43 @@ class WindowFeed:
 
 @dataclass
 class Engine:
-    """What one loop trains with; a resident trainer keeps it across units."""
+    """What one loop trains with; a resident trainer keeps it across units. `precision`:
+    the forward and backward's arithmetic (dipaco.inner.fit.precision_for); fp16 comes with
+    a gradient scaler, since fp16 gradients underflow where bf16's do not."""
 
     model: nn.Module
     optimizer: torch.optim.AdamW
     forward: Forward
-    loss: CausalLMLoss
     feed: WindowFeed
     writer: CheckpointWriter
     device: torch.device
+    precision: Precision = "fp32"
+    scaler: torch.amp.GradScaler | None = None
 
     @classmethod
     def build(
-        cls, model: nn.Module, cfg: InnerConfig, device: torch.device, compile: bool
+        cls,
+        model: nn.Module,
+        cfg: InnerConfig,
+        device: torch.device,
+        compile: bool,
+        precision: Precision | None = None,
     ) -> Engine:
         model.to(device).train()
+        chosen = precision_for(device, precision)
+        scaler = torch.amp.GradScaler(device.type) if chosen == "fp16" else None
         return cls(
             model=model,
             optimizer=make_optimizer(model, cfg, device),
-            forward=Forward(cast(Any, model).model, compile),
-            loss=CausalLMLoss(model, device),
+            forward=Forward(model, CausalLMLoss(model, device), compile),
             feed=WindowFeed(device),
             writer=CheckpointWriter(device),
             device=device,
+            precision=chosen,
+            scaler=scaler,
         )
+
+    def autocast(self) -> torch.autocast:
+        """The forward's autocast context: off in fp32 (the CPU's bit-exact arithmetic)."""
+        dtype = torch.float16 if self.precision == "fp16" else torch.bfloat16
+        return torch.autocast(self.device.type, dtype=dtype, enabled=self.precision != "fp32")

@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -54,8 +55,14 @@ REPORT_EVERY_CUDA = 10
 
 def delta_of(model: nn.Module, theta_old: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """θ_old − θ_new for every state-dict name; a tied tensor appears under both names."""
-    new = cpu_params(model)
-    by_param = {n: theta_old[n] - new[n] for n in new}
+    return delta_from(model, cpu_params(model), theta_old)
+
+
+def delta_from(
+    model: nn.Module, weights: Mapping[str, Tensor], theta_old: Mapping[str, Tensor]
+) -> dict[str, Tensor]:
+    """θ_old − `weights` (fp32 on the CPU, by parameter name) for every state-dict name."""
+    by_param = {n: theta_old[n] - weights[n] for n, _ in model.named_parameters()}
     names = {p.data_ptr(): n for n, p in model.named_parameters()}
     return {key: by_param[names[t.data_ptr()]] for key, t in model.state_dict().items()}
 
@@ -158,9 +165,59 @@ def train_steps(
     adam: Mapping[str, Tensor] | None = None,
     rebase: Callable[[int], Mapping[str, Tensor] | None] | None = None,
     report_every: int | None = None,
+    keep_moments: bool = False,
+    finish_write: bool = True,
 ) -> InnerResult:
     """run_inner_loop on an engine whose model holds θ_old (`theta_old`: its fp32 copy on
-    the CPU, by parameter name, never changed in place by the caller while this runs)."""
+    the CPU, by parameter name, never changed in place by the caller while this runs).
+
+    `keep_moments`: the optimizer already holds the moments to start from (a resident
+    trainer's, left by the path's previous unit), so `adam` is not loaded. `finish_write`
+    False returns while the last checkpoint is still being written (the Δ, from its
+    snapshot, is ready): the engine's writer joins it before its next write, and
+    `InnerResult.checkpoint_written` waits for it."""
+    _check_settings(cfg, stop_at, checkpoint_every, checkpoint_interval_s, report_every)
+    every = report_every or (REPORT_EVERY_CUDA if engine.device.type == "cuda" else 1)
+    configure_optimizer(engine.optimizer, cfg)
+    total = cfg.steps if total_steps is None else total_steps
+    identity = checkpoint_identity(
+        cfg, seq_len=seq_len, start_position=start_position, first_step=first_step, total=total
+    )
+    path = Path(checkpoint_path) if checkpoint_path is not None else None
+    engine.writer.begin(path)
+    progress = Progress(position=start_position)
+    model, optimizer = engine.model, engine.optimizer
+    if path is not None and resume and path.exists():
+        load_adam_by_name(model, optimizer, {})  # the checkpoint's state replaces all of it
+        progress = load_checkpoint(path, model, optimizer, theta_old, identity)
+    elif not keep_moments:
+        load_adam_by_name(model, optimizer, adam or {})
+    loop = _Loop(
+        engine, source, cfg, seq_len=seq_len, theta_old=theta_old, progress=progress,
+        identity=identity, schedule=_Schedule(path, checkpoint_every, checkpoint_interval_s),
+        first_step=first_step, total=total, stop=cfg.steps if stop_at is None else stop_at,
+        every=every, on_step=on_step, should_stop=should_stop, rebase=rebase,
+    )  # fmt: skip
+    try:
+        result = loop.run()
+    except BaseException:
+        _wait_quietly(engine.writer)  # the last checkpoint taken is whole on disk
+        raise
+    if finish_write:
+        engine.writer.finish()
+    result.checkpoints, result.checkpoint_block_s = engine.writer.count, engine.writer.block_s
+    result.checkpoint_write_s = engine.writer.write_s
+    result.checkpoint_written = engine.writer.in_flight()
+    return result
+
+
+def _check_settings(
+    cfg: InnerConfig,
+    stop_at: int | None,
+    checkpoint_every: int | None,
+    checkpoint_interval_s: float | None,
+    report_every: int | None,
+) -> None:
     if checkpoint_every is not None and checkpoint_every < 1:
         raise ValueError(f"checkpoint_every = {checkpoint_every}: must be >= 1 or None")
     if checkpoint_interval_s is not None and not checkpoint_interval_s > 0:
@@ -173,32 +230,145 @@ def train_steps(
             f"stop_at = {stop_at}: must be 1 .. inner.steps = {cfg.steps} (the unit's slot "
             "of the lr schedule), or None"
         )
-    model, optimizer, device, writer = engine.model, engine.optimizer, engine.device, engine.writer
-    cuda = device.type == "cuda"
-    every = report_every or (REPORT_EVERY_CUDA if cuda else 1)
-    configure_optimizer(optimizer, cfg)
-    total = cfg.steps if total_steps is None else total_steps
-    identity = checkpoint_identity(
-        cfg, seq_len=seq_len, start_position=start_position, first_step=first_step, total=total
-    )
-    path = Path(checkpoint_path) if checkpoint_path is not None else None
-    writer.begin(path)
-    progress = Progress(position=start_position)
-    if path is not None and resume and path.exists():
-        load_adam_by_name(model, optimizer, {})  # the checkpoint's state replaces all of it
-        progress = load_checkpoint(path, model, optimizer, theta_old, identity)
-    else:
-        load_adam_by_name(model, optimizer, adam or {})
 
-    pending: list[tuple[int, Tensor, Tensor]] = []  # (step, loss sum, grad norm) not read yet
 
-    def read_back() -> None:
+@dataclass
+class _Schedule:
+    """When a checkpoint is due: every `every` steps and/or `interval_s` seconds."""
+
+    path: Path | None
+    every: int | None
+    interval_s: float | None
+    last: float = field(default_factory=time.monotonic)
+
+    def due(self, step: int, stop: int) -> bool:
+        if self.path is None or step >= stop:
+            return False  # the last step's checkpoint is the loop's end's
+        periodic = self.every is not None and step % self.every == 0
+        timed = self.interval_s is not None and time.monotonic() - self.last >= self.interval_s
+        return periodic or timed
+
+
+class _Loop:
+    """One call's steps, and the state they share (progress, the losses not read back)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        source: TokenSource,
+        cfg: InnerConfig,
+        *,
+        seq_len: int,
+        theta_old: dict[str, Tensor],
+        progress: Progress,
+        identity: dict[str, Any],
+        schedule: _Schedule,
+        first_step: int,
+        total: int,
+        stop: int,
+        every: int,
+        on_step: Callable[[StepMetrics], None] | None,
+        should_stop: Callable[[], bool] | None,
+        rebase: Callable[[int], Mapping[str, Tensor] | None] | None,
+    ) -> None:
+        self.engine, self.source, self.cfg, self.seq_len = engine, source, cfg, seq_len
+        self.theta_old, self.progress, self.identity = theta_old, progress, identity
+        self.schedule, self.first_step, self.total, self.stop = schedule, first_step, total, stop
+        self.every, self.on_step, self.should_stop, self.rebase = (
+            every,
+            on_step,
+            should_stop,
+            rebase,
+        )
+        self.params = [p for p in engine.model.parameters() if p.requires_grad]
+        self.vocab = int(cast(Any, engine.model).get_input_embeddings().weight.shape[0])
+        self.pending: list[tuple[int, Tensor, Tensor]] = []  # (step, loss sum, grad norm)
+
+    def run(self) -> InnerResult:
+        progress = self.progress
+        while progress.step < self.stop:
+            if self.should_stop is not None and self.should_stop():
+                return self.end(completed=False)
+            started = time.perf_counter()
+            lr = self.step()
+            due = self.schedule.due(progress.step, self.stop)
+            last = progress.step == self.stop
+            if due or last or len(self.pending) >= self.every or not progress.losses:
+                self.read_back()  # inside the step's time: the device's work is training time
+                if (due or last) and self.engine.device.type == "cuda":
+                    torch.cuda.synchronize(self.engine.device)
+            progress.seconds += time.perf_counter() - started
+            self.after_step(lr)
+            if due:
+                self.save()
+                self.schedule.last = time.monotonic()
+        return self.end(completed=True)
+
+    def step(self) -> float:
+        """One optimizer step over the batch's micro-batches; returns its learning rate."""
+        engine, cfg, progress = self.engine, self.cfg, self.progress
+        optimizer, scaler = engine.optimizer, engine.scaler
+        lr = lr_at(cfg, self.first_step + progress.step, self.total)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = torch.zeros((), device=engine.device)
+        for _ in range(cfg.grad_accum_steps):
+            loss_sum += self.micro_batch()
+        if scaler is not None:
+            scaler.unscale_(optimizer)  # the clip and the norm see the true gradients
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        if scaler is not None:
+            scaler.step(optimizer)  # skipped when a gradient overflowed, and the scale halves
+            scaler.update()
+        else:
+            optimizer.step()
+        progress.step += 1
+        progress.tokens += cfg.batch_size * self.seq_len
+        progress.lrs.append(lr)
+        self.pending.append((progress.step, loss_sum, grad_norm))
+        return lr
+
+    def micro_batch(self) -> Tensor:
+        """The next micro-batch's forward and backward; returns its loss (fp32, detached)."""
+        engine, batch, progress = self.engine, self.cfg.micro_batch_size, self.progress
+        window = self.source.batch(progress.position, batch, self.seq_len)
+        _check_window(window, batch, self.seq_len, self.vocab)
+        window = engine.feed(window)
+        progress.position += batch
+        inputs, targets = window[:, :-1], window[:, 1:]  # (B, T), (B, T)
+        forward = engine.forward
+        if forward.compiled is None or forward.proven:
+            return self.forward_backward(inputs, targets)
+        try:  # the first compiled call: compile errors land here
+            loss = self.forward_backward(inputs, targets)
+            forward.proven = True
+            return loss
+        except torch.OutOfMemoryError:
+            raise  # the resident trainer's fallback halves the micro-batch
+        except Exception as error:
+            engine.optimizer.zero_grad(set_to_none=True)  # the first micro-batch: no others
+            forward.fallback(error)
+            return self.forward_backward(inputs, targets)
+
+    def forward_backward(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        engine = self.engine
+        with engine.autocast():
+            loss = engine.forward.loss(inputs, targets)  # fp32 ()
+        scaled = loss / self.cfg.grad_accum_steps
+        if engine.scaler is not None:
+            scaled = engine.scaler.scale(scaled)
+        scaled.backward()
+        return loss.detach()
+
+    def read_back(self) -> None:
         """Move the pending steps' loss and gradient norm to the host (one sync)."""
-        if not pending:
+        if not self.pending:
             return
+        pending, progress = self.pending, self.progress
         values = torch.stack([torch.stack((s, g.float())) for _, s, g in pending]).tolist()
         for (step, _, _), (loss_sum, grad_norm) in zip(pending, values, strict=True):
-            loss = loss_sum / cfg.grad_accum_steps
+            loss = loss_sum / self.cfg.grad_accum_steps
             if not math.isfinite(loss):
                 raise FloatingPointError(
                     f"loss is {loss} at step {step}; lower inner.lr or check the token source"
@@ -207,152 +377,58 @@ def train_steps(
             progress.grad_norms.append(grad_norm)
         pending.clear()
 
-    def save() -> None:
-        if path is not None:
-            writer.save(model, optimizer, theta_old, progress, identity)
-
-    finished = False
-    try:
-        result = _steps(
-            engine, source, cfg, seq_len, theta_old, progress, pending, read_back, save,
-            first_step=first_step, total=total, stop=stop, every=every,
-            checkpointing=path is not None, checkpoint_every=checkpoint_every,
-            checkpoint_interval_s=checkpoint_interval_s,
-            on_step=on_step, should_stop=should_stop, rebase=rebase,
-        )  # fmt: skip
-        finished = True
-    finally:
-        if not finished:  # the last checkpoint taken is whole on disk, even after a crash
-            _wait_quietly(writer)
-    writer.wait()
-    result.checkpoints, result.checkpoint_block_s = writer.count, writer.block_s
-    result.checkpoint_write_s = writer.write_s
-    return result
-
-
-def _steps(
-    engine: Engine,
-    source: TokenSource,
-    cfg: InnerConfig,
-    seq_len: int,
-    theta_old: dict[str, Tensor],
-    progress: Progress,
-    pending: list[tuple[int, Tensor, Tensor]],
-    read_back: Callable[[], None],
-    save: Callable[[], None],
-    *,
-    first_step: int,
-    total: int,
-    stop: int,
-    every: int,
-    checkpointing: bool,
-    checkpoint_every: int | None,
-    checkpoint_interval_s: float | None,
-    on_step: Callable[[StepMetrics], None] | None,
-    should_stop: Callable[[], bool] | None,
-    rebase: Callable[[int], Mapping[str, Tensor] | None] | None,
-) -> InnerResult:
-    model, optimizer, device, forward = (
-        engine.model,
-        engine.optimizer,
-        engine.device,
-        engine.forward,
-    )
-    writer = engine.writer
-    cuda = device.type == "cuda"
-    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda)
-    params = [p for p in model.parameters() if p.requires_grad]
-    vocab = int(cast(Any, model).get_input_embeddings().weight.shape[0])
-    batch, accum = cfg.micro_batch_size, cfg.grad_accum_steps
-    last_checkpoint = time.monotonic()
-
-    def micro_step(inputs: Tensor, targets: Tensor) -> Tensor:
-        with autocast:
-            loss = engine.loss(forward.body, inputs, targets)  # fp32 ()
-        (loss / accum).backward()
-        return loss.detach()
-
-    while progress.step < stop:
-        if should_stop is not None and should_stop():
-            read_back()
-            save()
-            # The partial Δ of the steps done so far (the worker agent salvages it), made
-            # while the checkpoint is written.
-            partial = delta_of(model, theta_old) if progress.step else {}
-            adam_state = adam_by_name(model, optimizer)
-            writer.finish()
-            return _result(progress, partial, completed=False, adam=adam_state)
-        started = time.perf_counter()
-        lr = lr_at(cfg, first_step + progress.step, total)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        optimizer.zero_grad(set_to_none=True)
-        loss_sum = torch.zeros((), device=device)
-        for _ in range(accum):
-            window = source.batch(progress.position, batch, seq_len)
-            _check_window(window, batch, seq_len, vocab)
-            window = engine.feed(window)
-            progress.position += batch
-            inputs, targets = window[:, :-1], window[:, 1:]  # (B, T), (B, T)
-            if forward.compiled is not None and not forward.proven:
-                try:
-                    loss = micro_step(inputs, targets)
-                    forward.proven = True
-                except torch.OutOfMemoryError:
-                    raise  # the agent's fallback halves the micro-batch
-                except Exception as error:  # the first compiled call: compile errors land here
-                    optimizer.zero_grad(set_to_none=True)  # the first micro-batch: no others
-                    forward.fallback(error)
-                    loss = micro_step(inputs, targets)
-            else:
-                loss = micro_step(inputs, targets)
-            loss_sum += loss
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-        optimizer.step()
-        progress.step += 1
-        progress.tokens += accum * batch * seq_len
-        progress.lrs.append(lr)
-        pending.append((progress.step, loss_sum, grad_norm))
-        periodic = checkpoint_every is not None and progress.step % checkpoint_every == 0
-        timed = (
-            checkpoint_interval_s is not None
-            and time.monotonic() - last_checkpoint >= checkpoint_interval_s
-        )
-        due = checkpointing and (periodic or timed) and progress.step < stop
-        last = progress.step == stop
-        if due or last or len(pending) >= every or not progress.losses:
-            read_back()  # inside the step's time: the device's work is training time
-            if (due or last) and cuda:
-                torch.cuda.synchronize(device)
-        progress.seconds += time.perf_counter() - started
-        # After the timing: an eager unit may wait here for the newer version (the agent's
-        # worker_agent.rebase), which is not training time, nor its speed.
-        shift = rebase(progress.step) if rebase is not None else None
+    def after_step(self, lr: float) -> None:
+        """Outside the step's time: the rebase (an eager unit may wait there for the newer
+        version, worker_agent.rebase: neither training time nor its speed), then on_step."""
+        progress = self.progress
+        shift = self.rebase(progress.step) if self.rebase is not None else None
         if shift:
             if not progress.start_digest:
-                progress.start_digest = weights_digest(theta_old)
-            _rebase(model, theta_old, shift)
-        if on_step is not None:
-            on_step(
+                progress.start_digest = weights_digest(self.theta_old)
+            _rebase(self.engine.model, self.theta_old, shift)
+        if self.on_step is not None:
+            self.on_step(
                 StepMetrics(
-                    step=progress.step,
-                    loss=progress.losses[-1],
-                    lr=lr,
-                    grad_norm=progress.grad_norms[-1],
-                    tokens=progress.tokens,
-                    seconds=progress.seconds,
-                    reported_step=len(progress.losses),
-                    checkpointed_step=writer.done_step,
+                    step=progress.step, loss=progress.losses[-1], lr=lr,
+                    grad_norm=progress.grad_norms[-1], tokens=progress.tokens,
+                    seconds=progress.seconds, reported_step=len(progress.losses),
+                    checkpointed_step=self.engine.writer.done_step,
                 )
-            )
-        if due:
-            save()
-            last_checkpoint = time.monotonic()
-    read_back()
-    save()  # a crash between here and the upload loses nothing: a rerun returns at once
-    delta, adam_state = delta_of(model, theta_old), adam_by_name(model, optimizer)
-    writer.finish()  # while the write ran, Δ and the moments came to the host
-    return _result(progress, delta, completed=True, adam=adam_state)
+            )  # fmt: skip
+
+    def save(self) -> bool:
+        """A checkpoint now, if the loop keeps them; whether one was taken."""
+        if self.schedule.path is None:
+            return False
+        engine = self.engine
+        engine.writer.save(engine.model, engine.optimizer, self.theta_old, self.progress,
+                           self.identity)  # fmt: skip
+        return True
+
+    def end(self, *, completed: bool) -> InnerResult:
+        """The last checkpoint (a crash between here and the upload loses nothing: a rerun
+        returns at once) and the Δ of the steps done (a stopped unit's is salvaged), made
+        from the checkpoint's snapshot in host memory while the file is written."""
+        self.read_back()
+        engine, started = self.engine, time.perf_counter()
+        snapshot = self.save()
+        snapshot_s = time.perf_counter() - started
+        if not self.progress.step:
+            delta: dict[str, Tensor] = {}
+        elif snapshot:
+            delta = delta_from(engine.model, engine.writer.snapshot_weights(), self.theta_old)
+        else:
+            delta = delta_of(engine.model, self.theta_old)
+        if snapshot:
+            adam = engine.writer.snapshot_adam(engine.model, engine.optimizer)
+        else:
+            adam = adam_by_name(engine.model, engine.optimizer)
+        result = _result(self.progress, delta, completed=completed, adam=adam)
+        result.timings = {
+            "final_snapshot_s": snapshot_s,
+            "delta_and_moments_s": time.perf_counter() - started - snapshot_s,
+        }
+        return result
 
 
 def _wait_quietly(writer: CheckpointWriter) -> None:

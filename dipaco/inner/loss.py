@@ -104,7 +104,7 @@ class LinearCrossEntropy(torch.autograd.Function):
                 probs[torch.arange(t.shape[0], device=t.device), t] -= 1.0
                 g = probs.div_(n).to(dtype)  # d(mean loss)/d(logits) (n, V)
                 grad_hidden[start : start + chunk] = g @ w  # (n, C)
-                grad_weight += (g.T @ h).float()  # (V, C)
+                _add_weight_grad(grad_weight, g, h)  # (V, C) += (V, n) @ (n, C), in fp32
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.hidden_dtype = hidden.dtype
         return total / n
@@ -119,6 +119,18 @@ class LinearCrossEntropy(torch.autograd.Function):
             None,
             None,
         )
+
+
+def _add_weight_grad(grad_weight: Tensor, g: Tensor, h: Tensor) -> None:
+    """grad_weight (V, C) fp32 += g.T @ h with the products summed in fp32, not rounded to
+    the matmul's dtype chunk by chunk (32 chunks at V = 32,000 would each lose bf16's
+    8 bits before the sum). On CUDA one matmul with an fp32 output (the tensor cores
+    accumulate in fp32 anyway); elsewhere the operands go up to fp32, which on the CPU
+    is also what a bf16 matmul computes inside."""
+    if g.is_cuda and g.dtype != torch.float32:
+        grad_weight.add_(torch.mm(g.T, h, out_dtype=torch.float32))
+    else:
+        grad_weight.addmm_(g.T.float(), h.float())
 
 
 def _liger_loss() -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -83,6 +83,12 @@ class InnerResult:
     # the write before), and the last write, which the loop returns after.
     checkpoint_block_s: float = 0.0
     checkpoint_write_s: float = 0.0  # seconds the background writer spent writing them
+    # Waits until the last checkpoint is on disk (the loop may return before: its Δ came
+    # from the snapshot); call it before removing the checkpoint's folder.
+    checkpoint_written: Callable[[], None] = field(default=lambda: None, repr=False)
+    # Seconds of the unit outside its steps, by part (PathTrainer.train_path): what a
+    # unit's fixed cost is made of.
+    timings: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:

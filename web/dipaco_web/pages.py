@@ -34,7 +34,7 @@ from dipaco_server.audit.services import client_address
 from dipaco_server.errors import ServiceError
 from dipaco_server.inference import card, routing
 from dipaco_server.inference import services as inference
-from dipaco_server.inference.services import Selection
+from dipaco_server.inference.selection import Selection
 from dipaco_server.rounds.models import Contribution, Lease
 from dipaco_server.runs.models import MetricPoint, Path, Run
 from dipaco_server.runs.phases import PATHS

@@ -31,6 +31,7 @@ from dipaco_server.bounds import MAX_INT, PathIndex, RunId
 from dipaco_server.errors import ApiError
 from dipaco_server.inference import routing, services
 from dipaco_server.inference.routing import MAX_TEXT_CHARS
+from dipaco_server.inference.selection import select
 from dipaco_server.inference.zipstream import ZipEntry, stream_zip
 from dipaco_server.patterns import NOT_ONLY_WHITESPACE
 from dipaco_server.storage import get_blob_store
@@ -132,7 +133,7 @@ def path_manifest(
     request: HttpRequest, run_id: RunId, path_index: PathIndex, query: Query[RoundQuery]
 ) -> dict[str, Any]:
     """What `dipaco download` fetches: each file and module blob with size, sha256, URL."""
-    selection = services.select(run_id, path_index, query.round)
+    selection = select(run_id, path_index, query.round)
     return services.manifest(selection, _file_url(run_id, path_index, selection.round))
 
 
@@ -141,7 +142,7 @@ def path_download(
     request: HttpRequest, run_id: RunId, path_index: PathIndex, query: Query[RoundQuery]
 ) -> StreamingHttpResponse:
     """The path as a zip of a Hugging Face model directory, streamed as it is read."""
-    selection = services.select(run_id, path_index, query.round)
+    selection = select(run_id, path_index, query.round)
     files = services.path_files(selection)  # everything that can fail, before the first byte
     store = get_blob_store()
     entries = [
@@ -168,7 +169,7 @@ def path_file(
     request: HttpRequest, run_id: RunId, path_index: PathIndex, name: str, query: Query[RoundQuery]
 ) -> HttpResponse:
     """One file of the directory; a blob-backed one redirects to a presigned URL."""
-    selection = services.select(run_id, path_index, query.round)
+    selection = select(run_id, path_index, query.round)
     files = {f.name: f for f in services.path_files(selection)}
     file = files.get(name)
     if file is None:

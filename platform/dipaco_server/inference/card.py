@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 from pathlib import PurePath
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from dipaco.config import RunConfig
 from dipaco.evaluate import perplexity
 from dipaco.inference import CARD_FILE, MODEL_FORMAT, RUN_FILE
+from dipaco_server.inference.selection import Selection
 from dipaco_server.runs.keys import base_model_key
 from dipaco_server.runs.models import MetricPoint
 from dipaco_server.storage import get_blob_store
-
-if TYPE_CHECKING:  # inference.services imports this module; the type alone is needed here
-    from dipaco_server.inference.services import Selection
 
 VAL_LOSS_METRIC = "val_loss"  # the evaluation task's per-path series (docs/design.md §4 step 5)
 

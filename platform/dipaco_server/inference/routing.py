@@ -14,10 +14,10 @@ from pathlib import Path as FsPath
 from typing import TYPE_CHECKING, Any
 
 from dipaco_server.errors import ServiceError
+from dipaco_server.inference.selection import get_run
 from dipaco_server.inference.services import (
     RunNotPrepared,
     base_model_bytes,
-    get_run,
     router_bytes,
     tokenizer_blob,
 )

@@ -1,10 +1,11 @@
 """Blob stores: one interface (base.BlobStore), an S3 backend and a local-directory backend.
 
-Use `get_blob_store()` to get the configured one; see base.py for the shared
+Use `get_blob_store()` (factory.py) to get the configured one; see base.py for the shared
 semantics and keys.py for which keys are accepted.
 """
 
-from .base import BlobStore, PresignedPost, build_blob_store, get_blob_store
+from .base import BlobStore, PresignedPost
+from .factory import build_blob_store, get_blob_store
 from .keys import BlobNotFound, BlobStoreError, InvalidBlobKey, validate_key, validate_prefix
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""The blob store interface and the factory that builds the configured one.
+"""The blob store interface (the factory that builds the configured one is factory.py).
 
 Two backends implement `BlobStore` and pass the same contract suite
 (tests/test_blobstore_contract.py): `S3BlobStore` (any S3-compatible
@@ -141,51 +141,4 @@ def check_presign_args(key: str, expires_s: int, max_bytes: int | None = None) -
         raise ValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
 
 
-def get_blob_store() -> BlobStore:
-    """The store named by `settings.DIPACO_BLOB_STORE` (cached per configuration)."""
-    from django.conf import settings
-
-    config = settings.DIPACO_BLOB_STORE
-    public_url = getattr(settings, "DIPACO_PUBLIC_URL", "http://127.0.0.1:8000")
-    frozen = tuple(sorted((str(k), str(v)) for k, v in config.items()))
-    cache_key = (frozen, public_url, settings.SECRET_KEY)
-    store = _STORES.get(cache_key)
-    if store is None:
-        store = build_blob_store(config, public_url=public_url, secret=settings.SECRET_KEY)
-        _STORES.clear()  # a new configuration (tests override settings); drop the old ones
-        _STORES[cache_key] = store
-    return store
-
-
-_STORES: dict[object, BlobStore] = {}
-
-
-def build_blob_store(config: dict[str, object], *, public_url: str, secret: str) -> BlobStore:
-    """Build a store from a DIPACO_BLOB_STORE-shaped dict (see settings)."""
-    from django.core.exceptions import ImproperlyConfigured
-
-    backend = config.get("backend")
-    if backend == "local":
-        from .local import LocalBlobStore
-
-        return LocalBlobStore(Path(str(config["root"])), public_url=public_url, secret=secret)
-    if backend == "s3":
-        from .s3 import S3BlobStore
-
-        missing = [k for k in ("bucket",) if not config.get(k)]
-        if missing:
-            raise ImproperlyConfigured(f"DIPACO_BLOB_STORE for s3 needs {', '.join(missing)}")
-        return S3BlobStore.from_config(config)
-    raise ImproperlyConfigured(
-        f"DIPACO_BLOB_STORE backend is {backend!r}; use 'local' (a directory) or 's3'"
-    )
-
-
-__all__ = [
-    "BlobStore",
-    "BlobStoreError",
-    "PresignedPost",
-    "build_blob_store",
-    "check_presign_args",
-    "get_blob_store",
-]
+__all__ = ["BlobStore", "BlobStoreError", "PresignedPost", "check_presign_args"]

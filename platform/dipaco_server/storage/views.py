@@ -21,7 +21,7 @@ from django.views.decorators.csrf import csrf_exempt
 from dipaco_server.errors import error_response as error
 
 from . import signing
-from .base import get_blob_store
+from .factory import get_blob_store
 from .keys import BlobNotFound, BlobStoreError, InvalidBlobKey
 from .local import LocalBlobStore
 from .uploads import BlobTooLarge, BodyRefused, copy_limited, form_upload_handler
