@@ -192,6 +192,10 @@ class Router:
         scores = -self.distances(x) + tie_break(texts, self.num_paths) + self.bias
         return [int(p) for p in scores.argmax(dim=1)]
 
+    def route_tail(self, ids: Sequence[int]) -> int:
+        """`route_tails` of one sequence: the path for the text so far."""
+        return self.route_tails([ids])[0]
+
     def modules(self, path: int) -> tuple[int, ...]:
         return path_to_modules(path, self.spec.factors)
 
