@@ -61,33 +61,25 @@ import json
 import os
 import platform
 import shutil
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import httpx
 import numpy as np
 import torch
 import torch.nn.functional as F
+from agent_e2e import end_to_end  # bench/agent_e2e.py: the --e2e part
 from rich.console import Console
 from rich.table import Table
 
 from dipaco.config import (
     GiB,
-    InnerConfig,
-    LayoutConfig,
-    ModelConfig,
     OuterConfig,
     RunConfig,
-    estimate_path_memory,
 )
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource
@@ -101,6 +93,7 @@ from dipaco.inner import (
     fit_micro_batch,
     lr_at,
 )
+from dipaco.inner.fit import path_memory
 from dipaco.model import build_model
 from dipaco.modular import init_modules
 from worker_agent.payload import encode_deltas
@@ -115,12 +108,9 @@ def preset(name: str, steps: int, micro: int | None, accum: int) -> RunConfig:
                                "grad_accum_steps": accum, "warmup_steps": 2},
         )  # fmt: skip
     if name == "150m":  # the papers' 150M path: 12 blocks of width 896, sequences of 1024
-        return RunConfig(
-            rounds=100,
-            model=ModelConfig(),
-            layout=LayoutConfig.grid(12, 2, 2),
-            inner=InnerConfig(steps=steps, micro_batch_size=micro or 8, grad_accum_steps=accum,
-                              warmup_steps=2),
+        return RunConfig.paper_150m(
+            inner={"steps": steps, "micro_batch_size": micro or 8, "grad_accum_steps": accum,
+                   "warmup_steps": 2},
         )  # fmt: skip
     raise SystemExit(f"unknown preset {name!r}: tiny or 150m")
 
@@ -171,14 +161,7 @@ def bare_loop(
     micro-batch when the device holds it (`with_batch`). On the CPU (compiled False) the
     eager loop with AdamW's default, as the library runs there."""
     cfg, t = config.inner, config.model.seq_len
-    model = build_model(config.model, config.seed, device=device).train()
-    vocab = config.model.vocab_size
-
-    def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = model(input_ids=inputs).logits  # (B, T, V)
-        return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
-
-    loss_fn = torch.compile(loss_of) if compiled else loss_of
+    model, loss_fn = _bare_model(config, device, compiled)
     optimizer = torch.optim.AdamW(
         model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
         weight_decay=cfg.weight_decay, fused=device.type == "cuda",
@@ -208,6 +191,25 @@ def bare_loop(
             started = now()
     sync(device)
     return rates((cfg.steps - 1) * cfg.batch_size * t, started, now())
+
+
+_BARE: dict[tuple[str, str, bool], tuple[torch.nn.Module, Any]] = {}
+
+
+def _bare_model(config: RunConfig, device: torch.device, compiled: bool) -> tuple[Any, Any]:
+    """The bare loop's model and loss function, built (and compiled) once per bench run, as
+    the agent's resident trainer is: each bare run after the first pays no compiling."""
+    key = (config.model.model_dump_json(), str(device), compiled)
+    if key not in _BARE:
+        model = build_model(config.model, config.seed, device=device).train()
+        vocab = config.model.vocab_size
+
+        def loss_of(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            logits = model(input_ids=inputs).logits  # (B, T, V)
+            return F.cross_entropy(logits.float().reshape(-1, vocab), targets.reshape(-1))
+
+        _BARE[key] = (model, torch.compile(loss_of) if compiled else loss_of)
+    return _BARE[key]
 
 
 @dataclass
@@ -293,191 +295,73 @@ def _dtype(config: RunConfig) -> str:
     return "<u2" if config.model.vocab_size <= 2**16 else "<u4"
 
 
-# --- end to end: a server, a run, one worker process ----------------------------------------
-
-SERVICE_VARIABLES = ("DATABASE_URL", "REDIS_URL", "S3_ENDPOINT_URL", "S3_BUCKET",
-                     "S3_ACCESS_KEY_ID", "S3_SECRET_ACCESS_KEY", "S3_REGION",
-                     "DIPACO_PUBLIC_URL", "ALLOWED_HOSTS")  # fmt: skip
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def _start_server(root: Path) -> tuple[subprocess.Popen[bytes], str, dict[str, str]]:
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    environ = {k: v for k, v in os.environ.items() if k not in SERVICE_VARIABLES}
-    environ.update(DIPACO_DATA_DIR=str(root / "server"), DIPACO_PUBLIC_URL=url,
-                   DJANGO_SETTINGS_MODULE="dipaco_server.settings")  # fmt: skip
-    command = [str(Path(sys.executable).with_name("dipaco")), "server", "--port", str(port),
-               "--web-workers", "1", "--task-concurrency", "1"]  # fmt: skip
-    with (root / "server.log").open("ab") as log:
-        server = subprocess.Popen(command, env=environ, stdout=log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if server.poll() is not None:
-            raise SystemExit(f"dipaco server exited; see {root / 'server.log'}")
-        try:
-            if httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200:
-                return server, url, environ
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"dipaco server did not become healthy; see {root / 'server.log'}")
-
-
-def _prepared_run(
-    environ: dict[str, str], rounds: int, steps: int, overlap: str, eager_at: float | None = None
-) -> tuple[int, str, int]:
-    """(run id, enrollment token, units) of a started tiny run, prepared by the server's code."""
-    os.environ.update(environ)
-    from dipaco_server.cli.admin import setup_django
-
-    setup_django()
-    from dipaco_server.rounds.open import start_run
-    from dipaco_server.runs.prepare import prepare_run
-    from dipaco_server.runs.services import create_run
-    from dipaco_server.workers.services import create_enrollment_token
-
-    outer: dict[str, Any] = {"overlap": overlap}
-    if eager_at is not None:
-        outer["eager_at"] = eager_at
-    config = RunConfig.tiny(rounds=rounds, inner={"steps": steps, "warmup_steps": 2}, outer=outer)
-    spec = config.model_dump(mode="json")
-    del spec["name"]
-    run = prepare_run(create_run("utilisation", spec), max_files=200)
-    start_run(run)
-    _, enrollment = create_enrollment_token(max_uses=1)
-    return run.pk, enrollment, rounds * config.num_paths * config.replicas_per_path
-
-
-def _stamp(event: dict[str, Any]) -> float:
-    return datetime.fromisoformat(str(event["time"]).replace("Z", "+00:00")).timestamp()
-
-
-def end_to_end(
-    rounds: int,
-    steps: int,
-    threads: int,
-    keep: Path | None = None,
-    overlap: str = "none",
-    eager_at: float | None = None,
-) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="agent-e2e-") as tmp:
-        root = Path(tmp)
-        server, url, environ = _start_server(root)
-        worker: subprocess.CompletedProcess[str] | None = None
-        try:
-            run_id, enrollment, units = _prepared_run(environ, rounds, steps, overlap, eager_at)
-            # The agent as shipped: checkpoints by time, written in the background.
-            command = [str(Path(sys.executable).with_name("dipaco-worker")), "--server", url,
-                       "--enroll", enrollment, "--data-dir", str(root / "worker"),
-                       "--json-logs", "--threads", str(threads), "--max-units", str(units)]  # fmt: skip
-            worker = subprocess.run(command, capture_output=True, text=True, timeout=3600)
-            events = [json.loads(line) for line in worker.stdout.splitlines()
-                      if line.startswith("{")]  # fmt: skip
-            if worker.returncode != 0:
-                raise SystemExit(f"dipaco-worker failed:\n{worker.stdout[-3000:]}{worker.stderr}")
-        finally:
-            server.send_signal(signal.SIGTERM)
-            try:
-                server.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(server.pid, signal.SIGKILL)
-            if keep is not None:  # the server's log and the worker's JSON events, for a look
-                keep.mkdir(parents=True, exist_ok=True)
-                shutil.copy(root / "server.log", keep / "server.log")
-                if worker is not None:
-                    (keep / "worker.jsonl").write_text(worker.stdout)
-    leases = [e for e in events if e["event"] == "lease"]
-    fetched = [e for e in events if e["event"] == "fetched"]
-    done = [e for e in events if e["event"] == "completed"]
-    wall = _stamp(done[-1]) - _stamp(leases[0])
-    train = sum(float(e["train_seconds"]) for e in done)
-    fetch = sum(_stamp(f) - _stamp(lease) for lease, f in zip(leases, fetched, strict=True))
-    # the next lease before the last completion is the hand-in overlapping: no wait
-    waiting = sum(
-        max(0.0, _stamp(lease) - _stamp(d)) for d, lease in zip(done, leases[1:], strict=False)
-    )
-    return {"run_id": run_id, "rounds": rounds, "units": len(done), "steps": steps,
-            "wall_s": wall, "train_s": train, "utilisation": train / wall,
-            "fetch_s": fetch, "between_units_s": waiting,
-            "train_to_complete_s": wall - train - fetch - waiting,
-            "idle_polls": sum(e["event"] == "idle" for e in events), "overlap": overlap,
-            "eager_at": eager_at,
-            # outer.overlap eager: units that rebased, fell back to delayed, seconds waited
-            "rebased": sum(e["event"] == "rebase" for e in events),
-            "rebase_fallbacks": sum(e["event"] == "rebase_fallback" for e in events),
-            "rebase_wait_s": sum(float(e.get("rebase_wait_s") or 0.0) for e in done),
-            "load": os.getloadavg() if hasattr(os, "getloadavg") else None}  # fmt: skip
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
-        epilog="bench/gpu_check.sh runs it on a GPU with the issue's batch and H = 500.",
+        epilog="bench/gpu_check.sh runs it on a GPU with the issue's batch and H >= 500.",
     )
-    parser.add_argument("--preset", default="tiny", choices=["tiny", "150m"])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--steps", type=int, default=20, help="H: inner steps per unit")
-    parser.add_argument("--micro-batch", type=int, help="sequences per micro-batch")
-    parser.add_argument("--accum", type=int, default=1, help="micro-batches per step")
-    parser.add_argument(
-        "--batch", type=int, help="sequences per step, split into micro-batches as the worker "
-        "fits them to the device's free memory (overrides --micro-batch and --accum)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--warmup-steps", type=int, help="steps of the untimed warm-up run of each side "
-        "(compiling, allocator, thread pools; default: H)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--compile", action=argparse.BooleanOptionalAction, default=None,
+    add = parser.add_argument
+    add("--preset", default="tiny", choices=["tiny", "150m"])
+    add("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    add("--steps", type=int, default=20, help="H: inner steps per unit (the most, with "
+        "--time-budget)")  # fmt: skip
+    add("--micro-batch", type=int, help="sequences per micro-batch")
+    add("--accum", type=int, default=1, help="micro-batches per step")
+    add("--batch", type=int, help="sequences per step, split into micro-batches as the worker "
+        "fits them to the device's free memory (overrides --micro-batch and --accum)")  # fmt: skip
+    add("--warmup-steps", type=int, help="steps of the untimed warm-up run of each side "
+        "(compiling, allocator, thread pools; default: H)")  # fmt: skip
+    add("--time-budget", type=float, metavar="SECONDS", help="size H to what the measured "
+        "runs can do in this many seconds from the bench's start, warm-up included, at the "
+        "warm-up's speed (at most --steps; 'steps_sized' in the JSON)")  # fmt: skip
+    add("--compile", action=argparse.BooleanOptionalAction, default=None,
         help="torch.compile the agent's loop and the bare loop (default: on CUDA only, as "
-        "dipaco-worker); --no-compile measures both eager",
-    )  # fmt: skip
-    parser.add_argument(
-        "--checkpoint-interval", type=float, default=DEFAULT_CHECKPOINT_INTERVAL_S,
+        "dipaco-worker); --no-compile measures both eager")  # fmt: skip
+    add("--checkpoint-interval", type=float, default=DEFAULT_CHECKPOINT_INTERVAL_S,
         metavar="SECONDS", help="the agent's checkpoint interval (default %(default)s s, "
-        "dipaco-worker's); shorter to measure a checkpoint's blocking time in a short unit",
-    )  # fmt: skip
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, help="torch CPU threads")
-    parser.add_argument("--json", type=Path, help="also write the figures here")
-    parser.add_argument("--e2e", action="store_true", help="also measure utilisation (minutes)")
-    parser.add_argument("--rounds", type=int, default=3, help="--e2e: outer rounds")
-    parser.add_argument(
-        "--overlap",
-        choices=["none", "delayed", "eager"],
-        default=OuterConfig().overlap,
-        help="--e2e: the run's outer.overlap (default %(default)s, the run default)",
-    )
-    parser.add_argument(
-        "--eager-at",
-        type=float,
-        help="--e2e with --overlap eager: outer.eager_at, the fraction of a unit's steps after "
-        "which it waits for and rebases onto the previous round's versions (default: the "
-        "run default, 0.1); later waits less when the outer step is long",
-    )
-    parser.add_argument(
-        "--keep", type=Path, help="--e2e: copy the server log and the worker's events here"
-    )
-    args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
-    compiled = device.type == "cuda" if args.compile is None else args.compile
-    config = preset(args.preset, args.steps, args.micro_batch, args.accum)
-    if args.batch:
-        config = with_batch(config, args.batch, device, compiled)
-    warm_steps = args.warmup_steps or config.inner.steps
-    warm = config.model_copy(
-        update={"inner": config.inner.model_copy(update={"steps": warm_steps})}
-    )
-    console = Console()
+        "dipaco-worker's); shorter to measure a checkpoint's blocking time in a short unit")  # fmt: skip
+    add("--repeats", type=int, default=3)
+    add("--threads", type=int, help="torch CPU threads")
+    add("--json", type=Path, help="also write the figures here")
+    add("--e2e", action="store_true", help="also measure utilisation (minutes)")
+    add("--rounds", type=int, default=3, help="--e2e: outer rounds")
+    add("--overlap", choices=["none", "delayed", "eager"], default=OuterConfig().overlap,
+        help="--e2e: the run's outer.overlap (default %(default)s, the run default)")  # fmt: skip
+    add("--eager-at", type=float, help="--e2e with --overlap eager: outer.eager_at, the "
+        "fraction of a unit's steps after which it waits for and rebases onto the previous "
+        "round's versions (default: the run default, 0.1); later waits less when the outer "
+        "step is long")  # fmt: skip
+    add("--keep", type=Path, help="--e2e: copy the server log and the worker's events here")
+    return parser.parse_args(argv)
+
+
+def with_steps(config: RunConfig, steps: int) -> RunConfig:
+    return config.model_copy(update={"inner": config.inner.model_copy(update={"steps": steps})})
+
+
+def sized_steps(
+    config: RunConfig, warm: tuple[Rates, UnitFigures], left_s: float, repeats: int
+) -> int:
+    """The most steps (up to H) that `repeats` pairs of runs can do in `left_s` seconds at
+    the warm-up's speed, each unit also paying its fixed cost (less the warm-up's compiling,
+    which is done)."""
+    bare, unit = warm
+    tokens = config.inner.batch_size * config.model.seq_len
+    per_step = tokens / bare[0] + tokens / unit.inner[0]
+    parts = unit.fixed_cost_parts
+    fixed = sum(v for k, v in parts.items() if k != "first_step_excess_s")
+    margin = 0.9  # the speed varies from run to run; the budget is a hard one
+    steps = int((margin * left_s / repeats - fixed) / per_step)
+    return max(2, min(config.inner.steps, steps))
+
+
+def measure(
+    args: argparse.Namespace, config: RunConfig, device: torch.device, compiled: bool
+) -> tuple[RunConfig, list[Rates], list[UnitFigures]]:
+    """A warm-up of each side, then `--repeats` adjacent (bare, agent) pairs, the order
+    alternating so that neither side is always first; H sized to --time-budget if given."""
+    started = time.monotonic()
+    warm = with_steps(config, args.warmup_steps or config.inner.steps)
     trainer = ResidentTrainer(device, compile=compiled)  # the agent's, kept across units
     with tempfile.TemporaryDirectory(prefix="agent-overhead-") as tmp:
         root = Path(tmp)
@@ -487,18 +371,34 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         states, work = InnerStates(root / "inner"), root / "work"
         interval = args.checkpoint_interval
         # warm-up: compiling, allocator, kernels, thread pools; it also makes AdamW warm
-        bare_loop(warm, window, device, compiled=compiled)
-        agent_unit(warm, window_path, device, work, states, trainer, interval)
+        warm_bare = bare_loop(warm, window, device, compiled=compiled)
+        warm_unit = agent_unit(warm, window_path, device, work, states, trainer, interval)
+        if args.time_budget is not None:
+            left = args.time_budget - (time.monotonic() - started)
+            steps = sized_steps(config, (warm_bare, warm_unit), left, args.repeats)
+            config = with_steps(config, steps)
         bare: list[Rates] = []
         units: list[UnitFigures] = []
-        for repeat in range(args.repeats):  # the order alternates: neither side always first
+        for repeat in range(args.repeats):
             if repeat % 2 == 0:
                 bare.append(bare_loop(config, window, device, compiled=compiled))
             units.append(agent_unit(config, window_path, device, work, states, trainer, interval))
             if repeat % 2 == 1:
                 bare.append(bare_loop(config, window, device, compiled=compiled))
-    # Each repeat's agent run sits next to a bare run in time: the median of those paired
-    # ratios cancels most of a shared machine's drifting load; the best-of figures follow.
+    return config, bare, units
+
+
+def figures_of(
+    args: argparse.Namespace,
+    config: RunConfig,
+    device: torch.device,
+    compiled: bool,
+    measured: tuple[list[Rates], list[UnitFigures]],
+) -> dict[str, Any]:
+    """The figures of the runs: each repeat's agent run sits next to a bare run in time,
+    and the median of those paired ratios cancels most of a shared machine's drifting
+    load; the best-of figures follow."""
+    bare, units = measured
     pairs = [
         (u.inner[0] / b[0], u.inner[1] / b[1], u.unit / b[0])
         for u, b in zip(units, bare, strict=True)
@@ -507,18 +407,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     cpu = device.type == "cpu"
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     best = max(units, key=lambda u: u.unit)
-    estimate = estimate_path_memory(config.model, config.inner, device=device.type).total_bytes
-    figures: dict[str, Any] = {
+    tokens = config.inner.steps * config.inner.batch_size * config.model.seq_len
+    return {
         "preset": args.preset,
         "device": name,
         "threads": torch.get_num_threads(),
         "params": config.num_params(),
         "steps": config.inner.steps,
+        "steps_sized": args.time_budget is not None,
         "batch": f"{config.inner.micro_batch_size} x {config.inner.grad_accum_steps} x "
         f"{config.model.seq_len}",
         "repeats": args.repeats,
         "compile": compiled,
-        "bare_loop": "compiled, fused AdamW" if compiled else "eager",
+        "bare_loop": "loss compiled, fused AdamW" if compiled else "eager",
         "bare_tokens_per_s": max(b[0] for b in bare),
         "agent_inner_tokens_per_s": max(u.inner[0] for u in units),
         "agent_unit_tokens_per_s": best.unit,
@@ -530,6 +431,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "flops_per_token": flops_per_token(config.model),
         "peak_flops": peak_flops(name),
         "bare_mfu": mfu(max(b[0] for b in bare), config.model, name),
+        "agent_inner_mfu": mfu(max(u.inner[0] for u in units), config.model, name),
         "unit_mfu": mfu(best.unit, config.model, name),
         "fixed_cost_s": statistics.median(u.fixed_cost_s for u in units),
         # by part, the median over the repeats of each (so they need not add up exactly)
@@ -540,38 +442,83 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "checkpoint_interval_s": args.checkpoint_interval,
         "checkpoints": best.checkpoints,
         "checkpoint_block_s": statistics.median(u.checkpoint_block_s for u in units),
-        "unit_wall_s": config.inner.steps
-        * config.inner.batch_size
-        * config.model.seq_len
-        / best.unit,
+        "unit_wall_s": tokens / best.unit,
         "peak_memory_bytes": max(u.peak_memory_bytes for u in units),
-        "estimated_memory_bytes": estimate,
+        "estimated_memory_bytes": path_memory(
+            config, config.inner, device.type, whole_logits=compiled
+        ),
         "load": os.getloadavg() if hasattr(os, "getloadavg") else None,
         "torch": torch.__version__,
         "machine": platform.machine(),
     }
-    table = Table(title=f"agent vs bare loop: {args.preset} ({figures['params'] / 1e6:.1f}M "
-                  f"params), {name}, H={config.inner.steps}, batch {figures['batch']}, "
-                  f"{'compiled' if compiled else 'eager'}")  # fmt: skip
+
+
+def print_figures(console: Console, figures: dict[str, Any]) -> None:
+    cpu = figures["device"] == "cpu"
+    table = Table(title=f"agent vs bare loop: {figures['preset']} ({figures['params'] / 1e6:.1f}M"
+                  f" params), {figures['device']}, H={figures['steps']}, batch "
+                  f"{figures['batch']}, {'compiled' if figures['compile'] else 'eager'}")  # fmt: skip
     for column in ("loop", "best tokens/s", "ratio to bare", "by CPU time", "MFU"):
         table.add_column(column, justify="right")
     by_cpu = (lambda r: f"{r:.3f}") if cpu else (lambda r: "-")
     share = lambda v: "-" if v is None else f"{v:.1%}"  # noqa: E731
     table.add_row(f"bare loop ({figures['bare_loop']})", f"{figures['bare_tokens_per_s']:,.0f}",
                   "1.000", by_cpu(1.0), share(figures["bare_mfu"]))  # fmt: skip
-    inner_mfu = mfu(figures["agent_inner_tokens_per_s"], config.model, name)
     table.add_row("agent inner loop", f"{figures['agent_inner_tokens_per_s']:,.0f}",
-                  f"{ratio:.3f}", by_cpu(ratio_cpu), share(inner_mfu))  # fmt: skip
-    table.add_row("agent whole unit", f"{best.unit:,.0f}", f"{unit_ratio:.3f}", "",
-                  share(figures["unit_mfu"]))  # fmt: skip
+                  f"{figures['inner_ratio']:.3f}", by_cpu(figures["inner_ratio_cpu_time"]),
+                  share(figures["agent_inner_mfu"]))  # fmt: skip
+    table.add_row("agent whole unit", f"{figures['agent_unit_tokens_per_s']:,.0f}",
+                  f"{figures['unit_ratio']:.3f}", "", share(figures["unit_mfu"]))  # fmt: skip
     console.print(table)
+    parts = ", ".join(f"{k[:-2]} {v:.3f}" for k, v in figures["fixed_cost_parts"].items())
     console.print(
-        f"ratios: median of {args.repeats} adjacent (agent, bare) pairs; per unit: fixed cost "
-        f"{figures['fixed_cost_s']:.2f} s (before step 1 and after step H, encoding included), "
-        f"{best.checkpoints} checkpoint(s) blocking {figures['checkpoint_block_s']:.3f} s; "
-        f"peak memory {figures['peak_memory_bytes'] / GiB:.2f} GiB (estimate "
-        f"{estimate / GiB:.2f}); threads {figures['threads']}; load {figures['load']}"
+        f"ratios: median of {figures['repeats']} adjacent (agent, bare) pairs; per unit: fixed "
+        f"cost {figures['fixed_cost_s']:.2f} s ({parts}), {figures['checkpoints']} "
+        f"checkpoint(s) blocking {figures['checkpoint_block_s']:.3f} s; peak memory "
+        f"{figures['peak_memory_bytes'] / GiB:.2f} GiB (estimate "
+        f"{figures['estimated_memory_bytes'] / GiB:.2f}); threads {figures['threads']}; "
+        f"load {figures['load']}"
     )
+
+
+def write_json(path: Path, figures: dict[str, Any]) -> None:
+    """The issues' keys first: end-to-end utilisation (with --e2e), the inner loop's and the
+    whole unit's tokens/s against the bare loop, and the GPU check's figures."""
+    e2e = figures.get("e2e")
+    head = {
+        "device": figures["device"],
+        "params": figures["params"],
+        "tokens_per_s": figures["agent_unit_tokens_per_s"],
+        "mfu": figures["unit_mfu"],
+        "utilisation": e2e["utilisation"] if e2e else None,
+        "inner_vs_bare": figures["inner_ratio"],
+        "unit_vs_bare": figures["unit_ratio"],
+        "fixed_cost_s": figures["fixed_cost_s"],
+        "fixed_cost_parts": figures["fixed_cost_parts"],
+        "checkpoint_block_s": figures["checkpoint_block_s"],
+        "peak_memory_gib": figures["peak_memory_bytes"] / GiB if figures["device"] != "cpu"
+        else None,
+        "estimated_memory_gib": figures["estimated_memory_bytes"] / GiB,
+        "compile": figures["compile"],
+    }  # fmt: skip
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**head, "command": command, **figures}, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device(args.device)
+    compiled = device.type == "cuda" if args.compile is None else args.compile
+    config = preset(args.preset, args.steps, args.micro_batch, args.accum)
+    if args.batch:
+        config = with_batch(config, args.batch, device, compiled)
+    console = Console()
+    config, bare, units = measure(args, config, device, compiled)
+    figures = figures_of(args, config, device, compiled, (bare, units))
+    print_figures(console, figures)
     if args.e2e:
         figures["e2e"] = e2e = end_to_end(
             args.rounds, args.steps, args.threads or 1, args.keep, args.overlap, args.eager_at
@@ -584,26 +531,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             f"{e2e['train_to_complete_s']:.1f} s (model build, checkpoints, encode, upload)"
         )
     if args.json:
-        # The issues' keys first: end-to-end utilisation (with --e2e), the inner loop's and
-        # the whole unit's tokens/s against the bare loop, and the GPU check's figures.
-        head = {
-            "device": name,
-            "params": figures["params"],
-            "tokens_per_s": best.unit,
-            "mfu": figures["unit_mfu"],
-            "utilisation": figures["e2e"]["utilisation"] if args.e2e else None,
-            "inner_vs_bare": ratio,
-            "unit_vs_bare": unit_ratio,
-            "fixed_cost_s": figures["fixed_cost_s"],
-            "fixed_cost_parts": figures["fixed_cost_parts"],
-            "checkpoint_block_s": figures["checkpoint_block_s"],
-            "peak_memory_gib": figures["peak_memory_bytes"] / GiB if not cpu else None,
-            "estimated_memory_gib": estimate / GiB,
-            "compile": compiled,
-        }
-        command = " ".join([Path(sys.executable).name, *sys.argv])
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({**head, "command": command, **figures}, indent=2) + "\n")
+        write_json(args.json, figures)
     return figures
 
 

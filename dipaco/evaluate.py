@@ -160,14 +160,14 @@ def sample_streams(streams: Sequence[Tensor], seq_len: int, count: int, seed: in
 
 def sample_shard(shard: Any, seq_len: int, indices: Sequence[int]) -> Tensor:
     """(q, T+1) int64: the windows `indices` (a `sample_plan` row) of a validation shard
-    (a dipaco.data.shards.TokenShard)."""
+    (a dipaco.data.shards.TokenShard, or a dipaco.data.ranged.RangedShard read by ranges)."""
     import numpy as np
     import torch
 
     if not indices:
         return torch.zeros((0, seq_len + 1), dtype=torch.int64)
-    rows = [shard.read_window(i * seq_len, seq_len + 1) for i in indices]
-    return torch.from_numpy(np.stack(rows)).to(torch.int64)
+    rows = shard.read_windows([i * seq_len for i in indices], seq_len + 1)  # (q, T+1)
+    return torch.from_numpy(np.ascontiguousarray(rows)).to(torch.int64)
 
 
 def window_losses(model: nn.Module, windows: Tensor, batch_size: int = EVAL_BATCH) -> Tensor:

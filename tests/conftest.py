@@ -154,6 +154,9 @@ def pytest_configure(config: pytest.Config) -> None:
     # Sampled replication (rounds.replication) would add check copies at random; tests
     # that want it set DIPACO_REPLICATION_RATE themselves.
     os.environ.setdefault("DIPACO_REPLICATION_RATE", "0")
+    # Probation (workers.probation) replicates every new worker's units the same way; tests
+    # of it set DIPACO_PROBATION_PARTNERS themselves.
+    os.environ.setdefault("DIPACO_PROBATION_PARTNERS", "0")
     if not SERVER:
         if CI:
             raise pytest.UsageError(

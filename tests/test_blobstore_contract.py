@@ -79,6 +79,21 @@ def test_it_stores_an_empty_blob(store: BlobStore) -> None:
     assert store.get_bytes("runs/1/empty.bin") == b""
 
 
+def test_a_ranged_read_returns_those_bytes_cut_at_the_end(store: BlobStore) -> None:
+    data = os.urandom(3000)
+    store.put_bytes("runs/1/data/0/train.bin", data)
+    key = "runs/1/data/0/train.bin"
+
+    assert store.get_range(key, 0, 10) == data[:10]
+    assert store.get_range(key, 1234, 2345) == data[1234:2345]
+    assert store.get_range(key, 2990, 5000) == data[2990:], "cut at the blob's end"
+    assert store.get_range(key, 100, 100) == b""
+    assert store.get_range(key, 3000, 3010) == b"", "a start past the end reads nothing"
+    for start, end in [(-1, 4), (10, 5)]:
+        with pytest.raises(ValueError, match="start <= end"):
+            store.get_range(key, start, end)
+
+
 def test_writing_a_key_again_replaces_the_blob(store: BlobStore) -> None:
     store.put_bytes("runs/1/tokenizer.json", b"old")
     store.put_bytes("runs/1/tokenizer.json", b"newer")
@@ -94,6 +109,8 @@ def test_every_read_of_a_missing_key_raises_blob_not_found(
         store.get_bytes("runs/1/missing.bin")
     with pytest.raises(BlobNotFound):
         store.open("runs/1/missing.bin")
+    with pytest.raises(BlobNotFound):
+        store.get_range("runs/1/missing.bin", 0, 4)
     with pytest.raises(BlobNotFound):
         store.iter_chunks("runs/1/missing.bin")
     with pytest.raises(BlobNotFound):
@@ -219,6 +236,7 @@ def test_every_operation_refuses_a_key_that_could_escape(
         lambda: store.put_bytes(key, b"x"),
         lambda: store.put_file(key, source),
         lambda: store.get_bytes(key),
+        lambda: store.get_range(key, 0, 1),
         lambda: store.open(key),
         lambda: store.download_to(key, tmp_path / "out.bin"),
         lambda: store.exists(key),

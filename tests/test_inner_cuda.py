@@ -123,3 +123,45 @@ def test_a_cuda_loop_resumed_from_its_checkpoint_matches_an_uninterrupted_one(
     resumed = run(checkpoint_path=ckpt, on_step=lambda m: steps.append(m.step))
     assert steps[0] == 5
     assert_close_units(resumed, uninterrupted, 1e-3)
+
+
+def test_the_loss_compiled_with_the_model_trains_as_the_eager_cuda_loop(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """CUDA's default: body, head and cross-entropy in one compiled graph (WholeLoss), a
+    bf16 residual stream under autocast; against the eager chunked loss."""
+    modules = init_modules(SHORT)
+    eager = PathTrainer(SHORT, "cuda", compile=False).train_path(SHORT, 0, modules, SOURCE)
+    trainer = PathTrainer(SHORT, "cuda")
+    assert trainer.engine.precision in ("bf16", "fp16") and trainer.engine.forward.compiled
+    with caplog.at_level(logging.WARNING, logger="dipaco.inner.engine"):
+        compiled = trainer.train_path(SHORT, 0, modules, SOURCE)
+    assert not [r for r in caplog.records if "torch.compile failed" in r.getMessage()]
+    assert trainer.engine.forward.proven
+    assert_close_units(compiled, eager, 2e-2)
+
+
+def test_fp16_with_a_scaler_trains_on_cuda_as_bf16_does() -> None:
+    modules = init_modules(SHORT)
+    bf16 = PathTrainer(SHORT, "cuda", compile=False, precision="bf16")
+    fp16 = PathTrainer(SHORT, "cuda", compile=False, precision="fp16")
+    assert bf16.engine.scaler is None and fp16.engine.scaler is not None
+    a = bf16.train_path(SHORT, 0, modules, SOURCE)
+    b = fp16.train_path(SHORT, 0, modules, SOURCE)
+    assert_close_units(b, a, 2e-2)
+
+
+def test_a_same_path_unit_on_cuda_keeps_its_moments_resident_and_its_delta_from_the_snapshot(
+    tmp_path: Path,
+) -> None:
+    modules = init_modules(SHORT)
+    trainer = PathTrainer(SHORT, "cuda", compile=False)
+    first = trainer.train_path(SHORT, 0, modules, SOURCE, checkpoint_path=tmp_path / "a",
+                               checkpoint_every=1, finish_write=False)  # fmt: skip
+    first.checkpoint_written()
+    assert all(d.device.type == "cpu" and d.dtype == torch.float32 for d in first.delta.values())
+    warm = trainer.train_path(SHORT, 0, modules, SOURCE, round_index=1, state=first.state)
+    fresh = PathTrainer(SHORT, "cuda", compile=False).train_path(
+        SHORT, 0, modules, SOURCE, round_index=1, state=first.state
+    )
+    assert_close_units(warm, fresh, 1e-3)

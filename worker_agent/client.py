@@ -1,7 +1,8 @@
 """The control plane's worker API over HTTP: the one module that knows its URLs and JSON.
 
-Everything the rest of the agent sees is a dataclass defined here, so a change of a
-request or response shape is a change of this file alone. Every call goes through
+Everything the rest of the agent sees is a dataclass defined here, read from the JSON by
+pydantic (`_read`), so a change of a request or response shape is a change of this file
+alone. Every call goes through
 `worker_agent.retry`: transient failures are retried with backoff and jitter, the
 server's 4xx refusals are raised at once as `ServerError` with their stable code,
 and a server that never answers becomes `ServerUnreachable` naming the URL.
@@ -17,11 +18,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import field
 from datetime import datetime
-from typing import Any
+from typing import Annotated, Any, TypeVar
 
 import httpx
+from pydantic import AliasChoices, AliasPath, BeforeValidator, Field, TypeAdapter, model_validator
+from pydantic.dataclasses import dataclass
 
 from dipaco import __version__
 from worker_agent.errors import (
@@ -55,6 +58,23 @@ API = "/api/v1"
 SECRET_HEADER = "X-Lease-Secret"
 OVERLOADED = "overloaded"  # 503: new work shed under load; come back after Retry-After
 USER_AGENT = f"dipaco-worker/{__version__}"
+
+
+def _or_empty(value: Any) -> Any:
+    """The server leaves a field null or out where it has nothing; "" here."""
+    return "" if value is None else value
+
+
+def _or_none(value: Any) -> Any:
+    """An empty object or list means none (the rebase plan of a unit that has none)."""
+    return value or None
+
+
+def _or(default: Any) -> Callable[[Any], Any]:
+    return lambda value: default if value is None else value
+
+
+Text = Annotated[str, BeforeValidator(_or_empty)]
 
 
 @dataclass(frozen=True)
@@ -91,7 +111,7 @@ class LeaseGrant:
     the unit's slot of the lr schedule, which `steps` never changes."""
 
     lease_id: int
-    secret: str
+    secret: str  # the answer's lease_secret
     deadline: str  # ISO 8601, as the server sent it
     heartbeat_interval_s: float
     run_id: int
@@ -105,11 +125,20 @@ class LeaseGrant:
     config: dict[str, Any]  # the whole RunConfig as JSON
     data: DataWindow
     raw: dict[str, Any] = field(repr=False)  # the answer as received, kept for resuming
-    size_reason: str = ""  # why `steps`, from the server
+    size_reason: Text = ""  # why `steps`, from the server
     seconds_limit: float | None = None  # a calibration unit: stop after this long
     round_deadline: str | None = None  # ISO 8601: upload what is trained by then
     hard_deadline: str | None = None  # ISO 8601: heartbeats never extend the lease past it
-    rebase: RebasePlan | None = None  # outer.overlap eager (worker_agent.rebase)
+    # outer.overlap eager (worker_agent.rebase)
+    rebase: Annotated[RebasePlan | None, BeforeValidator(_or_none)] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _keep_raw(cls, data: Any) -> Any:
+        """A lease answer keeps itself whole, for resuming (worker_agent.state)."""
+        if isinstance(data, Mapping) and "raw" not in data:
+            return {**data, "secret": data.get("lease_secret"), "raw": dict(data)}
+        return data
 
 
 @dataclass(frozen=True)
@@ -134,7 +163,8 @@ class BlobRef:
     sha256: str
     size: int
     url: str
-    updates: tuple[UpdateRef, ...] = ()  # from the version the manifest request held
+    # from the version the manifest request held
+    updates: Annotated[tuple[UpdateRef, ...], BeforeValidator(_or(()))] = ()
 
 
 @dataclass(frozen=True)
@@ -164,9 +194,9 @@ class RebaseAnswer:
     """GET .../rebase: "ready" (modules at `versions`), "waiting" or "none"."""
 
     state: str
-    versions: dict[str, int]
-    retry_after_s: float
-    modules: list[BlobRef]
+    versions: Annotated[dict[str, int], BeforeValidator(_or({}))] = field(default_factory=dict)
+    retry_after_s: Annotated[float, BeforeValidator(_or(0.0))] = 0.0
+    modules: Annotated[list[BlobRef], BeforeValidator(_or([]))] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -176,9 +206,11 @@ class UploadTarget:
     module_id: str
     key: str
     max_bytes: int
-    put_url: str
-    post_url: str
-    post_fields: dict[str, str]
+    put_url: Text  # none where the store cannot bound a PUT
+    post_url: str = Field(validation_alias=AliasChoices("post_url", AliasPath("post", "url")))
+    post_fields: dict[str, str] = Field(
+        validation_alias=AliasChoices("post_fields", AliasPath("post", "fields"))
+    )
 
 
 @dataclass(frozen=True)
@@ -188,14 +220,24 @@ class Contribution:
     size: int
 
 
+def _lease_field(name: str) -> Any:
+    """A field of the heartbeat answer's `lease` object (absent without a lease)."""
+    return Field(default=None, validation_alias=AliasChoices(name, AliasPath("lease", name[6:])))
+
+
 @dataclass(frozen=True)
 class Heartbeat:
     server_time: str
     heartbeat_interval_s: float
-    lease_state: str | None  # "active", ... or None without a lease
-    lease_deadline: str | None
-    instructions: list[str]  # "release": the unit's work is no longer needed
-    round_deadline: str | None = None  # the round's deadline now (it may move up)
+    lease_state: str | None = _lease_field("lease_state")  # "active", ... or None
+    lease_deadline: str | None = _lease_field("lease_deadline")
+    # "release": the unit's work is no longer needed
+    instructions: Annotated[list[str], BeforeValidator(_or([]))] = field(default_factory=list)
+    # the round's deadline now (it may move up)
+    round_deadline: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("round_deadline", AliasPath("lease", "round_deadline")),
+    )
 
 
 def compatible(server_version: str, agent_version: str = __version__) -> bool:
@@ -345,28 +387,14 @@ class Client:
             if exc.code in ("enrollment_refused", "worker_invalid"):
                 raise AuthFailed(f"registration refused: {exc.message}") from exc
             raise
-        return Registration(
-            int(data["worker_id"]),
-            str(data["name"]),
-            str(data["token"]),
-            float(data["heartbeat_interval_s"]),
-        )
+        return _read(Registration, data)
 
     def heartbeat(
         self, lease_id: int | None = None, secret: str | None = None, policy: Backoff | None = None
     ) -> Heartbeat:
         body = {"lease_id": lease_id}
         data = self._call("POST", "worker/heartbeat", json=body, secret=secret, policy=policy)
-        answer = data.json()
-        lease = answer.get("lease") or {}
-        return Heartbeat(
-            server_time=str(answer["server_time"]),
-            heartbeat_interval_s=float(answer["heartbeat_interval_s"]),
-            lease_state=lease.get("state"),
-            lease_deadline=lease.get("deadline"),
-            instructions=[str(i) for i in answer.get("instructions", [])],
-            round_deadline=lease.get("round_deadline"),
-        )
+        return _read(Heartbeat, data.json())
 
     def lease(self, handing_in: int | None = None) -> LeaseGrant | None:
         """A work unit, or None when nothing is queued (HTTP 204) or the server is too busy
@@ -399,46 +427,18 @@ class Client:
         route = f"worker/lease/{lease_id}/manifest"
         if held:
             route += "?held=" + ",".join(f"{m}:{int(v)}" for m, v in sorted(held.items()))
-        data = self._call("GET", route, secret=secret).json()
-        shard = data["data"]
-        return Manifest(
-            modules=[_blob_ref(m) for m in data["modules"]],
-            data=ShardRef(
-                str(shard["url"]),
-                str(shard["key"]),
-                str(shard["sha256"]),
-                int(shard["size"]),
-                int(shard["tokens"]),
-                str(shard["dtype"]),
-                str(shard.get("scope", "path")),
-                int(shard.get("first_position", 0)),
-            ),
-        )
+        return _read(Manifest, self._call("GET", route, secret=secret).json())
 
     def rebase(self, lease_id: int, secret: str) -> RebaseAnswer:
         """outer.overlap eager: the versions the unit rebases onto, once published; the
         modules come with encoded updates from the unit's base versions where published."""
         data = self._call("GET", f"worker/lease/{lease_id}/rebase", secret=secret).json()
-        return RebaseAnswer(
-            state=str(data["state"]),
-            versions={str(k): int(v) for k, v in (data.get("versions") or {}).items()},
-            retry_after_s=float(data.get("retry_after_s") or 0.0),
-            modules=[_blob_ref(m) for m in data.get("modules") or ()],
-        )
+        return _read(RebaseAnswer, data)
 
     def upload_urls(self, lease_id: int, secret: str) -> dict[str, UploadTarget]:
         data = self._call("POST", f"worker/lease/{lease_id}/upload-urls", secret=secret).json()
-        return {
-            str(u["module_id"]): UploadTarget(
-                str(u["module_id"]),
-                str(u["key"]),
-                int(u["max_bytes"]),
-                str(u.get("put_url") or ""),  # none where the store cannot bound a PUT
-                str(u["post"]["url"]),
-                {str(k): str(v) for k, v in u["post"]["fields"].items()},
-            )
-            for u in data["uploads"]
-        }
+        targets = [_read(UploadTarget, upload) for upload in data["uploads"]]
+        return {target.module_id: target for target in targets}
 
     def complete(
         self,
@@ -478,60 +478,23 @@ def _seconds(header: str | None) -> float | None:
     return value if value is not None and 0 <= value <= 3600 else None
 
 
-def _blob_ref(m: Mapping[str, Any]) -> BlobRef:
-    return BlobRef(
-        str(m["module_id"]),
-        int(m["version"]),
-        str(m["key"]),
-        str(m["sha256"]),
-        int(m["size"]),
-        str(m["url"]),
-        tuple(
-            UpdateRef(
-                int(u["from_version"]),
-                int(u["version"]),
-                str(u["url"]),
-                str(u["sha256"]),
-                int(u["size"]),
-                str(u["from_sha256"]),
-                str(u["to_sha256"]),
-            )
-            for u in m.get("updates") or ()
-        ),
-    )
+T = TypeVar("T")
+_READERS: dict[Any, TypeAdapter[Any]] = {}
+
+
+def _read(shape: type[T], data: Any) -> T:
+    """`data` (a JSON answer) as `shape`; pydantic's ValidationError (a ValueError) names
+    the field an answer lacks or has of the wrong type."""
+    reader = _READERS.get(shape)
+    if reader is None:
+        reader = _READERS[shape] = TypeAdapter(shape)
+    result: T = reader.validate_python(data)
+    return result
 
 
 def lease_from_json(data: Mapping[str, Any]) -> LeaseGrant:
     """A lease answer (or the copy saved for resuming) as a LeaseGrant."""
-    window = data["data"]
-    plan = data.get("rebase")
-    return LeaseGrant(
-        lease_id=int(data["lease_id"]),
-        secret=str(data["lease_secret"]),
-        deadline=str(data["deadline"]),
-        heartbeat_interval_s=float(data["heartbeat_interval_s"]),
-        run_id=int(data["run_id"]),
-        run_name=str(data["run_name"]),
-        round=int(data["round"]),
-        unit_id=int(data["unit_id"]),
-        path=int(data["path"]),
-        modules=[str(m) for m in data["modules"]],
-        base_versions={str(k): int(v) for k, v in data["base_versions"].items()},
-        steps=int(data["steps"]),
-        size_reason=str(data.get("size_reason") or ""),
-        seconds_limit=None if data.get("seconds_limit") is None else float(data["seconds_limit"]),
-        round_deadline=None if data.get("round_deadline") is None else str(data["round_deadline"]),
-        hard_deadline=None if data.get("hard_deadline") is None else str(data["hard_deadline"]),
-        rebase=None if not plan else RebasePlan(int(plan["at_step"]), int(plan["round"])),
-        config=dict(data["config"]),
-        data=DataWindow(
-            int(window["start_position"]),
-            int(window["windows"]),
-            int(window["seed"]),
-            str(window["dtype"]),
-        ),
-        raw=dict(data),
-    )
+    return _read(LeaseGrant, dict(data))
 
 
 def seconds_until(when: str | None) -> float | None:

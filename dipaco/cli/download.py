@@ -13,6 +13,7 @@ import argparse
 import os
 from pathlib import Path
 
+from dipaco.cli.command import Command
 from dipaco.client import (
     DEFAULT_SERVER,
     Client,
@@ -59,19 +60,12 @@ def api_round(number: int | None) -> int | None:
 ROUND_HELP = "the weights after round N, counted from 1 as on the dashboard (default: the last)"
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "download",
-        help="download one path of a run as a Hugging Face model directory",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("--path", type=int, required=True, help="the path's index")
     parser.add_argument("--out", type=Path, required=True, help="directory to write")
     parser.add_argument("--round", type=round_number, metavar="N", help=ROUND_HELP)
     parser.add_argument("--jobs", type=int, default=4, help="parallel downloads (default: 4)")
-    parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -83,3 +77,13 @@ def main(args: argparse.Namespace) -> int:
         stderr(f"dipaco download: {exc}")
         return 1
     return 0
+
+
+COMMAND = Command(
+    "download",
+    "download one path of a run as a Hugging Face model directory",
+    __doc__ or "",
+    add_arguments,
+    main,
+)
+register = COMMAND.register

@@ -11,18 +11,13 @@ import argparse
 import os
 import sys
 
+from dipaco.cli.command import Command
 from dipaco.cli.download import ROUND_HELP, add_server_arguments, api_round, round_number
 from dipaco.cli.route import route
 from dipaco.client import DownloadError, cached_path_dir
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "generate",
-        help="route a prompt to its path, download that path and generate text",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("prompt", help="the text to continue")
     parser.add_argument("--path", type=int, help="use this path instead of routing the prompt")
@@ -34,7 +29,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument("--seed", type=int, default=0, help="sampling seed (default: 0)")
     parser.add_argument("--cache-dir", help="where downloaded paths are kept")
     parser.add_argument("--device", default="cpu", help="torch device (default: cpu)")
-    parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -88,3 +82,13 @@ def generate(
         streamer=TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True),
         **({"do_sample": False} | sampling),
     )
+
+
+COMMAND = Command(
+    "generate",
+    "route a prompt to its path, download that path and generate text",
+    __doc__ or "",
+    add_arguments,
+    main,
+)
+register = COMMAND.register

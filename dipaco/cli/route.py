@@ -11,6 +11,7 @@ import json
 import sys
 from typing import Any
 
+from dipaco.cli.command import Command
 from dipaco.cli.download import add_server_arguments
 from dipaco.client import Client, DownloadError
 
@@ -24,17 +25,10 @@ def route(server: str, run: int, text: str, token: str | None = None) -> dict[st
     return answer
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "route",
-        help="show which path of a run a text is routed to",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser)
     parser.add_argument("text", help="the text, or - to read standard input")
     parser.add_argument("--json", action="store_true", help="print the server's JSON answer")
-    parser.set_defaults(func=main)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -55,3 +49,9 @@ def main(args: argparse.Namespace) -> int:
     if len(ranked) > SHOWN_SCORES:
         print(f"  ... {len(ranked) - SHOWN_SCORES} more paths (--json shows all)")
     return 0
+
+
+COMMAND = Command(
+    "route", "show which path of a run a text is routed to", __doc__ or "", add_arguments, main
+)
+register = COMMAND.register

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dipaco.cli.command import Command
 from dipaco.codecs.registry import CODECS
 
 DESCRIPTION = """\
@@ -62,6 +63,8 @@ MODEL_SIZES: dict[str, dict[str, Any]] = {
         "hidden_size": 256, "num_layers": 6, "num_heads": 8, "num_kv_heads": 4,
         "intermediate_size": 704, "vocab_size": 8192, "seq_len": 256,
     },
+    # The papers' 150M path (RunConfig.paper_150m's model and 2x2 grid): a GPU's size.
+    "150m": {"preset": "paper_150m"},
 }  # fmt: skip
 DILOCO_REPLICAS = 4
 # dipaco.simulate.baselines.BASELINES, named here so --help needs no torch import
@@ -72,18 +75,6 @@ DEFAULT_VAL_FRACTION = 0.05  # DataConfig's 0.01 is for full corpora; a sample n
 # bench's 300 (bench/quality.py), for a first run of the default that ends sooner.
 DEFAULT_BASE_STEPS = 200
 ROUTERS = ("base-lm", "tfidf")
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "simulate",
-        help="train DiPaCo/DiLoCo in one process and compare with baselines",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run)
 
 
 def _paths(text: str) -> tuple[int, int]:
@@ -228,7 +219,9 @@ def build_config(args: argparse.Namespace) -> Any:
             data={"val_fraction": DEFAULT_VAL_FRACTION},
             router={"featurizer": "base-lm"},  # the paper's recipe
         ).model_dump(mode="json")
-    if args.model_size is not None:
+    if args.model_size == "150m":
+        base["model"] = RunConfig.paper_150m().model.model_dump(mode="json")
+    elif args.model_size is not None:
         base["model"] = {
             **RunConfig.tiny().model.model_dump(mode="json"),
             **MODEL_SIZES[args.model_size],
@@ -310,16 +303,17 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run without the `dipaco` dispatcher: python -m dipaco.cli.simulate ..."""
-    parser = argparse.ArgumentParser(
-        prog="dipaco simulate",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+COMMAND = Command(
+    "simulate",
+    "train DiPaCo/DiLoCo in one process and compare with baselines",
+    DESCRIPTION,
+    add_arguments,
+    run,
+    epilog=EPILOG,
+)
+register = COMMAND.register
+# python -m dipaco.cli.simulate ...: without the `dipaco` dispatcher
+main = COMMAND.main
 
 
 if __name__ == "__main__":

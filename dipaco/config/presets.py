@@ -15,7 +15,7 @@ from pydantic import BaseModel
 from dipaco.config.shape import LayoutConfig, ModelConfig
 from dipaco.config.training import InnerConfig
 
-__all__ = ["capacity", "overlay", "tiny"]
+__all__ = ["capacity", "overlay", "paper_150m", "tiny"]
 
 
 def overlay(base: dict[str, Any], sections: dict[str, Any]) -> dict[str, Any]:
@@ -87,3 +87,19 @@ def capacity(**sections: Any) -> dict[str, Any]:
         },
     }
     return tiny(**overlay(base, sections))
+
+
+def paper_150m(**sections: Any) -> dict[str, Any]:
+    """The DiPaCo and DiLoCo papers' path (arXiv 2403.10616, 2311.08265): `ModelConfig()`,
+    12 blocks of width 896, sequences of 1,024, a 32k vocabulary (174M parameters with the
+    untied embedding and head, 146M without the head), on a 2-level 2x2 grid, 100 rounds of
+    500 inner steps, with the platform's swept outer defaults (`OuterConfig()`): the size
+    volunteers train. What it does not name is `RunConfig()`'s default.
+    """
+    base: dict[str, Any] = {
+        "name": "paper-150m",
+        "rounds": 100,
+        "model": ModelConfig(),
+        "layout": LayoutConfig.grid(ModelConfig().num_layers, levels=2, modules=2),
+    }
+    return overlay(base, sections)

@@ -277,6 +277,12 @@ class RunConfig(Section):
         Keyword arguments change it as in `tiny`."""
         return cls.model_validate(presets.capacity(**sections))
 
+    @classmethod
+    def paper_150m(cls, **sections: Any) -> RunConfig:
+        """The papers' 150M path on a 2x2 grid (dipaco.config.presets.paper_150m says what it
+        sets). Keyword arguments change it as in `tiny`."""
+        return cls.model_validate(presets.paper_150m(**sections))
+
     def num_params(self) -> int:
         return count_path_params(self.model)
 

@@ -168,6 +168,12 @@ class TokenShard:
         idx = (offset + np.arange(length, dtype=np.int64)) % n  # (length,) wraps
         return np.asarray(tokens[idx], dtype=np.int64)
 
+    def read_windows(self, offsets: Sequence[int], length: int) -> np.ndarray:
+        """(k, length) int64: `read_window` at each offset (dipaco.data.ranged's interface)."""
+        if not offsets:
+            return np.zeros((0, length), dtype=np.int64)
+        return np.stack([self.read_window(int(o), length) for o in offsets])
+
     def batch(self, position: int, batch_size: int, seq_len: int) -> torch.Tensor:
         """(B, T+1) int64 training batch starting at token offset ``position``.
 

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     import numpy as np
     from torch import Tensor
 
+    from dipaco.data.ranged import RangedShard
     from dipaco.data.shards import TokenShard
 
 # torch and numpy are imported where they are used: the server's processes import this
@@ -102,7 +103,7 @@ class ShardSource:
     adapter converts. Position k reads window perm[k mod W] of the shard's W windows.
     """
 
-    def __init__(self, shard: TokenShard, seq_len: int, seed: int) -> None:
+    def __init__(self, shard: TokenShard | RangedShard, seq_len: int, seed: int) -> None:
         self.shard = shard
         self.seq_len = seq_len
         windows = (len(shard) - 1) // seq_len
@@ -117,7 +118,7 @@ class ShardSource:
         self.order = torch.randperm(windows, generator=generator)  # (W,)
 
     @classmethod
-    def for_path(cls, shard: TokenShard, config: RunConfig, path: int) -> ShardSource:
+    def for_path(cls, shard: TokenShard | RangedShard, config: RunConfig, path: int) -> ShardSource:
         """Path `path`'s training windows under `config` (its seq_len and `path_seed`)."""
         return cls(shard, config.model.seq_len, path_seed(config, path))
 
@@ -128,19 +129,18 @@ class ShardSource:
         import torch
 
         picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
-        rows = [self.shard.read_window(int(w) * seq_len, seq_len + 1) for w in picks]
-        return torch.from_numpy(np.stack(rows))  # (B, T+1)
+        rows = self.shard.read_windows([int(w) * seq_len for w in picks], seq_len + 1)
+        return torch.from_numpy(np.ascontiguousarray(rows))  # (B, T+1)
 
     def unit_rows(self, first: int, count: int) -> np.ndarray:
         """The windows at positions first .. first + count - 1, one row each: (count, T+1),
         in the shard's dtype. What a unit reads, cut once by the server (`UnitSource`)."""
-        import numpy as np
         import torch
 
         picks = self.order[(first + torch.arange(count)) % self.order.numel()]  # (count,)
         T = self.seq_len
-        rows = [self.shard.read_window(int(w) * T, T + 1) for w in picks]
-        return np.stack(rows).astype(self.shard.dtype)
+        rows = self.shard.read_windows([int(w) * T for w in picks], T + 1)  # (count, T+1)
+        return rows.astype(self.shard.dtype)
 
 
 class UnitSource:

@@ -5,6 +5,7 @@ keeps from one unit to the next."""
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -138,7 +139,11 @@ class Forward:
         self.proven = False  # a compiled forward and backward have run
         if compile:
             try:
-                self.compiled = cast(Callable[..., Tensor], torch.compile(WholeLoss(model)))
+                # DIPACO_COMPILE_MODE (e.g. max-autotune-no-cudagraphs): a mode to measure
+                # against the default (bench/profile_step.py); unset, torch's default.
+                mode = os.environ.get("DIPACO_COMPILE_MODE") or None
+                compiled = torch.compile(WholeLoss(model), mode=mode)
+                self.compiled = cast(Callable[..., Tensor], compiled)
             except Exception as error:
                 self.fallback(error)
 

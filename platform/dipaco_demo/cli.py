@@ -12,6 +12,8 @@ import sys
 from pathlib import Path
 from types import FrameType
 
+from dipaco.cli.command import Command
+
 DESCRIPTION = """\
 Train a small DiPaCo model on this machine with the real platform, the paper's way (a
 dense model first, then paths grown from it), and compare it with dense models of the
@@ -124,18 +126,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add("--prompt", help="text to continue for the sample (default: the start of a module)")
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "demo",
-        help="train DiPaCo on this machine with the real platform (start here)",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    parser.set_defaults(func=run)
-
-
 def serve_after_summary(choice: bool | None, interactive: bool) -> bool:
     """--serve / --no-serve when given, else whether a person is watching the output."""
     return interactive if choice is None else choice
@@ -193,16 +183,17 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGINT, previous_int)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dipaco_demo.cli``: the command without the ``dipaco`` dispatcher."""
-    parser = argparse.ArgumentParser(
-        prog="dipaco demo",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
+COMMAND = Command(
+    "demo",
+    "train DiPaCo on this machine with the real platform (start here)",
+    DESCRIPTION,
+    add_arguments,
+    run,
+    epilog=EPILOG,
+)
+register = COMMAND.register
+# python -m dipaco_demo.cli: the command without the `dipaco` dispatcher
+main = COMMAND.main
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from dipaco_server.inference.selection import select
 from dipaco_server.rounds.models import Contribution, Lease
 from dipaco_server.runs.models import MetricPoint, Path, Run
 from dipaco_server.runs.phases import PATHS
+from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 from dipaco_web import queries
 from dipaco_web.numbering import charts_for_people
@@ -115,6 +116,21 @@ def worker_context(worker: Worker) -> dict[str, Any]:
         "credit_tokens": worker.tokens_processed,
         "trust": worker.trust,
         "replicas": (worker.replicas_agreed, worker.replicas_disagreed),
+        # workers.probation: trust is earned by agreement with several distinct partners
+        "standing": _standing(worker),
+    }
+
+
+def _standing(worker: Worker) -> dict[str, Any]:
+    partners, as_original, as_check = probation.probation_progress(worker.partners)
+    return {
+        "probation": worker.probation,
+        "operator_trusted": worker.operator_trusted,
+        "partners": partners,
+        "needed": trust.partners_needed(),
+        "roles": (as_original, as_check),
+        "audits": worker.audits,
+        "rate": trust.replication_rate(worker),
     }
 
 

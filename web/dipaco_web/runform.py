@@ -50,7 +50,7 @@ def _small() -> RunConfig:
 
 
 def _paper() -> RunConfig:
-    return RunConfig.model_validate({"rounds": 100})
+    return RunConfig.paper_150m()
 
 
 @dataclass(frozen=True)

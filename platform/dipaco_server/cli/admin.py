@@ -24,6 +24,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from dipaco.cli.command import Command
+
 DESCRIPTION = """\
 Manage who may use this dipaco server:
   createuser NAME        a user (add --staff for the admin API)
@@ -70,18 +72,6 @@ def parse_uses(text: str) -> int | None:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: use a count of at least 1, or unlimited")
     return int(text)
-
-
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "admin",
-        help="manage users, admin API tokens and enrollment tokens",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_commands(parser)
-    parser.set_defaults(func=run)
 
 
 def add_commands(parser: argparse.ArgumentParser) -> None:
@@ -133,6 +123,11 @@ def add_commands(parser: argparse.ArgumentParser) -> None:
         help="e.g. 30m, 12h, 7d, 2w or never (default: 7d)",
     )
     enroll_parser.add_argument("--label", default="", help="who or what it is for")
+    enroll_parser.add_argument(
+        "--trusted",
+        action="store_true",
+        help="for your own machines: its workers skip probation and referee first rounds",
+    )
     enroll_parser.set_defaults(handler=enroll)
 
 
@@ -290,11 +285,12 @@ def enroll(args: argparse.Namespace) -> int:
     from dipaco_server.workers.services import create_enrollment_token
 
     row, plaintext = create_enrollment_token(
-        label=args.label, max_uses=args.uses, expires_in=args.expires
+        label=args.label, max_uses=args.uses, expires_in=args.expires, trusted=args.trusted
     )
     uses = "unlimited uses" if row.max_uses is None else f"{row.max_uses} use(s)"
     until = f"until {row.expires_at:%Y-%m-%d %H:%M} UTC" if row.expires_at else "never expires"
-    _say(f"enrollment token {row.pk}: {uses}, {until}; it is shown once:")
+    trusted = ", trusted (no probation)" if row.trusted else ""
+    _say(f"enrollment token {row.pk}: {uses}, {until}{trusted}; it is shown once:")
     print(plaintext, flush=True)
     return 0
 
@@ -343,17 +339,17 @@ def run(args: argparse.Namespace) -> int:
     return int(code or 0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m dipaco_server.cli.admin ...``: the same commands without the ``dipaco`` wrapper."""
-    parser = argparse.ArgumentParser(
-        prog="dipaco admin",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    add_commands(parser)
-    args = parser.parse_args(argv)
-    return run(args)
+COMMAND = Command(
+    "admin",
+    "manage users, admin API tokens and enrollment tokens",
+    DESCRIPTION,
+    add_commands,
+    run,
+    epilog=EPILOG,
+)
+register = COMMAND.register
+# python -m dipaco_server.cli.admin ...: the same commands without the `dipaco` wrapper
+main = COMMAND.main
 
 
 if __name__ == "__main__":

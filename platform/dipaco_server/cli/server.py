@@ -21,6 +21,8 @@ import urllib.error
 import urllib.request
 from types import FrameType
 
+from dipaco.cli.command import Command
+
 DESCRIPTION = """\
 Run the dipaco control plane on this machine: the web app and API (gunicorn),
 a Celery worker for the outer-optimiser tasks and Celery beat for periodic
@@ -51,14 +53,7 @@ READY_TIMEOUT_S = 60.0
 POLL_S = 0.2
 
 
-def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    parser = subparsers.add_parser(
-        "server",
-        help="run the control plane (web, API, Celery worker and beat)",
-        description=DESCRIPTION,
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--host", default="127.0.0.1", help="address to bind (default: %(default)s)"
     )
@@ -80,7 +75,6 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="Celery tasks run at once; each outer step holds a module in memory "
         "(default: %(default)s)",
     )
-    parser.set_defaults(func=run)
 
 
 def _bind_address(host: str, port: int) -> str:
@@ -266,3 +260,14 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signum, handler)
     print("dipaco server: stopped", flush=True)
     return code
+
+
+COMMAND = Command(
+    "server",
+    "run the control plane (web, API, Celery worker and beat)",
+    DESCRIPTION,
+    add_arguments,
+    run,
+    epilog=EPILOG,
+)
+register = COMMAND.register

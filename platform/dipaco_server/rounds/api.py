@@ -53,7 +53,7 @@ from dipaco_server.runs.api import RunOut, find_run, run_out
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
-from dipaco_server.runs.prepare import data_index_key, work_root
+from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
 from dipaco_server.workers.api import find_worker
@@ -477,7 +477,6 @@ def manifest(
         seed=path_seed(config, unit.path.index),
         first=unit.data_position,
         count=unit.data_windows,
-        work=work_root(),
     )
     Lease.objects.filter(pk=lease.pk).update(download_bytes=sent)
     return {

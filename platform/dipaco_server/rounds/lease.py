@@ -640,6 +640,10 @@ def _next_queued_unit(
     LIMIT). A correlated per-unit coverage subquery made a grant cost O(queued units²):
     3.3 s with 5,000 units queued in one path.
     """
+    if worker is not None:  # probation and referees: a check copy first (rounds.replication)
+        check = replication.preferred_check(worker, groups)
+        if check is not None:
+            return check
     ranked = sorted(
         groups,
         key=lambda g: (

@@ -7,11 +7,12 @@ data_windows) of its path's seeded order, one row of seq_len + 1 tokens each
 (dipaco.data.windows.ShardSource.unit_rows), which the worker reads with
 dipaco.data.windows.UnitSource, batch for batch the same tokens as before.
 
-The blob is cut on the first manifest request of a unit whose windows have none yet: the
-path's shard is fetched once per process into the work directory (kept by its sha256),
-the rows cut and uploaded. Its key names the shard's digest, the start and the count, so
-a check copy of the same windows and every later request reuse it; its digest is kept in
-memory once computed.
+The blob is cut on the first manifest request of a unit whose windows have none yet: its
+windows are read from the path's shard by ranged GETs (dipaco.data.ranged: sorted, near
+ones merged, several in flight), never by downloading the whole shard, which at a 150M
+path is gigabytes for a unit's ~1/100th of it. Its key names the shard's digest, the
+start and the count, so a check copy of the same windows and every later request reuse
+it; its digest is kept in memory once computed.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import hashlib
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 from dipaco_server.runs import keys
 from dipaco_server.storage import BlobStore
@@ -59,7 +59,6 @@ def unit_data(
     seed: int,
     first: int,
     count: int,
-    work: Path,
 ) -> UnitData:
     """The unit's window blob (cut and uploaded the first time): key, digest and size."""
     key = unit_data_key(run_id, phase, path, shard_sha256, first, count)
@@ -69,35 +68,22 @@ def unit_data(
             if store.exists(key):
                 data = store.get_bytes(key)
             else:
-                data = _cut(store, run_id, phase, path, shard_sha256, dtype, seq_len, seed,
-                            first, count, work)  # fmt: skip
+                shard = keys.data_key(run_id, path, "train", phase)
+                data = cut_unit(store, shard, dtype, seq_len, seed, first, count)
                 store.put_bytes(key, data)
             known = _digests[key] = (hashlib.sha256(data).hexdigest(), len(data))
     sha256, size = known
     return UnitData(key, sha256, size, count * (seq_len + 1), count, first)
 
 
-def _cut(
-    store: BlobStore,
-    run_id: int,
-    phase: int,
-    path: int,
-    shard_sha256: str,
-    dtype: str,
-    seq_len: int,
-    seed: int,
-    first: int,
-    count: int,
-    work: Path,
+def cut_unit(
+    store: BlobStore, shard: str, dtype: str, seq_len: int, seed: int, first: int, count: int
 ) -> bytes:
-    from dipaco.data.shards import TokenShard
+    """The rows of windows first .. first + count - 1 of the shard under key `shard` in its
+    seeded order (ShardSource.unit_rows), read by ranges."""
+    # numpy and torch (under ShardSource) load here, not when the API's modules import.
+    from dipaco.data.ranged import store_shard
     from dipaco.data.windows import ShardSource
 
-    local = work / "shards" / f"{shard_sha256}.bin"
-    if not local.exists():
-        local.parent.mkdir(parents=True, exist_ok=True)
-        partial = local.with_suffix(f".{threading.get_ident()}.part")
-        store.download_to(keys.data_key(run_id, path, "train", phase), partial)
-        partial.replace(local)
-    source = ShardSource(TokenShard(local, dtype), seq_len, seed)
+    source = ShardSource(store_shard(store, shard, dtype), seq_len, seed)
     return bytes(source.unit_rows(first, count).tobytes())

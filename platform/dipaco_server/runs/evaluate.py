@@ -28,6 +28,7 @@ from django.db import transaction
 from torch import Tensor
 
 from dipaco.config import EvalConfig, RunConfig
+from dipaco.data.ranged import store_shard
 from dipaco.evaluate import mean_loss, perplexity, sample_plan, sample_shard, sample_size
 from dipaco.modules_file import read_module
 from dipaco_server.runs import keys
@@ -110,7 +111,7 @@ def _score(
 ) -> list[tuple[RunPath, float, int]]:
     """(path, loss, tokens scored) of every active path of `phase` without a `name` point
     of round t, assembled from its modules as they stand after round t."""
-    from dipaco.data.shards import ShardIndex, TokenShard
+    from dipaco.data.shards import ShardIndex
     from dipaco.model import build_model
     from dipaco.modular import assemble_path_state
 
@@ -139,11 +140,10 @@ def _score(
         model = build_model(config.model, config.seed)
         for path in paths:
             model.load_state_dict(assemble_path_state(config, path.index, modules.of(path)))
-            val = work / f"val-{path.index}.bin"
-            store.download_to(keys.data_key(run.pk, path.index, "val", phase), val)
-            windows = sample_shard(TokenShard(val, index.dtype), seq_len, plan[path.index])
+            # Only the sample's windows of the validation shard, read by ranges.
+            val = store_shard(store, keys.data_key(run.pk, path.index, "val", phase), index.dtype)
+            windows = sample_shard(val, seq_len, plan[path.index])
             loss = mean_loss(model, windows, eval_settings(config).batch_size)
-            val.unlink()
             if not math.isfinite(loss):
                 logger.warning(
                     "run %s path %d: validation loss is %s after round %d",

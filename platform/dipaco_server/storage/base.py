@@ -77,6 +77,12 @@ class BlobStore(abc.ABC):
         with self.open(key) as stream:
             return stream.read()
 
+    @abc.abstractmethod
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of the blob, cut at its end (a start past it gives b"");
+        raises BlobNotFound, and ValueError for a negative start or an end before it. The
+        server reads windows of a shard this way, never the whole shard (dipaco.data.ranged)."""
+
     def iter_chunks(self, key: str, chunk_size: int = CHUNK_SIZE) -> Iterator[bytes]:
         """The blob in chunks. Raises BlobNotFound here, not on the first `next()`."""
         stream = self.open(key)
@@ -132,6 +138,12 @@ def write_atomically(stream: BinaryIO, path: Path) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
+def check_range(start: int, end: int) -> None:
+    """Shared argument checks for ranged reads, so both backends refuse the same things."""
+    if not isinstance(start, int) or not isinstance(end, int) or start < 0 or end < start:
+        raise ValueError(f"a byte range needs 0 <= start <= end, got [{start!r}, {end!r})")
+
+
 def check_presign_args(key: str, expires_s: int, max_bytes: int | None = None) -> None:
     """Shared argument checks for presigned URLs, so both backends refuse the same things."""
     validate_key(key)
@@ -141,4 +153,4 @@ def check_presign_args(key: str, expires_s: int, max_bytes: int | None = None) -
         raise ValueError(f"max_bytes must be a non-negative int, got {max_bytes!r}")
 
 
-__all__ = ["BlobStore", "BlobStoreError", "PresignedPost", "check_presign_args"]
+__all__ = ["BlobStore", "BlobStoreError", "PresignedPost", "check_presign_args", "check_range"]

@@ -26,7 +26,7 @@ from urllib.parse import urlencode
 from django.urls import reverse
 
 from . import signing
-from .base import CHUNK_SIZE, BlobStore, PresignedPost, check_presign_args
+from .base import CHUNK_SIZE, BlobStore, PresignedPost, check_presign_args, check_range
 from .keys import BlobNotFound, BlobStoreError, InvalidBlobKey, validate_key, validate_prefix
 
 TMP_DIR = ".tmp"  # keys cannot start with '.', so no key can name it
@@ -92,6 +92,12 @@ class LocalBlobStore(BlobStore):
             return open(path, "rb")
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise BlobNotFound(f"no blob under key {key!r}") from None
+
+    def get_range(self, key: str, start: int, end: int) -> bytes:
+        check_range(start, end)
+        with self.open(key) as stream:
+            stream.seek(start)
+            return stream.read(end - start)
 
     def exists(self, key: str) -> bool:
         return self.path_for(key).is_file()

@@ -19,7 +19,7 @@ from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.services import audited
 from dipaco_server.bounds import JSON_INTEGER, MAX_INT, Paging, TokenId, WorkerId
 from dipaco_server.errors import ApiError
-from dipaco_server.workers import services
+from dipaco_server.workers import probation, services, trust
 from dipaco_server.workers.models import EnrollmentToken, Worker
 
 router = Router(tags=["admin: workers"], auth=staff_auth)
@@ -37,6 +37,11 @@ class EnrollmentIn(Schema):
     expires_in_s: Annotated[int, Range(ge=60, le=MAX_EXPIRY_S), JSON_INTEGER] | None = Field(
         None, description="Seconds until it expires; null: never."
     )
+    trusted: bool = Field(
+        False,
+        description="For the operator's own machines: its workers skip probation, are "
+        "never audited, and referee a module's first step.",
+    )
 
 
 class EnrollmentOut(Schema):
@@ -46,6 +51,7 @@ class EnrollmentOut(Schema):
     uses: int
     expires_at: datetime | None
     revoked: bool
+    trusted: bool
     created_at: datetime
     created_by: str | None
 
@@ -76,6 +82,27 @@ class WorkerOut(Schema):
     trust: float = Field(description="0..1; below DIPACO_MIN_TRUST it gets no more work.")
     replicas_agreed: int
     replicas_disagreed: int
+    probation: bool = Field(
+        description="Every unit it takes is replicated, and it checks others' units, until "
+        "its copies agreed with probation_partners_needed distinct workers' in both roles."
+    )
+    probation_partners: int = Field(description="Distinct workers its copies agreed with.")
+    probation_partners_needed: int
+    operator_trusted: bool = Field(description="Registered with a token marked trusted.")
+    audits: int = Field(description="Units of its also issued as a check copy.")
+    replication_rate: float = Field(description="The share of its units replicated now.")
+
+    @staticmethod
+    def resolve_probation_partners(obj: Worker) -> int:
+        return probation.probation_progress(obj.partners)[0]
+
+    @staticmethod
+    def resolve_probation_partners_needed(obj: Worker) -> int:
+        return trust.partners_needed()
+
+    @staticmethod
+    def resolve_replication_rate(obj: Worker) -> float:
+        return trust.replication_rate(obj)
 
 
 # --- enrollment tokens (staff) -------------------------------------------------------------
@@ -87,7 +114,11 @@ def create_enrollment_token(request: HttpRequest, body: EnrollmentIn) -> Status[
     """A token volunteers register workers with; its plaintext appears only in this answer."""
     expires = timedelta(seconds=body.expires_in_s) if body.expires_in_s is not None else None
     row, plaintext = services.create_enrollment_token(
-        created_by=request.auth, label=body.label, max_uses=body.max_uses, expires_in=expires
+        created_by=request.auth,
+        label=body.label,
+        max_uses=body.max_uses,
+        expires_in=expires,
+        trusted=body.trusted,
     )
     row.token = plaintext  # for the answer only, never saved
     return Status(201, row)

@@ -27,6 +27,9 @@ class EnrollmentToken(models.Model):
     max_uses = models.PositiveIntegerField(null=True, blank=True, default=1)  # None: unlimited
     uses = models.PositiveIntegerField(default=0)
     revoked = models.BooleanField(default=False)
+    # The operator's own machines: the workers it registers are trusted from the start, never
+    # on probation, and referee the round where evidence is thinnest (workers.probation).
+    trusted = models.BooleanField(default=False)
 
     def __str__(self) -> str:
         return f"enrollment token {self.pk} ({self.label or 'no label'})"
@@ -60,6 +63,19 @@ class Worker(models.Model):
     trust = models.FloatField(default=1.0)
     replicas_agreed = models.PositiveIntegerField(default=0)
     replicas_disagreed = models.PositiveIntegerField(default=0)
+    # Trust is earned (workers.probation): a worker registered through an enrollment token
+    # starts on probation (every unit it takes replicated, and it checks others' units) until
+    # its copies agreed with `probation.PARTNERS` distinct workers' in both roles. Rows that
+    # existed before probation keep their standing (the migration sets False).
+    probation = models.BooleanField(default=False)
+    # Registered with a token the operator marked trusted: never on probation, never
+    # audited, and its copies referee a module's first step (rounds.verification).
+    operator_trusted = models.BooleanField(default=False)
+    # Units of its that were also issued as a check copy (probation, audit, suspicion).
+    audits = models.PositiveIntegerField(default=0)
+    # [worker id, 1 if this worker's copy was the check copy else 0] per pair whose copies
+    # agreed, newest last, at most probation.KEEP_PARTNERS: its evidence for leaving probation.
+    partners = models.JSONField(default=list, blank=True)
 
     def __str__(self) -> str:
         return f"worker {self.pk} ({self.name})"

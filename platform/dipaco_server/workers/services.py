@@ -19,6 +19,7 @@ from django.db.models import F, Q
 from django.utils import timezone
 
 from dipaco_server.core import tokens
+from dipaco_server.workers import trust
 from dipaco_server.workers.errors import (
     EnrollmentRefused,
     TokenInvalid,
@@ -41,8 +42,11 @@ def create_enrollment_token(
     max_uses: int | None = 1,
     expires_in: timedelta | None = None,
     now: datetime | None = None,
+    trusted: bool = False,
 ) -> tuple[EnrollmentToken, str]:
-    """A new enrollment token and its plaintext (shown once; only the hash is kept)."""
+    """A new enrollment token and its plaintext (shown once; only the hash is kept).
+    `trusted`: for the operator's own machines; its workers skip probation and referee
+    (workers.probation)."""
     if max_uses is not None and max_uses < 1:
         raise ValueError(f"max_uses = {max_uses}: use at least 1, or None for unlimited")
     if len(label) > 100:
@@ -56,6 +60,7 @@ def create_enrollment_token(
         created_at=now,
         expires_at=now + expires_in if expires_in is not None else None,
         max_uses=max_uses,
+        trusted=trusted,
     )
     return row, plaintext
 
@@ -97,6 +102,9 @@ def register_worker(
             device=clean_device,
             created_at=now,
             last_seen=now,
+            # Trust is earned (workers.probation), unless the operator vouched for the token.
+            probation=not enrollment.trusted and trust.partners_needed() > 0,
+            operator_trusted=enrollment.trusted,
         )
     logger.info("registered worker %s (%s) with enrollment %s", worker.pk, name, enrollment.pk)
     return worker, plaintext

@@ -1,14 +1,21 @@
-"""How far the server trusts a worker's work, and what follows from it (issue 19).
+"""How far the server trusts a worker's work, and what follows from it.
 
-Every worker starts at trust 1.0. Each contribution the outer step rejects multiplies it
-by DIPACO_TRUST_PENALTY, each replica disagreement by the same, and each accepted one adds
-DIPACO_TRUST_REWARD (capped at 1). BOINC's adaptive replication, on that score:
+Trust is a score, 0..1: each contribution the outer step rejects multiplies it by
+DIPACO_TRUST_PENALTY, each replica disagreement by the same, and each accepted one adds
+DIPACO_TRUST_REWARD (capped at 1). Trust alone is not earned evidence, though: a worker
+registered through an enrollment token starts on probation (workers.probation) and is
+replicated in both roles until its copies agreed with several distinct workers'. What each
+setting means now:
 
-- a trusted worker's units are replicated (issued to a second worker as well, their Δs
-  compared) at DIPACO_REPLICATION_RATE;
-- below DIPACO_TRUST_REPLICATE_ALL every unit it takes is replicated;
-- below DIPACO_MIN_TRUST it gets no more work (403 worker_distrusted) until staff reset
-  its trust.
+- DIPACO_REPLICATION_RATE: the audit rate, the share of an established worker's units
+  also issued as a check copy while its trust is 1; it rises linearly as trust falls...
+- DIPACO_TRUST_REPLICATE_ALL: ...to every unit at this trust and below;
+- DIPACO_MIN_TRUST: below it the worker gets no more work (403 worker_distrusted) until
+  staff reset its trust;
+- DIPACO_TRUST_PENALTY / DIPACO_TRUST_REWARD: as above; one refusal (0.7) raises a
+  trusted worker's audit rate from 0.1 to 0.64 with the defaults;
+- DIPACO_PROBATION_PARTNERS: distinct partners a newcomer's copies must agree with
+  (default workers.probation.PARTNERS; 0: no probation, every new worker established).
 
 With the defaults, one unit of three rejected Δs (0.7³ = 0.34) moves a worker to full
 replication, a second one stops it; a single honest Δ refused now and then is recovered
@@ -26,6 +33,7 @@ from django.core.exceptions import ImproperlyConfigured
 from django.db.models import F, Value
 from django.db.models.functions import Least
 
+from dipaco_server.workers import probation
 from dipaco_server.workers.errors import WorkerDistrusted
 from dipaco_server.workers.models import Worker
 
@@ -72,16 +80,55 @@ def check_trusted(worker: Worker) -> None:
         )
 
 
+def partners_needed() -> int:
+    """DIPACO_PROBATION_PARTNERS: distinct partners that end a probation (0..64; 0: new
+    workers start established, as before probation existed)."""
+    value: object = getattr(settings, "DIPACO_PROBATION_PARTNERS", None)
+    if value is None:
+        raw = os.environ.get("DIPACO_PROBATION_PARTNERS")
+        value = probation.PARTNERS if raw is None else raw
+    try:
+        number = int(str(value))
+    except ValueError:
+        number = -1
+    if isinstance(value, bool) or not 0 <= number <= 64:
+        raise ImproperlyConfigured(
+            f"DIPACO_PROBATION_PARTNERS={value!r}: must be an integer in [0, 64]; e.g. "
+            f"{probation.PARTNERS}"
+        )
+    return number
+
+
+def standing(worker: Worker) -> probation.Standing:
+    return probation.Standing(worker.trust, worker.probation, worker.operator_trusted)
+
+
 def replication_rate(worker: Worker) -> float:
-    """The share of `worker`'s units that a second worker also trains."""
-    if worker.trust < setting("DIPACO_TRUST_REPLICATE_ALL"):
-        return 1.0
-    return setting("DIPACO_REPLICATION_RATE")
+    """The share of `worker`'s units that a second worker also trains (workers.probation)."""
+    return probation.replication_rate(
+        standing(worker),
+        setting("DIPACO_REPLICATION_RATE"),
+        setting("DIPACO_TRUST_REPLICATE_ALL"),
+    )
 
 
 def should_replicate(worker: Worker, rng: random.Random | None = None) -> bool:
     rate = replication_rate(worker)
     return rate >= 1.0 or (rng or random).random() < rate
+
+
+def record_agreement(worker_id: int, partner_id: int, as_check: bool) -> None:
+    """A replica pair of `worker_id` agreed with `partner_id`'s copy: keep it as evidence,
+    and end the worker's probation once the evidence suffices (workers.probation)."""
+    row = Worker.objects.select_for_update().filter(pk=worker_id).first()
+    if row is None:
+        return
+    row.partners = probation.agreed(row.partners, partner_id, as_check)
+    fields = ["partners"]
+    if row.probation and probation.leaves_probation(row.partners, partners_needed()):
+        row.probation = False
+        fields.append("probation")
+    row.save(update_fields=fields)
 
 
 def penalise(worker_ids: Iterable[int], times: int = 1) -> None:

@@ -240,6 +240,10 @@ def compare_replicas(
         del a, b
         if outcome.kind == "agree":
             moves += [(v.upload.worker_id, "replicas_agreed") for v in pair]
+            original.agreed_with, check.agreed_with = (
+                check.upload.worker_id,
+                original.upload.worker_id,
+            )
         elif outcome.kind == "disagree" and outcome.loser is not None:
             loser = pair[outcome.loser]
             moves.append((loser.upload.worker_id, "replicas_disagreed"))

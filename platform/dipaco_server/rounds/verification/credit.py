@@ -110,4 +110,7 @@ def settle(
     for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed"
         Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + 1})
     trust.reward(v.upload.worker_id for v in accepted)
+    for v in accepted:  # agreement with another worker's copy: evidence for probation
+        if v.agreed_with is not None and v.agreed_with != v.upload.worker_id:
+            trust.record_agreement(v.upload.worker_id, v.agreed_with, v.upload.check_of is not None)
     credit({v.upload.unit_id for v in verdicts}, whole_unit)

@@ -8,11 +8,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
 from dipaco import codecs
+from dipaco.data.ranged import store_shard
+from dipaco.evaluate import window_count
 from dipaco.modules_file import read_module
 from dipaco_server.rounds import verify
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
@@ -148,7 +149,6 @@ class Scorer:
         self, p: int, delta_base: tuple[tuple[str, int], ...]
     ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
         from dipaco.data.shards import ShardIndex
-        from dipaco.evaluate import stream_windows
         from dipaco.modular import module_spec, modules_of_path
 
         run_id, phase = self.module.run_id, self.module.phase
@@ -172,25 +172,23 @@ class Scorer:
         if self.dtype is None:
             self.store.download_to(data_index_key(run_id, phase), self.work / "index.json")
             self.dtype = ShardIndex.load(self.work).dtype
-        val = self.work / f"score-val-{p}.bin"
-        self.store.download_to(keys.data_key(run_id, p, "val", phase), val)
-        tokens = torch.from_numpy(np.fromfile(val, dtype=self.dtype).astype(np.int64))
-        val.unlink()
-        windows = stream_windows(tokens, self.config.model.seq_len)
-        heldout = windows[-self.config.outer.score_windows :].clone()
-        if heldout.shape[0] == 0:
+        # The last score_windows windows of the validation shard, read by ranges.
+        val = store_shard(self.store, keys.data_key(run_id, p, "val", phase), self.dtype)
+        T = self.config.model.seq_len
+        count = window_count(len(val), T)
+        picks = range(max(0, count - self.config.outer.score_windows), count)
+        if not picks:
             raise ValueError(f"path {p} has no held-out window to score on")
+        heldout = torch.from_numpy(val.read_windows([i * T for i in picks], T + 1))
         return modules, heldout
 
     def _train_windows(self, p: int, position: int) -> Tensor:
-        from dipaco.data.shards import TokenShard
         from dipaco.data.windows import ShardSource
 
-        if p not in self.train:
-            file = self.work / f"score-train-{p}.bin"
+        if p not in self.train:  # the unit's windows of the train shard, read by ranges
             run_id, phase = self.module.run_id, self.module.phase
-            self.store.download_to(keys.data_key(run_id, p, "train", phase), file)
-            self.train[p] = ShardSource.for_path(TokenShard(file, self.dtype), self.config, p)
+            shard = store_shard(self.store, keys.data_key(run_id, p, "train", phase), self.dtype)
+            self.train[p] = ShardSource.for_path(shard, self.config, p)
         count = self.config.outer.score_windows
         batch: Tensor = self.train[p].batch(position, count, self.config.model.seq_len)
         return batch

@@ -72,6 +72,9 @@ class Verdict:
     # the two were compared: kept on its contribution as its worker's evidence.
     sketch: bytes | None = None
     partner: int | None = None  # the other copy's worker
+    # The other copy's worker when the two copies agreed (not merely identical bytes): its
+    # worker's evidence for leaving probation (workers.probation).
+    agreed_with: int | None = None
 
     @property
     def accepted(self) -> bool:

@@ -1,0 +1,110 @@
+"""Trust is earned: probation, audits and the replication schedule, as pure rules.
+
+BOINC's adaptive replication (Anderson, "BOINC: a platform for volunteer computing", 2019,
+§5.2): a host's results are replicated until enough of them validated, then only at random.
+Here:
+
+- **probation**: a worker registered through an enrollment token starts on it. Every unit
+  it takes is also issued as a check copy (its copy the original), and while a check copy is
+  queued it is offered one before an original (its copy the check): it is compared in both
+  roles. Checks of its units go to established workers first, else to other new ones.
+- **leaving probation** (`leaves_probation`): its copies agreed with those of `PARTNERS`
+  distinct workers, at least once in each role. Passing one-Δ checks earns nothing: a
+  fixed-direction bias passes them all (rounds.verification.persistence), and one partner
+  could be a colluder, so agreement must come from several.
+- **audits** (`replication_rate`): an established worker's units are replicated at
+  DIPACO_REPLICATION_RATE while its trust is 1; each refusal multiplies trust by
+  DIPACO_TRUST_PENALTY and the rate rises with the lost trust, linearly up to every unit
+  at DIPACO_TRUST_REPLICATE_ALL (accepted work earns it back by DIPACO_TRUST_REWARD each);
+  below DIPACO_MIN_TRUST it gets no work at all.
+- **the operator's machines**: a worker registered with an enrollment token marked
+  trusted is never on probation, never audited, and its copies referee a module's first
+  step, where nothing else is known yet (rounds.verification.first_round).
+- **partners vary** (`prefer_check`): a check copy is chosen at random among those a
+  worker may take, and not from the worker it was last paired with while another is queued.
+
+No Django here: bench/attacks.py and bench/attacks_live.py run the same rules.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# Distinct partners whose copies must have agreed with a worker's before it leaves
+# probation: with two, one colluding partner plus one honest would do; three needs a
+# majority of honest ones among any four workers (the bench's two-colluders setting).
+PARTNERS = 3
+KEEP_PARTNERS = 16  # agreements kept per worker (Worker.partners), newest last
+
+
+@dataclass(frozen=True)
+class Standing:
+    """What the schedule knows of a worker."""
+
+    trust: float = 1.0
+    probation: bool = False
+    operator_trusted: bool = False
+
+
+def replication_rate(standing: Standing, rate: float, replicate_all: float) -> float:
+    """The share of the worker's units also issued as a check copy: 0 for the operator's
+    machines, 1 on probation or at trust <= `replicate_all`, `rate` at trust 1, and in
+    between a straight line (a refusal raises it at once; accepted work lowers it again)."""
+    if standing.operator_trusted:
+        return 0.0
+    if standing.probation or standing.trust <= replicate_all:
+        return 1.0
+    lost = (1.0 - standing.trust) / max(1.0 - replicate_all, 1e-9)
+    return min(1.0, rate + (1.0 - rate) * max(lost, 0.0))
+
+
+def should_replicate(standing: Standing, rate: float, replicate_all: float, draw: float) -> bool:
+    """`draw`: a uniform number in [0, 1) (random.random())."""
+    share = replication_rate(standing, rate, replicate_all)
+    return share >= 1.0 or draw < share
+
+
+def agreed(partners: Sequence[Sequence[int]], partner: int, as_check: bool) -> list[list[int]]:
+    """`partners` (Worker.partners) with this agreement moved to the end (once per partner
+    and role), the oldest dropped beyond KEEP_PARTNERS."""
+    entry = [int(partner), int(as_check)]
+    kept = [list(p) for p in partners if isinstance(p, list | tuple) and len(p) == 2]
+    kept = [p for p in kept if p != entry]  # each module of a unit reports the same pair
+    kept.append(entry)
+    return kept[-KEEP_PARTNERS:]
+
+
+def leaves_probation(partners: Sequence[Sequence[int]], needed: int = PARTNERS) -> bool:
+    """Whether these agreements (Worker.partners) end a probation: `needed` distinct
+    partners, and at least one agreement as the original and one as the check copy."""
+    pairs = [(int(p[0]), bool(p[1])) for p in partners if len(p) == 2]
+    roles = {as_check for _, as_check in pairs}
+    return len({worker for worker, _ in pairs}) >= needed and roles == {False, True}
+
+
+def probation_progress(partners: Sequence[Sequence[int]]) -> tuple[int, bool, bool]:
+    """(distinct partners agreed with, agreed as original, agreed as check copy)."""
+    pairs = [(int(p[0]), bool(p[1])) for p in partners if len(p) == 2]
+    roles = {as_check for _, as_check in pairs}
+    return len({w for w, _ in pairs}), False in roles, True in roles
+
+
+def prefer_check(standing: Standing, checks_of_newcomers: bool) -> bool:
+    """Whether a worker asking for work takes a queued check copy before an original: a
+    worker on probation (to be compared as the check copy) and the operator's machines
+    (referees) always; an established worker when a newcomer's unit waits for a check
+    (newcomers are checked by established workers where any exist)."""
+    return standing.probation or standing.operator_trusted or checks_of_newcomers
+
+
+def pick_check(
+    candidates: Sequence[tuple[int, int]], last_partner: int | None, rng: random.Random
+) -> int | None:
+    """One of `candidates` ((unit id, its original's worker)) at random, avoiding the
+    worker `last_partner` while another is offered: a partner is never always the same."""
+    if not candidates:
+        return None
+    others = [c for c in candidates if c[1] != last_partner]
+    return rng.choice(others or list(candidates))[0]
