@@ -406,19 +406,20 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
             windows_config_json=cfgs["b-fp32"].model_dump_json() if key == "e" else None,
         )  # fmt: skip
 
-    # Longest first, so two processes finish together.
+    # The DiPaCo paper's comparisons first, so a run cut short (the JSON is rewritten after
+    # every job) has them; then the longest first, so two processes finish together.
     jobs = [
-        job("a/diloco", "a", None),
         job("b/dipaco-fp32", "b-fp32", None, analyse=True),
-        job("f/dipaco-path-specific", "f", None, analyse=True),
-        job("a/data-parallel", "a", "data-parallel"),
         job("d/diloco-p", "d", None),
         job("e/dense-total-steps", "e", "dense-total-steps"),
+        job("b/dense-steps", "b-fp32", "dense-steps"),
+        job("f/dipaco-path-specific", "f", None, analyse=True),
         job("b/dense", "b-fp32", "dense"),
+        job("a/diloco", "a", None),
+        job("a/data-parallel", "a", "data-parallel"),
         job("c/dipaco-int8", "b-int8", None),
         job("c/dipaco-int4", "b-int4", None),
         job("b/data-parallel", "b-fp32", "data-parallel"),
-        job("b/dense-steps", "b-fp32", "dense-steps"),
         *(
             job(*codec_job_names(codec, k), None)
             for k in range(1, args.codec_seeds)
