@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,7 +78,12 @@ def sample_next(logits: Tensor, temperature: float, top_k: int, generator: Any) 
 
 
 def _chunk(
-    model: Any, context: Sequence[int], count: int, stop: int | None, draw: Callable[[Any], int]
+    model: Any,
+    context: Sequence[int],
+    count: int,
+    stop: int | None,
+    draw: Callable[[Any], int],
+    on_token: Callable[[int], None],
 ) -> list[int]:
     """Up to `count` new tokens on one model: a fresh prefill of `context`, then one token
     at a time on its KV cache (a model without one, dipaco.model's, reads the whole text
@@ -101,11 +107,17 @@ def _chunk(
                 result = model(input_ids=ids)
             token = draw(result.logits[0, -1])
             out.append(token)
+            on_token(token)
             if token == stop:
                 break
             text.append(token)
             ids = torch.tensor([[token]] if cached else [text], device=device)
     return out
+
+
+def _tell(on_token: Callable[[int, int], None] | None, path: int, token: int) -> None:
+    if on_token is not None:
+        on_token(token, path)
 
 
 def generate(
@@ -120,11 +132,13 @@ def generate(
     top_k: int = TOP_K,
     seed: int = 0,
     stop: int | None = None,
+    on_token: Callable[[int, int], None] | None = None,
 ) -> Generation:
     """Continue `prompt_ids` on `first_path` (the route of the prompt), re-routing every
     `reroute_every` new tokens with `route_tail` (the text so far's ids -> a path; 0 or no
     `route_tail`: never, a single path writes everything). `open_path(p)` gives path p's
-    model. Generation stops after `max_new_tokens` or at the `stop` token (kept)."""
+    model. Generation stops after `max_new_tokens` or at the `stop` token (kept).
+    `on_token(token, path)` hears each new token as it is drawn (a CLI streams them)."""
     import torch
 
     if max_new_tokens < 1:
@@ -148,7 +162,8 @@ def generate(
             done.routes.append(path)
         count = min(every, max_new_tokens - len(done.tokens))
         start = len(done.tokens)
-        new = _chunk(open_path(path), [*prompt_ids, *done.tokens], count, stop, draw)
+        heard = partial(_tell, on_token, path)
+        new = _chunk(open_path(path), [*prompt_ids, *done.tokens], count, stop, draw, heard)
         done.tokens.extend(new)
         if done.segments and done.segments[-1].path == path:
             done.segments[-1] = Segment(path, done.segments[-1].start, len(done.tokens))
