@@ -46,7 +46,7 @@ steps) on loopback, a tiny 2x2-path run prepared by the server's own `prepare_ru
 rounds. Utilisation is the worker's training seconds (the sum of its units'
 ``train_seconds``) over the wall seconds from its first lease to its last completion;
 the rest is fetching, encoding, uploading, completing, and waiting for outer steps
-(goal >= 0.97, issue 20). ``--overlap delayed`` runs it with one-step-delayed outer steps
+(goal >= 0.97: a volunteer's GPU trains almost all the time). ``--overlap delayed`` runs it with one-step-delayed outer steps
 (outer.overlap): the next round opens as soon as one closes, so the worker does not wait
 for outer steps; its quality cost is bench/overlap_quality.py's. ``--overlap eager`` adds
 the eager correction: each unit of an overlapped round waits at step ceil(0.1 H) for the

@@ -20,7 +20,7 @@ Reported per attack, over every seed: the final routed validation loss ÷ that o
 clean run with the same seed (`ratio`: per seed, mean and spread), the tokens credited to
 the attacker(s) and the tokens they claimed, and the honest workers' rejected
 contributions. `clean_vs_unverified` is the clean run ÷ the same run with verification
-switched off (outer.verify false, plain mean: the platform before issue 19). `overhead` is
+switched off (outer.verify false, plain mean: the platform before it screened Δs). `overhead` is
 the verification's CPU seconds per contribution ÷ the worker's training seconds for a unit.
 
 Attacks: sign flip (a plausible norm, from round 0); scaled x10, x1e3 and to the fp16
@@ -423,7 +423,7 @@ class Run:
         for e, other, signed in ((*pair, sketch), (pair[1], pair[0], -sketch)):
             past = self.replica_past[(e.unit.worker, module_id)]
             sides.append((e.unit.worker, signed,
-                          [s for partner, check, s in past  # other workers, other role
+                          [(partner, s) for partner, check, s in past  # others, other role
                            if partner != other.unit.worker and check != (e is pair[1])]))  # fmt: skip
             kept.append((past, other.unit.worker, e is pair[1], signed))
         for entry in kept:  # as stored, seen from the next round's step on

@@ -634,7 +634,7 @@ async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Na
         idle_wait = IDLE_WAIT_S[0]
         lease = response.json()
         lease_id = lease["lease_id"]
-        # A check copy (issue 19's replication) never holds up its round: when the round
+        # A check copy (sampled replication of untrusted work) never holds up its round: when the round
         # closes first, its completion is refused. Lost work too, named apart.
         kind = "check copy: " if lease["replica"] >= CHECK_OFFSET else ""
         stats.granted.add(lease_id)

@@ -16,7 +16,7 @@ momentum in and version t + 1 and its momentum out. Reported:
   the step must do once (they are read twice, and an S3 body only once), and **step/copy**;
 - **verify / agg / nesterov s**: the three phases of the best run;
 - **peak/module**: peak RSS growth during the step over the module's fp32 size (the
-  kernel's high-water mark, reset right before the step; issue 6 asks for <= 3).
+  kernel's high-water mark, reset right before the step; the goal is <= 3, so a server holds a few modules at once).
 
 Figures and the command that produced them: docs/benchmarks.md.
 """

@@ -35,7 +35,7 @@
 #    plus the base: 763 steps x 65,536 tokens = 50M. In all 771M tokens.
 #
 # Time budget, from the one-H100 throughputs of an 8.5M path (width 256, 8 blocks, vocabulary
-# 4,096, batch 256 x 256, bf16 autocast, fused AdamW; issue 35): 2.48M tokens/s compiled,
+# 4,096, batch 256 x 256, bf16 autocast, fused AdamW): 2.48M tokens/s compiled,
 # 1.11M eager. Compiled, the 771M tokens take 311 s of GPU if the jobs only shared it; corpus,
 # tokenizer, routing and compilation are the rest. The run does not trust those figures:
 # quality.py --time-budget measures the base's own tokens/s and, if the planned jobs would

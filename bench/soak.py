@@ -1,4 +1,5 @@
-"""Soak: simulated volunteers through real rounds, with random kills (issue 11).
+"""Soak: simulated volunteers through real rounds, with random kills (the platform survives
+its workers dying at any moment).
 
     .venv/bin/python bench/soak.py --volunteers 500 --duration 600 --json soak.json
     .venv/bin/python bench/soak.py --volunteers 24 --units-per-volunteer 0.5 --duration 32 \\

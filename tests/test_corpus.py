@@ -45,8 +45,8 @@ def test_it_skips_and_counts_bad_files(tmp_path: Path) -> None:
     docs = list(iter_corpus(str(tmp_path), stats, max_bytes=4096))
     assert [d.id for d in docs] == [
         "good.txt",
-        "records.jsonl:1",
-        "records.jsonl:4",
+        "records:0",
+        "records:3",
         "sub/code.py",
     ]
     assert dict(stats.skipped) == {

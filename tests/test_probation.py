@@ -18,6 +18,7 @@ import pytest
 
 from dipaco import codecs
 from dipaco.data.windows import ShardSource
+from dipaco.inner import train_path
 from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
 from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution, WorkUnit
@@ -29,7 +30,14 @@ from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 from tests.test_outer_tasks import DILOCO, running_run
 from tests.test_replica_bias import added
-from tests.test_untrusted import INNER, Attack, honest_deltas, step_round, with_data
+from tests.test_untrusted import (
+    INNER,
+    Attack,
+    base_modules,
+    honest_deltas,
+    step_round,
+    with_data,
+)
 
 # --- the rules ---------------------------------------------------------------------------------
 
@@ -146,3 +154,64 @@ def test_an_enrollment_token_marked_trusted_registers_workers_without_probation(
     assert newcomer.probation and not newcomer.operator_trusted
     settings.DIPACO_PROBATION_PARTNERS = 0  # probation off: as before it existed
     assert not register_worker(create_enrollment_token()[1], "v2", {})[0].probation
+
+
+def warm_or_cold(
+    run: Run, worker: Worker, sources: dict[int, ShardSource], states: dict[int, Any], seed: int
+) -> WorkUnit | None:
+    """`worker` trains what it is given as an honest worker does: an original from the AdamW
+    moments it kept for the path (warm), a check copy from none (cold), each on a device of
+    its own (fresh noise at 0.05 x the Δ's norm); None when nothing is queued."""
+    granted = grant_lease(worker)
+    if granted is None:
+        return None
+    unit = granted.unit
+    check = unit.replica >= CHECK_OFFSET
+    result = train_path(
+        run.run_config, unit.path.index, base_modules(run, unit), sources[unit.path.index],
+        round_index=unit.round.t, start_position=unit.data_position,
+        state=None if check else states.get(worker.pk),
+    )  # fmt: skip
+    if not check:
+        states[worker.pk] = result.state
+    deltas = added(result.module_deltas, seed, 0.05)
+    tokens = TOKENS * run.run_config.model.seq_len
+    reports = []
+    for module_id, delta in deltas.items():
+        data = codecs.encode(delta, "fp16")
+        get_blob_store().put_bytes(upload_key(granted.lease, module_id), data)
+        reports.append(
+            ContributionReport(module_id, len(data), hashlib.sha256(data).hexdigest(), tokens)
+        )
+    complete(worker, granted.lease.pk, granted.secret, reports)
+    return unit
+
+
+@pytest.mark.django_db
+def test_honest_copies_differing_by_warm_and_cold_moments_are_never_refused(
+    tmp_path: Path, settings: Any
+) -> None:
+    """Four honest newcomers over eight rounds, every pair and both roles: originals from
+    warm moments, check copies cold, another device each. Their differences repeat for the
+    worker that holds the moments (with the opposite sign in the other role), which the
+    persistence rule must not take for a bias however often it sees them."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    rounds = ((0, 1), (1, 2), (2, 3), (3, 0), (0, 2), (1, 3), (2, 0), (3, 1))
+    run = running_run(
+        DILOCO, replicas=1, rounds=len(rounds), inner=INNER, data={"val_fraction": 0.2}
+    )
+    sources = with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    workers = [register_worker(token, f"honest-{i}", {})[0] for i in range(4)]
+    states: dict[int, Any] = {}
+    checked = 0
+    for t, (first, second) in enumerate(rounds):
+        warm_or_cold(run, workers[first], sources, states, 300 + 2 * t)
+        checked += warm_or_cold(run, workers[second], sources, states, 301 + 2 * t) is not None
+        step_round(run, t)
+    assert checked >= 6  # most rounds compared a pair (a worker that left probation: not)
+    refused = Contribution.objects.filter(unit__round__run=run).exclude(reason="")
+    assert not refused.exists(), [c.reason for c in refused]
+    for w in workers:
+        w.refresh_from_db()
+        assert w.trust == 1.0 and w.replicas_disagreed == 0

@@ -1,7 +1,7 @@
-"""A fixed-direction bias caught over rounds by what a worker's copies keep adding (issue 34).
+"""A fixed-direction bias caught over rounds by what a worker's copies keep adding.
 
-Real services as in tests/test_verification.py: a DiLoCo run whose every unit a second
-worker also trains, proof of useful work on. An honest Δ plus the same vector every round
+Real services as in tests/test_verification.py: a DiLoCo run of new workers, each unit
+of theirs also trained by a second worker (probation), proof of useful work on. An honest Δ plus the same vector every round
 (half the Δ's norm) agrees with its honest copy in any one round; its difference from that
 copy repeats round after round, whoever the partner and whichever copy it trains, while two
 honest copies differ by what differs between two machines, new every round (here: fresh
@@ -25,6 +25,7 @@ from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution
 from dipaco_server.runs.models import Run
 from dipaco_server.storage import get_blob_store
+from dipaco_server.workers import probation
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 from tests.test_outer_tasks import DILOCO, running_run
@@ -69,63 +70,72 @@ def statuses(worker: Worker) -> list[tuple[int, str, str]]:
     return [(c.unit.round.t, c.module.module_id, c.reason.partition(":")[0]) for c in rows]
 
 
-# Who trains each round's unit, then its check copy: the biased worker meets both honest
-# ones in both roles, and in round 2 the two honest workers check each other.
-PAIRS = (("honest-a", "biased"), ("biased", "honest-b"), ("honest-b", "honest-a"),
-         ("honest-a", "biased"))  # fmt: skip
+# Who trains each round's unit, then its check copy. Every worker is new, so on probation
+# (workers.probation): each unit gets a check copy, and the next worker to ask is handed it.
+# The biased worker is checked as the check copy by honest-a and honest-b, then trains an
+# original that honest-c checks: two earlier differences against two distinct partners in
+# the other role, enough evidence (persistence.enough); honest-c then checks honest-a.
+PAIRS = (("honest-a", "biased"), ("honest-b", "biased"), ("biased", "honest-c"),
+         ("honest-c", "honest-a"))  # fmt: skip
 
 
-def test_a_fixed_direction_added_to_every_unit_is_refused_once_it_repeats(
+def test_a_biased_newcomer_with_honest_partners_is_refused_within_its_probation(
     tmp_path: Path, settings: Any
 ) -> None:
     """ "biased" adds one fixed vector (seed 7) to every unit; an honest worker adds noise
-    drawn anew each round (another machine's kernels)."""
-    settings.DIPACO_REPLICATION_RATE = 1.0
+    drawn anew each round (another machine's kernels). Probation at its default, no
+    replication forced: the schedule replicates every newcomer's unit."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
     settings.DIPACO_MIN_TRUST = 0.0
     run = running_run(
         DILOCO, replicas=1, rounds=len(PAIRS), inner=INNER, data={"val_fraction": 0.2}
     )
     sources = with_data(run, tmp_path)
     token = create_enrollment_token(max_uses=None)[1]
-    names = ("honest-a", "honest-b", "biased")
+    names = ("honest-a", "honest-b", "honest-c", "biased")
     workers = {name: register_worker(token, name, {})[0] for name in names}
     for t, pair in enumerate(PAIRS):
         for i, name in enumerate(pair):
             contribute(run, workers[name], sources, 7 if name == "biased" else 100 + 10 * t + i)
         step_round(run, t)
 
-    # Round 0: nothing to repeat yet, and the pair agrees (cosine about 0.9). Round 1: its
-    # original differs from honest-b's copy where its check copy differed from honest-a's
-    # original; round 3 the other way round.
+    # Rounds 0 and 1: one earlier difference or none is no evidence, and each pair agrees
+    # (cosine about 0.9). Round 2: its original differs from honest-c's copy where its
+    # check copies differed from honest-a's and honest-b's originals.
     biased = statuses(workers["biased"])
-    assert {reason for t, _, reason in biased if t == 0} == {""}
-    assert {reason for t, _, reason in biased if t > 0} == {"replica_disagrees"}
-    refused = Contribution.objects.filter(lease__worker=workers["biased"], unit__round__t=1)
+    assert {reason for t, _, reason in biased if t < 2} == {""}
+    assert {reason for t, _, reason in biased if t == 2} == {"replica_disagrees"}
+    refused = Contribution.objects.filter(lease__worker=workers["biased"], unit__round__t=2)
     assert all("a fixed direction added to every unit" in c.reason for c in refused)
-    # Two modules a round: honest-a agreed in rounds 0 and 2, honest-b in round 2 (two
-    # honest copies whose earlier differences, against the biased worker, they do not repeat).
-    for name, agreed in (("honest-a", 4), ("honest-b", 2)):
+    assert all("from 2 other workers'" in c.reason for c in refused)
+    assert Worker.objects.get(pk=workers["biased"].pk).probation  # refused within it
+    for name in ("honest-a", "honest-b", "honest-c"):
         assert all(reason == "" for _, _, reason in statuses(workers[name]))
         worker = Worker.objects.get(pk=workers[name].pk)
         assert worker.trust == 1.0 and worker.contributions_rejected == 0
-        assert (worker.replicas_agreed, worker.replicas_disagreed) == (agreed, 0)
-    assert Worker.objects.get(pk=workers["biased"].pk).contributions_rejected == 2 * 2
+        assert worker.replicas_disagreed == 0
+    assert Worker.objects.get(pk=workers["biased"].pk).contributions_rejected == 2
     # Each compared copy keeps its side of the difference and the other copy's worker.
     for c in Contribution.objects.filter(unit__round__run=run):
         assert c.replica_sketch is not None and len(c.replica_sketch) == 4 * persistence.SKETCH
         assert c.replica_partner_id not in (None, c.lease.worker_id)
 
 
-def test_repetition_needs_a_past_a_real_difference_and_a_repeated_direction() -> None:
+def test_repetition_needs_two_partners_a_real_difference_and_a_repeated_direction() -> None:
     generator = torch.Generator().manual_seed(0)
     fixed = torch.randn(persistence.SKETCH, generator=generator)
     past = [fixed + 0.8 * torch.randn(persistence.SKETCH, generator=generator) for _ in range(3)]
     fresh = [torch.randn(persistence.SKETCH, generator=generator) for _ in range(3)]
     now = fixed + 0.8 * torch.randn(persistence.SKETCH, generator=generator)
-    found = persistence.repeated([(1, now, past), (2, -now, fresh)], 0.5, 1.0)
+    partners = list(enumerate(past, start=10))  # (partner, sketch): three distinct partners
+    fresh_ = list(enumerate(fresh, start=10))
+    found = persistence.repeated([(1, now, partners), (2, -now, fresh_)], 0.5, 1.0)
     assert found[0].startswith("worker 1's copy") and found[1] == ""
     assert persistence.repeated([(1, now, [])], 0.5, 1.0) == [""]
-    assert persistence.repeated([(1, now, past)], 0.01, 1.0) == [""]  # float rounding
+    assert persistence.repeated([(1, now, partners)], 0.01, 1.0) == [""]  # float rounding
+    # One earlier difference is not evidence, nor are several against one partner.
+    assert persistence.repeated([(1, now, partners[:1])], 0.5, 1.0) == [""]
+    assert persistence.repeated([(1, now, [(10, s) for _, s in partners])], 0.5, 1.0) == [""]
     stored = persistence.from_bytes(persistence.to_bytes(now))
     assert torch.allclose(stored, now.double(), rtol=1e-6)
     with pytest.raises(ValueError, match="float32 values"):

@@ -382,9 +382,10 @@ class Agent:
             checkpoint_interval_s=self.options.checkpoint_interval_s,
             finish_write=False,  # the last checkpoint is written while the Δ is handed in
         )  # fmt: skip
-        if not result.completed and not self._salvageable(grant, config, result, stops.reason):
-            result.checkpoint_written()
-            return None
+        if not result.completed:
+            result.checkpoint_written()  # what a restart resumes: on disk before any release
+            if not self._salvageable(grant, config, result, stops.reason):
+                return None
         record.phase, record.step = "uploading", len(result.losses)
         self.state.save(record)
         salvaged = stops.reason if not result.completed else ""
@@ -416,7 +417,10 @@ class Agent:
         grant = trained.grant
         try:
             with self._lease_ends(grant):
-                self._send(trained, until)
+                try:
+                    self._send(trained, until)
+                finally:  # the last checkpoint, written meanwhile, is whole before any discard
+                    trained.result.checkpoint_written()
         finally:
             self.heartbeats.forget(grant.lease_id)
 

@@ -217,7 +217,7 @@ class Transfers:
 
         A form POST, not a PUT: the store enforces the signed content-length-range itself
         (S3 presigned POST policy; the local store's signed max_bytes), so an upload larger
-        than the server allows is refused at the store, never written (issue 19). A raw
+        than the server allows is refused at the store, never written (a worker cannot fill the store). A raw
         PUT is used only where the server offers no form.
         """
         size = path.stat().st_size

@@ -49,6 +49,7 @@ from dipaco.config.training import (
     InnerConfig,
     OuterConfig,
     UpdateCodecName,
+    eager_rebase_step,
 )
 
 __all__ = [
@@ -86,6 +87,7 @@ __all__ = [
     "count_block_params",
     "count_part_params",
     "count_path_params",
+    "eager_rebase_step",
     "estimate_path_memory",
     "refuse",
 ]

@@ -3,6 +3,7 @@ how Δs and updates travel, and the dense phase 1 before the paths."""
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field, model_validator
@@ -232,6 +233,12 @@ class OuterConfig(Section):
                 "rebases (outer.overlap eager), e.g. 0.1",
             )
         return self
+
+
+def eager_rebase_step(eager_at: float, inner_steps: int) -> int:
+    """The step after which an eager unit (outer.overlap "eager") rebases onto the
+    previous round's versions: ceil(eager_at x H), at least 1."""
+    return max(1, math.ceil(eager_at * inner_steps))
 
 
 class CommConfig(Section):

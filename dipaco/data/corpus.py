@@ -36,8 +36,21 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dipaco.data.sources import (
+    BadRecord,
+    Listing,
+    MissingColumn,
+    S3Options,
+    SourceFile,
+    UnreadableFile,
+    iter_records,
+    list_source,
+    read_text_file,
+)
+
 DEFAULT_MAX_CHARS = 8192
 DEFAULT_MAX_BYTES = 8 * 1024 * 1024
+MAX_BAD_FILES = 100
 
 TEXT_SUFFIXES = frozenset(
     [
@@ -101,6 +114,10 @@ class CorpusStats:
     ignored: int = 0  # files without a text suffix in a directory walk
     skipped: Counter[str] = field(default_factory=Counter)
     skipped_examples: list[str] = field(default_factory=list)
+    # Files that could not be read ("name: why"), skipped whole; at most MAX_BAD_FILES kept.
+    bad_files: list[str] = field(default_factory=list)
+    # Columns found in files without the text column, for the error when none has it.
+    columns_found: set[str] = field(default_factory=set)
 
     @property
     def skipped_total(self) -> int:
@@ -110,6 +127,44 @@ class CorpusStats:
         self.skipped[reason] += 1
         if len(self.skipped_examples) < 20:
             self.skipped_examples.append(f"{name}: {reason}")
+
+    def bad_file(self, name: str, reason: str, exc: Exception | None = None) -> None:
+        """A file skipped whole: counted under "unreadable_file", named in bad_files."""
+        self.skipped["unreadable_file"] += 1
+        if len(self.bad_files) < MAX_BAD_FILES:
+            self.bad_files.append(f"{name}: {reason}")
+        if isinstance(exc, MissingColumn):
+            self.columns_found.update(exc.columns)
+
+    def check_columns(self, corpus: str, text_field: str) -> None:
+        """Raise when no document was read and files lacked the text column: name it and
+        the columns found."""
+        if self.documents == 0 and self.columns_found:
+            raise ValueError(
+                f"no file of {corpus!r} has the column {text_field!r}; columns found: "
+                f"{', '.join(sorted(self.columns_found))}; set the dataset's text_field"
+            )
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "files": self.files,
+            "documents": self.documents,
+            "chars": self.chars,
+            "ignored": self.ignored,
+            "skipped": dict(self.skipped),
+            "skipped_examples": list(self.skipped_examples),
+            "bad_files": list(self.bad_files),
+        }
+
+    def merge(self, other: CorpusStats) -> None:
+        self.files += other.files
+        self.documents += other.documents
+        self.chars += other.chars
+        self.ignored += other.ignored
+        self.skipped.update(other.skipped)
+        self.skipped_examples.extend(other.skipped_examples[: 20 - len(self.skipped_examples)])
+        self.bad_files.extend(other.bad_files[: MAX_BAD_FILES - len(self.bad_files)])
+        self.columns_found |= other.columns_found
 
 
 @dataclass
@@ -282,6 +337,54 @@ def stdlib_root() -> Path:
     return Path(sysconfig.get_paths()["stdlib"])
 
 
+def corpus_listing(
+    corpus: str, *, s3: S3Options | None = None, max_files: int | None = None
+) -> Listing:
+    """The files of ``corpus`` ("stdlib", a local file, directory or glob, or an s3://
+    prefix; dipaco.data.sources) in the order every pass reads them."""
+    if corpus == "stdlib":
+        listing = list_source(
+            str(stdlib_root()), text_suffixes=STDLIB_SUFFIXES, excluded_dirs=STDLIB_EXCLUDED_DIRS
+        )
+        listing.files = [f for f in listing.files if f.kind == "text"]
+    else:
+        listing = list_source(corpus, s3=s3, text_suffixes=TEXT_SUFFIXES)
+    if max_files is not None:
+        listing.files = listing.files[:max_files]
+    return listing
+
+
+def iter_file_documents(
+    listing: Listing,
+    file: SourceFile,
+    stats: CorpusStats,
+    *,
+    text_field: str = "text",
+    max_chars: int = DEFAULT_MAX_CHARS,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+) -> Iterator[Document]:
+    """The documents of one file of a listing. Raises UnreadableFile (dipaco.data.sources)
+    when the file cannot be read: the caller skips it and reports it by name."""
+    if file.kind == "text":
+        stats.files += 1
+        if file.size > max_bytes and file.compression is None:  # refuse before reading
+            stats.skip(file.rel, "too_large")
+            return
+        text = _decode(file.rel, read_text_file(listing, file), stats, max_bytes)
+        if text is not None:
+            yield from _documents_from_text(text, file.rel, stats, max_chars)
+        return
+    for row, value in iter_records(listing, file, text_field):
+        source = f"{file.name}:{row}"
+        stats.files += 1
+        if isinstance(value, BadRecord):
+            stats.skip(source, value.reason)
+        elif len(value) > max_bytes:
+            stats.skip(source, "too_large")
+        else:
+            yield from _documents_from_text(value, source, stats, max_chars)
+
+
 def iter_corpus(
     corpus: str,
     stats: CorpusStats,
@@ -290,38 +393,25 @@ def iter_corpus(
     max_chars: int = DEFAULT_MAX_CHARS,
     max_bytes: int = DEFAULT_MAX_BYTES,
     max_files: int | None = None,
+    s3: S3Options | None = None,
 ) -> Iterator[Document]:
-    """Stream the documents of ``corpus``: "stdlib", a directory, or a .jsonl file.
+    """Stream the documents of ``corpus`` (corpus_listing). A file that cannot be read is
+    reported in ``stats.bad_files`` by name and the rest goes on (the documents it gave
+    before failing stay: the streaming preparation, dipaco.data.stream, drops them too).
 
     ``max_files`` keeps only the first N files in sorted order (tests, smoke runs).
     """
-    if corpus == "stdlib":
-        root = stdlib_root()
-        files = [p for p in _walk(root, STDLIB_EXCLUDED_DIRS) if p.suffix in STDLIB_SUFFIXES]
-    else:
-        path = Path(corpus).expanduser()
-        if path.is_file():
-            root, files = path.parent, [path]
-        elif path.is_dir():
-            root, all_files = path, _walk(path)
-            files = []
-            for p in all_files:
-                suffix = p.suffix.lower()
-                if suffix in TEXT_SUFFIXES or suffix in JSONL_SUFFIXES:
-                    files.append(p)
-                else:
-                    stats.ignored += 1
-        else:
-            raise FileNotFoundError(
-                f"corpus {corpus!r} is neither 'stdlib' nor an existing directory or "
-                ".jsonl file; set data.corpus to one of those"
-            )
-    if max_files is not None:
-        files = files[:max_files]
-    blobs = _read_files(root, files, stats, max_bytes)
-    yield from iter_blob_documents(
-        blobs, stats, text_field=text_field, max_chars=max_chars, max_bytes=max_bytes
-    )
+    listing = corpus_listing(corpus, s3=s3, max_files=max_files)
+    stats.ignored += listing.ignored
+    for file in listing.files:
+        try:
+            yield from iter_file_documents(
+                listing, file, stats, text_field=text_field, max_chars=max_chars,
+                max_bytes=max_bytes,
+            )  # fmt: skip
+        except UnreadableFile as exc:
+            stats.bad_file(file.rel, str(exc), exc)
+    stats.check_columns(corpus, text_field)
 
 
 def split_documents(

@@ -21,7 +21,7 @@ from dipaco.data.shards import ShardIndex, build_shards
 from dipaco.data.tokenizer import DEFAULT_TRAIN_CHARS, RunTokenizer, train_tokenizer
 from dipaco.routing.router import Router
 
-__all__ = ["Prepared", "fit_router", "prepare_documents"]
+__all__ = ["Prepared", "fit_router", "fit_router_on", "prepare_documents"]
 
 # (stage, detail): "tokenizer", "router" or "shards", as each stage starts.
 Stage = Callable[[str, str], None]
@@ -58,6 +58,14 @@ def fit_router(
         max_imbalance=config.router.max_imbalance,
         seed=config.router.seed,
     )
+
+
+def fit_router_on(
+    config: RunConfig, texts: Sequence[str], tokenizer: RunTokenizer, model: Any = None
+) -> Router:
+    """fit_router on texts (the streaming preparation's sample of prefixes)."""
+    docs = [Document(str(i), text, str(i)) for i, text in enumerate(texts)]
+    return fit_router(config, docs, tokenizer, model)
 
 
 def prepare_documents(

@@ -167,7 +167,21 @@ def train_tokenizer(
         raise ValueError(
             f"vocab_size must be at least 258 (256 bytes + {EOT} + 1), got {vocab_size}"
         )
-    texts = sample_texts(docs, max_chars)
+    return train_tokenizer_on(
+        sample_texts(docs, max_chars), vocab_size, min_frequency=min_frequency,
+        show_progress=show_progress,
+    )  # fmt: skip
+
+
+def train_tokenizer_on(
+    texts: list[str], vocab_size: int, *, min_frequency: int = 2, show_progress: bool = False
+) -> RunTokenizer:
+    """Train the byte-level BPE on a sample already drawn (sample_texts, or the streaming
+    pass's, dipaco.data.stream, which draws the same one)."""
+    if vocab_size < 258:
+        raise ValueError(
+            f"vocab_size must be at least 258 (256 bytes + {EOT} + 1), got {vocab_size}"
+        )
     if not texts:
         raise ValueError("no text to train the tokenizer on; check data.corpus")
     backend = Tokenizer(models.BPE())

@@ -4,8 +4,9 @@ A checkpoint holds the weights, θ_old, the AdamW state, the step, the data posi
 RNG; resuming one on the CPU continues bit for bit. Writing is asynchronous, the pattern of
 torchtitan's `components/checkpoint.py` with `async_mode = "async_with_pinned_mem"`: the
 loop stands still only while the state is copied into host buffers kept from one checkpoint
-to the next (pinned on CUDA, so the device-to-host copies run at full speed), and a
-background thread serialises those buffers to a temporary file, fsyncs it and renames it
+to the next (pinned on CUDA, so the device-to-host copies run at full speed, and on a side
+stream, so they overlap the next step's forward and backward; its optimizer step waits for
+them on the device), and a background thread serialises those buffers to a temporary file, fsyncs it and renames it
 over the previous checkpoint. One write is in flight at a time: a new snapshot first waits
 for the previous write, whose buffers it reuses. A crash during a write leaves the previous
 file whole.
@@ -24,6 +25,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -96,6 +98,12 @@ class CheckpointWriter:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pin = device.type == "cuda"
+        # On CUDA the snapshot's copies run on a side stream, overlapping the next step's
+        # forward and backward; the optimizer's step waits for them (`before_update`), the
+        # host only where it reads the buffers (the writer thread, the Δ).
+        self._stream = torch.cuda.Stream(device) if self._pin else None
+        self._copied: torch.cuda.Event | None = None  # the last snapshot's copies, done
+        self._unsynced = False  # the optimizer has not waited for them yet
         self._buffers: dict[str, Tensor] = {}  # kept across loops: a resident trainer's
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -136,7 +144,7 @@ class CheckpointWriter:
         header = json.dumps(meta)  # now: the loop goes on changing `progress`
         self._thread = threading.Thread(
             target=self._write,
-            args=(tensors, header, progress.step),
+            args=(tensors, header, progress.step, self._copied),
             name="dipaco-checkpoint",
             daemon=True,
         )
@@ -169,9 +177,22 @@ class CheckpointWriter:
         thread = self._thread
         return (lambda: None) if thread is None else thread.join
 
+    def before_update(self) -> None:
+        """Before the weights and moments change in place (the optimizer's step): on CUDA
+        the device waits there for the snapshot's copies still in flight (no host sync)."""
+        if self._unsynced and self._copied is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copied)
+            self._unsynced = False
+
+    def _landed(self) -> None:
+        """The host waits for the last snapshot's copies (CUDA)."""
+        if self._copied is not None:
+            self._copied.synchronize()
+
     def snapshot_weights(self) -> dict[str, Tensor]:
         """The last snapshot's weights (fp32 host buffers, by parameter name), valid until
         the next `save`."""
+        self._landed()
         return {key[8:]: t for key, t in self._buffers.items() if key.startswith("weights/")}
 
     def snapshot_adam(
@@ -179,6 +200,7 @@ class CheckpointWriter:
     ) -> dict[str, Tensor]:
         """The last snapshot's AdamW state as ``<parameter name>/<key>`` copies (the
         buffers are reused by the next snapshot), as `adam_by_name` reads it off the device."""
+        self._landed()
         names = {id(p): n for n, p in model.named_parameters()}
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
         out = {}
@@ -197,26 +219,40 @@ class CheckpointWriter:
             for key, value in state.items():
                 live[f"adam/{index}/{key}"] = (value.detach(), value.dtype)
         tensors: dict[str, Tensor] = {}
-        for key, (value, dtype) in live.items():
-            buffer = self._buffers.get(key)
-            if buffer is None or buffer.shape != value.shape or buffer.dtype != dtype:
-                buffer = torch.empty(value.shape, dtype=dtype, pin_memory=self._pin)
-                self._buffers[key] = buffer
-            buffer.copy_(value, non_blocking=self._pin)
-            tensors[key] = buffer
+        stream = self._stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after the step's work
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for key, (value, dtype) in live.items():
+                buffer = self._buffers.get(key)
+                if buffer is None or buffer.shape != value.shape or buffer.dtype != dtype:
+                    buffer = torch.empty(value.shape, dtype=dtype, pin_memory=self._pin)
+                    self._buffers[key] = buffer
+                buffer.copy_(value, non_blocking=self._pin)
+                tensors[key] = buffer
+        if stream is not None:
+            self._copied = torch.cuda.Event()
+            self._copied.record(stream)
+            self._unsynced = True
         tensors.update({f"theta_old/{n}": t for n, t in theta_old.items()})
         tensors["rng/cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():
             for i, state in enumerate(torch.cuda.get_rng_state_all()):
                 tensors[f"rng/cuda/{i}"] = state
-        if self._pin:
-            torch.cuda.synchronize(self.device)  # the copies have landed before the writer reads
         return tensors
 
-    def _write(self, tensors: dict[str, Tensor], header: str, step: int) -> None:
+    def _write(
+        self,
+        tensors: dict[str, Tensor],
+        header: str,
+        step: int,
+        copied: torch.cuda.Event | None,
+    ) -> None:
         started = time.perf_counter()
         tmp = self.path.with_name(f"{self.path.name}.tmp-{os.getpid()}")
         try:
+            if copied is not None:
+                copied.synchronize()  # the snapshot's copies have landed in the buffers
             save_file(tensors, str(tmp), metadata={"dipaco": header})
             with open(tmp, "rb") as handle:  # the bytes reach the disk before the name does
                 os.fsync(handle.fileno())

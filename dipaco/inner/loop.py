@@ -1,9 +1,11 @@
 """The inner loop: H AdamW steps on one path, returning the pseudo-gradient Δ = θ_old − θ_new.
 
 Linear warm-up then cosine decay, global-norm clipping, gradient accumulation to a fixed
-batch of micro_batch_size x grad_accum_steps sequences, bf16 autocast on CUDA only over
-fp32 master weights and AdamW moments. On CUDA it is also compiled (`torch.compile`, with
-a fallback to eager that says why), uses fused AdamW, feeds the token windows through
+batch of micro_batch_size x grad_accum_steps sequences, fp32 master weights and AdamW
+moments; on CUDA the forward and backward run under bf16 autocast (fp16 with a gradient
+scaler on a card without bf16: dipaco.inner.fit.precision_for). On CUDA the model, its
+head and the loss are also compiled together (`torch.compile`, with a fallback to eager
+that says why: dipaco.inner.engine), it uses fused AdamW, feeds the token windows through
 pinned buffers with non-blocking copies, and reads the loss and gradient norm back only
 every `report_every` steps, so the host runs ahead of the device and no step waits for it.
 On the CPU (no compile, the plain AdamW) every step is read back and a resumed loop
@@ -318,6 +320,7 @@ class _Loop:
         if scaler is not None:
             scaler.unscale_(optimizer)  # the clip and the norm see the true gradients
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, cfg.grad_clip)
+        engine.writer.before_update()  # a snapshot's copies of these weights are done
         if scaler is not None:
             scaler.step(optimizer)  # skipped when a gradient overflowed, and the scale halves
             scaler.update()

@@ -229,20 +229,7 @@ class Router:
         `PrecomputedFeaturizer` holding features computed ahead in chunks.
         """
         factors = tuple(int(k) for k in factors)
-        if featurizer not in FEATURIZERS or method not in METHODS:
-            raise ValueError(
-                f"routing.featurizer must be one of {FEATURIZERS} and routing.method one of "
-                f"{METHODS}; got {featurizer!r}, {method!r}"
-            )
-        if not factors or min(factors) < 1 or prefix_tokens < 1:
-            raise ValueError(f"factors must be positive ints and prefix_tokens >= 1: {factors}")
-        if len(texts) < math.prod(factors):
-            raise ValueError(
-                f"{len(texts)} documents cannot fill {math.prod(factors)} paths; "
-                "use more data or fewer modules per level"
-            )
-        if features is not None and features.name != featurizer:
-            raise ValueError(f"features are {features.name!r}, not {featurizer!r}")
+        _check_fit(len(texts), factors, featurizer, method, prefix_tokens, features)
         feat = features or _make_featurizer(
             featurizer, tokenizer, prefix_tokens, model, tfidf_dim, None
         )
@@ -331,6 +318,31 @@ class Router:
         centroids = [tensors[f"centroids.{i}"] for i in range(levels)]
         _check_shapes(spec, feat, centroids, tensors["bias"])
         return cls(spec, tokenizer, feat, centroids, tensors["bias"])
+
+
+def _check_fit(
+    documents: int,
+    factors: tuple[int, ...],
+    featurizer: str,
+    method: str,
+    prefix_tokens: int,
+    features: Featurizer | None,
+) -> None:
+    """`Router.fit`'s arguments, refused with what to change."""
+    if featurizer not in FEATURIZERS or method not in METHODS:
+        raise ValueError(
+            f"routing.featurizer must be one of {FEATURIZERS} and routing.method one of "
+            f"{METHODS}; got {featurizer!r}, {method!r}"
+        )
+    if not factors or min(factors) < 1 or prefix_tokens < 1:
+        raise ValueError(f"factors must be positive ints and prefix_tokens >= 1: {factors}")
+    if documents < math.prod(factors):
+        raise ValueError(
+            f"{documents} documents cannot fill {math.prod(factors)} paths; "
+            "use more data or fewer modules per level"
+        )
+    if features is not None and features.name != featurizer:
+        raise ValueError(f"features are {features.name!r}, not {featurizer!r}")
 
 
 def _make_featurizer(

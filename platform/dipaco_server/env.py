@@ -47,6 +47,7 @@ KNOWN_VARIABLES = frozenset(
         "DIPACO_RATE_LIMIT_WORKER",
         "DIPACO_RATE_LIMIT_ADDRESS",
         "DIPACO_DATA_ROOTS",
+        "DIPACO_SOURCE_BUCKETS",
         "DIPACO_RATE_LIMIT_PUBLIC",
         "DIPACO_DB_POOL",
         "DIPACO_GRANT_RATE",
@@ -454,6 +455,23 @@ def data_roots(environ: Environ, data: Path) -> list[Path]:
             )
         roots.append(path.resolve())
     return roots
+
+
+def source_buckets(environ: Environ = os.environ) -> list[str]:
+    """``DIPACO_SOURCE_BUCKETS``: the S3 buckets datasets may read ``s3://`` corpora from,
+    separated by commas; none by default. The server's S3 credentials (the ``S3_*``
+    variables, else the AWS chain) may reach more buckets than corpora should come from."""
+    value = _get(environ, "DIPACO_SOURCE_BUCKETS")
+    buckets = [b.strip() for b in (value or "").split(",") if b.strip()]
+    for bucket in buckets:
+        if not _BUCKET_RE.match(bucket):
+            raise refuse(
+                "DIPACO_SOURCE_BUCKETS",
+                value or "",
+                f"{bucket!r} is not a bucket name",
+                "list bucket names separated by commas, e.g. corpora,fineweb-edu",
+            )
+    return buckets
 
 
 def public_url(environ: Environ = os.environ) -> str:

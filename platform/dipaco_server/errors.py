@@ -216,7 +216,7 @@ def _bad_multipart(request: HttpRequest, exc: MultiPartParserError) -> HttpRespo
 
 def _database_down(request: HttpRequest, exc: Exception) -> HttpResponse:
     # The database is unreachable (restarting, failing over): not a bug and not the client's
-    # fault, so a 503 with Retry-After that agents and scripts retry, never a 500 (issue 11).
+    # fault, so a 503 with Retry-After that agents and scripts retry, never a 500.
     logger.warning("%s %s: the database is unreachable: %s", request.method, request.path, exc)
     response = error_response(
         503,

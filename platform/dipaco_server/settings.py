@@ -22,6 +22,8 @@ DIPACO_BLOB_STORE = env.blob_store(os.environ, DIPACO_DATA_DIR)
 REDIS_URL = env.redis_url(os.environ)
 # Directories datasets and runs may read corpora from (dipaco_server.runs.sources).
 DIPACO_DATA_ROOTS = env.data_roots(os.environ, DIPACO_DATA_DIR)
+# Buckets datasets may read s3:// corpora from (dipaco_server.runs.sources); none by default.
+DIPACO_SOURCE_BUCKETS = env.source_buckets(os.environ)
 
 # --- Django core --------------------------------------------------------------
 SECRET_KEY = env.secret_key(os.environ, DIPACO_DATA_DIR)
@@ -187,7 +189,7 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "task": "dipaco_server.rounds.tasks.close_ready_rounds",
         "schedule": 30.0,
     },
-    # Uploads and module versions past retention (rounds.retention, issue 19).
+    # Uploads and module versions past retention (rounds.retention): the store stays bounded.
     "sweep-blobs": {"task": "dipaco_server.rounds.tasks.sweep_blobs", "schedule": 600.0},
 }
 

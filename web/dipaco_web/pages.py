@@ -88,7 +88,7 @@ def worker_context(worker: Worker) -> dict[str, Any]:
             round=lease.unit.round.t,
             path=lease.unit.path.index,
             tokens=tokens.get(lease.pk, 0),
-            # 0: granted before units were sized (issue 20), meaning the run's H
+            # 0: granted before units were sized to the worker's speed, meaning the run's H
             steps=lease.steps or lease.unit.round.run.run_config.inner.steps,
             size_reason=lease.size_reason,
             accepted=verdicts.get(lease.pk, {}).get(queries.ACCEPTED, 0),

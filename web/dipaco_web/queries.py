@@ -16,7 +16,7 @@ from django.db.models import Count, F, Max, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from dipaco.evaluate import perplexity  # the project's one perplexity helper (issue 18)
+from dipaco.evaluate import perplexity  # one helper, so every page shows the same number
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.replication import CHECK_OFFSET

@@ -135,7 +135,7 @@ def record(
 def _refusal(exc: Exception) -> tuple[int, str, str]:
     """(status, code, message) of the answer the client gets for `exc`: the same as the
     handlers errors.install registers give, so the log says what the client saw (a
-    database range error is the client's 422, not a 500: issue 34 found five such)."""
+    database range error is the client's 422, not a 500: fuzzing the API found five such)."""
     if isinstance(exc, ServiceError | ApiError):
         return exc.status, exc.code, exc.message
     if isinstance(exc, AuthenticationError):

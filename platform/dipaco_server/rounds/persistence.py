@@ -33,6 +33,15 @@ worker's reach 0.11-0.66 (20 cases, 13 >= 0.2). Proof of useful work cannot sett
 instead: a random direction at half the Δ's norm moved a unit's gain less than honest noise
 did (tests/test_replica_bias.py: 0.4552 biased, 0.4521 honest).
 
+How much evidence (`MIN_PAST`, `MIN_PARTNERS`): at least two earlier differences, against
+at least two distinct partners. One earlier copy is not evidence: a single difference
+holds that partner's own deviation and the worker's warm moments as much as any bias, and
+the live platform refused an honest worker on exactly that (eight rounds of four real
+workers at the defaults, seed 1: its shared-module copy's difference had a cosine of 0.27
+with its one earlier difference). The mean direction of differences against
+several partners keeps what the worker adds every time (a bias) and averages the rest
+away, as its cosine with a random part falls with the number of partners.
+
 rounds.verification.checks applies it (compare_replicas); pure functions without Django,
 so bench/attacks.py runs the same rule. The sketch's seed is fixed: a worker that knows it
 could hide a bias in the sketch's null space (the difference's norm is exact). A worker
@@ -53,6 +62,8 @@ SKETCH = 1024  # values per sketch: cosines between sketches are within ~1/√SK
 SKETCH_SEED = 34
 SKETCH_CHUNK = 1 << 20  # values hashed at a time
 PAST = 8  # a worker's earlier differences in a module held against a new one
+MIN_PAST = 2  # earlier differences needed before a repeat is evidence (docstring)
+MIN_PARTNERS = 2  # ...against this many distinct partners
 REPEAT_COSINE = 0.2
 MIN_DIFFERENCE = 0.05
 
@@ -99,24 +110,34 @@ def repeat_cosine(now: Tensor, past: Sequence[Tensor]) -> float | None:
     return float(now @ mean) / scale if scale > 0 else None
 
 
+def enough(past: Sequence[tuple[int, Tensor]]) -> bool:
+    """Whether earlier differences ((partner, sketch) each) are evidence: MIN_PAST of them,
+    against MIN_PARTNERS distinct partners."""
+    return len(past) >= MIN_PAST and len({partner for partner, _ in past}) >= MIN_PARTNERS
+
+
 def repeated(
-    sides: Sequence[tuple[int, Tensor, Sequence[Tensor]]], difference: float, smaller: float
+    sides: Sequence[tuple[int, Tensor, Sequence[tuple[int, Tensor]]]],
+    difference: float,
+    smaller: float,
 ) -> list[str]:
     """Per copy of a pair, why its difference repeats what its worker's copies kept adding,
     or "": `sides` holds (worker, its signed difference sketch, its earlier ones in the
-    module against other workers) per copy; `difference` the exact norm of the difference,
-    `smaller` the smaller of the two Δs' norms."""
+    module against other workers, each (partner, sketch)) per copy; `difference` the exact
+    norm of the difference, `smaller` the smaller of the two Δs' norms. Without enough
+    earlier differences (`enough`) nothing repeats."""
     out = []
     for worker, now, past in sides:
-        cosine = repeat_cosine(now, past)
+        cosine = repeat_cosine(now, [sketch for _, sketch in past]) if enough(past) else None
         small = smaller <= 0 or difference < MIN_DIFFERENCE * smaller  # float rounding
         if small or cosine is None or cosine < REPEAT_COSINE:
             out.append("")
         else:
+            partners = len({partner for partner, _ in past})
             out.append(
                 f"worker {worker}'s copy differs from the other by {difference / smaller:.2f} x "
                 f"the Δ's norm, in the direction its {len(past)} earlier copies in this module "
-                f"differed from other workers' (cosine {cosine:.2f} >= {REPEAT_COSINE:g}): a "
-                "fixed direction added to every unit"
+                f"differed from {partners} other workers' (cosine {cosine:.2f} >= "
+                f"{REPEAT_COSINE:g}): a fixed direction added to every unit"
             )
     return out

@@ -47,7 +47,9 @@ _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
 # What runs.sources.check_source reads, once stripped: a built-in corpus, or an absolute path
 # without NUL. Whether the path lies under DIPACO_DATA_ROOTS is the server's configuration,
 # which no schema can say (a 422 naming the setting).
-SOURCE_PATTERN = f"^[{WHITESPACE}]*(?:{'|'.join(BUILTIN_SOURCES)}|/[^\\x00]*)[{WHITESPACE}]*$"
+SOURCE_PATTERN = (
+    f"^[{WHITESPACE}]*(?:{'|'.join(BUILTIN_SOURCES)}|/[^\\x00]*|s3://[^\\x00]*)[{WHITESPACE}]*$"
+)
 
 
 class RunConfigJson:
@@ -75,8 +77,21 @@ class DatasetIn(Schema):
     source: str = Field(
         max_length=MAX_SOURCE_LENGTH,
         json_schema_extra=declared(SOURCE_PATTERN),
-        description='"stdlib", or an absolute path to a text directory or .jsonl under one of '
-        "the server's data roots (DIPACO_DATA_ROOTS).",
+        description='"stdlib"; an absolute path (a file, a directory or a glob of text, JSON '
+        "Lines (.jsonl, .jsonl.gz, .jsonl.zst), Parquet or a saved datasets directory) under "
+        "one of the server's data roots (DIPACO_DATA_ROOTS); or s3://bucket/prefix in a "
+        "bucket of DIPACO_SOURCE_BUCKETS.",
+    )
+    text_field: str = Field(
+        default="text",
+        pattern=r"^[^\x00]{1,100}$",
+        description="The column (Parquet, Arrow) or field (JSON Lines) holding the text.",
+    )
+    token_budget: int | None = Field(
+        default=None,
+        ge=1000,
+        le=10**15,
+        description="Prepare about this many training tokens: a seeded subset of records.",
     )
 
 
@@ -84,6 +99,8 @@ class DatasetOut(Schema):
     id: int
     name: str
     source: str
+    text_field: str
+    token_budget: int | None
     state: str
     stats: dict[str, Any]
     tokenizer_key: str
@@ -186,7 +203,12 @@ def create_dataset(request: HttpRequest, body: DatasetIn) -> Status[Dataset]:
     source = check_source(body.source)
     try:
         with transaction.atomic():
-            dataset = Dataset.objects.create(name=body.name, source=source)
+            dataset = Dataset.objects.create(
+                name=body.name,
+                source=source,
+                text_field=body.text_field,
+                token_budget=body.token_budget,
+            )
     except IntegrityError:
         raise ApiError(
             409, "dataset_name_taken", f"a dataset named {body.name!r} exists; choose another"

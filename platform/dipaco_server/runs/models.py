@@ -24,7 +24,15 @@ class Dataset(models.Model):
         FAILED = "failed"
 
     name = models.CharField(max_length=100, unique=True)
-    source = models.CharField(max_length=1000, help_text='"stdlib", a directory or a .jsonl.')
+    source = models.CharField(
+        max_length=1000,
+        help_text='"stdlib", a local file, directory or glob, or s3://bucket/prefix '
+        "(text, JSON Lines .gz/.zst, Parquet, a saved datasets directory).",
+    )
+    # The column (Parquet, Arrow) or field (JSON Lines) that holds each record's text.
+    text_field = models.CharField(max_length=100, default="text")
+    # Prepare at most about this many training tokens: a seeded subset of the records.
+    token_budget = models.BigIntegerField(null=True, blank=True)
     stats = models.JSONField(default=dict, blank=True)
     state = models.CharField(max_length=16, choices=State.choices, default=State.PENDING)
     tokenizer_key = models.CharField(max_length=1024, blank=True)

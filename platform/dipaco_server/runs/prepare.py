@@ -35,7 +35,7 @@ import logging
 import math
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,12 +46,14 @@ from dipaco_server.runs import keys, phases
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.services import transition
-from dipaco_server.runs.sources import check_source
+from dipaco_server.runs.sources import check_source, s3_options
 from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from dipaco.config import RunConfig
 
 # torch (dipaco.modules_file, runs.checkpoint) is imported inside the functions that use it:
 # every server process imports this module (data_index_key, work_root) at its start.
@@ -95,10 +97,11 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     when ``router.featurizer`` is "base-lm", and every module starts from its layers.
     `max_files` reads only the first files of the corpus (sorted), for demos and tests.
     """
+    # torch and the tokenizers: seconds to import, in the task that prepares only (every
+    # process that loads the URLs loads this module).
     from dipaco.data.corpus import load_corpus
     from dipaco.data.prepare import prepare_documents
     from dipaco.data.tokenizer import RunTokenizer
-    from dipaco.modular import init_modules, init_modules_from_base
 
     run.refresh_from_db()
     if run.state == Run.State.DRAFT:
@@ -114,12 +117,7 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     from dipaco_server.runs.checkpoint import base_model, load_base_state
 
     has_base = not dense and store.exists(keys.base_model_key(run.pk))
-    if paths > 1 and config.router.featurizer == "base-lm" and not (dense or has_base):
-        raise ValueError(
-            "router.featurizer = 'base-lm' routes with a base model, and this run has none: "
-            "set phase1 to train one first, upload a dense checkpoint (POST "
-            "/api/v1/runs/<id>/checkpoint), or use 'tfidf'"
-        )
+    _check_router_has_base(config, has_base)
     corpus = run.dataset.source if run.dataset is not None else config.data.corpus
     check_source(corpus)  # the roots may have changed since the run was created
     steps = len(RUN_STAGES)
@@ -162,18 +160,37 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
         if dense:
             write_document_chunks(run, store, split.train, split.val, work)
         report_progress(run, "modules", 5, steps, "initialising modules as version 0")
-        if dense:
-            modules = init_modules(config.dense_phase)
-        elif base_state is not None:
-            modules = init_modules_from_base(config, base_state)
-        else:
-            modules = init_modules(config)
-        init_module_versions(run, store, work, modules, phase)
+        init_module_versions(run, store, work, _initial_modules(config, base_state), phase)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     transition(run, Run.State.READY)
     report_progress(run, "done", steps, steps, "ready to start")
     return run
+
+
+def _check_router_has_base(config: RunConfig, has_base: bool) -> None:
+    """A base-lm router needs a base model: phase 1's, or an uploaded checkpoint."""
+    routes_with_base = config.num_paths > 1 and config.router.featurizer == "base-lm"
+    if routes_with_base and config.phase1 is None and not has_base:
+        raise ValueError(
+            "router.featurizer = 'base-lm' routes with a base model, and this run has "
+            "none: set phase1 to train one first, upload a dense checkpoint (POST "
+            "/api/v1/runs/<id>/checkpoint), or use 'tfidf'"
+        )
+
+
+def _initial_modules(
+    config: RunConfig, base_state: Mapping[str, Tensor] | None
+) -> dict[str, dict[str, Tensor]]:
+    """Version 0 of every module: the dense phase's with phase 1, else the path modules,
+    from the uploaded checkpoint's layers when there is one."""
+    from dipaco.modular import init_modules, init_modules_from_base  # torch, as above
+
+    if config.phase1 is not None:
+        return init_modules(config.dense_phase)
+    if base_state is not None:
+        return init_modules_from_base(config, base_state)
+    return init_modules(config)
 
 
 def work_root() -> Path:
@@ -249,7 +266,8 @@ def prepare_dataset(dataset: Dataset) -> Dataset:
     check_source(dataset.source)  # the roots may have changed since it was created
     stats = CorpusStats()
     report_progress(dataset, "corpus", 0, 1, f"reading {dataset.source}")
-    for count, _ in enumerate(iter_corpus(dataset.source, stats), start=1):
+    docs = iter_corpus(dataset.source, stats, text_field=dataset.text_field, s3=s3_options())
+    for count, _ in enumerate(docs, start=1):
         if count % DATASET_PROGRESS_EVERY == 0:
             report_progress(dataset, "corpus", 0, 1, f"{count} documents read")
     if stats.documents == 0:
@@ -257,14 +275,7 @@ def prepare_dataset(dataset: Dataset) -> Dataset:
             f"corpus {dataset.source!r} holds no readable text ({stats.files} files, "
             f"skipped {dict(stats.skipped)}); point the dataset at text files or a .jsonl"
         )
-    dataset.stats = {
-        "files": stats.files,
-        "documents": stats.documents,
-        "chars": stats.chars,
-        "ignored": stats.ignored,
-        "skipped": dict(stats.skipped),
-        "skipped_examples": stats.skipped_examples,
-    }
+    dataset.stats = stats.to_json()
     dataset.state = Dataset.State.READY
     Dataset.objects.filter(pk=dataset.pk).update(
         stats=dataset.stats, state=dataset.state, updated_at=timezone.now()

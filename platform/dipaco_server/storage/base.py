@@ -55,7 +55,7 @@ class BlobStore(abc.ABC):
     """Flat key → bytes storage with presigned URLs for workers."""
 
     # Whether a presigned PUT's max_bytes is enforced by the store itself. Workers are
-    # handed a PUT only where it is (issue 19); everywhere else they POST a form whose
+    # handed a PUT only where it is (an unbounded PUT could fill the store); everywhere else they POST a form whose
     # signed policy carries content-length-range.
     bounds_put: bool = False
 

@@ -1,7 +1,7 @@
 """A worker's training speed (tokens/s), the number that sizes its units (rounds.lease).
 
 The speed a worker reports is its own claim, so the scheduler never uses it alone
-(docs/design.md §7, issue 34): a completion's speed is the smaller of the claim and what
+(docs/design.md §7: a worker is untrusted): a completion's speed is the smaller of the claim and what
 the server measured itself, the unit's tokens over the wall time between the lease's
 grant and its completion (which also counts downloads and uploads, so it errs slow), and
 never above `MAX_TOKENS_PER_SECOND`. A claim of 1e308 tokens/s then sizes nothing: before

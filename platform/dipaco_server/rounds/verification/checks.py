@@ -267,7 +267,7 @@ def _repeated(pair: tuple[Verdict, Verdict], a: Tensors, b: Tensors, spec: Spec)
         verdict.sketch, verdict.partner = persistence.to_bytes(signed), other.upload.worker_id
         role = verdict.upload.check_of is not None
         past = [  # against other workers, in the other role (original or check copy)
-            persistence.from_bytes(data)
+            (partner, persistence.from_bytes(data))
             for partner, was_check, data in verdict.upload.replica_past
             if partner != other.upload.worker_id and was_check != role
         ]

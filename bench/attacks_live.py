@@ -1,0 +1,373 @@
+"""Attacks the way a user meets them: real `dipaco-worker` processes, some with a patched
+encoder, against an embedded `dipaco server` at the run's defaults.
+
+    .venv/bin/python bench/attacks_live.py --seeds 0 1 2 --json docs/figures/attacks_live.json
+    .venv/bin/python bench/attacks_live.py --seeds 0 --rounds 2 --attack colluders   # a smoke
+
+Per seed, a clean run and one run per attack, each on a fresh embedded server (SQLite,
+filesystem broker, local blobs; bench/platform_run.py's machinery): `RunConfig.tiny()` 2x2
+paths, one replica each, tf-idf router, random start, `--rounds` rounds of `--inner-steps`
+steps, `--workers` workers enrolled with one ordinary enrollment token (so every one starts
+on probation, workers.probation), every trust and replication setting at its default (the
+bench strips DIPACO_* trust settings from its environment). Worker 0 attacks (workers 0
+and 1 for `colluders`): a `sitecustomize` module on its PYTHONPATH wraps the agent's
+`worker_agent.handin.encode_deltas`, so the shipped agent trains honestly and uploads:
+
+- `sign_flip`: -Δ; `colluders`: both attackers -Δ (identical bytes whenever they train
+  the same unit from the same state: what copying each other's would upload);
+- `lazy_x0.1`: 0.1 x Δ, claiming the whole unit's tokens; `zeros`: a zero Δ;
+- `bias_0.5`: Δ plus a fixed unit direction per module (the same every unit) at 0.5 x
+  the Δ's norm.
+
+Reported per attack, each per seed: `ratio` (final routed validation loss ÷ the clean
+run's of that seed; mean and spread), `credited_tokens` and `claimed_tokens` of the
+attacker(s) (Worker.tokens_processed; the tokens its completed units claimed), and
+`accepted` / `rejected` (the attackers' Δs) and `honest_rejected` (the honest workers'
+rejected Δs); `first_round_seconds`: round 0's wall time (open to the next round's open).
+From the clean runs: `replication_share`, tokens trained on check copies over all tokens
+trained, and `steady_replication_share`, the same over the rounds that opened after every
+worker had left probation (null when some never did); `clean.first_round_seconds`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sqlite3
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
+
+from platform_run import (
+    corpus_file,
+    default_config,
+    mint_tokens,
+    platform_modules,
+    prepared_from_blobs,
+    wait_for_state,
+)
+
+from dipaco.config import RunConfig
+from dipaco.evaluate import routed_mean
+from dipaco.simulate.train import evaluate_paths
+from dipaco_demo.control import (
+    AdminClient,
+    ServerProcess,
+    embedded_environ,
+    free_port,
+)
+from dipaco_demo.workers import WorkerProcess
+
+ATTACKS = ["bias_0.5", "sign_flip", "colluders", "lazy_x0.1", "zeros"]
+CHECK_OFFSET = 1_000_000  # rounds' check copies' replica indices start here
+# Trust and replication settings: unset, so the server runs at its defaults.
+TRUST_SETTINGS = (
+    "DIPACO_REPLICATION_RATE", "DIPACO_TRUST_REPLICATE_ALL", "DIPACO_MIN_TRUST",
+    "DIPACO_TRUST_PENALTY", "DIPACO_TRUST_REWARD", "DIPACO_PROBATION_PARTNERS",
+)  # fmt: skip
+POLL_S = 1.0
+DISTRUSTED = 8  # dipaco-worker's exit code when the server gives it no more work
+
+# The patched encoder: the agent's own code, its Δ changed just before it is encoded.
+SITECUSTOMIZE = """
+import os
+ATTACK = os.environ.get("DIPACO_LIVE_ATTACK", "")
+if ATTACK:
+    import zlib
+    import torch
+    import worker_agent.handin as _handin
+
+    _encode = _handin.encode_deltas
+
+    def _norm(delta):
+        return float(sum(t.double().pow(2).sum() for t in delta.values()) ** 0.5)
+
+    def _bias(module_id, delta):
+        seed = int(os.environ.get("DIPACO_LIVE_SEED", "0")) * 1000 + zlib.crc32(module_id.encode())
+        g = torch.Generator().manual_seed(seed)
+        v = {k: torch.randn(t.shape, generator=g) for k, t in delta.items()}
+        scale = 0.5 * _norm(delta) / max(_norm(v), 1e-30)
+        return {k: t + scale * v[k].to(t.dtype) for k, t in delta.items()}
+
+    def _attacked(module_id, delta):
+        if ATTACK in ("sign_flip", "colluders"):
+            return {k: -t for k, t in delta.items()}
+        if ATTACK == "lazy_x0.1":
+            return {k: 0.1 * t for k, t in delta.items()}
+        if ATTACK == "zeros":
+            return {k: torch.zeros_like(t) for k, t in delta.items()}
+        if ATTACK == "bias_0.5":
+            return _bias(module_id, delta)
+        raise SystemExit(f"unknown DIPACO_LIVE_ATTACK {ATTACK!r}")
+
+    def encode_deltas(deltas, config, directory, state=None):
+        changed = {m: _attacked(m, d) for m, d in deltas.items()}
+        return _encode(changed, config, directory, state)
+
+    _handin.encode_deltas = encode_deltas
+"""
+
+
+def attackers(attack: str | None) -> set[int]:
+    if attack is None:
+        return set()
+    return {0, 1} if attack == "colluders" else {0}
+
+
+def one_run(
+    config: RunConfig, attack: str | None, corpus: Path, root: Path, args: argparse.Namespace
+) -> dict[str, Any]:
+    """One run on a fresh embedded server; its figures (`figures`)."""
+    data_dir = root / "server"
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    environ = embedded_environ(data_dir, url)
+    for name in TRUST_SETTINGS:
+        environ.pop(name, None)
+    environ["DIPACO_DATA_ROOTS"] = str(corpus.resolve().parent)
+    patch = root / "patch"
+    patch.mkdir(parents=True, exist_ok=True)
+    (patch / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    server = ServerProcess(environ, port, root / "logs" / "server.log")
+    workers: list[WorkerProcess] = []
+    admin: AdminClient | None = None
+    try:
+        server.start()
+        server.wait_until_healthy()
+        api_token, enrollment = mint_tokens(environ, "attacks_live bench", args.workers)
+        admin = AdminClient(url, api_token)
+        dataset = admin.dataset(f"corpus-{corpus.stem}", str(corpus))
+        run_id = int(
+            admin.create_run(config.name, config.model_dump(mode="json"), dataset["id"])["id"]
+        )
+        admin.move(run_id, "start")
+        deadline = time.monotonic() + args.timeout
+        wait_for_state(admin, run_id, "ready", ("draft", "preparing"), deadline)
+        admin.move(run_id, "start")
+        bad = attackers(attack)
+        for i in range(args.workers):
+            env = dict(environ)
+            if i in bad:
+                path = f"{patch}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(patch)
+                env.update(PYTHONPATH=path, DIPACO_LIVE_ATTACK=str(attack),
+                           DIPACO_LIVE_SEED=str(config.seed))  # fmt: skip
+            worker = WorkerProcess(f"live-{i}", root / f"worker-{i}", root / "logs" / f"w{i}.log")
+            worker.start(url, enrollment, env)
+            workers.append(worker)
+        probation_over, stopped = watch(admin, run_id, workers, deadline)
+        result = figures(data_dir, run_id, config, bad, probation_over, root, args)
+        return {**result, "stopped_as_distrusted": stopped}
+    finally:
+        for worker in workers:
+            worker.signal_stop()
+        for worker in workers:
+            worker.wait()
+        if admin is not None:
+            admin.close()
+        server.stop()
+
+
+def watch(
+    admin: AdminClient, run_id: int, workers: list[WorkerProcess], deadline: float
+) -> tuple[int | None, list[str]]:
+    """Wait for the run to finish: (the first round that opened with no worker on
+    probation, the workers the server stopped as distrusted, exit code 8). An attacker
+    the server stops is the checks working; any other exit is the bench's failure."""
+    over: int | None = None
+    stopped: set[str] = set()
+    while True:
+        status = admin.run(run_id)
+        if status["state"] == "finished":
+            return over, sorted(stopped)
+        if status["state"] not in ("ready", "running"):
+            raise RuntimeError(f"run {run_id} is {status['state']}: {status.get('error')}")
+        for worker in workers:
+            code = worker.exit_code()
+            if code == DISTRUSTED:
+                stopped.add(worker.name)
+            elif code is not None:
+                raise RuntimeError(f"{worker.name} exited with {code}; see {worker.log_path}")
+        if len(stopped) == len(workers):
+            raise RuntimeError("every worker was stopped as distrusted")
+        if over is None:
+            rows = admin.call("GET", "/workers", params={"limit": 100})["items"]
+            if rows and not any(r["probation"] for r in rows if r["name"] not in stopped):
+                over = int(status.get("current_round") or 0) + 1  # opened from then on
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run {run_id} did not finish in time; logs in its data dir")
+        time.sleep(POLL_S)
+
+
+def figures(
+    data_dir: Path,
+    run_id: int,
+    config: RunConfig,
+    bad: set[int],
+    probation_over: int | None,
+    root: Path,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    blobs = data_dir / "blobs"
+    data = prepared_from_blobs(blobs, run_id, root / "prepared")
+    windows = data.val_windows(config.model.seq_len, args.eval_windows)
+    final = platform_modules(blobs, run_id, config, config.rounds)
+    loss = routed_mean(evaluate_paths(config, final, windows))
+    with sqlite3.connect(data_dir / "db.sqlite3") as db:
+        names = dict(db.execute("SELECT id, name FROM workers_worker").fetchall())
+        attacker_ids = {w for w, n in names.items() if int(n.split("-")[-1]) in bad}
+        per_worker = db.execute(
+            "SELECT l.worker_id, c.status, COUNT(*) FROM rounds_contribution c JOIN "
+            "rounds_lease l ON l.id = c.lease_id GROUP BY l.worker_id, c.status"
+        ).fetchall()
+        # A completed lease's claim: the smallest token count among its contributions.
+        leases = db.execute(
+            "SELECT l.worker_id, u.replica, r.t, MIN(c.tokens) FROM rounds_lease l "
+            "JOIN rounds_contribution c ON c.lease_id = l.id JOIN rounds_workunit u "
+            "ON u.id = l.unit_id JOIN rounds_round r ON r.id = u.round_id GROUP BY l.id"
+        ).fetchall()
+        credited = dict(db.execute("SELECT id, tokens_processed FROM workers_worker").fetchall())
+        opened = dict(db.execute(
+            "SELECT t, opened_at FROM rounds_round WHERE run_id = ?", (run_id,)
+        ).fetchall())  # fmt: skip
+    counts: dict[tuple[bool, str], int] = {}
+    for worker_id, status, n in per_worker:
+        key = (worker_id in attacker_ids, status)
+        counts[key] = counts.get(key, 0) + n
+    check = [t for _, replica, _, t in leases if replica >= CHECK_OFFSET]
+    steady = [(replica, t) for _, replica, rnd, t in leases
+              if probation_over is not None and rnd >= probation_over]  # fmt: skip
+    return {
+        "loss": loss,
+        "credited_tokens": sum(credited.get(w, 0) for w in attacker_ids),
+        "claimed_tokens": sum(t for w, _, _, t in leases if w in attacker_ids),
+        "accepted": counts.get((True, "accepted"), 0),
+        "rejected": counts.get((True, "rejected"), 0),
+        "honest_rejected": counts.get((False, "rejected"), 0),
+        "replication_share": sum(check) / max(1, sum(t for *_, t in leases)),
+        "steady_replication_share": (
+            sum(t for r, t in steady if r >= CHECK_OFFSET) / sum(t for _, t in steady)
+            if steady
+            else None
+        ),
+        "probation_over_round": probation_over,
+        "first_round_seconds": _seconds_between(opened.get(0), opened.get(1)),
+    }
+
+
+def _seconds_between(start: Any, end: Any) -> float | None:
+    from datetime import datetime
+
+    if not start or not end:
+        return None
+    return round(
+        (datetime.fromisoformat(str(end)) - datetime.fromisoformat(str(start))).total_seconds(), 1
+    )
+
+
+def spread(values: list[float]) -> dict[str, Any]:
+    return {
+        "mean": round(statistics.mean(values), 4),
+        "stdev": round(statistics.stdev(values), 4) if len(values) > 1 else 0.0,
+        "min": round(min(values), 4),
+        "max": round(max(values), 4),
+        "per_seed": [round(v, 4) for v in values],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", type=Path, help="write the results here")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--rounds", type=int, default=8)
+    parser.add_argument("--inner-steps", type=int, default=25)
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--attack", action="append", choices=ATTACKS, help="default: all")
+    parser.add_argument("--corpus-chars", type=int, default=2_000_000)
+    parser.add_argument("--eval-windows", type=int, default=128)
+    parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
+    parser.add_argument("--work-dir", type=Path, default=None)
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    names: list[str | None] = [None, *(args.attack or ATTACKS)]
+    done: dict[tuple[int, str], dict[str, Any]] = {}
+    root = Path(tempfile.mkdtemp(prefix="attacks-live-", dir=args.work_dir))
+    try:  # a failed run's folder stays for its logs
+        corpus = corpus_file("stdlib", root / "corpus", args.corpus_chars)
+        for seed in args.seeds:
+            config = default_config(rounds=args.rounds, inner_steps=args.inner_steps, seed=seed,
+                                    name=f"attacks-live-{seed}")  # fmt: skip
+            config = config.model_copy(update={"data": config.data.model_copy(
+                update={"corpus": str(corpus)})})  # fmt: skip
+            for name in names:
+                label = name or "clean"
+                clock = time.perf_counter()
+                result = one_run(config, name, corpus, root / f"{seed}-{label}", args)
+                result["seconds"] = round(time.perf_counter() - clock, 1)
+                done[(seed, label)] = result
+                print(f"seed {seed} {label:10s} " + json.dumps(result), flush=True)
+                shutil.rmtree(root / f"{seed}-{label}", ignore_errors=True)
+    except Exception:
+        print(f"a run failed; its logs are kept in {root}", file=sys.stderr)
+        raise
+    shutil.rmtree(root, ignore_errors=True)
+    out = summary(done, args)
+    out["seconds"] = round(time.perf_counter() - started, 1)
+    out["command"] = "bench/attacks_live.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    print(json.dumps(out, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+def summary(
+    done: dict[tuple[int, str], dict[str, Any]], args: argparse.Namespace
+) -> dict[str, Any]:
+    seeds = args.seeds
+    clean = [done[(s, "clean")] for s in seeds]
+    out: dict[str, Any] = {"seeds": seeds, "rounds": args.rounds, "inner_steps": args.inner_steps,
+                           "workers": args.workers, "attacks": {}}  # fmt: skip
+    for name in args.attack or ATTACKS:
+        rows = [done[(s, name)] for s in seeds]
+        out["attacks"][name] = {
+            "ratio": spread([r["loss"] / c["loss"] for r, c in zip(rows, clean, strict=True)]),
+            **{
+                k: [r[k] for r in rows]
+                for k in (
+                    "credited_tokens",
+                    "claimed_tokens",
+                    "honest_rejected",
+                    "accepted",
+                    "rejected",
+                    "first_round_seconds",
+                    "seconds",
+                )
+            },
+        }
+    out["clean"] = {
+        "loss": spread([c["loss"] for c in clean]),
+        **{
+            k: [c[k] for c in clean]
+            for k in ("honest_rejected", "first_round_seconds", "probation_over_round", "seconds")
+        },
+    }
+    out["replication_share"] = round(statistics.mean(c["replication_share"] for c in clean), 4)
+    steady = [c["steady_replication_share"] for c in clean]
+    out["steady_replication_share"] = (
+        round(statistics.mean(steady), 4) if all(v is not None for v in steady) else None
+    )
+    out["replication_share_per_seed"] = [round(c["replication_share"], 4) for c in clean]
+    out["steady_replication_share_per_seed"] = [None if v is None else round(v, 4) for v in steady]
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
