@@ -22,7 +22,8 @@ The evidence, in order (`settle`):
 2. **a trusted referee**: a copy trained by one of the operator's trusted machines
    (workers.probation). Units against a referee's copy are refused.
 3. **the majority**: units against the best-scoring unit (its gain per token on its own
-   windows, rules.gain_rate) that are fewer than the units with it are refused.
+   windows, rules.gain_rate; without scores, the unit fewest others point against) that
+   are fewer than the units with it are refused.
 4. **gain per token**, for a tie or worse: from a fresh start an honest Δ buys more gain
    per token than a flipped one. The side whose median gain per token is below
    `TIE_SHARE` x the other side's is refused. Measured (the same config, seeds 0-2, twelve
@@ -125,9 +126,10 @@ def _sides(units: Mapping[int, UnitFacts], against: set[tuple[int, int]]) -> dic
         refused = {k for k in units if not units[k].referee and foes[k] & set(referees)}
         return {k: f"{AGAINST}: its Δs point against a trusted referee's copy" for k in refused}
     rated = [k for k, u in units.items() if u.rate is not None]
-    if not rated:
-        return _held(k for k in units if foes[k])
-    best = max(rated, key=lambda k: (units[k].rate, -k))
+    if rated:
+        best = max(rated, key=lambda k: (units[k].rate, -k))  # type: ignore[arg-type,return-value]
+    else:  # no score: the unit fewest others point against
+        best = min(units, key=lambda k: (len(foes[k]), k))
     side_x = {k for k in units if best in foes[k]}
     if not side_x:  # the disputes leave the best unit out: each module's peers judge them
         return {}
