@@ -27,6 +27,7 @@ from dipaco_server.core.api import router as core_router
 from dipaco_server.inference.api import router as inference_router
 from dipaco_server.rounds.api import router as lease_router
 from dipaco_server.rounds.api import staff_router as rounds_staff_router
+from dipaco_server.rounds.stages_api import router as stages_router
 from dipaco_server.runs.api import router as runs_router
 from dipaco_server.shedding import document_shedding
 from dipaco_server.workers.api import router as workers_router
@@ -86,6 +87,7 @@ api.add_router("/", core_router)
 api.add_router("/", runs_router)
 api.add_router("/", workers_router)
 api.add_router("/", rounds_staff_router)
+api.add_router("/", stages_router)
 api.add_router("/", inference_router)
 api.add_router("/", audit_router)
 api.add_router("/worker", lease_router)

@@ -34,6 +34,7 @@ from dipaco_server.celery import app as celery_app
 from dipaco_server.errors import ApiError
 from dipaco_server.patterns import NAME, OPTIONAL_NAME, declared
 from dipaco_server.rounds import lease as leasing
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.close import ADAPT_EVERY_S, round_ready_to_close
 from dipaco_server.rounds.complete import (
     ContributionReport,
@@ -466,6 +467,7 @@ def manifest(
     config = phase_config(run.run_config, unit.path.phase)
     dtype = _token_dtype(config.model.vocab_size)
     digest = _train_shard_sha256(store, data_index_key(run.pk, unit.path.phase), unit.path.index)
+    stages.reset()
     cut = unit_data(
         store,
         run_id=run.pk,
@@ -478,6 +480,7 @@ def manifest(
         first=unit.data_position,
         count=unit.data_windows,
     )
+    stages.flush(unit.round_id)  # the cutting's seconds, when this request cut the data
     Lease.objects.filter(pk=lease.pk).update(download_bytes=sent)
     return {
         "lease_id": lease.pk,

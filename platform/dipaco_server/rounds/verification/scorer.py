@@ -15,7 +15,7 @@ from dipaco import codecs
 from dipaco.data.ranged import store_shard
 from dipaco.evaluate import window_count
 from dipaco.modules_file import read_module
-from dipaco_server.rounds import verify
+from dipaco_server.rounds import stages, verify
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.verification.uploads import Upload, fetch
 from dipaco_server.runs import keys
@@ -66,6 +66,10 @@ class Scorer:
     def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> verify.Score | None:
         """The unit's whole Δ scored (rounds.verify.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
+        with stages.timed("scoring"):
+            return self._score(upload, delta)
+
+    def _score(self, upload: Upload, delta: Mapping[str, Tensor]) -> verify.Score | None:
         recorded = self._recorded(upload)
         if recorded is not None:
             self.reused += 1
