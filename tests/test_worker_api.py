@@ -26,8 +26,8 @@ from dipaco.data.shards import ShardIndex, ShardInfo
 from dipaco.data.windows import path_seed, unit_start, unit_windows
 from dipaco_server.core import tokens
 from dipaco_server.errors import MAX_JSON_BODY_BYTES
+from dipaco_server.rounds.lifecycle.open import open_round
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
-from dipaco_server.rounds.open import open_round
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.services import create_run, transition
@@ -521,7 +521,7 @@ def test_unknown_routes_and_methods_under_the_api_are_json_errors(client: Client
 
 
 def test_a_heartbeat_tells_the_rounds_deadline_as_it_moves_up(holder: Holder) -> None:
-    """An adaptive close (rounds.close) moves the deadline up; agents learn it on their next
+    """An adaptive close (rounds.lifecycle.close) moves the deadline up; agents learn it on their next
     heartbeat and stop in time to upload what they trained."""
     first = holder.heartbeat()
     assert first.status_code == 200, first.content

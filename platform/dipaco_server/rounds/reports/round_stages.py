@@ -14,7 +14,7 @@ from dipaco_server.bounds import RunId
 from dipaco_server.rounds.stages import stages_by_round
 from dipaco_server.runs.api import find_run
 
-router = Router(auth=staff_auth)
+staff_router = Router(auth=staff_auth)
 
 
 class StageOut(Schema):
@@ -37,7 +37,7 @@ class RoundStagesOut(Schema):
     stages: list[StageOut]
 
 
-@router.get("/runs/{run_id}/rounds", response=list[RoundStagesOut], tags=["admin: runs"])
+@staff_router.get("/runs/{run_id}/rounds", response=list[RoundStagesOut], tags=["admin: runs"])
 def list_rounds(request: HttpRequest, run_id: RunId) -> list[dict[str, Any]]:
     """Every round of the run, newest first, each with its stages' spans and seconds."""
     rounds = list(find_run(run_id).rounds.order_by("-t"))
