@@ -452,6 +452,38 @@ def test_completing_the_last_unit_of_a_round_sends_close_round(
         assert closing == ([f"[{run.pk}, 0]"] if i == run.paths.count() - 1 else [])
 
 
+def test_a_completion_tells_the_rounds_life_through_a_signal_once_not_on_a_replay(
+    holder: Holder, django_capture_on_commit_callbacks: Any
+) -> None:
+    """The protocol records the completion and sends rounds.signals.lease_completed after
+    its commit; whether the round closes is the round's life's (rounds.lifecycle)."""
+    from dipaco_server.rounds.lifecycle.receivers import close_if_ready
+    from dipaco_server.rounds.signals import lease_completed
+
+    heard: list[int] = []
+
+    def probe(sender: Any, *, round_: Round, **_: Any) -> None:
+        heard.append(round_.pk)
+
+    lease_completed.connect(probe, weak=False)
+    try:
+        assert lease_completed.has_listeners()
+        report = holder.completion()
+        with django_capture_on_commit_callbacks(execute=False) as callbacks:
+            assert holder.on("complete", report).status_code == 200
+        assert heard == [], "sent only once the completion is committed"
+        for callback in callbacks:
+            callback()
+        assert heard == [Round.objects.get(run=holder.run, t=0).pk]
+        with django_capture_on_commit_callbacks(execute=True):
+            assert holder.on("complete", report).status_code == 200  # a replay
+        assert len(heard) == 1, "a replay tells nothing again"
+    finally:
+        lease_completed.disconnect(probe)
+    receivers = [entry[1]() for entry in lease_completed.receivers]  # (key, weakref, ...)
+    assert close_if_ready in receivers, "the round's life listens (RoundsConfig.ready)"
+
+
 def test_release_puts_the_unit_back_in_the_queue(holder: Holder) -> None:
     response = holder.on("release")
     assert response.status_code == 200 and response.json()["state"] == "released"

@@ -15,6 +15,7 @@ from dipaco import codecs
 from dipaco.data.ranged import store_shard
 from dipaco.evaluate import window_count
 from dipaco.modules_file import read_module
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.verification import rules
 from dipaco_server.rounds.verification.uploads import Upload, fetch
@@ -66,12 +67,16 @@ class Scorer:
     def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
         """The unit's whole Δ scored (rounds.verification.rules.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
-        return self._score(upload, lambda: {**self._siblings(upload), self.module.module_id: delta})
+        with stages.timed("scoring"):
+            return self._score(
+                upload, lambda: {**self._siblings(upload), self.module.module_id: delta}
+            )
 
     def whole_unit(self, upload: Upload) -> rules.Score | None:
         """The score of the unit `upload` belongs to, every module of it fetched from the
         store (the first round's settlement scores units of other modules' paths too)."""
-        return self._score(upload, lambda: self._siblings(upload, exclude=False))
+        with stages.timed("scoring"):
+            return self._score(upload, lambda: self._siblings(upload, exclude=False))
 
     def _score(
         self, upload: Upload, unit_deltas: Callable[[], dict[str, dict[str, Tensor]]]

@@ -5,7 +5,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("rounds", "0011_contribution_replica_sketch"),
+        ("rounds", "0012_roundstage"),
     ]
 
     operations = [
