@@ -156,7 +156,7 @@ def _filesystem(source: str, s3: S3Options | None) -> tuple[Any, str]:
     if not is_s3(source):
         return LocalFiles(), str(Path(source).expanduser())
     # pyarrow (a server-side extra, a second to import): only an S3 source needs it here.
-    from pyarrow import fs
+    from pyarrow import fs  # see the comment above
 
     options = s3 or S3Options()
     kwargs: dict[str, Any] = {}
@@ -346,8 +346,8 @@ def _columnar_records(
     listing: Listing, file: SourceFile, text_field: str
 ) -> Iterator[tuple[int, Any]]:
     # pyarrow, as in _filesystem.
-    import pyarrow.ipc as ipc
-    import pyarrow.parquet as pq
+    import pyarrow.ipc as ipc  # a server-side extra (module docstring)
+    import pyarrow.parquet as pq  # as above
 
     if file.kind == "parquet":
         handle = listing.fs.open_input_file(file.path)
