@@ -93,7 +93,12 @@ def _baselines(text: str) -> tuple[str, ...]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    shape = parser.add_argument_group("what to train")
+    _add_shape_arguments(parser.add_argument_group("what to train"))
+    _add_data_arguments(parser.add_argument_group("data"))
+    _add_output_arguments(parser.add_argument_group("output"))
+
+
+def _add_shape_arguments(shape: argparse._ArgumentGroup) -> None:
     shape.add_argument("--config", type=Path, metavar="FILE", help="a RunConfig JSON to start from")
     shape.add_argument(
         "--paths",
@@ -154,7 +159,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "start from random weights)",
     )
     shape.add_argument("--seed", type=int, help="seed of initialisation and data order (0)")
-    data = parser.add_argument_group("data")
+
+
+def _add_data_arguments(data: argparse._ArgumentGroup) -> None:
     data.add_argument("--corpus", help='"stdlib" (default), a directory of text, or a .jsonl')
     data.add_argument(
         "--max-docs",
@@ -183,7 +190,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="DIR",
         help="where prepared data is cached (default ~/.cache/dipaco/simulate)",
     )
-    out = parser.add_argument_group("output")
+
+
+def _add_output_arguments(out: argparse._ArgumentGroup) -> None:
     out.add_argument("--out", type=Path, metavar="FILE", help="write the results as JSON")
     out.add_argument(
         "--baselines",

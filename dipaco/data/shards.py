@@ -290,20 +290,8 @@ def build_shards(
         )
     finished = False
     try:
-        with Progress(disable=not progress, transient=True) as bar:
-            for split, docs in (("train", train), ("val", val)):
-                total = len(docs) if isinstance(docs, Sequence) else None
-                task = bar.add_task(f"Sharding {split}", total=total)
-                for batch in _chunked(docs, batch_docs):
-                    texts = [d.text for d in batch]
-                    ids = tokenizer.encode_batch(texts)
-                    routes = router.route_batch(texts) if router is not None else [0] * len(texts)
-                    for path, doc_ids in zip(routes, ids, strict=True):
-                        arr = np.asarray(doc_ids, dtype=np.int64)  # (L,)
-                        writers[path, split].add_document(arr)
-                        if unrouted is not None:
-                            writers[-1, split].add_document(arr)
-                    bar.advance(task, len(batch))
+        splits = (("train", train), ("val", val))
+        _write_documents(writers, splits, tokenizer, router, batch_docs, progress)
         infos = {
             key: w.close(root if key[0] >= 0 or unrouted is None else unrouted)
             for key, w in writers.items()
@@ -314,24 +302,53 @@ def build_shards(
             for w in writers.values():
                 w.abort()
     if unrouted is not None:
-        ShardIndex(
-            dtype=dtype.str,
-            vocab_size=tokenizer.vocab_size,
-            separator_id=tokenizer.separator_id,
-            num_paths=1,
-            tokenizer_fingerprint=tokenizer.fingerprint,
-            paths=[{split: infos[-1, split] for split in SPLITS}],
-        ).save(unrouted)
-    index = ShardIndex(
-        dtype=dtype.str,
-        vocab_size=tokenizer.vocab_size,
-        separator_id=tokenizer.separator_id,
-        num_paths=paths,
-        tokenizer_fingerprint=tokenizer.fingerprint,
-        paths=[{split: infos[p, split] for split in SPLITS} for p in range(paths)],
+        _shard_index(tokenizer, dtype, [{split: infos[-1, split] for split in SPLITS}]).save(
+            unrouted
+        )
+    index = _shard_index(
+        tokenizer, dtype, [{split: infos[p, split] for split in SPLITS} for p in range(paths)]
     )
     index.save(root)
     return index
+
+
+def _write_documents(
+    writers: dict[tuple[int, str], ShardWriter],
+    splits: Iterable[tuple[str, Iterable[Document]]],
+    tokenizer: RunTokenizer,
+    router: Router | None,
+    batch_docs: int,
+    progress: bool,
+) -> None:
+    """Tokenise and route each split's documents into `writers` (path, split); writers
+    keyed (-1, split) also get every document, unrouted."""
+    with Progress(disable=not progress, transient=True) as bar:
+        for split, docs in splits:
+            total = len(docs) if isinstance(docs, Sequence) else None
+            task = bar.add_task(f"Sharding {split}", total=total)
+            for batch in _chunked(docs, batch_docs):
+                texts = [d.text for d in batch]
+                ids = tokenizer.encode_batch(texts)
+                routes = router.route_batch(texts) if router is not None else [0] * len(texts)
+                for path, doc_ids in zip(routes, ids, strict=True):
+                    arr = np.asarray(doc_ids, dtype=np.int64)  # (L,)
+                    writers[path, split].add_document(arr)
+                    if (-1, split) in writers:
+                        writers[-1, split].add_document(arr)
+                bar.advance(task, len(batch))
+
+
+def _shard_index(
+    tokenizer: RunTokenizer, dtype: np.dtype[Any], paths: list[dict[str, ShardInfo]]
+) -> ShardIndex:
+    return ShardIndex(
+        dtype=dtype.str,
+        vocab_size=tokenizer.vocab_size,
+        separator_id=tokenizer.separator_id,
+        num_paths=len(paths),
+        tokenizer_fingerprint=tokenizer.fingerprint,
+        paths=paths,
+    )
 
 
 def _chunked(docs: Iterable[Document], size: int) -> Iterable[list[Document]]:

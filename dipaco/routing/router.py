@@ -187,6 +187,25 @@ class Router:
     def route(self, text: str) -> int:
         return self.route_batch([text])[0]
 
+    def route_tails(self, ids: Sequence[Sequence[int]]) -> list[int]:
+        """The path of each token-id sequence read from its end: the router's features of
+        its last ``prefix_tokens`` ids (re-routing while generating reads the text so far,
+        not a document's first tokens). The tie-break hashes the decoded tail, as `route`
+        hashes its text."""
+        tails = [list(row[-self.spec.prefix_tokens :]) for row in ids]
+        if not tails:
+            return []
+        if any(not tail for tail in tails):
+            raise ValueError("route_tails: every sequence needs at least one token id")
+        texts = [self.tokenizer.decode(tail) for tail in tails]
+        x = self.featurizer.features(tails)  # (N, D)
+        scores = -self.distances(x) + tie_break(texts, self.num_paths) + self.bias
+        return [int(p) for p in scores.argmax(dim=1)]
+
+    def route_tail(self, ids: Sequence[int]) -> int:
+        """`route_tails` of one sequence: the path for the text so far."""
+        return self.route_tails([ids])[0]
+
     def modules(self, path: int) -> tuple[int, ...]:
         return path_to_modules(path, self.spec.factors)
 
@@ -220,20 +239,7 @@ class Router:
         `PrecomputedFeaturizer` holding features computed ahead in chunks.
         """
         factors = tuple(int(k) for k in factors)
-        if featurizer not in FEATURIZERS or method not in METHODS:
-            raise ValueError(
-                f"routing.featurizer must be one of {FEATURIZERS} and routing.method one of "
-                f"{METHODS}; got {featurizer!r}, {method!r}"
-            )
-        if not factors or min(factors) < 1 or prefix_tokens < 1:
-            raise ValueError(f"factors must be positive ints and prefix_tokens >= 1: {factors}")
-        if len(texts) < math.prod(factors):
-            raise ValueError(
-                f"{len(texts)} documents cannot fill {math.prod(factors)} paths; "
-                "use more data or fewer modules per level"
-            )
-        if features is not None and features.name != featurizer:
-            raise ValueError(f"features are {features.name!r}, not {featurizer!r}")
+        _check_fit(len(texts), factors, featurizer, method, prefix_tokens, features)
         feat = features or _make_featurizer(
             featurizer, tokenizer, prefix_tokens, model, tfidf_dim, None
         )
@@ -322,6 +328,31 @@ class Router:
         centroids = [tensors[f"centroids.{i}"] for i in range(levels)]
         _check_shapes(spec, feat, centroids, tensors["bias"])
         return cls(spec, tokenizer, feat, centroids, tensors["bias"])
+
+
+def _check_fit(
+    documents: int,
+    factors: tuple[int, ...],
+    featurizer: str,
+    method: str,
+    prefix_tokens: int,
+    features: Featurizer | None,
+) -> None:
+    """`Router.fit`'s arguments, refused with what to change."""
+    if featurizer not in FEATURIZERS or method not in METHODS:
+        raise ValueError(
+            f"routing.featurizer must be one of {FEATURIZERS} and routing.method one of "
+            f"{METHODS}; got {featurizer!r}, {method!r}"
+        )
+    if not factors or min(factors) < 1 or prefix_tokens < 1:
+        raise ValueError(f"factors must be positive ints and prefix_tokens >= 1: {factors}")
+    if documents < math.prod(factors):
+        raise ValueError(
+            f"{documents} documents cannot fill {math.prod(factors)} paths; "
+            "use more data or fewer modules per level"
+        )
+    if features is not None and features.name != featurizer:
+        raise ValueError(f"features are {features.name!r}, not {featurizer!r}")
 
 
 def _make_featurizer(

@@ -36,7 +36,7 @@ from dipaco import codecs
 from dipaco.config import RunConfig, eager_rebase_step
 from dipaco.data.windows import path_seed, unit_start
 from dipaco.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
-from dipaco.inner import InnerState, PathTrainer, StepMetrics, path_shift, train_path
+from dipaco.inner import InnerResult, InnerState, PathTrainer, StepMetrics, path_shift, train_path
 from dipaco.model import build_model
 from dipaco.modular import (
     assemble_path_state,
@@ -195,6 +195,53 @@ def _eager(
     return rebase
 
 
+def _train_unit(
+    config: RunConfig,
+    trainer: PathTrainer,
+    unit: tuple[int, int, int],
+    train_from: Modules,
+    source: ShardSource,
+    states: dict[tuple[int, int], InnerState],
+    on_step: Callable[[StepMetrics], None] | None,
+    rebase: Callable[[int], dict[str, Tensor] | None] | None,
+    device: torch.device | str,
+) -> tuple[InnerResult, list[tuple[str, bytes]]]:
+    """Unit (path p, replica r, round t): trained from `train_from` with the replica's warm
+    state (kept in `states`), and its Δs encoded as the worker uploads them."""
+    p, r, t = unit
+    result = train_path(
+        config,
+        p,
+        train_from,
+        source,
+        round_index=t,
+        device=device,
+        # Where the server starts unit (t, r) (dipaco.data.windows), so a platform
+        # run reads the same windows; a path's stream wraps at its end.
+        start_position=unit_start(config, t, r),
+        on_step=on_step,
+        state=states.get((p, r)),
+        rebase=rebase,
+        trainer=trainer,
+    )
+    state = result.state or InnerState()
+    deltas = list(codecs.encode_module_deltas(result.module_deltas, config.comm, state))
+    states[(p, r)] = state
+    return result, deltas
+
+
+def _download_bytes(
+    config: RunConfig, p: int, t: int, modules: Modules, update_bytes: Mapping[str, int]
+) -> int:
+    """What a unit of path p downloaded first: its modules whole in fp32 the first time;
+    after that its worker (one per path and replica) holds the version before and fetches
+    only the published update, in comm.download_codec."""
+    ids = modules_of_path(config, p)
+    if t == 0 or config.comm.download_codec == "fp32":
+        return _fp32_bytes(modules, ids)
+    return sum(update_bytes.get(m, 0) for m in ids)  # a module no step moved has no update
+
+
 def train_dipaco(
     config: RunConfig,
     data: PreparedData,
@@ -204,8 +251,12 @@ def train_dipaco(
     device: torch.device | str = "cpu",
     base_state: Mapping[str, Tensor] | None = None,
     eager_at: float | None = None,
+    eval_every: int = 1,
 ) -> DipacoRun:
-    """T outer rounds of P paths x R replicas; validation before training and after each round.
+    """T outer rounds of P paths x R replicas; validation before training, after every
+    `eval_every`-th round and after the last (`run.rounds` holds the validated rounds: on
+    the CPU one validation of the 1,024-window sample costs about what a tiny path's round
+    of training does, so a bench that needs only the final loss validates less often).
 
     Modules start from `base_state` (every module of a level equal) when given, else from
     the run's seeded initialisation. With ``outer.overlap`` "delayed", `eager_at` in (0, 1]
@@ -216,6 +267,8 @@ def train_dipaco(
     """
     if eager_at is not None and not 0 < eager_at <= 1:
         raise ValueError(f"eager_at = {eager_at}: a fraction of the unit's steps, in (0, 1]")
+    if eval_every < 1:
+        raise ValueError(f"eval_every = {eval_every}: validate every 1 or more rounds")
     if config.outer.overlap == "eager" and eager_at is None:
         eager_at = config.outer.eager_at
     started = time.perf_counter()
@@ -247,38 +300,16 @@ def train_dipaco(
             for r in range(reps):
                 label = f"round {t + 1}/{config.rounds} path {p} replica {r}"
                 step_hook = None if on_step is None else _labelled(on_step, label)
-                result = train_path(
-                    config,
-                    p,
-                    train_from,
-                    sources[p],
-                    round_index=t,
-                    device=device,
-                    # Where the server starts unit (t, r) (dipaco.data.windows), so a platform
-                    # run reads the same windows; a path's stream wraps at its end.
-                    start_position=unit_start(config, t, r),
-                    on_step=step_hook,
-                    state=states.get((p, r)),
-                    rebase=_eager(config, p, train_from, modules, eager_at),
-                    trainer=trainer,
+                rebase = _eager(config, p, train_from, modules, eager_at)
+                unit = (p, r, t)
+                result, deltas = _train_unit(
+                    config, trainer, unit, train_from, sources[p], states, step_hook, rebase, device
                 )
                 last_losses.append(result.losses[-1])
-                state = result.state or InnerState()
-                deltas = codecs.encode_module_deltas(result.module_deltas, config.comm, state)
                 for module_id, encoded in deltas:
                     contributions[module_id].append((p, encoded, result.tokens))
                     record.upload_bytes += len(encoded)
-                states[(p, r)] = state
-                # The unit first downloaded the path's modules: whole in fp32 the first time;
-                # after that its worker (one per path and replica) holds the version before
-                # and fetches only the published update, in comm.download_codec.
-                ids = modules_of_path(config, p)
-                if t == 0 or config.comm.download_codec == "fp32":
-                    record.download_bytes += _fp32_bytes(modules, ids)
-                else:
-                    record.download_bytes += sum(
-                        update_bytes.get(m, 0) for m in ids
-                    )  # a module no unit stepped has no update to fetch
+                record.download_bytes += _download_bytes(config, p, t, modules, update_bytes)
                 run.tokens += result.tokens
                 run.units += 1
         previous = dict(modules)  # _outer_round replaces each stepped module's dict
@@ -286,12 +317,14 @@ def train_dipaco(
             config, modules, momentum, contributions, t, published,
             trained_start=base_state is not None,
         )  # fmt: skip
-        record.paths = evaluate_paths(config, modules, windows, device)
-        record.routed_loss = routed_mean(record.paths)
         record.train_loss = sum(last_losses) / len(last_losses)
-        record.seconds = time.perf_counter() - round_started
         run.upload_bytes += record.upload_bytes
         run.download_bytes += record.download_bytes
+        if (t + 1) % eval_every and t + 1 < config.rounds:
+            continue  # not validated this round: its bytes count, it keeps no record
+        record.paths = evaluate_paths(config, modules, windows, device)
+        record.routed_loss = routed_mean(record.paths)
+        record.seconds = time.perf_counter() - round_started
         run.rounds.append(record)
     run.seconds = time.perf_counter() - started
     run.modules = modules

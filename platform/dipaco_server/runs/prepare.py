@@ -35,7 +35,7 @@ import logging
 import math
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -52,6 +52,8 @@ from dipaco_server.storage import BlobStore, get_blob_store
 
 if TYPE_CHECKING:
     from torch import Tensor
+
+    from dipaco.config import RunConfig
 
 # torch (dipaco.modules_file, runs.checkpoint) is imported inside the functions that use it:
 # every server process imports this module (data_index_key, work_root) at its start.
@@ -129,6 +131,7 @@ def begin_run(
     if config.phase1 is not None or store.exists(keys.base_model_key(run.pk)):
         prepare_in_memory(run, store=store, max_files=max_files)
         return None
+    _check_router_has_base(config, False)
     corpus = run.dataset.source if run.dataset is not None else config.data.corpus
     check_source(corpus)  # the roots may have changed since the run was created
     steps = len(RUN_STAGES)
@@ -180,25 +183,21 @@ def prepare_in_memory(
 ) -> Run:
     """prepare_run for a run with ``phase1`` or an uploaded checkpoint: the corpus is read
     into memory (phase 2's routing, runs.between, reads its documents back whole)."""
+    # torch and the tokenizers: seconds to import, in the task that prepares only (every
+    # process that loads the URLs loads this module).
     from dipaco.data.corpus import load_corpus
     from dipaco.data.prepare import prepare_documents
     from dipaco.data.tokenizer import RunTokenizer
-    from dipaco.modular import init_modules, init_modules_from_base
 
     store = store or get_blob_store()
     config = run.run_config
     paths = config.num_paths
     dense = config.phase1 is not None
-    # torch: runs.checkpoint imports it (seconds); the URLs load this module (rounds.api).
+    # torch: runs.checkpoint imports it (seconds); the URLs load this module (rounds.protocol.api).
     from dipaco_server.runs.checkpoint import base_model, load_base_state
 
     has_base = not dense and store.exists(keys.base_model_key(run.pk))
-    if paths > 1 and config.router.featurizer == "base-lm" and not (dense or has_base):
-        raise ValueError(
-            "router.featurizer = 'base-lm' routes with a base model, and this run has none: "
-            "set phase1 to train one first, upload a dense checkpoint (POST "
-            "/api/v1/runs/<id>/checkpoint), or use 'tfidf'"
-        )
+    _check_router_has_base(config, has_base)
     corpus = run.dataset.source if run.dataset is not None else config.data.corpus
     check_source(corpus)  # the roots may have changed since the run was created
     steps = len(RUN_STAGES)
@@ -207,7 +206,7 @@ def prepare_in_memory(
         report_progress(run, "corpus", 1, steps, f"reading {corpus}")
         split = load_corpus(
             corpus,
-            text_field=config.data.text_field,
+            text_field=run.dataset.text_field if run.dataset else config.data.text_field,
             val_fraction=config.data.val_fraction,
             max_files=max_files,
         )
@@ -241,18 +240,37 @@ def prepare_in_memory(
         if dense:
             write_document_chunks(run, store, split.train, split.val, work)
         report_progress(run, "modules", 5, steps, "initialising modules as version 0")
-        if dense:
-            modules = init_modules(config.dense_phase)
-        elif base_state is not None:
-            modules = init_modules_from_base(config, base_state)
-        else:
-            modules = init_modules(config)
-        init_module_versions(run, store, work, modules, phase)
+        init_module_versions(run, store, work, _initial_modules(config, base_state), phase)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     transition(run, Run.State.READY)
     report_progress(run, "done", steps, steps, "ready to start")
     return run
+
+
+def _check_router_has_base(config: RunConfig, has_base: bool) -> None:
+    """A base-lm router needs a base model: phase 1's, or an uploaded checkpoint."""
+    routes_with_base = config.num_paths > 1 and config.router.featurizer == "base-lm"
+    if routes_with_base and config.phase1 is None and not has_base:
+        raise ValueError(
+            "router.featurizer = 'base-lm' routes with a base model, and this run has "
+            "none: set phase1 to train one first, upload a dense checkpoint (POST "
+            "/api/v1/runs/<id>/checkpoint), or use 'tfidf'"
+        )
+
+
+def _initial_modules(
+    config: RunConfig, base_state: Mapping[str, Tensor] | None
+) -> dict[str, dict[str, Tensor]]:
+    """Version 0 of every module: the dense phase's with phase 1, else the path modules,
+    from the uploaded checkpoint's layers when there is one."""
+    from dipaco.modular import init_modules, init_modules_from_base  # torch, as above
+
+    if config.phase1 is not None:
+        return init_modules(config.dense_phase)
+    if base_state is not None:
+        return init_modules_from_base(config, base_state)
+    return init_modules(config)
 
 
 def work_root() -> Path:

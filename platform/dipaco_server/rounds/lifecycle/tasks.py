@@ -5,13 +5,13 @@
 
 With ``outer.overlap`` "delayed" (or "eager"), close_round opens round t + 1 as it moves round t to
 closing (`start_closing`), and finish_round(run, t) sends close_round(run, t + 1), which
-could not close before round t published (rounds.close.previous_published).
+could not close before round t published (Round.previous_published).
 
 Call `close_round` whenever a round may have become ready (after each completion, and
 from beat through `close_ready_rounds`): it does nothing until every unit is in, or a
 quorum is in and the deadline passed, and of concurrent calls only one closes the round.
 A round already closing is left alone, unless `force`: then the chord is launched again,
-which is safe since every outer step is idempotent (rounds.outer_step). Beat does that for a
+which is safe since every outer step is idempotent (rounds.outer.step). Beat does that for a
 round closing longer than DIPACO_ROUND_CLOSE_RETRY_S (its steps were lost with the broker),
 and an operator does it to resume a round whose steps failed (`fail_round` leaves the
 reason in ``Run.error``). Tasks started here go to the queue their parent came from.
@@ -19,6 +19,10 @@ reason in ``Run.error``). Tasks started here go to the queue their parent came f
 Beat (settings.CELERY_BEAT_SCHEDULE), e.g. every 30 s:
 ``{"sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0},
 "close-ready-rounds": {"task": "dipaco_server.rounds.tasks.close_ready_rounds", "schedule": 30.0}}``.
+
+The tasks keep the names ``dipaco_server.rounds.tasks.*`` they had before this module moved
+into the round's life: messages already queued, beat schedules and ``send_task`` callers
+name them.
 """
 
 from __future__ import annotations
@@ -33,20 +37,19 @@ from django.utils import timezone
 
 from dipaco_server.core.tasks import RETRY, same_queue
 from dipaco_server.errors import ServiceError
-from dipaco_server.rounds import retention
-from dipaco_server.rounds.close import (
+from dipaco_server.rounds.lifecycle import retention
+from dipaco_server.rounds.lifecycle.close import (
     mark_round_closed,
     mark_round_closing,
-    previous_published,
     round_ready_to_close,
 )
-from dipaco_server.rounds.lease import expire_leases
-from dipaco_server.rounds.models import OuterStep, Round
-from dipaco_server.rounds.open import open_round, overlaps
+from dipaco_server.rounds.lifecycle.open import open_round
+from dipaco_server.rounds.models import OuterStep, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.protocol.leases import expire_leases
 from dipaco_server.runs.models import Module, Run
 from dipaco_server.runs.models import Path as RunPath
-from dipaco_server.runs.phases import DENSE, round_phase
+from dipaco_server.runs.phases import DENSE, overlaps, round_phase
 from dipaco_server.runs.services import TERMINAL, transition
 
 logger = logging.getLogger(__name__)
@@ -60,7 +63,7 @@ def preload(**_: object) -> None:
     then starts warm instead of spending seconds on imports in its first task."""
     for module in (
         "dipaco.modular",
-        "dipaco_server.rounds.outer_step",
+        "dipaco_server.rounds.outer.step",
         "dipaco_server.runs.evaluate",
     ):
         importlib.import_module(module)
@@ -74,7 +77,7 @@ def sweep_leases() -> int:
 
 @shared_task(name="dipaco_server.rounds.tasks.sweep_blobs")
 def sweep_blobs() -> dict[str, int]:
-    """Delete uploads and module versions past retention (rounds.retention)."""
+    """Delete uploads and module versions past retention (rounds.lifecycle.retention)."""
     return retention.sweep_blobs().as_dict()
 
 
@@ -170,7 +173,7 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
     if round_.state == Round.State.CLOSED:
         return "closed"
     if round_.state == Round.State.OPEN:
-        if not previous_published(round_):
+        if not round_.previous_published():
             # outer.overlap delayed, even forced: finish_round(t - 1) sends this again.
             return "waiting for round t - 1"
         if not force and not round_ready_to_close(round_):
@@ -198,7 +201,7 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
 def start_closing(round_: Round) -> bool:
     """open → closing (`mark_round_closing`), and with ``outer.overlap`` (not "none") open round
     t + 1 at once from the versions published now, so that workers train it while round t's
-    outer step runs (rounds.open.overlaps says when). True for the one caller that won."""
+    outer step runs (runs.phases.overlaps says when). True for the one caller that won."""
     if not mark_round_closing(round_):
         return False
     run = round_.run
@@ -221,7 +224,7 @@ def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, obj
     """Verify, aggregate and apply round t's contributions to one module, exactly once."""
     # torch (seconds): the Celery app and the URLs load without it (tests/test_boundaries);
     # worker_init's preload imports it before the pool forks.
-    from dipaco_server.rounds.outer_step import step_module
+    from dipaco_server.rounds.outer.step import step_module
 
     return step_module(run_id, module_id, t)
 
@@ -230,11 +233,14 @@ def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, obj
 def finish_round(self: Task, run_id: int, t: int) -> str:
     """After every module stepped: close the round, evaluate the paths, then go on.
 
-    Workers wait for the next round while this runs, so when nothing depends on the
-    evaluation (no early stopping, not the last round) the next round opens first and
-    the evaluation, which then only draws the curves, runs while they train. With
-    ``eval.patience`` set, its decision shapes the next round, so it comes first; after
-    the last round it comes first too, so a finished run has its final scores.
+    Workers wait for the next round while this runs, so the next round opens first and
+    the evaluation runs while they train. With ``eval.patience`` set (early stopping),
+    round t + 1 opens with the paths round t - 1's evaluation left active, and a path that
+    round t's evaluation stops gives up its units of round t + 1 not yet leased
+    (`stop_paths`): early stopping acts one round later than it could, and a held
+    evaluation never delays the next round (at 150M it is minutes of CPU). After the
+    last round, and at phase 1's end, the evaluation comes first, so a finished run (or
+    phase) has its final scores.
     """
     from dipaco_server.runs.evaluate import eval_settings  # torch, as in outer_step above
 
@@ -248,9 +254,15 @@ def finish_round(self: Task, run_id: int, t: int) -> str:
         # it could not close before round t's versions were published (previous_published).
         close_round.apply_async((run_id, t + 1), **same_queue(self))
     boundary = config.phase1 is not None and t + 1 == config.phase1.rounds
-    if t + 1 < config.total_rounds and eval_settings(config).patience is None and not boundary:
+    if t + 1 < config.total_rounds and not boundary:
         outcome = advance_run(run, t)
         _evaluate(run, t)
+        if eval_settings(config).patience is not None and outcome == "opened":
+            outcome = stop_paths(run, t + 1) or outcome
+        if outcome == PREPARING_PHASE2:
+            self.app.send_task(
+                "dipaco_server.runs.tasks.prepare_phase2", args=[run_id], **same_queue(self)
+            )
         return outcome
     _evaluate(run, t)
     outcome = advance_run(run, t)
@@ -268,6 +280,31 @@ def _evaluate(run: Run, t: int) -> None:
         evaluate_run(run, t)
     except Exception:  # evaluation is for curves and early stopping; training goes on
         logger.exception("run %s: evaluation after round %d failed; training goes on", run.pk, t)
+
+
+def stop_paths(run: Run, t: int) -> str | None:
+    """Expire the queued units of round t (open) whose path an evaluation stopped since it
+    opened; those already leased train on and count. When no path is left active and no
+    unit of round t is leased or done, nothing would close round t: it is closed here and
+    the run goes on as after its last round (`advance_run`'s outcome is returned)."""
+    round_ = Round.objects.filter(run=run, t=t, state=Round.State.OPEN).first()
+    if round_ is None:
+        return None
+    expired = (
+        round_.units.filter(state=WorkUnit.State.QUEUED)
+        .exclude(path__state=RunPath.State.ACTIVE)
+        .update(state=WorkUnit.State.EXPIRED)
+    )
+    if expired:
+        logger.info("run %s round %d: %d units of stopped paths expired", run.pk, t, expired)
+    working = round_.units.filter(state__in=[WorkUnit.State.LEASED, WorkUnit.State.DONE])
+    if run.paths.filter(state=RunPath.State.ACTIVE).exists() or working.exists():
+        return None
+    if not Round.objects.filter(pk=round_.pk, state=Round.State.OPEN).update(
+        state=Round.State.CLOSED, closed_at=timezone.now()
+    ):
+        return None  # closed concurrently
+    return advance_run(run, t)
 
 
 @shared_task(name="dipaco_server.rounds.tasks.fail_round")
