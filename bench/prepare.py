@@ -14,6 +14,8 @@ thread (torch, Rayon, OpenMP), then pass 3 (the join). It reports:
 
 - ``chars_per_s_per_process``: characters tokenised, routed and written per second per
   process, from pass 2's wall time (tokenizer training and the scan excluded);
+- ``chars_per_cpu_s``: the same per CPU-second the pool processes used, which the
+  machine's other load does not dilute;
 - ``speedup_2_vs_1``: pass 2's throughput with 2 processes over 1, small size;
 - ``peak_rss_mib``: the largest peak RSS of a pool process, and
   ``rss_ratio_large_vs_small`` of the two sizes;
@@ -117,6 +119,12 @@ def plan(corpus: Path, out: Path) -> dict[str, Any]:
 _TOOLS: dict[str, Any] = {}
 
 
+def cpu_seconds() -> float:
+    """This process's CPU time (user + system): what a piece cost whatever else ran."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def warm(args: tuple[str, str]) -> None:
     """Load what a piece needs in this pool process, and hold it long enough that each
     process of the pool takes one of these."""
@@ -146,6 +154,7 @@ def write_one(corpus: str, out: str, piece: int) -> dict[str, Any]:
     from dipaco.data.stream import ReadOptions, write_piece
 
     load_tools(corpus, out)
+    cpu0 = cpu_seconds()
     part = Path(out) / "parts" / str(piece)
     result = write_piece(
         _TOOLS["listing"], piece, part, _TOOLS["tokenizer"], _TOOLS["router"], ReadOptions()
@@ -153,6 +162,7 @@ def write_one(corpus: str, out: str, piece: int) -> dict[str, Any]:
     (part / "manifest.json").write_text(result.to_json())  # last, as the server uploads it
     return {
         "chars": result.chars,
+        "cpu_s": cpu_seconds() - cpu0,
         "pid": os.getpid(),
         "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
     }
@@ -164,7 +174,7 @@ def run_pieces(
     """Pass 2 over the pieces without a manifest; ``stop_after``: kill the pool then."""
     todo = [p for p in pieces if not (out / "parts" / str(p) / "manifest.json").exists()]
     peaks: dict[int, int] = {}
-    chars, done = 0, 0
+    chars, done, cpu = 0, 0, 0.0
     pool = ProcessPoolExecutor(max_workers=processes, initializer=one_thread)
     # Every process imports torch and loads the tokenizer and router before the clock starts.
     list(pool.map(warm, [(str(corpus), str(out))] * processes))
@@ -174,6 +184,7 @@ def run_pieces(
         for future in as_completed(futures):
             r = future.result()
             chars += r["chars"]
+            cpu += r["cpu_s"]
             peaks[r["pid"]] = max(peaks.get(r["pid"], 0), r["peak_rss_kib"])
             done += 1
             if stop_after is not None and done >= stop_after:
@@ -183,7 +194,10 @@ def run_pieces(
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
     seconds = time.perf_counter() - t0
-    return {"chars": chars, "seconds": seconds, "pieces": done, "peak_rss_kib": max(peaks.values())}
+    return {
+        "chars": chars, "seconds": seconds, "cpu_s": cpu, "pieces": done,
+        "peak_rss_kib": max(peaks.values()), "chars_per_cpu_s": chars / cpu if cpu else 0.0,
+    }  # fmt: skip
 
 
 def join(corpus: Path, out: Path, pieces: list[int]) -> tuple[float, int]:
@@ -276,6 +290,10 @@ def main(argv: list[str] | None = None) -> int:
         "chars": {"small": small2["chars"], "large": large2["chars"]},
         "chars_per_s_per_process": small1["chars_per_s_per_process"],
         "chars_per_s_per_process_2p": small2["chars_per_s_per_process"],
+        # Per CPU-second of the pool processes: the throughput a process with a core of
+        # its own would reach, whatever the load (wall-clock figures above are shared).
+        "chars_per_cpu_s": small1["chars_per_cpu_s"],
+        "chars_per_cpu_s_2p": small2["chars_per_cpu_s"],
         "speedup_2_vs_1": (small2["chars"] / small2["seconds"]) / (small1["chars"] / small1["seconds"]),
         "peak_rss_mib": {"small": small2["peak_rss_kib"] / 1024, "large": large2["peak_rss_kib"] / 1024},
         "rss_ratio_large_vs_small": large2["peak_rss_kib"] / small2["peak_rss_kib"],

@@ -175,7 +175,7 @@ def write_piece(
     store: BlobStore, planned: dict[str, Any], piece: int, work_root: Path
 ) -> dict[str, Any]:
     """One file's part of every shard, uploaded, then its manifest; kept if already there."""
-    from dipaco.data.sources import Listing, SourceFile
+    from dipaco.data.sources import Listing, SourceFile, filesystem
     from dipaco.data.stream import PieceResult, ReadOptions
     from dipaco.data.stream import write_piece as write
 
@@ -185,7 +185,7 @@ def write_piece(
     work = Path(tempfile.mkdtemp(prefix=f"piece-{piece}-", dir=work_root))
     try:
         tokenizer, router = _tools(store, planned, work)
-        fs = listing_for(planned["source"], 0).fs
+        fs = filesystem(planned["source"], s3_options())[0]  # no listing: plan.json has it
         files = [SourceFile(**f) for f in planned["files"]]
         listing = Listing(fs=fs, root=planned["root"], files=files)
         read = ReadOptions(planned["text_field"], planned["val_fraction"])
