@@ -301,6 +301,7 @@ def generate_text(run: Run, path_index: int, prompt: str, new_tokens: int) -> di
         routed = True
     selection = inference.select(run.pk, chosen)
     model, tokenizer = _open(selection)
+    # torch (seconds): only in the request that generates, not in every web process
     import torch
 
     # Training documents start with the separator (BOS), as in `dipaco generate`; a long
@@ -332,6 +333,7 @@ def _open(selection: Selection) -> tuple[Any, Any]:
         if key in _MODELS:
             _MODELS.move_to_end(key)
             return _MODELS[key]
+    # torch and transformers: only in the request that generates
     from dipaco.inference import open_path_dir
 
     store = get_blob_store()
