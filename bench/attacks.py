@@ -513,7 +513,7 @@ def spread(values: list[float]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -530,7 +530,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-unverified", action="store_true", help="skip the unverified run")
     parser.add_argument("--attack", action="append", choices=ATTACKS, help="default: all")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
     names = args.attack or ATTACKS

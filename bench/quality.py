@@ -533,6 +533,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: few rounds and steps")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure as JSON")
+    _add_training_arguments(parser)
+    _add_job_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.inner_steps, args.diloco_rounds, args.diloco_inner_steps = 2, 10, 2, 5
+        args.max_docs, args.eval_windows, args.warmup_steps = 300, 64, 5
+        args.base_steps, args.diloco_batch = 20, 4
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(
+            "--device cuda: this torch has no CUDA device (torch.cuda.is_available() is "
+            "False); install a CUDA build of torch or use --device cpu"
+        )
+    if not 1 <= args.codec_seeds <= 9:
+        parser.error(f"--codec-seeds {args.codec_seeds}: give 1 to 9")
+    return args
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """What DiPaCo, DiLoCo and the baselines train on, and for how long."""
     parser.add_argument(
         "--corpus", default="stdlib",
         help='"stdlib" (this Python\'s standard library), a directory of text files, or a '
@@ -565,6 +584,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--diloco-outer-momentum", type=float, default=None,
         help="DiLoCo's outer μ (--outer-momentum's)",
     )  # fmt: skip
+
+
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data sample, the preset, which jobs run and where."""
     parser.add_argument(
         "--no-platform", action="store_true", help="skip platform_vs_simulate (no server run)"
     )
@@ -627,19 +650,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "a GPU, and several --jobs share the one GPU (default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.inner_steps, args.diloco_rounds, args.diloco_inner_steps = 2, 10, 2, 5
-        args.max_docs, args.eval_windows, args.warmup_steps = 300, 64, 5
-        args.base_steps, args.diloco_batch = 20, 4
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(
-            "--device cuda: this torch has no CUDA device (torch.cuda.is_available() is "
-            "False); install a CUDA build of torch or use --device cpu"
-        )
-    if not 1 <= args.codec_seeds <= 9:
-        parser.error(f"--codec-seeds {args.codec_seeds}: give 1 to 9")
-    return args
+
+
+def write_json(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    goals: dict[str, tuple[float | None, float]],
+    sizing: dict[str, Any] | None,
+    cfgs: dict[str, RunConfig],
+    start: tuple[float, tuple[float, float, float]],
+    done: bool,
+) -> None:
+    """Every figure so far as args.json, written whole (a temporary file, then a rename)."""
+    started, load_before = start
+    summary = summarize(results, goals)
+    data = {
+        # The issue's keys first, each the ratio its summary row explains.
+        **{key: row["ratio"] for key, row in summary.items() if key in GOALS},
+        "goals": {key: goal_text(key, goals) for key in goals},
+        "complete": done,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "sizing": sizing,
+        "summary": summary,
+        "jobs": results,
+        "configs": {k: c.model_dump(mode="json") for k, c in cfgs.items()},
+        "wall_seconds": time.perf_counter() - started,
+        **scale(args, cfgs, results),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "machine": machine(args.device),
+    }  # fmt: skip
+    tmp = args.json.with_name(f".{args.json.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -681,29 +725,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(done: bool) -> None:
         """The JSON so far: rewritten after every job, so a run cut short keeps its figures."""
-        if args.json is None:
-            return
-        summary = summarize(results, goals)
-        data = {
-            # The issue's keys first, each the ratio its summary row explains.
-            **{key: row["ratio"] for key, row in summary.items() if key in GOALS},
-            "goals": {key: goal_text(key, goals) for key in goals},
-            "complete": done,
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "sizing": sizing,
-            "summary": summary,
-            "jobs": results,
-            "configs": {k: c.model_dump(mode="json") for k, c in cfgs.items()},
-            "wall_seconds": time.perf_counter() - started,
-            **scale(args, cfgs, results),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-            "machine": machine(args.device),
-        }  # fmt: skip
-        tmp = args.json.with_name(f".{args.json.name}.tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        if args.json is not None:
+            write_json(args, results, goals, sizing, cfgs, (started, load_before), done)
 
     # spawn, not fork: a forked child of a process that ran torch's thread pool can hang.
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
