@@ -64,6 +64,7 @@ def generate(
     device: str,
 ) -> None:
     """Print the prompt, then stream the continuation (TextStreamer) to standard output."""
+    # torch and transformers (seconds): only when generating, not for `dipaco --help`
     import torch
     from transformers import TextStreamer
 
