@@ -27,7 +27,8 @@ from dipaco.modules_file import write_module
 from dipaco.simulate.train import evaluate_paths
 from dipaco_demo.baseline import fetch_run_data, path_losses
 from dipaco_server.rounds.open import open_round
-from dipaco_server.rounds.tasks import advance_run
+from dipaco_server.rounds.tasks import advance_run, finish_round
+from dipaco_server.runs import evaluate as evaluate_module
 from dipaco_server.runs import keys
 from dipaco_server.runs.evaluate import evaluate_run
 from dipaco_server.runs.models import MetricPoint, Run
@@ -240,3 +241,49 @@ def test_the_validation_sample_is_seeded_and_spread_by_each_paths_share() -> Non
     assert sample_plan(tokens, 16, 400, seed=4) != plan
     with pytest.raises(ValueError, match="val_fraction"):
         sample_plan([5, 10], 16, 400, seed=0)
+
+
+def with_patience(run: Run, patience: int) -> Run:
+    run.config = {**run.config, "eval": {**run.config["eval"], "patience": patience}}
+    run.save(update_fields=["config"])
+    return Run.objects.get(pk=run.pk)
+
+
+def closing(run: Run, t: int) -> None:
+    open_round(run, t)
+    run.rounds.filter(t=t).update(state="closing")
+
+
+def test_with_patience_a_held_evaluation_does_not_delay_the_next_rounds_opening(
+    store: BlobStore, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Round t + 1 opens before round t's evaluation; a path that evaluation stops gives up
+    its units of round t + 1 not yet leased, and when none is left the run finishes."""
+    run, shards = running_run(tmp_path)
+    run = with_patience(run, 1)
+    seen: list[tuple[int, str | None]] = []
+    real = evaluate_module.evaluate_run
+
+    def held(run: Run, t: int, **kwargs: Any) -> Any:  # what the workers see meanwhile
+        seen.append((t, run.rounds.filter(t=t + 1).values_list("state", flat=True).first()))
+        return real(run, t, **kwargs)
+
+    monkeypatch.setattr(evaluate_module, "evaluate_run", held)
+    closing(run, 0)
+    assert finish_round(run.pk, 0) == "opened"
+    improve(run, 1, shards[1], version=2, tmp=tmp_path)  # path 1 learns in round 1, path 0 not
+    run.rounds.filter(t=1).update(state="closing")
+    assert finish_round(run.pk, 1) == "opened"
+
+    assert seen == [(0, "open"), (1, "open")], "round t + 1 was open while t was evaluated"
+    paths = dict(run.paths.values_list("index", "state"))
+    assert paths == {0: "finished", 1: "active"}  # stopped by round 1's evaluation
+    units = dict(run.rounds.get(t=2).units.values_list("path__index", "state"))
+    assert units == {0: "expired", 1: "queued"}, "the stopped path's unit is not leased"
+
+    run.rounds.filter(t=2).update(state="closing")
+    assert finish_round(run.pk, 2) == "finished"  # round 2 opened, its evaluation stops path 1
+    assert dict(run.rounds.get(t=3).units.values_list("path__index", "state")) == {1: "expired"}
+    assert run.rounds.get(t=3).state == "closed", "no unit is out: nothing else closes it"
+    run.refresh_from_db()
+    assert run.state == Run.State.FINISHED

@@ -32,10 +32,13 @@ from dipaco.inner import (
     state_fingerprint,
     train_path,
 )
+from dipaco.inner.fit import path_memory
 from dipaco.inner.trainer import Fault
 from dipaco.modular import init_modules
+from worker_agent.errors import OutOfMemory
 from worker_agent.payload import encode_deltas
-from worker_agent.state import InnerStates
+from worker_agent.state import InnerStates, LeaseRecord
+from worker_agent.unit import unit_split
 
 STEPS = 3
 # Smaller than RunConfig.tiny's model, so a unit takes a fraction of a second on a busy CPU.
@@ -307,3 +310,19 @@ def test_a_unit_on_the_resident_trainer_after_another_gives_the_delta_of_a_fresh
     other, _ = train_unit(path_unit(wider, window, 0, 0), device=cpu, work_dir=tmp_path / "d",
                           trainer=resident)  # fmt: skip
     assert other.completed and resident.builds == 2, "another architecture: built again"
+
+
+def test_the_agent_grows_the_micro_batch_to_its_budget_but_not_back_after_a_fallback() -> None:
+    config = small(micro_batch_size=2, grad_accum_steps=4)
+    whole = config.inner.model_copy(update={"micro_batch_size": 8, "grad_accum_steps": 1})
+    budget = path_memory(config, whole, "cpu")
+    record = LeaseRecord(server="http://server", lease={})
+    grown = unit_split(config, record, budget, "cpu", compiled=False)
+    assert (grown.micro_batch_size, grown.grad_accum_steps) == (8, 1)
+    assert unit_split(config, record, None, "cpu", compiled=False) == config.inner
+    record.micro_batch_size = 1  # an out-of-memory fallback before a restart
+    kept = unit_split(config, record, budget, "cpu", compiled=False)
+    assert (kept.micro_batch_size, kept.grad_accum_steps) == (1, 8)
+    with pytest.raises(OutOfMemory, match="--memory-cap"):
+        unit_split(config, LeaseRecord(server="http://server", lease={}), 1024, "cpu",
+                   compiled=False)  # fmt: skip

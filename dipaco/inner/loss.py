@@ -6,8 +6,10 @@ the backward: at micro-batch 8 x 1024 and V = 32,000 about 3 GiB, and several pa
 it through memory. Here the decoder body runs to its hidden states (B, T, C), and the LM
 head and the cross-entropy run over chunks of tokens, so at most one chunk's logits live
 at a time:
-- on CUDA, `LinearCrossEntropy` computes each chunk's loss *and* its gradients in the
-  forward (the gradients are kept, (N, C) and (V, C), instead of the logits), so the head
+- on CUDA when the loop is not compiled (a compiled loop puts the head and the loss in
+  its graph instead: dipaco.inner.engine.WholeLoss, which the memory fit counts with its
+  whole bf16 logits), `LinearCrossEntropy` computes each chunk's loss *and* its gradients
+  in the forward (the gradients are kept, (N, C) and (V, C), instead of the logits), so the head
   costs its usual three matmuls; Liger-Kernel's Triton kernel, which does the same fused,
   is used instead when it is installed (`pip install liger-kernel`);
 - on the CPU, `linear_cross_entropy` keeps autograd's own arithmetic (bit for bit the
@@ -134,7 +136,7 @@ def _add_weight_grad(grad_weight: Tensor, g: Tensor, h: Tensor) -> None:
 
 
 def _liger_loss() -> Callable[[Tensor, Tensor, Tensor], Tensor] | None:
-    try:
+    try:  # an optional dependency (a GPU's), imported only where a CUDA loss is built
         from liger_kernel.transformers.fused_linear_cross_entropy import (
             LigerFusedLinearCrossEntropyLoss,
         )

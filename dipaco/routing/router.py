@@ -177,6 +177,25 @@ class Router:
     def route(self, text: str) -> int:
         return self.route_batch([text])[0]
 
+    def route_tails(self, ids: Sequence[Sequence[int]]) -> list[int]:
+        """The path of each token-id sequence read from its end: the router's features of
+        its last ``prefix_tokens`` ids (re-routing while generating reads the text so far,
+        not a document's first tokens). The tie-break hashes the decoded tail, as `route`
+        hashes its text."""
+        tails = [list(row[-self.spec.prefix_tokens :]) for row in ids]
+        if not tails:
+            return []
+        if any(not tail for tail in tails):
+            raise ValueError("route_tails: every sequence needs at least one token id")
+        texts = [self.tokenizer.decode(tail) for tail in tails]
+        x = self.featurizer.features(tails)  # (N, D)
+        scores = -self.distances(x) + tie_break(texts, self.num_paths) + self.bias
+        return [int(p) for p in scores.argmax(dim=1)]
+
+    def route_tail(self, ids: Sequence[int]) -> int:
+        """`route_tails` of one sequence: the path for the text so far."""
+        return self.route_tails([ids])[0]
+
     def modules(self, path: int) -> tuple[int, ...]:
         return path_to_modules(path, self.spec.factors)
 

@@ -41,7 +41,7 @@ from dipaco_server.rounds.close import (
     round_ready_to_close,
 )
 from dipaco_server.rounds.lease import expire_leases
-from dipaco_server.rounds.models import OuterStep, Round
+from dipaco_server.rounds.models import OuterStep, Round, WorkUnit
 from dipaco_server.rounds.open import open_round, overlaps
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.models import Module, Run
@@ -230,11 +230,14 @@ def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, obj
 def finish_round(self: Task, run_id: int, t: int) -> str:
     """After every module stepped: close the round, evaluate the paths, then go on.
 
-    Workers wait for the next round while this runs, so when nothing depends on the
-    evaluation (no early stopping, not the last round) the next round opens first and
-    the evaluation, which then only draws the curves, runs while they train. With
-    ``eval.patience`` set, its decision shapes the next round, so it comes first; after
-    the last round it comes first too, so a finished run has its final scores.
+    Workers wait for the next round while this runs, so the next round opens first and
+    the evaluation runs while they train. With ``eval.patience`` set (early stopping),
+    round t + 1 opens with the paths round t - 1's evaluation left active, and a path that
+    round t's evaluation stops gives up its units of round t + 1 not yet leased
+    (`stop_paths`): early stopping acts one round later than it could, and a held
+    evaluation never delays the next round (at 150M it is minutes of CPU). After the
+    last round, and at phase 1's end, the evaluation comes first, so a finished run (or
+    phase) has its final scores.
     """
     from dipaco_server.runs.evaluate import eval_settings  # torch, as in outer_step above
 
@@ -248,9 +251,15 @@ def finish_round(self: Task, run_id: int, t: int) -> str:
         # it could not close before round t's versions were published (previous_published).
         close_round.apply_async((run_id, t + 1), **same_queue(self))
     boundary = config.phase1 is not None and t + 1 == config.phase1.rounds
-    if t + 1 < config.total_rounds and eval_settings(config).patience is None and not boundary:
+    if t + 1 < config.total_rounds and not boundary:
         outcome = advance_run(run, t)
         _evaluate(run, t)
+        if eval_settings(config).patience is not None and outcome == "opened":
+            outcome = stop_paths(run, t + 1) or outcome
+        if outcome == PREPARING_PHASE2:
+            self.app.send_task(
+                "dipaco_server.runs.tasks.prepare_phase2", args=[run_id], **same_queue(self)
+            )
         return outcome
     _evaluate(run, t)
     outcome = advance_run(run, t)
@@ -268,6 +277,31 @@ def _evaluate(run: Run, t: int) -> None:
         evaluate_run(run, t)
     except Exception:  # evaluation is for curves and early stopping; training goes on
         logger.exception("run %s: evaluation after round %d failed; training goes on", run.pk, t)
+
+
+def stop_paths(run: Run, t: int) -> str | None:
+    """Expire the queued units of round t (open) whose path an evaluation stopped since it
+    opened; those already leased train on and count. When no path is left active and no
+    unit of round t is leased or done, nothing would close round t: it is closed here and
+    the run goes on as after its last round (`advance_run`'s outcome is returned)."""
+    round_ = Round.objects.filter(run=run, t=t, state=Round.State.OPEN).first()
+    if round_ is None:
+        return None
+    expired = (
+        round_.units.filter(state=WorkUnit.State.QUEUED)
+        .exclude(path__state=RunPath.State.ACTIVE)
+        .update(state=WorkUnit.State.EXPIRED)
+    )
+    if expired:
+        logger.info("run %s round %d: %d units of stopped paths expired", run.pk, t, expired)
+    working = round_.units.filter(state__in=[WorkUnit.State.LEASED, WorkUnit.State.DONE])
+    if run.paths.filter(state=RunPath.State.ACTIVE).exists() or working.exists():
+        return None
+    if not Round.objects.filter(pk=round_.pk, state=Round.State.OPEN).update(
+        state=Round.State.CLOSED, closed_at=timezone.now()
+    ):
+        return None  # closed concurrently
+    return advance_run(run, t)
 
 
 @shared_task(name="dipaco_server.rounds.tasks.fail_round")
