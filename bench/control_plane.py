@@ -95,7 +95,9 @@ BOUNDARY_TAIL_S = 30.0  # a boundary's window: closing .. opening + units / gran
 LAG_TICK_S = 0.5  # how often loop_lag measures the client's event loop
 BACKEND_SAMPLE_S = 20.0  # how often the window samples the database backends' CPU
 GRANT_RATE = 50.0  # rounds.policy's DIPACO_GRANT_RATE default, unless --grant-rate
-CHECK_OFFSET = 1_000_000  # rounds.replication: check copies' replica indices start here
+CHECK_OFFSET = (
+    1_000_000  # rounds.verification.replication: check copies' replica indices start here
+)
 # gunicorn's access log, with the time each request took in the server (%(M)s, ms): the
 # server-side latency, without the client's own queueing when it is short of CPU.
 ACCESS_FORMAT = 'bench-access %(t)s "%(m)s %(U)s" %(s)s %(M)s'
@@ -253,7 +255,7 @@ def seed(
     from dipaco.data.shards import ShardIndex, ShardInfo, token_dtype
     from dipaco.modular import init_modules
     from dipaco.modules_file import write_module
-    from dipaco_server.rounds.open import start_run
+    from dipaco_server.rounds.lifecycle.open import start_run
     from dipaco_server.runs import keys
     from dipaco_server.runs.prepare import upload_shards
     from dipaco_server.runs.services import create_run, transition
@@ -491,7 +493,7 @@ def succeeded(reply: Any) -> bool:
 
 def trained_tokens(lease: Mapping[str, Any], steps: int | None = None) -> int:
     """The tokens a worker reports for training the lease's steps, or `steps` of them
-    (rounds.complete accepts between the run's least partial steps and the lease's)."""
+    (rounds.protocol.complete accepts between the run's least partial steps and the lease's)."""
     inner, model = lease["config"]["inner"], lease["config"]["model"]
     batch = inner.get("batch_size") or inner["micro_batch_size"] * inner["grad_accum_steps"]
     return int(lease["steps"] if steps is None else steps) * batch * model["seq_len"]
@@ -508,7 +510,7 @@ def monotonic_at(iso: str | None) -> float | None:
 def unique(data: bytes, nonce: str) -> bytes:
     """`data`, an encoded Δ, with `nonce` in its header's metadata: other bytes, the same Δ.
 
-    The outer step rejects bytes uploaded before in the run as a replay (rounds.verify), so
+    The outer step rejects bytes uploaded before in the run as a replay (rounds.verification.rules), so
     every upload must differ; encoding a fresh Δ per upload would cost the client the CPU
     the server is measured with. The codec container's header is JSON padded to 8 bytes."""
     length = struct.unpack("<Q", data[:8])[0]
@@ -864,7 +866,7 @@ def verify(run_id: int, stats: Stats) -> dict[str, int]:
         "duplicated": twice + sum(1 for n in stats.completed.values() if n > 1),
         "orphaned_leases": active.exclude(pk__in=stats.granted).count(),
         "outer_steps": OuterStep.objects.filter(module__run_id=run_id).count(),
-        # units the outer step's proof of useful work scored (rounds.outer_step.Scorer)
+        # units the outer step's proof of useful work scored (rounds.outer.step.Scorer)
         "scored": Lease.objects.filter(unit__round__run_id=run_id, score__isnull=False).count(),
         "contributions": dict(contributions),
     }  # fmt: skip

@@ -208,7 +208,7 @@ def seed(units: int, paths: int) -> tuple[int, str, dict[str, Payload]]:
     from dipaco.config import LayoutConfig, RunConfig
     from dipaco.modular import init_modules, module_spec
     from dipaco.modules_file import write_module
-    from dipaco_server.rounds.open import start_run
+    from dipaco_server.rounds.lifecycle.open import start_run
     from dipaco_server.runs import keys
     from dipaco_server.runs.services import create_run, transition
     from dipaco_server.runs.versions import publish_module_version
@@ -466,7 +466,7 @@ async def load(url: str, soak: Soak, worker: CeleryWorker, monitor: Monitor) -> 
 def drain(run_id: int) -> None:
     """Wait for a round that is closing, or that the last completions made ready, to close:
     its outer steps are under way or queued, and counting now would call them lost."""
-    from dipaco_server.rounds.close import round_ready_to_close
+    from dipaco_server.rounds.lifecycle.close import round_ready_to_close
     from dipaco_server.rounds.models import Round
 
     deadline = time.monotonic() + DRAIN_TIMEOUT_S

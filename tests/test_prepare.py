@@ -24,8 +24,8 @@ from dipaco.data.tokenizer import RunTokenizer
 from dipaco.modular import init_modules
 from dipaco.modules_file import ModuleReader, write_module
 from dipaco.routing.router import Router
+from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.models import Round
-from dipaco_server.rounds.open import start_run
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
 from dipaco_server.runs.prepare import (

@@ -23,7 +23,7 @@ class Traffic:
     tokens: int  # training tokens of phase 2's completed units (the baselines' budget)
     phase1_units: int = 0
     phase1_tokens: int = 0  # the dense phase's, the head start both sides share
-    # Sampled replication's check copies (rounds.replication, both phases): a second worker
+    # Sampled replication's check copies (rounds.verification.replication, both phases): a second worker
     # trains a unit again to vouch for the first. Their Δs are compared, never averaged in,
     # so their tokens are verification, not training: counted here, not above.
     check_units: int = 0
@@ -39,7 +39,7 @@ def traffic(run_id: int) -> Traffic:
     # The server's models: importable once setup_django (control.py) has pointed Django
     # at the demo's database, which this module's importers do not need.
     from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
-    from dipaco_server.rounds.replication import CHECK_OFFSET
+    from dipaco_server.rounds.verification.replication import CHECK_OFFSET
     from dipaco_server.runs.models import ModuleVersion
     from dipaco_server.runs.phases import DENSE
 

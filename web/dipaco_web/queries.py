@@ -19,7 +19,7 @@ from django.utils import timezone
 from dipaco.evaluate import perplexity  # one helper, so every page shows the same number
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Path, Run
 from dipaco_server.runs.phases import PATHS
 from dipaco_server.runs.services import TERMINAL
@@ -28,7 +28,7 @@ from dipaco_server.workers.models import Worker
 # Metric series the evaluation and outer-step tasks record (MetricPoint.name).
 VAL_LOSS = "val_loss"  # per path (path set), after round t's outer step
 ROUTED_VAL_LOSS = "routed_val_loss"  # per run (no path): token-weighted mean over paths
-# The training loss is what workers report: rounds.api.complete_lease records each metric
+# The training loss is what workers report: rounds.protocol.api.complete_lease records each metric
 # of a completion under the name the worker sent, one point per unit (path and round set),
 # and worker_agent sends "loss", the mean of the unit's last tenth of inner-step losses.
 TRAIN_LOSS = "loss"
@@ -207,7 +207,7 @@ def round_rows(run: Run, *, now: datetime | None = None) -> list[RoundRow]:
         .order_by("-t")
         .annotate(
             # The units the round needed: its originals. Sampled replication's check copies
-            # (rounds.replication) do not hold a round up, and one still queued when the
+            # (rounds.verification.replication) do not hold a round up, and one still queued when the
             # round closes is dropped, so they are counted apart, and only when trained.
             units_total=Count("units", filter=ORIGINAL, distinct=True),
             units_done=Count("units", filter=ORIGINAL & DONE_UNIT, distinct=True),

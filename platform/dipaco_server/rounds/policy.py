@@ -86,7 +86,7 @@ class SchedulerPolicy:
     @property
     def heartbeat_interval_s(self) -> float:
         """How often an agent should heartbeat with few workers about; with many, the longer
-        interval of rounds.lease.heartbeat_interval_s (DIPACO_HEARTBEAT_RATE)."""
+        interval of rounds.protocol.pacing.heartbeat_interval_s (DIPACO_HEARTBEAT_RATE)."""
         return self.lease_timeout_s / 3
 
     def lease_budget_s(self, tokens: int, speed: float | None) -> float:

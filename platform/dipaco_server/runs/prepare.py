@@ -114,7 +114,7 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     config = run.run_config
     paths = config.num_paths
     dense = config.phase1 is not None
-    # torch: runs.checkpoint imports it (seconds); the URLs load this module (rounds.api).
+    # torch: runs.checkpoint imports it (seconds); the URLs load this module (rounds.protocol.api).
     from dipaco_server.runs.checkpoint import base_model, load_base_state
 
     has_base = not dense and store.exists(keys.base_model_key(run.pk))

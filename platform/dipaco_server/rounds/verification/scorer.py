@@ -1,4 +1,4 @@
-"""Proof of useful work (rounds.verify.score_delta) for one module's outer step."""
+"""Proof of useful work (rounds.verification.rules.score_delta) for one module's outer step."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from dipaco import codecs
 from dipaco.data.ranged import store_shard
 from dipaco.evaluate import window_count
 from dipaco.modules_file import read_module
-from dipaco_server.rounds import verify
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
+from dipaco_server.rounds.verification import rules
 from dipaco_server.rounds.verification.uploads import Upload, fetch
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Module, ModuleVersion
@@ -29,7 +29,7 @@ _PathKey = tuple[int, tuple[tuple[str, int], ...]]  # (path, the versions its Δ
 
 
 class Scorer:
-    """Proof of useful work for one module's step (rounds.verify.score_delta): each Δ
+    """Proof of useful work for one module's step (rounds.verification.rules.score_delta): each Δ
     applied alone to its path's base weights, on ``outer.score_windows`` windows of its
     unit's own training data and as many held-out windows of the path's validation shard.
 
@@ -63,8 +63,8 @@ class Scorer:
         self.scored = 0
         self.reused = 0
 
-    def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> verify.Score | None:
-        """The unit's whole Δ scored (rounds.verify.score_delta); CodecError when another
+    def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
+        """The unit's whole Δ scored (rounds.verification.rules.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
         recorded = self._recorded(upload)
         if recorded is not None:
@@ -76,7 +76,7 @@ class Scorer:
             modules, heldout = self._path(upload.path, upload.delta_base)
             train = self._train_windows(upload.path, upload.position)
             deltas = {**self._siblings(upload), self.module.module_id: delta}
-            score = verify.score_delta(
+            score = rules.score_delta(
                 self.config,
                 upload.path,
                 self.model,
@@ -101,7 +101,7 @@ class Scorer:
         )
         return score
 
-    def _recorded(self, upload: Upload) -> verify.Score | None:
+    def _recorded(self, upload: Upload) -> rules.Score | None:
         """The unit's score as another module's step recorded it, when it is relative to the
         same versions as this Δ; None otherwise."""
         if not upload.lease_id:
@@ -109,7 +109,7 @@ class Scorer:
         row = Lease.objects.filter(pk=upload.lease_id).values_list("score", flat=True).first()
         if not isinstance(row, dict) or [list(p) for p in upload.delta_base] != row.get("base"):
             return None
-        return verify.Score.from_dict(row)
+        return rules.Score.from_dict(row)
 
     def _siblings(self, upload: Upload) -> dict[str, dict[str, Tensor]]:
         """The unit's Δs of its path's other modules, fetched and checked like its own."""

@@ -19,7 +19,7 @@ the *other* copy (original against check copy) and against *other* workers (cosi
 their mean direction at least `REPEAT_COSINE`), and is not float rounding (at least
 `MIN_DIFFERENCE` x the smaller Δ's norm), its copy is refused however close the two copies
 are. When both copies repeat, the pair is a disagreement settled by evidence as any other
-(rounds.verify.settle_replicas).
+(rounds.verification.rules.settle_replicas).
 
 Why those two restrictions: an honest worker paired with a biased one sees the bias
 mirrored, so a partner's differences are no evidence about the worker; and an honest

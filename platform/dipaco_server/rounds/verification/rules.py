@@ -265,7 +265,7 @@ def settle_replicas(
     same base on the same windows, so their gains compare directly; ties go to the lower
     held-out loss), else the lower cosine with the module's outer momentum. Rejecting both
     let one dishonest copy take an honest original down with it. `repeated`: why the pair
-    disagrees however close it is (rounds.persistence: one copy differs from
+    disagrees however close it is (rounds.verification.persistence: one copy differs from
     the other where that worker's copies differed before), else "".
     """
     a, b = evidence
