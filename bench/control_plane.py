@@ -114,6 +114,7 @@ def with_path(url: str, path: str) -> str:
 
 
 def create_database(admin_url: str, name: str) -> str:
+    # the server's database driver, for the bench's own database only
     import psycopg
 
     with psycopg.connect(with_path(admin_url, "/postgres"), autocommit=True) as conn:
@@ -122,6 +123,7 @@ def create_database(admin_url: str, name: str) -> str:
 
 
 def drop_database(admin_url: str, name: str) -> None:
+    # the server's database driver, for the bench's own database only
     import psycopg
 
     with psycopg.connect(with_path(admin_url, "/postgres"), autocommit=True) as conn:
@@ -130,6 +132,7 @@ def drop_database(admin_url: str, name: str) -> None:
 
 def start_s3(port: int, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     """A moto S3 server in its own process, with a bucket: the S3_* variables for it."""
+    # boto3 (~0.2 s to import): only for the S3 server
     import boto3
 
     command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
@@ -152,6 +155,7 @@ def start_s3(port: int, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, s
 
 def server_environ(database: str, redis: str, data_dir: Path, url: str,
                    s3: Mapping[str, str], args: argparse.Namespace) -> dict[str, str]:  # fmt: skip
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_server.env import KNOWN_VARIABLES
 
     environ = {k: v for k, v in os.environ.items() if k not in KNOWN_VARIABLES}
@@ -175,6 +179,7 @@ SHARD_TOKENS = {"train": 65_536, "val": 4_096}  # per path: 2,048 and 128 window
 def corpus(n: int, seed: int, vocab: int) -> Any:
     """A learnable token stream: a few repeating phrases with 5 % noise. Trained Δs lower
     its loss on any window, so the outer step's proof of useful work accepts them."""
+    # numpy: only for the Δs made here
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -194,6 +199,7 @@ class Deltas:
     about a second per path per round for this model."""
 
     def __init__(self, run_id: int, shards: Path) -> None:
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from dipaco.data.shards import TokenShard, token_dtype
         from dipaco.data.windows import ShardSource
         from dipaco_server.runs.models import Run
@@ -216,6 +222,7 @@ class Deltas:
         return result
 
     def train(self, path: int, versions: dict[str, int], t: int) -> dict[str, bytes]:
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connection
 
         from dipaco import codecs
@@ -251,6 +258,7 @@ def seed(
     """A running run with about `units` queued units per round, its modules' real version-0
     blobs and its paths' real token shards (written under `work`) in S3, a token per
     volunteer, and the Δs its units upload (`Deltas`)."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco.config import LayoutConfig, RunConfig
     from dipaco.data.shards import ShardIndex, ShardInfo, token_dtype
     from dipaco.modular import init_modules
@@ -331,6 +339,7 @@ def process_cpu_s(roots: list[int]) -> float:
 
 def database_backends(admin_url: str, name: str) -> dict[int, float]:
     """PostgreSQL backend pid -> CPU seconds so far, for the connections to database `name`."""
+    # the server's database driver, for the bench's own database only
     import psycopg
 
     with psycopg.connect(with_path(admin_url, "/postgres"), autocommit=True) as conn:
@@ -805,6 +814,7 @@ def server_side(logs: list[Path], start: float, end: float) -> dict[str, Any]:
 def boundaries(run_id: int, grant_rate: float) -> list[dict[str, Any]]:
     """Each round boundary: from a round's closing to the next round's opening plus the
     time its units take to go out at the grant rate (+ BOUNDARY_TAIL_S), wall-clock."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_server.rounds.models import Round
 
     rounds = list(Round.objects.filter(run_id=run_id).order_by("t"))
@@ -830,6 +840,7 @@ def boundaries(run_id: int, grant_rate: float) -> list[dict[str, Any]]:
 
 def verify(run_id: int, stats: Stats) -> dict[str, int]:
     """Lost and duplicated units, from the database against what the clients were told."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from django.db.models import Count
 
     from dipaco_server.rounds.models import Contribution, Lease, OuterStep, WorkUnit
@@ -1084,9 +1095,11 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     args = parse_args()
 
+    # the server's Redis client: only to flush the bench's database
     import redis
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_demo.control import free_port
 
     name = f"dipaco_bench_{os.getpid()}"
@@ -1102,6 +1115,7 @@ def main() -> int:
     try:
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
                        env=environ, check=True)  # fmt: skip
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from dipaco_server.cli.admin import setup_django
 
         setup_django()
@@ -1109,6 +1123,7 @@ def main() -> int:
         units = round(args.volunteers * args.units_per_volunteer)
         print(f"seeding {units} units per round and {args.volunteers} workers ...", flush=True)
         run_id, tokens, payloads = seed(args.volunteers, units, args.paths, work, args.overlap)
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connections
 
         connections.close_all()
@@ -1142,6 +1157,7 @@ def main() -> int:
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 child.kill()
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connections
 
         connections.close_all()

@@ -315,6 +315,7 @@ def platform_bytes(data_dir: Path, run_id: int) -> list[dict[str, int]]:
     """Bytes per round as the dashboard's "Communication" counts them (dipaco_web.curves):
     every contribution's upload, and what each completed lease's manifest sent down
     (Lease.download_bytes: encoded updates, fp32 files, nothing for a version held)."""
+    # only the embedded server's database is read here
     import sqlite3
 
     rounds = (

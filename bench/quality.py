@@ -250,6 +250,7 @@ def specialisation(config: RunConfig, result: Any, job: Job) -> dict[str, Any]:
     per domain)."""
     # bench/specialise.py is a sibling script, importable once this directory is on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # a sibling script, importable once this directory is on sys.path (above)
     import specialise
 
     modules = result.run.modules
@@ -665,6 +666,7 @@ def specialisation_summary(results: dict[str, dict[str, Any]]) -> dict[str, dict
 def run_platform(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """platform_vs_simulate (bench/platform_run.py) on the DiPaCo config's corpus and seed."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # a sibling script, importable once this directory is on sys.path (above)
     from platform_run import default_config, platform_vs_simulate
 
     console.log("platform_vs_simulate: a real server, Celery and two dipaco-worker processes")

@@ -121,6 +121,7 @@ CELERY_BEAT_SCHEDULE = {{
 
 
 def free_port() -> int:
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_demo.control import free_port as port
 
     return port()
@@ -202,6 +203,7 @@ class Payload:
 def seed(units: int, paths: int) -> tuple[int, str, dict[str, Payload]]:
     """A running run of a tiny model with real version-0 modules in the blob store, about
     `units` units per round, an enrollment token, and one valid Δ upload per module."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     import torch
 
     from dipaco import codecs
@@ -258,6 +260,7 @@ class Monitor(threading.Thread):
         self.run_id, self.stop, self.closed, self.current = run_id, threading.Event(), 0, 0
 
     def run(self) -> None:
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connections
 
         from dipaco_server.rounds.models import Round
@@ -423,6 +426,7 @@ async def celery_killer(soak: Soak, worker: CeleryWorker) -> None:
 
 
 async def load(url: str, soak: Soak, worker: CeleryWorker, monitor: Monitor) -> float:
+    # rich: only for the report
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     args = soak.args
@@ -466,6 +470,7 @@ async def load(url: str, soak: Soak, worker: CeleryWorker, monitor: Monitor) -> 
 def drain(run_id: int) -> None:
     """Wait for a round that is closing, or that the last completions made ready, to close:
     its outer steps are under way or queued, and counting now would call them lost."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_server.rounds.lifecycle.close import round_ready_to_close
     from dipaco_server.rounds.models import Round
 
@@ -481,6 +486,7 @@ def drain(run_id: int) -> None:
 
 def verify(run_id: int, stats: Stats) -> dict[str, Any]:
     """Lost and duplicated units, contributions, outer steps and versions, from the database."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from django.db.models import Count
 
     from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
@@ -557,6 +563,7 @@ def verify(run_id: int, stats: Stats) -> dict[str, Any]:
 
 
 def print_report(result: dict[str, Any]) -> None:
+    # rich: only for the report
     from rich.console import Console
     from rich.table import Table
 
@@ -685,6 +692,7 @@ def soak(args: argparse.Namespace) -> int:
     from moto.server import ThreadedMotoServer  # noqa: F401 - fail early without moto[server]
 
     sys.path.insert(0, str(ROOT / "platform"))
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_server.cli.server import child_commands
 
     tag = f"soak-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -709,6 +717,7 @@ def soak(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(work))
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
                        env=environ, check=True)  # fmt: skip
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from dipaco_server.cli.admin import setup_django
 
         setup_django()
@@ -716,6 +725,7 @@ def soak(args: argparse.Namespace) -> int:
         units = round(args.volunteers * args.units_per_volunteer)
         print(f"seeding a run of {units} units per round ...", flush=True)
         run_id, enrollment, payloads = seed(units, args.paths)
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connections
 
         connections.close_all()
@@ -754,6 +764,7 @@ def soak(args: argparse.Namespace) -> int:
             worker.stop()
         for process in reversed(processes):
             stop(process)
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connections
 
         connections.close_all()
