@@ -31,6 +31,7 @@ from ninja import Query, Router, Status
 from dipaco.data.windows import path_seed
 from dipaco_server.bounds import MAX_ID, LeaseId
 from dipaco_server.errors import ApiError
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Lease, OuterStep, WorkUnit
 from dipaco_server.rounds.protocol import grant as granting
 from dipaco_server.rounds.protocol import leases as leasing
@@ -239,6 +240,7 @@ def manifest(
     config = phase_config(run.run_config, unit.path.phase)
     dtype = _token_dtype(config.model.vocab_size)
     digest = _train_shard_sha256(store, data_index_key(run.pk, unit.path.phase), unit.path.index)
+    stages.reset()
     cut = unit_data(
         store,
         run_id=run.pk,
@@ -251,6 +253,7 @@ def manifest(
         first=unit.data_position,
         count=unit.data_windows,
     )
+    stages.flush(unit.round_id)  # the cutting's seconds, when this request cut the data
     Lease.objects.filter(pk=lease.pk).update(download_bytes=sent)
     return {
         "lease_id": lease.pk,

@@ -19,6 +19,7 @@ from dipaco.evaluate import window_count
 from dipaco.model import build_model
 from dipaco.modular import module_spec, modules_of_path
 from dipaco.modules_file import read_module
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.verification import rules
 from dipaco_server.rounds.verification.uploads import Upload, fetch
@@ -68,6 +69,10 @@ class Scorer:
     def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
         """The unit's whole Δ scored (rounds.verification.rules.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
+        with stages.timed("scoring"):
+            return self._score(upload, delta)
+
+    def _score(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
         recorded = self._recorded(upload)
         if recorded is not None:
             self.reused += 1
