@@ -230,3 +230,22 @@ class OuterStep(models.Model):
 
     def __str__(self) -> str:
         return f"round {self.round_id} module {self.module_id}: {self.outcome}"
+
+
+class RoundStage(models.Model):
+    """Where a round's server time went (rounds.stages): one stage's wall span, first task
+    started to last task ended, and its tasks' summed seconds. Training is not stored: it
+    is the round's opening to its last completion (rounds.stages.round_stages)."""
+
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="stages")
+    stage = models.CharField(max_length=32)
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField()
+    seconds = models.FloatField(default=0.0)
+    tasks = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = (models.UniqueConstraint(fields=["round", "stage"], name="round_stage_once"),)
+
+    def __str__(self) -> str:
+        return f"round {self.round_id} {self.stage}: {self.seconds:.1f} s"

@@ -59,6 +59,7 @@ from dipaco.outer import (
     outer_lr,
     round_momentum,
 )
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.outer.aggregate import BaseVersion, aggregate_uploads, apply_step
 from dipaco_server.rounds.outer.publish import EncodedUpdate, encode_update
@@ -165,9 +166,10 @@ def compute_step(
     weights are the base plus exactly its decoded values (rounds.outer.publish.encode_update).
     """
     clock = time.perf_counter()
-    verdicts, replicas = check_contributions(
-        store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer
-    )
+    with stages.timed("checks"):
+        verdicts, replicas = check_contributions(
+            store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer
+        )
     result = StepResult(verdicts, replicas=replicas)
     result.timings["verify"] = time.perf_counter() - clock
     norms = [v.norm for v in result.verdicts if v.norm is not None]
@@ -271,22 +273,17 @@ def step_module(
         trained_start = (
             round_index == 0 and phase == PATHS and store.exists(keys.base_model_key(run_id))
         )
-        result = compute_step(
-            store,
-            uploads,
-            base,
-            spec,
-            outer,
-            work,
-            round_index=round_index,
-            trained_start=trained_start,
-            history=norm_history(module, t, outer.history_rounds),
-            momentum=momentum,
-            scorer=scorer,
-            comm=config.comm,
-        )
+        stages.reset()
+        with stages.timed("outer_step"):
+            result = compute_step(
+                store, uploads, base, spec, outer, work, round_index=round_index,
+                trained_start=trained_start, history=norm_history(module, t, outer.history_rounds),
+                momentum=momentum, scorer=scorer, comm=config.comm,
+            )  # fmt: skip
         result.whole_unit = whole_unit
-        report = _commit(store, module, round_, base, result)
+        with stages.timed("publishing"):
+            report = _commit(store, module, round_, base, result)
+        stages.flush(round_.pk)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     logger.info(
@@ -315,21 +312,20 @@ def _base_version(round_: Round, module: Module) -> BaseVersion | None:
         return None
     if len(bases) > 1:
         raise ValueError(f"units of round {round_.t} disagree on {module} versions: {bases}")
-    version = ModuleVersion.objects.get(module=module, version=bases.pop())
-    return BaseVersion(
-        version.version,
-        version.blob_key,
-        version.sha256,
-        version.momentum_key,
-        version.residual_key,
-    )
+    return _as_base(ModuleVersion.objects.get(module=module, version=bases.pop()))
 
 
 def _latest_version(module: Module, t: int) -> BaseVersion:
     """The module's newest version published before round t's step (at most version t):
     what round t's step applies onto. Without overlap it is the units' base version; with
     outer.overlap delayed it may be one newer (Round.previous_published)."""
-    version = ModuleVersion.objects.filter(module=module, version__lte=t).order_by("-version")[0]
+    return _as_base(
+        ModuleVersion.objects.filter(module=module, version__lte=t).order_by("-version")[0]
+    )
+
+
+def _as_base(version: ModuleVersion) -> BaseVersion:
+    """What an outer step reads of a stored version."""
     return BaseVersion(
         version.version,
         version.blob_key,

@@ -33,6 +33,7 @@ from dipaco.codecs import CodecError
 from dipaco.config import OuterConfig
 from dipaco.modules_file import Spec
 from dipaco.outer import norm_outliers
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.verification import persistence, rules
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict, check_upload
 from dipaco_server.storage import BlobStore
@@ -137,7 +138,8 @@ def verify_uploads(
     for upload in uploads:
         verdict = Verdict(upload)
         try:
-            verdict.file, verdict.norm = check_upload(store, upload, spec, work)
+            with stages.timed("fetch_decode"):
+                verdict.file, verdict.norm = check_upload(store, upload, spec, work)
         except CodecError as exc:  # the codec's refusals and ours share one shape
             verdict.reject(exc.code, str(exc))
         verdicts.append(verdict)

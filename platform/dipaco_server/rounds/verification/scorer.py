@@ -13,8 +13,13 @@ from torch import Tensor
 
 from dipaco import codecs
 from dipaco.data.ranged import store_shard
+from dipaco.data.shards import ShardIndex
+from dipaco.data.windows import ShardSource
 from dipaco.evaluate import window_count
+from dipaco.model import build_model
+from dipaco.modular import module_spec, modules_of_path
 from dipaco.modules_file import read_module
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.verification import rules
 from dipaco_server.rounds.verification.uploads import Upload, fetch
@@ -45,8 +50,6 @@ class Scorer:
     def __init__(
         self, store: BlobStore, round_: Round, module: Module, config: Any, work: Path
     ) -> None:
-        from dipaco.model import build_model
-
         self.store, self.round, self.module = store, round_, module
         self.config, self.work = config, work
         self.model = build_model(config.model, config.seed)
@@ -66,6 +69,10 @@ class Scorer:
     def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
         """The unit's whole Δ scored (rounds.verification.rules.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
+        with stages.timed("scoring"):
+            return self._score(upload, delta)
+
+    def _score(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
         recorded = self._recorded(upload)
         if recorded is not None:
             self.reused += 1
@@ -113,8 +120,6 @@ class Scorer:
 
     def _siblings(self, upload: Upload) -> dict[str, dict[str, Tensor]]:
         """The unit's Δs of its path's other modules, fetched and checked like its own."""
-        from dipaco.modular import module_spec
-
         others = Contribution.objects.filter(lease_id=upload.lease_id).exclude(
             module_id=self.module.pk
         )
@@ -148,9 +153,6 @@ class Scorer:
     def _load_path(
         self, p: int, delta_base: tuple[tuple[str, int], ...]
     ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
-        from dipaco.data.shards import ShardIndex
-        from dipaco.modular import module_spec, modules_of_path
-
         run_id, phase = self.module.run_id, self.module.phase
         versions = dict(delta_base)
         if not versions:
@@ -183,8 +185,6 @@ class Scorer:
         return modules, heldout
 
     def _train_windows(self, p: int, position: int) -> Tensor:
-        from dipaco.data.windows import ShardSource
-
         if p not in self.train:  # the unit's windows of the train shard, read by ranges
             run_id, phase = self.module.run_id, self.module.phase
             shard = store_shard(self.store, keys.data_key(run_id, p, "train", phase), self.dtype)
