@@ -29,7 +29,10 @@ from torch import Tensor
 
 from dipaco.config import EvalConfig, RunConfig
 from dipaco.data.ranged import store_shard
+from dipaco.data.shards import ShardIndex
 from dipaco.evaluate import mean_loss, perplexity, sample_plan, sample_shard, sample_size
+from dipaco.model import build_model
+from dipaco.modular import assemble_path_state, module_spec
 from dipaco.modules_file import read_module
 from dipaco_server.runs import keys
 from dipaco_server.runs.device import autocast, server_device
@@ -112,10 +115,6 @@ def _score(
 ) -> list[tuple[RunPath, float, int]]:
     """(path, loss, tokens scored) of every active path of `phase` without a `name` point
     of round t, assembled from its modules as they stand after round t."""
-    from dipaco.data.shards import ShardIndex
-    from dipaco.model import build_model
-    from dipaco.modular import assemble_path_state
-
     done = set(
         MetricPoint.objects.filter(run=run, round=t, name=name).values_list("path_id", flat=True)
     )
@@ -211,8 +210,6 @@ class _ModuleCache:
         self.tensors: dict[str, dict[str, Tensor]] = {}
 
     def of(self, path: RunPath) -> dict[str, dict[str, Tensor]]:
-        from dipaco.modular import module_spec
-
         for module_id in path.modules:
             if module_id in self.tensors:
                 continue

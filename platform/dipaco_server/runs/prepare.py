@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.utils import timezone
 
+from dipaco.data.corpus import CorpusStats, iter_corpus
 from dipaco_server.runs import keys, phases
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
@@ -242,6 +243,7 @@ def init_module_versions(
     run: Run, store: BlobStore, work: Path, modules: dict[str, dict[str, Tensor]], phase: int
 ) -> None:
     """Version 0 of every module of one phase, from `modules` (module id -> tensors)."""
+    # torch: see the note under the imports
     from dipaco.modules_file import write_module
 
     for module in Module.objects.filter(run=run, phase=phase).order_by("pk"):
@@ -257,8 +259,6 @@ def init_module_versions(
 
 def prepare_dataset(dataset: Dataset) -> Dataset:
     """Read the dataset's corpus once: its files, documents and characters, and what was skipped."""
-    from dipaco.data.corpus import CorpusStats, iter_corpus
-
     now = timezone.now()
     Dataset.objects.filter(pk=dataset.pk).update(
         state=Dataset.State.PREPARING, error="", updated_at=now

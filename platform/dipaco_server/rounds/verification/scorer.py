@@ -13,7 +13,11 @@ from torch import Tensor
 
 from dipaco import codecs
 from dipaco.data.ranged import store_shard
+from dipaco.data.shards import ShardIndex
+from dipaco.data.windows import ShardSource
 from dipaco.evaluate import window_count
+from dipaco.model import build_model
+from dipaco.modular import module_spec, modules_of_path
 from dipaco.modules_file import read_module
 from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
@@ -47,8 +51,6 @@ class Scorer:
     def __init__(
         self, store: BlobStore, round_: Round, module: Module, config: Any, work: Path
     ) -> None:
-        from dipaco.model import build_model
-
         self.store, self.round, self.module = store, round_, module
         self.config, self.work = config, work
         self.device = server_device()  # a GPU where the Celery worker has one, in bf16
@@ -120,8 +122,6 @@ class Scorer:
 
     def _siblings(self, upload: Upload) -> dict[str, dict[str, Tensor]]:
         """The unit's Δs of its path's other modules, fetched and checked like its own."""
-        from dipaco.modular import module_spec
-
         others = Contribution.objects.filter(lease_id=upload.lease_id).exclude(
             module_id=self.module.pk
         )
@@ -155,9 +155,6 @@ class Scorer:
     def _load_path(
         self, p: int, delta_base: tuple[tuple[str, int], ...]
     ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
-        from dipaco.data.shards import ShardIndex
-        from dipaco.modular import module_spec, modules_of_path
-
         run_id, phase = self.module.run_id, self.module.phase
         versions = dict(delta_base)
         if not versions:
@@ -190,8 +187,6 @@ class Scorer:
         return modules, heldout
 
     def _train_windows(self, p: int, position: int) -> Tensor:
-        from dipaco.data.windows import ShardSource
-
         if p not in self.train:  # the unit's windows of the train shard, read by ranges
             run_id, phase = self.module.run_id, self.module.phase
             shard = store_shard(self.store, keys.data_key(run_id, p, "train", phase), self.dtype)
