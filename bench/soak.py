@@ -692,8 +692,7 @@ def soak(args: argparse.Namespace) -> int:
     from moto.server import ThreadedMotoServer  # noqa: F401 - fail early without moto[server]
 
     sys.path.insert(0, str(ROOT / "platform"))
-    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
-    from dipaco_server.cli.server import child_commands
+    from dipaco_server.cli.server import child_commands  # platform/ is on sys.path (above)
 
     tag = f"soak-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     name = tag.replace("-", "_")
@@ -717,16 +716,14 @@ def soak(args: argparse.Namespace) -> int:
         sys.path.insert(0, str(work))
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
                        env=environ, check=True)  # fmt: skip
-        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
-        from dipaco_server.cli.admin import setup_django
+        from dipaco_server.cli.admin import setup_django  # platform/ is on sys.path
 
         setup_django()
         logging.getLogger("dipaco_server").setLevel(logging.WARNING)
         units = round(args.volunteers * args.units_per_volunteer)
         print(f"seeding a run of {units} units per round ...", flush=True)
         run_id, enrollment, payloads = seed(units, args.paths)
-        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
-        from django.db import connections
+        from django.db import connections  # Django: set up above
 
         connections.close_all()
         commands = child_commands("127.0.0.1", port, args.web_workers, args.task_concurrency)
@@ -764,8 +761,7 @@ def soak(args: argparse.Namespace) -> int:
             worker.stop()
         for process in reversed(processes):
             stop(process)
-        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
-        from django.db import connections
+        from django.db import connections  # Django: set up above
 
         connections.close_all()
         drop_database(args.postgres, name)

@@ -24,6 +24,7 @@ from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.verification import rules
 from dipaco_server.rounds.verification.uploads import Upload, fetch
 from dipaco_server.runs import keys
+from dipaco_server.runs.device import autocast, server_device
 from dipaco_server.runs.models import Module, ModuleVersion
 from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.storage import BlobNotFound, BlobStore
@@ -52,7 +53,8 @@ class Scorer:
     ) -> None:
         self.store, self.round, self.module = store, round_, module
         self.config, self.work = config, work
-        self.model = build_model(config.model, config.seed)
+        self.device = server_device()  # a GPU where the Celery worker has one, in bf16
+        self.model = build_model(config.model, config.seed).to(self.device)
         # Keyed by path and the versions its Δs are relative to (outer.overlap eager: the
         # unit's base versions, or those it rebased onto).
         self.paths: dict[_PathKey, tuple[dict[str, dict[str, Tensor]], Tensor]] = {}
@@ -69,7 +71,7 @@ class Scorer:
     def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
         """The unit's whole Δ scored (rounds.verification.rules.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
-        with stages.timed("scoring"):
+        with stages.timed("scoring"), autocast(self.device):
             return self._score(upload, delta)
 
     def _score(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
