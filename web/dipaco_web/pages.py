@@ -61,7 +61,7 @@ class UnitRow:
     path: int
     tokens: int
     steps: int  # the inner steps the scheduler gave this lease (sized to the worker)
-    size_reason: str  # why that many (rounds.lease.size_unit)
+    size_reason: str  # why that many (rounds.protocol.sizing.size_unit)
     accepted: int
     rejected: int
     pending: int

@@ -5,13 +5,13 @@
 
 With ``outer.overlap`` "delayed" (or "eager"), close_round opens round t + 1 as it moves round t to
 closing (`start_closing`), and finish_round(run, t) sends close_round(run, t + 1), which
-could not close before round t published (rounds.close.previous_published).
+could not close before round t published (Round.previous_published).
 
 Call `close_round` whenever a round may have become ready (after each completion, and
 from beat through `close_ready_rounds`): it does nothing until every unit is in, or a
 quorum is in and the deadline passed, and of concurrent calls only one closes the round.
 A round already closing is left alone, unless `force`: then the chord is launched again,
-which is safe since every outer step is idempotent (rounds.outer_step). Beat does that for a
+which is safe since every outer step is idempotent (rounds.outer.step). Beat does that for a
 round closing longer than DIPACO_ROUND_CLOSE_RETRY_S (its steps were lost with the broker),
 and an operator does it to resume a round whose steps failed (`fail_round` leaves the
 reason in ``Run.error``). Tasks started here go to the queue their parent came from.
@@ -19,6 +19,10 @@ reason in ``Run.error``). Tasks started here go to the queue their parent came f
 Beat (settings.CELERY_BEAT_SCHEDULE), e.g. every 30 s:
 ``{"sweep-leases": {"task": "dipaco_server.rounds.tasks.sweep_leases", "schedule": 30.0},
 "close-ready-rounds": {"task": "dipaco_server.rounds.tasks.close_ready_rounds", "schedule": 30.0}}``.
+
+The tasks keep the names ``dipaco_server.rounds.tasks.*`` they had before this module moved
+into the round's life: messages already queued, beat schedules and ``send_task`` callers
+name them.
 """
 
 from __future__ import annotations
@@ -33,20 +37,20 @@ from django.utils import timezone
 
 from dipaco_server.core.tasks import RETRY, same_queue
 from dipaco_server.errors import ServiceError
-from dipaco_server.rounds import retention
-from dipaco_server.rounds.close import (
+from dipaco_server.rounds import stages
+from dipaco_server.rounds.lifecycle import retention
+from dipaco_server.rounds.lifecycle.close import (
     mark_round_closed,
     mark_round_closing,
-    previous_published,
     round_ready_to_close,
 )
-from dipaco_server.rounds.lease import expire_leases
+from dipaco_server.rounds.lifecycle.open import open_round
 from dipaco_server.rounds.models import OuterStep, Round, WorkUnit
-from dipaco_server.rounds.open import open_round, overlaps
 from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.protocol.leases import expire_leases
 from dipaco_server.runs.models import Module, Run
 from dipaco_server.runs.models import Path as RunPath
-from dipaco_server.runs.phases import DENSE, round_phase
+from dipaco_server.runs.phases import DENSE, overlaps, round_phase
 from dipaco_server.runs.services import TERMINAL, transition
 
 logger = logging.getLogger(__name__)
@@ -60,7 +64,7 @@ def preload(**_: object) -> None:
     then starts warm instead of spending seconds on imports in its first task."""
     for module in (
         "dipaco.modular",
-        "dipaco_server.rounds.outer_step",
+        "dipaco_server.rounds.outer.step",
         "dipaco_server.runs.evaluate",
     ):
         importlib.import_module(module)
@@ -74,7 +78,7 @@ def sweep_leases() -> int:
 
 @shared_task(name="dipaco_server.rounds.tasks.sweep_blobs")
 def sweep_blobs() -> dict[str, int]:
-    """Delete uploads and module versions past retention (rounds.retention)."""
+    """Delete uploads and module versions past retention (rounds.lifecycle.retention)."""
     return retention.sweep_blobs().as_dict()
 
 
@@ -170,7 +174,7 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
     if round_.state == Round.State.CLOSED:
         return "closed"
     if round_.state == Round.State.OPEN:
-        if not previous_published(round_):
+        if not round_.previous_published():
             # outer.overlap delayed, even forced: finish_round(t - 1) sends this again.
             return "waiting for round t - 1"
         if not force and not round_ready_to_close(round_):
@@ -198,7 +202,7 @@ def close_round(self: Task, run_id: int, t: int, force: bool = False) -> str:
 def start_closing(round_: Round) -> bool:
     """open → closing (`mark_round_closing`), and with ``outer.overlap`` (not "none") open round
     t + 1 at once from the versions published now, so that workers train it while round t's
-    outer step runs (rounds.open.overlaps says when). True for the one caller that won."""
+    outer step runs (runs.phases.overlaps says when). True for the one caller that won."""
     if not mark_round_closing(round_):
         return False
     run = round_.run
@@ -221,7 +225,7 @@ def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, obj
     """Verify, aggregate and apply round t's contributions to one module, exactly once."""
     # torch (seconds): the Celery app and the URLs load without it (tests/test_boundaries);
     # worker_init's preload imports it before the pool forks.
-    from dipaco_server.rounds.outer_step import step_module
+    from dipaco_server.rounds.outer.step import step_module
 
     return step_module(run_id, module_id, t)
 
@@ -274,7 +278,10 @@ def _evaluate(run: Run, t: int) -> None:
     try:
         from dipaco_server.runs.evaluate import evaluate_run  # torch, as in outer_step
 
-        evaluate_run(run, t)
+        stages.reset()
+        with stages.timed("evaluation"):
+            evaluate_run(run, t)
+        stages.flush(Round.objects.get(run=run, t=t).pk)
     except Exception:  # evaluation is for curves and early stopping; training goes on
         logger.exception("run %s: evaluation after round %d failed; training goes on", run.pk, t)
 

@@ -1,5 +1,10 @@
 """The site's error answers: 404, 403, 500 and CSRF failures, and the favicon.
 
+Here, below the URL map (dipaco_server.urls) that names them, rather than in the dashboard
+package whose page template and icon they use (``dipaco_web/error.html``, found by
+Django's template loader, and ``dipaco_web/favicon.ico``, by the static files finders), so
+that the URL map imports nothing above it (tests/test_layers.py).
+
 Under /api/ (and /blobs/, whose views answer JSON too) every error is the API's one
 shape (dipaco_server.errors.error_response), whatever the method: a POST to an unknown
 API path is a JSON 404, never a CSRF page. Everywhere else a person gets a page of the
@@ -11,10 +16,10 @@ and answered with a line.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 from typing import Any
 
-from django.http import FileResponse, HttpRequest, HttpResponse
+from django.contrib.staticfiles import finders
+from django.http import FileResponse, Http404, HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils.html import escape
 
@@ -24,7 +29,7 @@ from dipaco_server.errors import STATUS_CODES, error_response
 logger = logging.getLogger(__name__)
 
 JSON_PREFIXES = ("/api/", "/blobs/")
-FAVICON = Path(__file__).parent / "static" / "dipaco_web" / "favicon.ico"  # favicon.svg, 32 px
+FAVICON = "dipaco_web/favicon.ico"  # a static file of the dashboard: favicon.svg, 32 px
 
 # (title, what to do) per status, for a person.
 PAGES = {
@@ -88,6 +93,10 @@ def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
 
 def favicon(request: HttpRequest) -> FileResponse:
     """/favicon.ico, which browsers and feed readers ask for whatever the page links."""
-    response = FileResponse(FAVICON.open("rb"), content_type="image/x-icon")
+    found = finders.find(FAVICON)
+    if not isinstance(found, str):  # the dashboard app is not installed
+        raise Http404("no favicon")
+    # FileResponse closes the file once it is sent.
+    response = FileResponse(open(found, "rb"), content_type="image/x-icon")  # noqa: SIM115
     response["Cache-Control"] = "public, max-age=86400"
     return response

@@ -28,14 +28,12 @@ visible until that commit: a crash before it leaves at most unreferenced blobs, 
 retry overwrites with the same step's bytes; an OuterStep row makes any later delivery a
 no-op, and the lock makes a concurrent duplicate wait and then find it. Tests arm a `Fault` at that point through ``$DIPACO_FAULTS_DIR``.
 
-Over 500 lines: the two streaming passes, the trimmed mean's chunked reads and the crash-safe
-commit belong to one step; the checks live in rounds.verification.
+The checks live in rounds.verification, the streamed arithmetic in rounds.outer.aggregate.
 """
 
 from __future__ import annotations
 
 import enum
-import io
 import logging
 import math
 import os
@@ -45,7 +43,6 @@ import statistics
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,36 +52,29 @@ from django.db import transaction
 from django.utils import timezone
 from torch import Tensor
 
-from dipaco.config import CommConfig, OuterConfig
+from dipaco.config import CommConfig, OuterConfig, RunConfig
 from dipaco.data.windows import unit_tokens
-from dipaco.modules_file import ModuleReader, ModuleWriter, Spec
+from dipaco.modules_file import Spec
 from dipaco.outer import (
-    DeltaAccumulator,
     outer_lr,
-    outer_step,
-    rescale_factor,
     round_momentum,
-    trimmed_mean,
 )
-from dipaco_server.rounds import verify
-from dipaco_server.rounds.close import previous_published
-from dipaco_server.rounds.lease import lease_tokens
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
-from dipaco_server.rounds.publish import EncodedUpdate, encode_update
-from dipaco_server.rounds.verification import (
-    ScoreFn,
-    Scorer,
-    Upload,
-    Verdict,
-    aggregated,
-    check_contributions,
+from dipaco_server.rounds.outer.aggregate import BaseVersion, aggregate_uploads, apply_step
+from dipaco_server.rounds.outer.publish import EncodedUpdate, encode_update
+from dipaco_server.rounds.protocol.sizing import lease_tokens
+from dipaco_server.rounds.verification.checks import aggregated, check_contributions
+from dipaco_server.rounds.verification.context import (
     check_copies,
     norm_history,
     outer_momentum,
     replayed,
     replica_past,
-    settle,
 )
+from dipaco_server.rounds.verification.credit import settle
+from dipaco_server.rounds.verification.scorer import Scorer
+from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
 from dipaco_server.runs.models import Module, ModuleVersion
@@ -95,8 +85,6 @@ from dipaco_server.storage import BlobStore, get_blob_store
 
 logger = logging.getLogger(__name__)
 
-STEP_CHUNK = 1 << 18  # values per Nesterov chunk: 1 MiB per temporary
-TRIM_CHUNK = 1 << 18  # values x contributions per trimmed-mean chunk (sort keeps ~7 copies)
 FAULTS_DIR_ENV = "DIPACO_FAULTS_DIR"
 
 
@@ -128,17 +116,6 @@ def inject(fault: Fault) -> None:
 # --- the computation (no database) -------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class BaseVersion:
-    """The version the round's contributions were trained from."""
-
-    version: int
-    key: str
-    sha256: str
-    momentum_key: str
-    residual_key: str = ""  # its published update's error feedback (rounds.publish)
-
-
 @dataclass
 class StepResult:
     verdicts: list[Verdict]
@@ -160,128 +137,6 @@ class StepResult:
         """The median norm of the accepted Δs: the module's history for later rounds."""
         norms = [v.norm for v in self.verdicts if v.accepted and v.norm is not None]
         return statistics.median(norms) if norms else None
-
-
-def contributing_paths(accepted: Sequence[Verdict]) -> int:
-    """The distinct paths among the accepted contributions: what DiPaCo's √ rescale counts
-    (dipaco.outer.rescale_factor), not the layout's paths through the module; a path that
-    is stopped, or whose uploads were all refused, adds no Δ to the mean."""
-    return len({v.upload.path for v in accepted})
-
-
-def aggregate_uploads(
-    accepted: Sequence[Verdict],
-    spec: Spec,
-    cfg: OuterConfig,
-    work: Path,
-    history: Sequence[float] = (),
-) -> dict[str, Tensor]:
-    """Pass 2: the module's outer gradient in fp32, as dipaco.outer.aggregate computes it
-    with ``paths_through=contributing_paths(accepted)``: the library's DeltaAccumulator
-    (weights, clipping) fed the verified uploads still encoded, and its trimmed_mean."""
-    if cfg.robust == "trimmed-mean":
-        grad = _trimmed_mean(accepted, spec, cfg, work)
-    else:
-        limit = None
-        if cfg.robust == "clipped-mean":
-            # x the module's reference norm (its history), the round's median at first
-            limit = verify.clip_limit([float(v.norm or 0.0) for v in accepted], history, cfg)
-        accumulator = DeltaAccumulator(spec, token_weighting=cfg.token_weighting, clip_norm=limit)
-        for verdict in accepted:
-            if verdict.raw is not None:  # a check decoded it already: read back, not again
-                accumulator.add(verdict.decoded(spec), verdict.upload.tokens)
-                continue
-            assert verdict.file is not None
-            # Its sha256 was checked as it downloaded (pass 1).
-            accumulator.add_encoded(
-                verdict.file, verdict.upload.tokens, norm=verdict.norm, verify_checksum=False
-            )
-        grad = accumulator.mean(in_place=True)  # no second copy of the module
-    factor = rescale_factor(cfg, contributing_paths(accepted))
-    if factor != 1.0:
-        for tensor in grad.values():
-            tensor.mul_(factor)
-    return grad
-
-
-def _trimmed_mean(
-    accepted: Sequence[Verdict], spec: Spec, cfg: OuterConfig, work: Path
-) -> dict[str, Tensor]:
-    """dipaco.outer.trimmed_mean, chunk by chunk over Δs decoded to raw fp32 files."""
-    raw_files = []
-    for verdict in accepted:  # each decoded to a raw fp32 file, once (Verdict.decoded)
-        if verdict.raw is None:
-            verdict.decoded(spec)
-        raw = verdict.raw
-        assert raw is not None
-        raw_files.append(raw)
-    tokens = [v.upload.tokens for v in accepted]
-    chunk = max(1, TRIM_CHUNK // len(accepted))
-    result = {name: torch.empty(shape, dtype=torch.float32) for name, (shape, _) in spec.items()}
-    handles = [open(raw, "rb") for raw in raw_files]  # noqa: SIM115 (closed below)
-    try:
-        for name, flat in ((n, t.view(-1)) for n, t in result.items()):
-            for start in range(0, flat.numel(), chunk):
-                count = min(chunk, flat.numel() - start)
-                pieces = [{name: _read_floats(h, count)} for h in handles]  # n x (count,)
-                flat[start : start + count] = trimmed_mean(
-                    pieces, tokens, cfg.trim_fraction, token_weighting=cfg.token_weighting
-                )[name]
-    finally:
-        for handle in handles:
-            handle.close()
-    return result
-
-
-def _read_floats(handle: io.BufferedReader, count: int) -> Tensor:
-    values = torch.empty(count, dtype=torch.float32)
-    if handle.readinto(values.view(torch.uint8).numpy().data) != 4 * count:
-        raise OSError(f"{handle.name} ended early; the work directory was changed under us")
-    return values
-
-
-def apply_step(
-    store: BlobStore,
-    base: BaseVersion,
-    grad: Mapping[str, Tensor],
-    spec: Spec,
-    cfg: OuterConfig,
-    work: Path,
-    lr: float,
-    mu: float,
-) -> tuple[Path, str, int, Path | None]:
-    """dipaco.outer.outer_step at outer learning rate `lr` and momentum `mu`, chunk by chunk,
-    streaming version `base` and its momentum in: (weights file, its sha256, its size,
-    momentum file; None at μ = 0, which keeps no buffer)."""
-    base_path, base_momentum = work / "base.safetensors", None
-    store.download_to(base.key, base_path)
-    if base.momentum_key and mu:
-        base_momentum = work / "base-momentum.safetensors"
-        store.download_to(base.momentum_key, base_momentum)
-    weights_path, momentum_path = work / "weights.safetensors", work / "momentum.safetensors"
-    with (
-        ModuleReader(base_path, spec, base.sha256) as params,
-        ModuleReader(base_momentum, spec) if base_momentum else nullcontext() as buffer,
-        ModuleWriter(weights_path, spec) as weights_out,
-        ModuleWriter(momentum_path, spec) if mu else nullcontext() as momentum_out,
-    ):
-        for name, (shape, _) in spec.items():
-            flat = grad[name].view(-1)
-            for start in range(0, math.prod(shape), STEP_CHUNK):
-                g = flat[start : start + STEP_CHUNK]  # (c,)
-                p = params.read(g.numel())  # (c,)
-                m = {name: buffer.read(g.numel())} if buffer is not None else None  # (c,)
-                new_p, new_m = outer_step({name: p}, {name: g}, m, cfg, lr=lr, mu=mu)
-                weights_out.write(new_p[name])
-                if momentum_out is not None:
-                    momentum_out.write(new_m[name])
-        params.finish()  # raises if version `base` is not the one the database names
-        if buffer is not None:
-            buffer.finish()
-        digest, size = weights_out.close()
-        if momentum_out is not None:
-            momentum_out.close()
-    return weights_path, digest, size, momentum_path if mu else None
 
 
 def compute_step(
@@ -306,14 +161,15 @@ def compute_step(
     (dipaco.outer.round_momentum; `trained_start`: the phase began from a trained base,
     whose first step takes none). `history`: the
     module's accepted median norms of earlier rounds; `momentum`: its outer momentum at
-    the base version; `scorer`: proof of useful work (rounds.verify). With `comm` whose
+    the base version; `scorer`: proof of useful work (rounds.verification.rules). With `comm` whose
     ``download_codec`` is not fp32, the step is published as an encoded update and the
-    weights are the base plus exactly its decoded values (rounds.publish.encode_update).
+    weights are the base plus exactly its decoded values (rounds.outer.publish.encode_update).
     """
     clock = time.perf_counter()
-    verdicts, replicas = check_contributions(
-        store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer
-    )
+    with stages.timed("checks"):
+        verdicts, replicas = check_contributions(
+            store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer
+        )
     result = StepResult(verdicts, replicas=replicas)
     result.timings["verify"] = time.perf_counter() - clock
     norms = [v.norm for v in result.verdicts if v.norm is not None]
@@ -377,7 +233,7 @@ def step_module(
     done = OuterStep.objects.filter(round=round_, module=module).first()
     if done is not None:
         return _report(done, module_id, t, replayed=True)
-    if not previous_published(round_):
+    if not round_.previous_published():
         # outer.overlap delayed: round t's Δs go onto round t - 1's versions (staleness 1).
         raise RoundClosed(
             f"round {t - 1} of run {run_id} has not published its versions; round {t}'s "
@@ -392,40 +248,13 @@ def step_module(
     ordered = pending.select_related("lease", "unit__path").order_by(
         "unit__path__index", "unit__replica", "pk"
     )
-    # Each Δ weighs its tokens, capped at what its lease allowed (rounds.lease.size_unit),
-    # never only at what the completion claimed: a partial or sized unit weighs less.
     rows = list(ordered)
     whole_unit = unit_tokens(config)
-    delta_bases = _delta_bases(rows)
-    replays = replayed(run_id, t, rows)
-    checks = check_copies(rows)
-    pasts = replica_past(module, rows, checks)  # what paired workers' copies differed by
-    uploads = [
-        Upload(
-            c.pk,
-            c.lease.worker_id,
-            c.blob_key,
-            c.size,
-            c.sha256,
-            min(c.tokens, lease_tokens(c.lease, config)),
-            c.unit.path.index,
-            unit_id=c.unit_id,
-            lease_id=c.lease_id,
-            position=c.unit.data_position,
-            replayed=c.pk in replays,
-            check_of=checks.get(c.pk),
-            partial=c.tokens < lease_tokens(c.lease, config),
-            work=min(1.0, min(c.tokens, lease_tokens(c.lease, config)) / whole_unit),
-            sized=min(1.0, lease_tokens(c.lease, config) / whole_unit),
-            delta_base=delta_bases[c.lease_id],
-            replica_past=pasts.get(c.lease.worker_id, ()),
-        )
-        for c in rows
-    ]
+    uploads = _uploads(run_id, module, t, rows, config)
     # The version the units trained from (their Δs' reference, scored on it by Scorer), and
     # the one the step applies onto: the same, or with outer.overlap delayed the newer one
     # that round t - 1 published while round t trained. With "eager" the units that rebased
-    # are relative to that newer one already (rounds.rebase): applied onto it, no staleness.
+    # are relative to that newer one already (rounds.protocol.rebase): applied onto it, no staleness.
     base = _base_version(round_, module)
     if base is not None and config.outer.overlap != "none":
         base = _latest_version(module, t)
@@ -444,22 +273,17 @@ def step_module(
         trained_start = (
             round_index == 0 and phase == PATHS and store.exists(keys.base_model_key(run_id))
         )
-        result = compute_step(
-            store,
-            uploads,
-            base,
-            spec,
-            outer,
-            work,
-            round_index=round_index,
-            trained_start=trained_start,
-            history=norm_history(module, t, outer.history_rounds),
-            momentum=momentum,
-            scorer=scorer,
-            comm=config.comm,
-        )
+        stages.reset()
+        with stages.timed("outer_step"):
+            result = compute_step(
+                store, uploads, base, spec, outer, work, round_index=round_index,
+                trained_start=trained_start, history=norm_history(module, t, outer.history_rounds),
+                momentum=momentum, scorer=scorer, comm=config.comm,
+            )  # fmt: skip
         result.whole_unit = whole_unit
-        report = _commit(store, module, round_, base, result)
+        with stages.timed("publishing"):
+            report = _commit(store, module, round_, base, result)
+        stages.flush(round_.pk)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     logger.info(
@@ -488,21 +312,20 @@ def _base_version(round_: Round, module: Module) -> BaseVersion | None:
         return None
     if len(bases) > 1:
         raise ValueError(f"units of round {round_.t} disagree on {module} versions: {bases}")
-    version = ModuleVersion.objects.get(module=module, version=bases.pop())
-    return BaseVersion(
-        version.version,
-        version.blob_key,
-        version.sha256,
-        version.momentum_key,
-        version.residual_key,
-    )
+    return _as_base(ModuleVersion.objects.get(module=module, version=bases.pop()))
 
 
 def _latest_version(module: Module, t: int) -> BaseVersion:
     """The module's newest version published before round t's step (at most version t):
     what round t's step applies onto. Without overlap it is the units' base version; with
-    outer.overlap delayed it may be one newer (rounds.close.previous_published)."""
-    version = ModuleVersion.objects.filter(module=module, version__lte=t).order_by("-version")[0]
+    outer.overlap delayed it may be one newer (Round.previous_published)."""
+    return _as_base(
+        ModuleVersion.objects.filter(module=module, version__lte=t).order_by("-version")[0]
+    )
+
+
+def _as_base(version: ModuleVersion) -> BaseVersion:
+    """What an outer step reads of a stored version."""
     return BaseVersion(
         version.version,
         version.blob_key,
@@ -523,28 +346,8 @@ def _commit(
     done = OuterStep.objects.filter(round=round_, module=module).first()
     if done is not None:  # a duplicate delivery that finished first: nothing to write
         return _report(done, module_id, t, replayed=True)
-    version = None
-    weights_key = momentum_key = update_key = residual_key = ""
-    if result.weights is not None:
-        # The blobs first, outside the transaction: copying a whole module inside it held
-        # the row lock, and on SQLite the database's one write lock, for as long as the
-        # copy took, so heartbeats and completions waited or failed with "database is
-        # locked". Unpublished, they are invisible; a duplicate delivery that wins the
-        # race below wrote the same version's key with the same step's bytes.
-        version = t + 1
-        weights_key = keys.module_key(run_id, module_id, version, module.phase)
-        if result.momentum is not None:
-            momentum_key = keys.momentum_key(run_id, module_id, version, module.phase)
-            store.put_file(momentum_key, result.momentum)
-        # From the base: OuterStep.base_version links it (rounds.downloads).
-        if result.update is not None:
-            update_key = keys.update_key(run_id, module_id, version, module.phase)
-            residual_key = keys.residual_key(run_id, module_id, version, module.phase)
-            store.put_file(residual_key, result.update.residual)
-            store.put_file(update_key, result.update.path)
-        store.put_file(weights_key, result.weights)
-        inject(Fault.KILL_AFTER_BLOB_WRITE)
-        inject(Fault.RAISE_AFTER_BLOB_WRITE)
+    blobs = _write_blobs(store, module, t, result)
+    version = blobs.version
     with transaction.atomic():
         # Serialises duplicate deliveries of this step: the second waits here, then finds
         # the first one's OuterStep row.
@@ -556,14 +359,14 @@ def _commit(
             publish_module_version(
                 module,
                 version,
-                blob_key=weights_key,
+                blob_key=blobs.weights_key,
                 sha256=result.weights_sha256,
                 size=result.weights_size,
-                momentum_key=momentum_key,
-                update_key=update_key,
+                momentum_key=blobs.momentum_key,
+                update_key=blobs.update_key,
                 update_sha256=result.update.sha256 if result.update else "",
                 update_size=result.update.size if result.update else None,
-                residual_key=residual_key,
+                residual_key=blobs.residual_key,
             )
         for verdict in result.verdicts:
             status = "accepted" if verdict.accepted else "rejected"
@@ -598,3 +401,87 @@ def _commit(
         kept = base.version if base is not None else module.current_version
         logger.warning("%s: no accepted contribution; it keeps version %s", where, kept)
     return _report(step, module_id, t, replayed=False)
+
+
+@dataclass
+class StepBlobs:
+    """What `_write_blobs` wrote: the new version's keys (none when the step kept the base)."""
+
+    version: int | None = None
+    weights_key: str = ""
+    momentum_key: str = ""
+    update_key: str = ""
+    residual_key: str = ""
+
+
+def _write_blobs(store: BlobStore, module: Module, t: int, result: StepResult) -> StepBlobs:
+    """Version t + 1's blobs (momentum, encoded update and its residual, weights last),
+    written before the commit and unpublished until it.
+
+    Outside the transaction: copying a whole module inside it held the row lock, and on
+    SQLite the database's one write lock, for as long as the copy took, so heartbeats and
+    completions waited or failed with "database is locked". Unpublished, they are
+    invisible; a duplicate delivery that wins the race in `_commit` wrote the same
+    version's key with the same step's bytes.
+    """
+    if result.weights is None:
+        return StepBlobs()
+    run_id, module_id, phase = module.run_id, module.module_id, module.phase
+    version = t + 1
+    blobs = StepBlobs(version, keys.module_key(run_id, module_id, version, phase))
+    if result.momentum is not None:
+        blobs.momentum_key = keys.momentum_key(run_id, module_id, version, phase)
+        store.put_file(blobs.momentum_key, result.momentum)
+    # From the base: OuterStep.base_version links it (rounds.protocol.downloads).
+    if result.update is not None:
+        blobs.update_key = keys.update_key(run_id, module_id, version, phase)
+        blobs.residual_key = keys.residual_key(run_id, module_id, version, phase)
+        store.put_file(blobs.residual_key, result.update.residual)
+        store.put_file(blobs.update_key, result.update.path)
+    store.put_file(blobs.weights_key, result.weights)
+    inject(Fault.KILL_AFTER_BLOB_WRITE)
+    inject(Fault.RAISE_AFTER_BLOB_WRITE)
+    return blobs
+
+
+def _uploads(
+    run_id: int, module: Module, t: int, rows: Sequence[Contribution], config: RunConfig
+) -> list[Upload]:
+    """Round t's pending contributions to `module` as the checks see them (`rows` in the
+    order they are added), with what the database knows about each: replays, check copies,
+    the replica's past, the versions its Δ is relative to.
+
+    Each Δ weighs its tokens, capped at what its lease allowed (rounds.protocol.sizing
+    .size_unit), never only at what the completion claimed: a partial or sized unit weighs
+    less.
+    """
+    whole_unit = unit_tokens(config)
+    delta_bases = _delta_bases(rows)
+    replays = replayed(run_id, t, rows)
+    checks = check_copies(rows)
+    pasts = replica_past(module, rows, checks)  # what paired workers' copies differed by
+    uploads = []
+    for c in rows:
+        allowed = lease_tokens(c.lease, config)
+        uploads.append(
+            Upload(
+                c.pk,
+                c.lease.worker_id,
+                c.blob_key,
+                c.size,
+                c.sha256,
+                min(c.tokens, allowed),
+                c.unit.path.index,
+                unit_id=c.unit_id,
+                lease_id=c.lease_id,
+                position=c.unit.data_position,
+                replayed=c.pk in replays,
+                check_of=checks.get(c.pk),
+                partial=c.tokens < allowed,
+                work=min(1.0, min(c.tokens, allowed) / whole_unit),
+                sized=min(1.0, allowed / whole_unit),
+                delta_base=delta_bases[c.lease_id],
+                replica_past=pasts.get(c.lease.worker_id, ()),
+            )
+        )
+    return uploads

@@ -4,11 +4,11 @@ When a unit is granted, `maybe_replicate` may queue a *check copy* of it: the sa
 path, windows and base versions, with ``replica = CHECK_OFFSET + the original's replica``,
 at the rate workers.trust.replication_rate gives the worker that took the original (a
 low trust: every unit). A check copy is never granted to the worker that holds or held
-its original (`not_own_check`), does not hold up the round while it is queued (rounds.close
+its original (`not_own_check`), does not hold up the round while it is queued (rounds.lifecycle.close
 counts only originals; one still queued when the round closes is dropped; one being
 trained gets the deadline and salvage grace an original gets), and its Δ is never
 aggregated unless its original was refused: the outer step compares it with the
-original's (rounds.verify.settle_replicas, a tolerance for nondeterminism) and a
+original's (rounds.verification.rules.settle_replicas, a tolerance for nondeterminism) and a
 disagreement refuses only the copy its evidence finds worse (rounds.verification).
 
 Who trains a check copy (`preferred_check`, workers.probation): a worker on probation and
@@ -84,7 +84,7 @@ _rng = random.Random()
 def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | None:
     """A queued check copy `worker` should train before any original (module docstring),
     locked where the database can skip locked rows, or None. `groups`: the grantable
-    (round, path) groups (rounds.lease._open_groups)."""
+    (round, path) groups (rounds.protocol.pacing._open_groups)."""
     rounds = {g["round_id"] for g in groups if g["queued"] > 0}
     if not rounds:
         return None

@@ -1,5 +1,5 @@
 """A fixed-direction bias, caught by what a worker's copy of a unit keeps adding round after
-round (issue 34).
+round (an attack each single round lets through).
 
 An honest Δ plus the same vector every round, at half the Δ's norm, passes every check of
 one round: its norm, its cosine with the momentum and its gain stay within what honest Δs
@@ -19,7 +19,7 @@ the *other* copy (original against check copy) and against *other* workers (cosi
 their mean direction at least `REPEAT_COSINE`), and is not float rounding (at least
 `MIN_DIFFERENCE` x the smaller Δ's norm), its copy is refused however close the two copies
 are. When both copies repeat, the pair is a disagreement settled by evidence as any other
-(rounds.verify.settle_replicas).
+(rounds.verification.rules.settle_replicas).
 
 Why those two restrictions: an honest worker paired with a biased one sees the bias
 mirrored, so a partner's differences are no evidence about the worker; and an honest

@@ -1,9 +1,9 @@
-"""``outer.overlap`` "eager" (issue 20): a unit's rebase onto the previous round's versions.
+"""``outer.overlap`` "eager": a unit's rebase onto the previous round's versions.
 
-With overlap, round t opens as round t - 1 starts closing (rounds.open.overlaps): its
+With overlap, round t opens as round t - 1 starts closing (runs.phases.overlaps): its
 units start from the versions current then (v_{t-1}), and round t's outer step applies
 their Δs onto the versions round t - 1's step publishes meanwhile (v_t; one-step-delayed
-DiLoCo, rounds.outer_step). With "eager" a unit also learns, in its lease, to rebase at
+DiLoCo, rounds.outer.step). With "eager" a unit also learns, in its lease, to rebase at
 step s = ceil(outer.eager_at x H) (`rebase_plan`): it waits there until round t - 1 has
 closed, fetches v_t (GET .../lease/<id>/rebase: encoded updates from its base where the run
 publishes them), adds v_t - v_{t-1} to its live weights and reports its Δ relative to v_t
@@ -11,36 +11,29 @@ publishes them), adds v_t - v_{t-1} to its live weights and reports its Δ relat
 The step then applies it onto the version it is relative to: no staleness.
 
 The rebase point is fixed by the lease, not by when the versions arrive, so a check copy
-(rounds.replication) that rebased computes what its original computed. A worker that
+(rounds.verification.replication) that rebased computes what its original computed. A worker that
 cannot get v_t in time (the lease would run out) trains on and reports its Δ relative to
 its base, as plain delayed: the completion names the versions (`check_delta_base`) and
-the outer step scores each Δ on the versions it is relative to (rounds.verify) and
+the outer step scores each Δ on the versions it is relative to (rounds.verification.rules) and
 compares only check copies with the same base.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from dipaco.config import RunConfig
+from dipaco.config import eager_rebase_step
 from dipaco_server.rounds.models import Round, WorkUnit
-from dipaco_server.rounds.open import overlaps
 from dipaco_server.runs.errors import ContributionInvalid
 from dipaco_server.runs.models import ModuleVersion
-from dipaco_server.runs.phases import local_round, round_config
-
-
-def rebase_step(config: RunConfig) -> int:
-    """The step after which an eager unit rebases: ceil(outer.eager_at x H), at least 1."""
-    return max(1, math.ceil(config.outer.eager_at * config.inner.steps))
+from dipaco_server.runs.phases import local_round, overlaps, round_config
 
 
 def rebase_targets(unit: WorkUnit) -> dict[str, int] | None:
     """The versions round t's outer step applies onto, for the unit's modules: the newest of
     each published before it (at most version t), once round t - 1 has closed; None while
-    round t - 1 is still stepping (rounds.outer_step._latest_version, the same query)."""
+    round t - 1 is still stepping (rounds.outer.step._latest_version, the same query)."""
     round_ = unit.round
     if round_.t > 0:
         previous = Round.objects.filter(run_id=round_.run_id, t=round_.t - 1)
@@ -81,7 +74,10 @@ def rebase_state(unit: WorkUnit) -> tuple[dict[str, Any] | None, dict[str, int] 
     targets = rebase_targets(unit)
     if targets is not None and targets == _versions(unit.base_versions):
         return None, None
-    return {"at_step": rebase_step(config), "round": local_round(run_config, t - 1)}, targets
+    return {
+        "at_step": eager_rebase_step(config.outer.eager_at, config.inner.steps),
+        "round": local_round(run_config, t - 1),
+    }, targets
 
 
 def check_delta_base(unit: WorkUnit, given: Mapping[str, Any] | None) -> dict[str, int]:

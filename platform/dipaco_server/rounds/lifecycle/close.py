@@ -2,9 +2,9 @@
 
 Protocol step 3 of docs/design.md: a round closes when every unit is settled, or a
 quorum is done and its deadline has passed; closing expires the leases still out so a
-late completion is refused, and the outer step (rounds.outer_step) then runs once.
+late completion is refused, and the outer step (rounds.outer.step) then runs once.
 
-The deadline adapts (issue 20): once a quorum is done and every unit has started, it moves
+The deadline adapts (no round waits for its slowest unit): once a quorum is done and every unit has started, it moves
 up to what the done units' durations say (`adaptive_deadline`: median + k·MAD after the
 last grant), never later than the fixed one.
 Units still out when it passes are not lost: agents learn the deadline from their lease
@@ -12,8 +12,8 @@ and heartbeats, stop before it and upload the Δ of the steps done (worker_agent
 round waits DIPACO_ROUND_SALVAGE_GRACE_S after the deadline for those partial Δs.
 
 With ``outer.overlap`` "delayed" round t + 1 opens as round t starts closing
-(rounds.tasks.start_closing), and round t + 1 closes only once round t is closed
-(`previous_published`).
+(rounds.lifecycle.tasks.start_closing), and round t + 1 closes only once round t is closed
+(`Round.previous_published`).
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from django.db import transaction
 from django.db.models import Count, Q
 from django.utils import timezone
 
-from dipaco_server.rounds.lease import heartbeat_interval_s
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.rounds.protocol.pacing import heartbeat_interval_s
+from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import TERMINAL
 
-# The completion path's check (rounds.api) recomputes the adaptive deadline at most this
+# The completion path's check (rounds.protocol.api) recomputes the adaptive deadline at most this
 # often per round and process: it reads every completed lease of the round, so doing it on
 # every completion cost O(units) each, O(units²) a round (10,000 units: 50 million rows).
 ADAPT_EVERY_S = 2.0
@@ -46,7 +46,7 @@ def round_ready_to_close(
 ) -> bool:
     """True when every unit is settled, or a quorum is done and the deadline has passed.
 
-    A queued check copy (rounds.replication) never holds the round up; one being trained
+    A queued check copy (rounds.verification.replication) never holds the round up; one being trained
     does, until the deadline and DIPACO_ROUND_SALVAGE_GRACE_S, like an original.
 
     `adapt_every_s`: recompute the adaptive deadline only if this process has not done so for
@@ -57,7 +57,7 @@ def round_ready_to_close(
     # Mid-round, the usual answer after a completion: units still out and the deadline
     # (as loaded) ahead. One indexed query instead of counting every unit of the round.
     before_deadline = round_.deadline is None or now < round_.deadline
-    # A check copy (rounds.replication) holds the round up only while someone trains it.
+    # A check copy (rounds.verification.replication) holds the round up only while someone trains it.
     unsettled = round_.units.filter(
         Q(state=WorkUnit.State.LEASED) | Q(state=WorkUnit.State.QUEUED, replica__lt=CHECK_OFFSET)
     )
@@ -67,7 +67,7 @@ def round_ready_to_close(
     run_state = Run.objects.filter(pk=round_.run_id).values_list("state", flat=True).first()
     if round_.state != Round.State.OPEN or run_state in TERMINAL:
         return False  # a cancelled or failed run gets no more outer steps
-    if not previous_published(round_):
+    if not round_.previous_published():
         return False  # outer.overlap delayed: finish_round of round t - 1 tries again
     counts = round_.units.filter(replica__lt=CHECK_OFFSET).aggregate(
         total=Count("pk"),
@@ -92,20 +92,6 @@ def round_ready_to_close(
     if round_.units.filter(state=WorkUnit.State.LEASED).exists():
         grace = policy.round_salvage_grace_s  # time to hand in the partial Δs
     return now >= round_.deadline + timedelta(seconds=grace)
-
-
-def previous_published(round_: Round) -> bool:
-    """Whether round t - 1 (if any) is closed: its outer step published its versions.
-
-    With ``outer.overlap`` "delayed", round t opened while round t - 1 was closing, and round
-    t's Δs are applied onto the versions round t - 1 publishes: round t may not close (and
-    so neither step nor open round t + 1) before that, which bounds the staleness at one
-    version. Without overlap round t opens only after round t - 1 closed, so this holds.
-    """
-    if round_.t == 0:
-        return True
-    previous = Round.objects.filter(run_id=round_.run_id, t=round_.t - 1)
-    return not previous.exclude(state=Round.State.CLOSED).exists()
 
 
 def adaptive_deadline(round_: Round) -> datetime | None:

@@ -1,7 +1,7 @@
 """The update a published version carries (protocol step 5, docs/design.md): the step from
 the version before, encoded with ``comm.download_codec``.
 
-The outer step (rounds.outer_step) encodes it here and records the version with
+The outer step (rounds.outer.step) encodes it here and records the version with
 runs.versions.publish_module_version, which makes it current.
 """
 

@@ -3,8 +3,8 @@
 A round's units are R replicas per active path (docs/design.md §4.1), each starting from
 the modules' current versions and reading its own run of windows of the path's
 training shard, in the path's seeded shuffled order (dipaco.data.windows: the simulator
-and the worker read the same windows). Leases and completions are in rounds.lease
-and rounds.complete.
+and the worker read the same windows). Leases and completions are in rounds.protocol.leases
+and rounds.protocol.complete.
 """
 
 from __future__ import annotations
@@ -16,13 +16,12 @@ from datetime import datetime, timedelta
 from django.db import IntegrityError, transaction
 from django.utils import timezone
 
-from dipaco.config import RunConfig
 from dipaco.data.windows import unit_start, unit_windows
 from dipaco_server.rounds.models import Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RunNotActive
 from dipaco_server.runs.models import Path, Run
-from dipaco_server.runs.phases import PATHS, first_round, round_config
+from dipaco_server.runs.phases import PATHS, first_round, overlaps, round_config
 from dipaco_server.runs.services import OPENABLE, transition
 from dipaco_server.runs.versions import current_versions
 
@@ -107,17 +106,6 @@ def open_round(
     run.current_round = t
     logger.info("run %s: opened round %d with %d units", run.pk, t, len(units))
     return round_
-
-
-def overlaps(run_config: RunConfig, t: int) -> bool:
-    """Whether round t + 1 opens as soon as round t starts closing (``outer.overlap``
-    "delayed" or "eager"): not after a phase's last round or the run's, nor with
-    ``eval.patience`` (early stopping after round t's evaluation decides which paths round
-    t + 1 trains)."""
-    phase, config = round_config(run_config, t)
-    if config.outer.overlap == "none" or t + 1 >= run_config.total_rounds:
-        return False
-    return round_config(run_config, t + 1)[0] == phase and run_config.eval.patience is None
 
 
 def _check_previous(run: Run, t: int) -> None:

@@ -7,7 +7,7 @@ module of the unit's path, well-formed checksums, sizes within what an fp32
 encoding of the module can take, and no more tokens than the unit holds (the
 token count weights the average, so an inflated one would let a worker dominate).
 
-A unit's Δ may be partial (docs/design.md §4, issue 20): its lease allows `Lease.steps` steps,
+A unit's Δ may be partial (docs/design.md §4): its lease allows `Lease.steps` steps,
 sized to the worker's speed, and an agent stopped early (SIGTERM, its lease expiring
 while it is alive, the round's deadline) uploads what it trained. Its tokens must lie
 between ``units.min_partial_steps`` steps and the lease's steps, and the outer step
@@ -16,7 +16,7 @@ weights it by them. A lease that expired while its worker was still training is
 took the unit meanwhile.
 
 With ``outer.overlap`` "eager" the completion may name the versions its Δs are relative
-to (``base_versions``: those its unit rebased onto, rounds.rebase); each contribution
+to (``base_versions``: those its unit rebased onto, rounds.protocol.rebase); each contribution
 records its module's (`Contribution.base_version`), and anything but the unit's base
 versions or, all together, the rebased ones is refused.
 
@@ -40,16 +40,16 @@ from django.utils import timezone
 from dipaco.config import RunConfig
 from dipaco.data.windows import step_tokens
 from dipaco_server.errors import ApiError
-from dipaco_server.rounds.lease import (
+from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
+from dipaco_server.rounds.protocol.leases import (
     check_lease_live,
     check_salvage,
     fetch_lease,
-    lease_tokens,
     load_own_lease,
 )
-from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
-from dipaco_server.rounds.rebase import check_delta_base
-from dipaco_server.rounds.worker_metrics import worker_metrics
+from dipaco_server.rounds.protocol.rebase import check_delta_base
+from dipaco_server.rounds.protocol.sizing import lease_tokens
+from dipaco_server.rounds.protocol.worker_metrics import worker_metrics
 from dipaco_server.runs.errors import (
     ContributionConflict,
     ContributionInvalid,
@@ -117,7 +117,7 @@ def complete(
 
     `lease`: the lease as `load_own_lease(worker, lease_id, secret)` just returned it, when
     the caller has it (the API view does), to save reading it again. `base_versions`: the
-    version each module's Δ is relative to (rounds.rebase.check_delta_base; None: the
+    version each module's Δ is relative to (rounds.protocol.rebase.check_delta_base; None: the
     unit's base versions).
     """
     now = now or timezone.now()
@@ -164,7 +164,7 @@ def complete(
             for module_id, report in clean.items()
         )
         # No credit yet: units_completed and tokens_processed count a unit once the outer
-        # step accepted every one of its Δs (rounds.outer_step._credit, issue 19).
+        # step accepted every one of its Δs (rounds.outer.step._credit): a rejected Δ earns nothing.
         Worker.objects.filter(pk=worker.pk).update(
             last_seen=now,
             measured_speed=_smoothed_speed(worker, lease, clean, now),
@@ -216,7 +216,7 @@ def _smoothed_speed(
 def check_uploads(lease: Lease, reports: Sequence[ContributionReport], store: BlobStore) -> None:
     """Each reported module's upload is in the store, of the size the report declares;
     else ContributionInvalid naming the module. One HEAD per module: sha256 and content
-    are the outer step's to check, as they need the bytes (rounds.verify). A module the
+    are the outer step's to check, as they need the bytes (rounds.verification.rules). A module the
     path lacks is left to `complete`, whose refusal lists the missing and unexpected."""
     for report in reports:
         if report.module_id not in lease.unit.path.modules:
@@ -345,7 +345,7 @@ def _is_int(value: Any) -> bool:
 
 
 def _metrics(module_id: str, metrics: Any) -> dict[str, float]:
-    """The worker's own training metrics, closed and bounded (rounds.worker_metrics)."""
+    """The worker's own training metrics, closed and bounded (rounds.protocol.worker_metrics)."""
     try:
         return worker_metrics(metrics)
     except ValueError as exc:

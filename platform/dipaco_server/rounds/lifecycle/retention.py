@@ -1,9 +1,10 @@
-"""Blob retention: what the object store may forget, and the sweep that forgets it (issue 19).
+"""Blob retention: what the object store may forget, and the sweep that forgets it (so
+the store stays bounded).
 
 Without it every upload and every module version stays forever: a run of T rounds and U
 units keeps T x U Δs and T versions of every module, weights and momentum.
 
-`sweep_blobs` (beat: rounds.tasks.sweep_blobs) deletes, run by run:
+`sweep_blobs` (beat: rounds.lifecycle.tasks.sweep_blobs) deletes, run by run:
 
 - **uploads of closed rounds** (``runs/<run>/rounds/<t>/...``): every blob there that no
   contribution row names (a lease that expired or was released after uploading, a

@@ -1,7 +1,7 @@
 """What a unit's manifest sends a worker down: fp32 modules, or only the encoded updates.
 
 With ``comm.download_codec`` int8 or fp16 every outer step publishes its update encoded
-(rounds.publish.encode_update: the new version is exactly the version before plus the
+(rounds.outer.publish.encode_update: the new version is exactly the version before plus the
 decoded update). A worker that says, in the manifest request's ``held`` parameter, that it
 holds version h of a module the unit starts from at version b > h is sent the updates
 h -> ... -> b, each from the version its outer step applied onto (OuterStep.base_version:
@@ -9,7 +9,7 @@ a round that kept the module made no version), each with the sha256 of the fp32 
 it leads to, so the worker checks every step (worker_agent.payload.apply_updates). The
 fp32 file's URL is always there too: new workers, and any worker whose updates do not
 check out, fetch it instead. Updates are offered only while every link of the chain is
-kept (rounds.retention) and while they are smaller than the fp32 file.
+kept (rounds.lifecycle.retention) and while they are smaller than the fp32 file.
 
 `Lease.download_bytes` records what the manifest sent the worker to: encoded updates,
 fp32 files, nothing for a module it holds at the base version already. The dashboard's
