@@ -249,7 +249,6 @@ def _run_job(job: Job) -> dict[str, Any]:
 def specialisation(config: RunConfig, result: Any, job: Job) -> dict[str, Any]:
     """bench/specialise.py's figures for a trained DiPaCo (oracle, agreement, re-routing,
     per domain)."""
-    # bench/specialise.py is a sibling script, importable once this directory is on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     # a sibling script, importable once this directory is on sys.path (above)
     import specialise
