@@ -55,17 +55,18 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from dipaco import codecs
-from dipaco.config import RunConfig
+from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.windows import path_seed, unit_start, unit_windows
 from dipaco.evaluate import routed_mean, stream_windows
 from dipaco.inner import InnerState, train_path
 from dipaco.model import build_model
-from dipaco.modular import module_ids, module_spec, modules_of_path
+from dipaco.modular import init_modules_from_base, module_ids, module_spec, modules_of_path
 from dipaco.outer import DeltaAccumulator, delta_norm, norm_outliers, outer_lr, outer_step
 from dipaco.simulate import DataBudget
 from dipaco.simulate.base import prepare_with_base
@@ -93,8 +94,6 @@ def attackers(attack: str | None) -> set[int]:
 
 def config(args: argparse.Namespace, seed: int, **outer: Any) -> RunConfig:
     layers = RunConfig.tiny().model.num_layers
-    from dipaco.config import LayoutConfig
-
     return RunConfig.tiny(
         name="attacks", rounds=args.rounds, replicas_per_path=1,
         layout=LayoutConfig.grid(layers, 2, 2), seed=seed,
@@ -166,8 +165,6 @@ class Run:
 
     def __init__(self, cfg: RunConfig, attack: str | None, args: argparse.Namespace) -> None:
         torch.manual_seed(cfg.seed)
-        from dipaco.modular import init_modules_from_base
-
         self.cfg, self.attack, self.args = cfg, attack, args
         self.bad = attackers(attack)
         data, base = prepared(cfg, args)
@@ -505,8 +502,6 @@ class Run:
 def prepared(cfg: RunConfig, args: argparse.Namespace) -> tuple[Any, dict[str, Tensor]]:
     """The run's data and its dense base, trained once per seed and configuration and
     kept in the work dir (tfidf routing: the data does not depend on the base)."""
-    from safetensors.torch import load_file, save_file
-
     assert cfg.router.featurizer == "tfidf", "the base is trained after the data here"
     digest = hashlib.sha256(cfg.model_dump_json(exclude={"outer"}).encode()).hexdigest()[:16]
     file = args.work_dir / f"base-{digest}-{args.base_steps}.safetensors"
@@ -555,7 +550,7 @@ def spread(values: list[float]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -572,7 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-unverified", action="store_true", help="skip the unverified run")
     parser.add_argument("--attack", action="append", choices=ATTACKS, help="default: all")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
     names = args.attack or ATTACKS

@@ -15,6 +15,7 @@ from django.test import Client
 from dipaco_server.accounts.services import create_api_token, create_user
 from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Round, RoundStage
+from tests.test_outer_tasks import DILOCO, running_run
 from tests.test_untrusted import one_torch_thread, step_round, submit, two_worker_run, work
 
 __all__ = ["one_torch_thread", "work"]  # fixtures, used by name
@@ -29,8 +30,6 @@ def fast_password_hashing(settings: Any) -> None:
 
 
 def test_nested_stages_are_exclusive_and_a_second_task_widens_the_span(db: None) -> None:
-    from tests.test_outer_tasks import DILOCO, running_run
-
     run = running_run(DILOCO, replicas=1)
     round_ = Round.objects.create(run=run, t=5)
     for _ in range(2):  # two tasks of the same round

@@ -319,21 +319,20 @@ def _base_version(round_: Round, module: Module) -> BaseVersion | None:
         return None
     if len(bases) > 1:
         raise ValueError(f"units of round {round_.t} disagree on {module} versions: {bases}")
-    version = ModuleVersion.objects.get(module=module, version=bases.pop())
-    return BaseVersion(
-        version.version,
-        version.blob_key,
-        version.sha256,
-        version.momentum_key,
-        version.residual_key,
-    )
+    return _as_base(ModuleVersion.objects.get(module=module, version=bases.pop()))
 
 
 def _latest_version(module: Module, t: int) -> BaseVersion:
     """The module's newest version published before round t's step (at most version t):
     what round t's step applies onto. Without overlap it is the units' base version; with
     outer.overlap delayed it may be one newer (Round.previous_published)."""
-    version = ModuleVersion.objects.filter(module=module, version__lte=t).order_by("-version")[0]
+    return _as_base(
+        ModuleVersion.objects.filter(module=module, version__lte=t).order_by("-version")[0]
+    )
+
+
+def _as_base(version: ModuleVersion) -> BaseVersion:
+    """What an outer step reads of a stored version."""
     return BaseVersion(
         version.version,
         version.blob_key,

@@ -19,7 +19,7 @@ from dipaco_server.workers.models import Worker
 # gain or a norm near the module's history. Refused and not credited, but its worker's
 # trust does not fall for it. Only the server's own sizing counts, never the tokens a
 # completion claims: a claim one token short of the unit must not make a rejection free
-# (issue 34). A salvaged Δ's claimed share already lowers the gain it must show.
+# (that would be an attack). A salvaged Δ's claimed share already lowers the gain it must show.
 WEAK_REASONS = frozenset({rules.NO_GAIN, rules.NORM_LOW})
 
 
