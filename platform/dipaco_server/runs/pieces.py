@@ -36,6 +36,7 @@ from django.db import transaction
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.sources import s3_options
+from dipaco_server.runs.stages import report_progress, upload_shards
 from dipaco_server.storage import BlobStore, validate_key
 
 logger = logging.getLogger(__name__)
@@ -175,6 +176,7 @@ def write_piece(
     store: BlobStore, planned: dict[str, Any], piece: int, work_root: Path
 ) -> dict[str, Any]:
     """One file's part of every shard, uploaded, then its manifest; kept if already there."""
+    # the corpus readers and the tokenizer: only in the task that writes a piece
     from dipaco.data.sources import Listing, SourceFile, filesystem
     from dipaco.data.stream import PieceResult, ReadOptions
     from dipaco.data.stream import write_piece as write
@@ -205,8 +207,6 @@ def write_piece(
 def record_pieces(run: Run, store: BlobStore, planned: dict[str, Any]) -> None:
     """Run.progress for the run page: pieces done of all, under a lock on the run row so
     pieces finishing together never write a smaller count after a larger one."""
-    from dipaco_server.runs.prepare import report_progress  # prepare imports this module
-
     total = len(planned["pieces"])
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
@@ -222,7 +222,6 @@ def join(run: Run, store: BlobStore, planned: dict[str, Any], work: Path) -> Any
     copied from the run that joined them first). Returns the ShardIndex."""
     from dipaco.data.shards import ShardIndex  # torch, pyarrow: only where a run is prepared
     from dipaco.data.stream import PieceResult, join_parts
-    from dipaco_server.runs.prepare import upload_shards  # prepare imports this module
 
     key, root = planned["key"], prefix(planned["key"])
     tokenizer, _ = _tools(store, planned, work)

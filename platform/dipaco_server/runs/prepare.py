@@ -45,9 +45,9 @@ from django.utils import timezone
 from dipaco.data.corpus import CorpusStats, iter_corpus
 from dipaco_server.runs import keys, phases
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
-from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.services import transition
 from dipaco_server.runs.sources import check_source, s3_options
+from dipaco_server.runs.stages import report_progress, upload_shards
 from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 
@@ -70,23 +70,6 @@ DATASET_PROGRESS_EVERY = 1000  # documents between two progress updates of prepa
 def data_index_key(run_id: int, phase: int = 2) -> str:
     """runs/<run>/data/index.json: the shard index (dtype, tokens and sha256 per file)."""
     return keys.data_index_key(run_id, phase)
-
-
-def report_progress(target: Run | Dataset, stage: str, step: int, steps: int, detail: str) -> None:
-    """Record what a preparation is doing now, for the API and the dashboard."""
-    now = timezone.now()
-    progress = {
-        "stage": stage,
-        "step": step,
-        "steps": steps,
-        "detail": detail,
-        "updated_at": now.isoformat(),
-    }
-    type(target).objects.filter(pk=target.pk).update(progress=progress, updated_at=now)
-    target.progress = progress
-    logger.info(
-        "%s %s: [%d/%d] %s: %s", type(target).__name__, target.pk, step, steps, stage, detail
-    )
 
 
 def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | None = None) -> Run:
@@ -280,24 +263,6 @@ def work_root() -> Path:
     root = Path(settings.DIPACO_DATA_DIR) / "tmp"
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-def upload_shards(run: Run, store: BlobStore, index: Any, shard_dir: Path, phase: int) -> None:
-    """One phase's shards and shard index, uploaded; each Path row gets its token counts
-    and routing share (runs.between writes phase 2's after phase 1)."""
-    total_docs = sum(entry["train"].docs for entry in index.paths) or 1
-    for p, entry in enumerate(index.paths):
-        for split in ("train", "val"):
-            key = keys.data_key(run.pk, p, split, phase)
-            store.put_file(key, shard_dir / entry[split].file)
-        RunPath.objects.filter(run=run, phase=phase, index=p).update(
-            train_tokens=entry["train"].tokens,
-            val_tokens=entry["val"].tokens,
-            routing_share=entry["train"].docs / total_docs,
-        )
-        if entry["val"].tokens <= 1:
-            logger.warning("run %s path %d has no validation text: it cannot stop early", run.pk, p)
-    store.put_file(data_index_key(run.pk, phase), shard_dir / "index.json")
 
 
 def write_document_chunks(
