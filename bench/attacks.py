@@ -55,22 +55,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from dipaco import codecs
-from dipaco.config import RunConfig
+from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.windows import path_seed, unit_start, unit_windows
 from dipaco.evaluate import routed_mean, stream_windows
 from dipaco.inner import InnerState, train_path
 from dipaco.model import build_model
-from dipaco.modular import module_ids, module_spec, modules_of_path
+from dipaco.modular import init_modules_from_base, module_ids, module_spec, modules_of_path
 from dipaco.outer import DeltaAccumulator, delta_norm, norm_outliers, outer_lr, outer_step
 from dipaco.simulate import DataBudget
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.train import evaluate_paths
-from dipaco_server.rounds.verification import persistence, rules
+from dipaco_server.rounds.verification import first_round, persistence, rules
 
 ATTACKS = [
     "sign_flip", "scale_x10", "scale_x1e3", "scale_fp16_max", "gaussian_noise", "zeros",
@@ -93,8 +94,6 @@ def attackers(attack: str | None) -> set[int]:
 
 def config(args: argparse.Namespace, seed: int, **outer: Any) -> RunConfig:
     layers = RunConfig.tiny().model.num_layers
-    from dipaco.config import LayoutConfig
-
     return RunConfig.tiny(
         name="attacks", rounds=args.rounds, replicas_per_path=1,
         layout=LayoutConfig.grid(layers, 2, 2), seed=seed,
@@ -166,8 +165,6 @@ class Run:
 
     def __init__(self, cfg: RunConfig, attack: str | None, args: argparse.Namespace) -> None:
         torch.manual_seed(cfg.seed)
-        from dipaco.modular import init_modules_from_base
-
         self.cfg, self.attack, self.args = cfg, attack, args
         self.bad = attackers(attack)
         data, base = prepared(cfg, args)
@@ -188,6 +185,7 @@ class Run:
         self.claimed: dict[int, int] = defaultdict(int)
         self.reasons: dict[str, int] = defaultdict(int)
         self.honest_rejected = 0
+        self.first_verdicts: dict[int, str] = {}  # unit index -> the first round's verdict
         # (worker, module) -> its compared copies' difference sketches, newest first
         self.replica_past: dict[tuple[int, str], list[tuple[int, bool, Tensor]]] = defaultdict(
             list
@@ -272,6 +270,9 @@ class Run:
         live = [u for u in units if not u.rejected]
         round_base = {m: dict(v) for m, v in self.modules.items()}  # what the units started from
         self.score_units(live, t, round_base)
+        self.first_verdicts = {}
+        if cfg.outer.verify and not any(self.history.values()):  # the modules' first step
+            self.first_verdicts = self.first_round(live)
         lr = outer_lr(cfg.outer, t)
         seen_now: set[str] = set()
         for module_id in module_ids(cfg):
@@ -345,6 +346,9 @@ class Run:
                 entries[i].reason = why
             self.settle_replicas(entries, module_id)
             if not past:  # the module's first step: no history yet
+                for e in entries:  # rounds.verification.checks.first_round_check
+                    if not e.reason and e.unit.index in self.first_verdicts:
+                        e.reason = self.first_verdicts[e.unit.index]
                 self.peer_check(entries)
         self.verify_seconds += time.process_time() - clock
         chosen = [e for e in entries if not e.reason and self.aggregated(e, entries)]
@@ -432,6 +436,39 @@ class Run:
             self.replica_new.append(entry)
         return persistence.repeated(sides, difference, min(e.norm for e in pair))
 
+    def first_round(self, units: list[Unit]) -> dict[int, str]:
+        """rounds.verification.settlement: the round's units settled over every module they
+        share (first_round.settle), the same verdict for each of their Δs."""
+        flat: dict[str, dict[int, Tensor]] = defaultdict(dict)
+        for u in units:
+            for module_id, data in u.encoded.items():
+                try:
+                    delta = codecs.decode(data, module_spec(self.cfg, module_id))
+                except codecs.CodecError:
+                    continue
+                flat[module_id][u.index] = torch.cat(
+                    [t.double().reshape(-1) for t in delta.values()]
+                )
+        sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for deltas in flat.values():
+            keys = sorted(deltas)
+            for i, a in enumerate(keys):
+                for b in keys[i + 1 :]:
+                    acc = sums[(a, b)]
+                    acc[0] += float(deltas[a] @ deltas[b])
+                    acc[1] += float(deltas[a] @ deltas[a])
+                    acc[2] += float(deltas[b] @ deltas[b])
+        cosines = {
+            pair: (ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 and math.isfinite(ab) else None)
+            for pair, (ab, aa, bb) in sums.items()
+        }
+        facts = {
+            u.index: first_round.UnitFacts(u.worker, rules.gain_rate(u.score, self.work(u)))
+            for u in units
+        }
+        copies = [(u.check_of, u.index) for u in units if u.check_of is not None]
+        return first_round.settle(facts, cosines, copies)
+
     def peer_check(self, entries: list[Entry]) -> None:
         live = {i: e for i, e in enumerate(entries) if not e.reason and self.aggregated(e, entries)}
         deltas = {i: e.delta for i, e in live.items() if e.delta is not None and e.norm > 0}
@@ -465,8 +502,6 @@ class Run:
 def prepared(cfg: RunConfig, args: argparse.Namespace) -> tuple[Any, dict[str, Tensor]]:
     """The run's data and its dense base, trained once per seed and configuration and
     kept in the work dir (tfidf routing: the data does not depend on the base)."""
-    from safetensors.torch import load_file, save_file
-
     assert cfg.router.featurizer == "tfidf", "the base is trained after the data here"
     digest = hashlib.sha256(cfg.model_dump_json(exclude={"outer"}).encode()).hexdigest()[:16]
     file = args.work_dir / f"base-{digest}-{args.base_steps}.safetensors"
@@ -515,7 +550,7 @@ def spread(values: list[float]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -532,7 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-unverified", action="store_true", help="skip the unverified run")
     parser.add_argument("--attack", action="append", choices=ATTACKS, help="default: all")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
     names = args.attack or ATTACKS

@@ -165,6 +165,7 @@ class Job:
     device: str
     eval_every: int = 1  # DiPaCo validates every this many rounds (and after the last)
     reroute_every: int = 0  # > 0: measure specialisation and re-routing (bench/specialise.py)
+    domains: bool = True  # with it, per-domain losses (reads the corpus again)
     # dense-total-steps: the DiPaCo config whose prepared data and base give the windows
     windows_config_json: str | None = None
 
@@ -248,16 +249,18 @@ def _run_job(job: Job) -> dict[str, Any]:
 def specialisation(config: RunConfig, result: Any, job: Job) -> dict[str, Any]:
     """bench/specialise.py's figures for a trained DiPaCo (oracle, agreement, re-routing,
     per domain)."""
-    # bench/specialise.py is a sibling script, importable once this directory is on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # a sibling script, importable once this directory is on sys.path (above)
     import specialise
 
     modules = result.run.modules
     figures = specialise.window_figures(
         config, result.data, modules, result.windows, job.reroute_every, job.device
     )
-    figures["by_domain"] = specialise.domain_figures(
-        config, result.data, modules, job.budget, job.device
+    figures["by_domain"] = (
+        specialise.domain_figures(config, result.data, modules, job.budget, job.device)
+        if job.domains
+        else {}
     )
     return figures
 
@@ -303,12 +306,8 @@ def total_size_layers(config: RunConfig) -> int:
     return max(1, round((total - parts) / count_block_params(config.model)))
 
 
-def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
-    """The run configs: DiLoCo (its own batch and H), DiPaCo with each codec.
-
-    Outer settings are RunConfig's defaults unless --outer-lr / --outer-momentum are given;
-    --diloco-outer-lr / --diloco-outer-momentum override them for the DiLoCo run alone.
-    """
+def outer_settings(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, float]]:
+    """The outer settings the flags give: DiPaCo's, and DiLoCo's (its own flags over them)."""
     outer = {
         k: v for k, v in (("lr", args.outer_lr), ("momentum", args.outer_momentum)) if v is not None
     }
@@ -320,6 +319,16 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
             if v is not None
         },
     }
+    return outer, diloco_outer
+
+
+def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
+    """The run configs: DiLoCo (its own batch and H), DiPaCo with each codec.
+
+    Outer settings are RunConfig's defaults unless --outer-lr / --outer-momentum are given;
+    --diloco-outer-lr / --diloco-outer-momentum override them for the DiLoCo run alone.
+    """
+    outer, diloco_outer = outer_settings(args)
     common: dict[str, Any] = {
         "outer": outer,
         "data": {"val_fraction": args.val_fraction, "corpus": args.corpus},
@@ -403,6 +412,7 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
             name, cfgs[key].model_dump_json(), baseline, budget, str(args.work_dir),
             args.eval_windows, args.threads, args.base_steps, args.batch, args.device,
             eval_every=args.eval_every, reroute_every=args.reroute_every if analyse else 0,
+            domains=not args.no_domains,
             windows_config_json=cfgs["b-fp32"].model_dump_json() if key == "e" else None,
         )  # fmt: skip
 
@@ -634,10 +644,11 @@ def print_tables(
         curve = " ".join(f"{loss:.3f}" for loss in results[name]["curve"])
         console.print(f"{name} routed val loss at validated rounds: {curve}")
     for name, figures in specialisation_summary(results).items():
+        purity = "-" if figures["domain_purity"] is None else f"{figures['domain_purity']:.2f}"
         console.print(
             f"{name} specialisation: oracle / routed {figures['oracle_vs_routed']:.3f}, router "
             f"agrees with the oracle on {figures['router_agreement']:.0%} of windows (chance "
-            f"{figures['chance_agreement']:.0%}), domain purity {figures['domain_purity']:.2f}, "
+            f"{figures['chance_agreement']:.0%}), domain purity {purity}, "
             f"re-routed {figures['windows_rerouted']:.0%} of windows"
         )
 
@@ -652,13 +663,14 @@ def specialisation_summary(results: dict[str, dict[str, Any]]) -> dict[str, dict
         keep = ("oracle_vs_routed", "router_agreement", "chance_agreement",
                 "reroute_vs_route_once", "windows_rerouted", "reroute_every")  # fmt: skip
         out[name] = {key: figures[key] for key in keep}
-        out[name]["domain_purity"] = figures["by_domain"].get("purity", math.nan)
+        out[name]["domain_purity"] = figures["by_domain"].get("purity")  # None: not measured
     return out
 
 
 def run_platform(args: argparse.Namespace, console: Console) -> dict[str, Any]:
     """platform_vs_simulate (bench/platform_run.py) on the DiPaCo config's corpus and seed."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+    # a sibling script, importable once this directory is on sys.path (above)
     from platform_run import default_config, platform_vs_simulate
 
     console.log("platform_vs_simulate: a real server, Celery and two dipaco-worker processes")
@@ -719,6 +731,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="a smoke run: few rounds and steps")
     parser.add_argument("--json", type=Path, metavar="FILE", help="write every figure as JSON")
+    _add_training_arguments(parser)
+    _add_job_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.inner_steps, args.diloco_rounds, args.diloco_inner_steps = 2, 10, 2, 5
+        args.max_docs, args.eval_windows, args.warmup_steps = 300, 64, 5
+        args.base_steps, args.diloco_batch = 20, 4
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(
+            "--device cuda: this torch has no CUDA device (torch.cuda.is_available() is "
+            "False); install a CUDA build of torch or use --device cpu"
+        )
+    if args.eval_every < 1 or args.reroute_every < 1:
+        parser.error("--eval-every and --reroute-every: give 1 or more")
+    if not 1 <= args.codec_seeds <= 9:
+        parser.error(f"--codec-seeds {args.codec_seeds}: give 1 to 9")
+    return args
+
+
+def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
+    """What DiPaCo, DiLoCo and the baselines train on, and for how long."""
     parser.add_argument(
         "--corpus", default="stdlib",
         help='"stdlib" (this Python\'s standard library), a directory of text files, or a '
@@ -751,6 +784,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--diloco-outer-momentum", type=float, default=None,
         help="DiLoCo's outer μ (--outer-momentum's)",
     )  # fmt: skip
+
+
+def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
+    """The data sample, the preset, what is measured, which jobs run and where."""
     parser.add_argument(
         "--no-platform", action="store_true", help="skip platform_vs_simulate (no server run)"
     )
@@ -807,6 +844,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="reroute_vs_route_once: re-route every this many tokens of a validation "
         "window (the paper: 64 of 1,024-token sequences; default %(default)s of 128)",
     )  # fmt: skip
+    parser.add_argument(
+        "--no-domains", action="store_true",
+        help="skip the per-domain losses (they read the corpus again: seconds for the "
+        "standard library, minutes for a GPU run's 300M characters)",
+    )  # fmt: skip
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="processes (default: %(default)s)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
@@ -823,21 +865,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "a GPU, and several --jobs share the one GPU (default %(default)s)",
     )  # fmt: skip
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
-    args = parser.parse_args(argv)
-    if args.quick:
-        args.rounds, args.inner_steps, args.diloco_rounds, args.diloco_inner_steps = 2, 10, 2, 5
-        args.max_docs, args.eval_windows, args.warmup_steps = 300, 64, 5
-        args.base_steps, args.diloco_batch = 20, 4
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error(
-            "--device cuda: this torch has no CUDA device (torch.cuda.is_available() is "
-            "False); install a CUDA build of torch or use --device cpu"
-        )
-    if args.eval_every < 1 or args.reroute_every < 1:
-        parser.error("--eval-every and --reroute-every: give 1 or more")
-    if not 1 <= args.codec_seeds <= 9:
-        parser.error(f"--codec-seeds {args.codec_seeds}: give 1 to 9")
-    return args
+
+
+def write_json(
+    args: argparse.Namespace,
+    results: dict[str, dict[str, Any]],
+    goals: dict[str, tuple[float | None, float]],
+    sizing: dict[str, Any] | None,
+    cfgs: dict[str, RunConfig],
+    start: tuple[float, tuple[float, float, float]],
+    done: bool,
+) -> None:
+    """Every figure so far as args.json, written whole (a temporary file, then a rename)."""
+    started, load_before = start
+    summary = summarize(results, goals)
+    shown = {*goals, *REPORTED}
+    data = {
+        # The issue's keys first, each the ratio its summary row explains.
+        **{key: row["ratio"] for key, row in summary.items() if key in shown},
+        "goals": {key: goal_text(key, goals) for key in goals},
+        "complete": done,
+        "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "sizing": sizing,
+        "summary": summary,
+        "specialisation": specialisation_summary(results),
+        "jobs": results,
+        "configs": {k: c.model_dump(mode="json") for k, c in cfgs.items()},
+        "wall_seconds": time.perf_counter() - started,
+        **scale(args, cfgs, results),
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+        "machine": machine(args.device),
+    }  # fmt: skip
+    tmp = args.json.with_name(f".{args.json.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -880,31 +943,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def report(done: bool) -> None:
         """The JSON so far: rewritten after every job, so a run cut short keeps its figures."""
-        if args.json is None:
-            return
-        summary = summarize(results, goals)
-        shown = {*goals, *REPORTED}
-        data = {
-            # The issue's keys first, each the ratio its summary row explains.
-            **{key: row["ratio"] for key, row in summary.items() if key in shown},
-            "goals": {key: goal_text(key, goals) for key in goals},
-            "complete": done,
-            "command": " ".join([Path(sys.executable).name, *sys.argv]),
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-            "sizing": sizing,
-            "summary": summary,
-            "specialisation": specialisation_summary(results),
-            "jobs": results,
-            "configs": {k: c.model_dump(mode="json") for k, c in cfgs.items()},
-            "wall_seconds": time.perf_counter() - started,
-            **scale(args, cfgs, results),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
-            "machine": machine(args.device),
-        }  # fmt: skip
-        tmp = args.json.with_name(f".{args.json.name}.tmp")
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, args.json)
+        if args.json is not None:
+            write_json(args, results, goals, sizing, cfgs, (started, load_before), done)
 
     # spawn, not fork: a forked child of a process that ran torch's thread pool can hang.
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:

@@ -114,12 +114,20 @@ def submit(
     *,
     raw: dict[str, bytes] | None = None,
     tokens: int | None = None,
+    manifest: bool = False,
 ) -> tuple[Worker, dict[str, bytes]]:
     """A new worker leases a unit, trains it honestly, applies `attack` (or uploads `raw`
-    bytes), uploads and completes."""
-    worker, _ = register_worker(create_enrollment_token(max_uses=None)[1], name, {})
+    bytes), uploads and completes; with `manifest`, it asks for its lease's manifest
+    first, as an agent does (which cuts the unit's data)."""
+    worker, token = register_worker(create_enrollment_token(max_uses=None)[1], name, {})
     granted = grant_lease(worker)
     assert granted is not None
+    if manifest:
+        answer = Client().get(
+            f"/api/v1/worker/lease/{granted.lease.pk}/manifest",
+            headers={"Authorization": f"Bearer {token}", "X-Lease-Secret": granted.secret},
+        )
+        assert answer.status_code == 200, answer.content
     deltas = honest_deltas(run, granted.unit, sources)
     if attack is not None:
         deltas = attack(deltas)

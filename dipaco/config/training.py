@@ -237,7 +237,8 @@ class OuterConfig(Section):
 
 def eager_rebase_step(eager_at: float, inner_steps: int) -> int:
     """The step after which an eager unit (outer.overlap "eager") rebases onto the
-    previous round's versions: ceil(eager_at x H), at least 1."""
+    previous round's versions: ceil(eager_at x H), at least 1. The platform's lease plan
+    (dipaco_server.rounds.protocol.rebase) and `dipaco simulate` both take it from here."""
     return max(1, math.ceil(eager_at * inner_steps))
 
 

@@ -174,6 +174,16 @@ class Router:
             return []
         return [int(p) for p in self.route_scores_batch(texts).argmax(dim=1)]
 
+    def route_prefixes(self, texts: Sequence[str], prefixes: Sequence[Any]) -> list[int]:
+        """route_batch with each text's first ``prefix_tokens`` ids already known, e.g. from
+        the encoding a shard writer made anyway (dipaco.data.stream): one tokenisation, not
+        two. Equal to route_batch unless one pre-token straddles prefix_ids' character cut."""
+        if not texts:
+            return []
+        x = self.featurizer.features([list(p[: self.spec.prefix_tokens]) for p in prefixes])
+        scores = -self.distances(x) + tie_break(texts, self.num_paths) + self.bias  # (N, P)
+        return [int(p) for p in scores.argmax(dim=1)]
+
     def route(self, text: str) -> int:
         return self.route_batch([text])[0]
 

@@ -32,6 +32,7 @@ class Traffic:
 
 def traffic(run_id: int) -> Traffic:
     """What the run's completed units sent and received (from the server's database)."""
+    # Django: set up by control.setup_django once the server is up
     from django.db import connections
     from django.db.models import Sum
 
@@ -95,6 +96,7 @@ class PhaseClock:
 
 def phase_clock(run_id: int, config: RunConfig) -> PhaseClock:
     """Each phase's seconds, from the run's Round rows (opened_at, closed_at)."""
+    # Django: set up by control.setup_django once the server is up
     from django.db import connections
 
     from dipaco_server.rounds.models import Round  # once Django is set up, as above

@@ -27,7 +27,7 @@ from dipaco_server.audit.api import router as audit_router
 from dipaco_server.core.api import router as core_router
 from dipaco_server.inference.api import router as inference_router
 from dipaco_server.rounds.protocol.api import router as protocol_router
-from dipaco_server.rounds.reports import contributions, run_status
+from dipaco_server.rounds.reports import contributions, round_stages, run_status
 from dipaco_server.runs.api import router as runs_router
 from dipaco_server.shedding import document_shedding
 from dipaco_server.workers.api import router as workers_router
@@ -95,6 +95,7 @@ api.add_router("/", runs_router)
 api.add_router("/", workers_router)
 api.add_router("/", run_status.staff_router)
 api.add_router("/", contributions.staff_router)
+api.add_router("/", round_stages.staff_router)
 api.add_router("/", inference_router)
 api.add_router("/", audit_router)
 api.add_router("/worker", protocol_router)

@@ -150,6 +150,9 @@ if (_heartbeat_rate := env.heartbeat_rate(os.environ)) is not None:
 # A request for new work that waited longer than this for a web thread is told to come
 # back later (dipaco_server.shedding; docs/deploy.md); None: never.
 DIPACO_SHED_AFTER_S = env.shed_after_s(os.environ)
+# Where evaluation and proof of useful work run their forward passes (runs.device): auto
+# (CUDA where torch sees it), cpu, cuda or cuda:N.
+DIPACO_SERVER_DEVICE = os.environ.get("DIPACO_SERVER_DEVICE", "auto")
 # What the enrolment page tells volunteers to install before `dipaco-worker` (dipaco_web).
 DIPACO_WORKER_INSTALL = env.worker_install(os.environ)
 CACHES = {

@@ -194,6 +194,7 @@ def _wait_until_healthy(url: str, supervisor: Supervisor) -> bool:
 def _prepare() -> str | None:
     """Check settings and migrate; returns an error message, or None when ready."""
     try:
+        # Django only when the server starts (the module docstring)
         import django
         from django.core.exceptions import ImproperlyConfigured
     except ModuleNotFoundError:
@@ -202,6 +203,7 @@ def _prepare() -> str | None:
         django.setup()
     except ImproperlyConfigured as exc:
         return str(exc)
+    # after django.setup() above
     from django.conf import settings
     from django.core.management import call_command
     from django.db import DatabaseError, connections

@@ -34,6 +34,10 @@ class Round(models.Model):
     # When the round began closing (its outer step's start): what the next round's expected
     # opening is counted from (rounds.protocol.leases), whatever the resends do to closing_at.
     closing_started_at = models.DateTimeField(null=True, blank=True)
+    # The first round's settlement over whole units (rounds.verification.settlement): lease
+    # id -> "<code>: <message>" for each unit it refused or held out; computed by the first
+    # module step that needs it, so every module's first step applies the same verdicts.
+    first_round = models.JSONField(null=True, blank=True)
 
     class Meta:
         constraints = (models.UniqueConstraint(fields=["run", "t"], name="round_unique_per_run"),)
@@ -230,3 +234,22 @@ class OuterStep(models.Model):
 
     def __str__(self) -> str:
         return f"round {self.round_id} module {self.module_id}: {self.outcome}"
+
+
+class RoundStage(models.Model):
+    """Where a round's server time went (rounds.stages): one stage's wall span, first task
+    started to last task ended, and its tasks' summed seconds. Training is not stored: it
+    is the round's opening to its last completion (rounds.stages.round_stages)."""
+
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="stages")
+    stage = models.CharField(max_length=32)
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField()
+    seconds = models.FloatField(default=0.0)
+    tasks = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = (models.UniqueConstraint(fields=["round", "stage"], name="round_stage_once"),)
+
+    def __str__(self) -> str:
+        return f"round {self.round_id} {self.stage}: {self.seconds:.1f} s"

@@ -4,7 +4,7 @@ Protocol step 3 of docs/design.md: a round closes when every unit is settled, or
 quorum is done and its deadline has passed; closing expires the leases still out so a
 late completion is refused, and the outer step (rounds.outer.step) then runs once.
 
-The deadline adapts (issue 20): once a quorum is done and every unit has started, it moves
+The deadline adapts (no round waits for its slowest unit): once a quorum is done and every unit has started, it moves
 up to what the done units' durations say (`adaptive_deadline`: median + k·MAD after the
 last grant), never later than the fixed one.
 Units still out when it passes are not lost: agents learn the deadline from their lease

@@ -34,7 +34,7 @@ def open_due_round(sender: Any, *, run: Run, t: int, **_: Any) -> Round:
 def end_leases(sender: Any, *, run: Run, now: datetime, **_: Any) -> None:
     """A run that ended (finished, failed, cancelled) holds no lease: each active one is
     released and its unit given up, so no heartbeat extends it and no grant hands it back
-    (a cancelled run's lease was answered again by POST /worker/lease before, issue 34).
+    (a cancelled run's lease was answered again by POST /worker/lease before).
     Not the workers' fault, so no lease counts as expired against them."""
     held = Lease.objects.filter(unit__round__run=run, state=Lease.State.ACTIVE)
     units = list(held.values_list("unit_id", flat=True))

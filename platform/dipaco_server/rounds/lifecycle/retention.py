@@ -1,4 +1,5 @@
-"""Blob retention: what the object store may forget, and the sweep that forgets it (issue 19).
+"""Blob retention: what the object store may forget, and the sweep that forgets it (so
+the store stays bounded).
 
 Without it every upload and every module version stays forever: a run of T rounds and U
 units keeps T x U Δs and T versions of every module, weights and momentum.

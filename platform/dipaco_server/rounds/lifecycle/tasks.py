@@ -37,6 +37,7 @@ from django.utils import timezone
 
 from dipaco_server.core.tasks import RETRY, same_queue
 from dipaco_server.errors import ServiceError
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.lifecycle import retention
 from dipaco_server.rounds.lifecycle.close import (
     mark_round_closed,
@@ -277,7 +278,10 @@ def _evaluate(run: Run, t: int) -> None:
     try:
         from dipaco_server.runs.evaluate import evaluate_run  # torch, as in outer_step
 
-        evaluate_run(run, t)
+        stages.reset()
+        with stages.timed("evaluation"):
+            evaluate_run(run, t)
+        stages.flush(Round.objects.get(run=run, t=t).pk)
     except Exception:  # evaluation is for curves and early stopping; training goes on
         logger.exception("run %s: evaluation after round %d failed; training goes on", run.pk, t)
 

@@ -59,6 +59,7 @@ from dipaco.outer import (
     outer_lr,
     round_momentum,
 )
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.outer.aggregate import BaseVersion, aggregate_uploads, apply_step
 from dipaco_server.rounds.outer.publish import EncodedUpdate, encode_update
@@ -73,6 +74,7 @@ from dipaco_server.rounds.verification.context import (
 )
 from dipaco_server.rounds.verification.credit import settle
 from dipaco_server.rounds.verification.scorer import Scorer
+from dipaco_server.rounds.verification.settlement import first_round_verdicts
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
@@ -152,6 +154,7 @@ def compute_step(
     momentum: Mapping[str, Tensor] | None = None,
     scorer: ScoreFn | None = None,
     comm: CommConfig | None = None,
+    first_round: Mapping[int, str] | None = None,
 ) -> StepResult:
     """Verify, aggregate and step in `work`; the outputs stay there for the caller.
 
@@ -165,9 +168,11 @@ def compute_step(
     weights are the base plus exactly its decoded values (rounds.outer.publish.encode_update).
     """
     clock = time.perf_counter()
-    verdicts, replicas = check_contributions(
-        store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer
-    )
+    with stages.timed("checks"):
+        verdicts, replicas = check_contributions(
+            store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer,
+            first_round=first_round,
+        )  # fmt: skip
     result = StepResult(verdicts, replicas=replicas)
     result.timings["verify"] = time.perf_counter() - clock
     norms = [v.norm for v in result.verdicts if v.norm is not None]
@@ -271,22 +276,21 @@ def step_module(
         trained_start = (
             round_index == 0 and phase == PATHS and store.exists(keys.base_model_key(run_id))
         )
-        result = compute_step(
-            store,
-            uploads,
-            base,
-            spec,
-            outer,
-            work,
-            round_index=round_index,
-            trained_start=trained_start,
-            history=norm_history(module, t, outer.history_rounds),
-            momentum=momentum,
-            scorer=scorer,
-            comm=config.comm,
-        )
+        stages.reset()
+        history = norm_history(module, t, outer.history_rounds)
+        with stages.timed("outer_step"):
+            settled = None
+            if outer.verify and uploads and not history:  # a module's first step
+                settled = first_round_verdicts(store, round_, config, work, scorer)
+            result = compute_step(
+                store, uploads, base, spec, outer, work, round_index=round_index,
+                trained_start=trained_start, history=history, momentum=momentum,
+                scorer=scorer, comm=config.comm, first_round=settled,
+            )  # fmt: skip
         result.whole_unit = whole_unit
-        report = _commit(store, module, round_, base, result)
+        with stages.timed("publishing"):
+            report = _commit(store, module, round_, base, result)
+        stages.flush(round_.pk)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     logger.info(
@@ -315,21 +319,20 @@ def _base_version(round_: Round, module: Module) -> BaseVersion | None:
         return None
     if len(bases) > 1:
         raise ValueError(f"units of round {round_.t} disagree on {module} versions: {bases}")
-    version = ModuleVersion.objects.get(module=module, version=bases.pop())
-    return BaseVersion(
-        version.version,
-        version.blob_key,
-        version.sha256,
-        version.momentum_key,
-        version.residual_key,
-    )
+    return _as_base(ModuleVersion.objects.get(module=module, version=bases.pop()))
 
 
 def _latest_version(module: Module, t: int) -> BaseVersion:
     """The module's newest version published before round t's step (at most version t):
     what round t's step applies onto. Without overlap it is the units' base version; with
     outer.overlap delayed it may be one newer (Round.previous_published)."""
-    version = ModuleVersion.objects.filter(module=module, version__lte=t).order_by("-version")[0]
+    return _as_base(
+        ModuleVersion.objects.filter(module=module, version__lte=t).order_by("-version")[0]
+    )
+
+
+def _as_base(version: ModuleVersion) -> BaseVersion:
+    """What an outer step reads of a stored version."""
     return BaseVersion(
         version.version,
         version.blob_key,

@@ -31,6 +31,7 @@ from ninja import Query, Router, Status
 from dipaco.data.windows import path_seed
 from dipaco_server.bounds import MAX_ID, LeaseId
 from dipaco_server.errors import ApiError
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Lease, OuterStep, WorkUnit
 from dipaco_server.rounds.protocol import grant as granting
 from dipaco_server.rounds.protocol import leases as leasing
@@ -239,6 +240,7 @@ def manifest(
     config = phase_config(run.run_config, unit.path.phase)
     dtype = _token_dtype(config.model.vocab_size)
     digest = _train_shard_sha256(store, data_index_key(run.pk, unit.path.phase), unit.path.index)
+    stages.reset()
     cut = unit_data(
         store,
         run_id=run.pk,
@@ -251,6 +253,7 @@ def manifest(
         first=unit.data_position,
         count=unit.data_windows,
     )
+    stages.flush(unit.round_id)  # the cutting's seconds, when this request cut the data
     Lease.objects.filter(pk=lease.pk).update(download_bytes=sent)
     return {
         "lease_id": lease.pk,
@@ -350,7 +353,8 @@ def rebase(request: HttpRequest, lease_id: LeaseId, lease_secret: Secret) -> dic
 def upload_urls(request: HttpRequest, lease_id: LeaseId, lease_secret: Secret) -> dict[str, Any]:
     """One presigned PUT (and form POST) per module, scoped to this unit and lease; also
     for an expired lease whose partial Δ can still be salvaged (rounds.protocol.complete)."""
-    lease = leasing.authorize_upload(current_worker(request), lease_id, lease_secret)
+    worker = current_worker(request)
+    lease = leasing.authorize_lease(worker, lease_id, lease_secret, salvage=True)
     store = get_blob_store()
     config = phase_config(lease.unit.round.run.run_config, lease.unit.path.phase)
     uploads = []
@@ -386,7 +390,7 @@ def complete_lease(
 
     A fresh completion is answered only once every upload is in the store with the size it
     declares (one HEAD per module; 422 naming the module otherwise), so a worker cannot
-    claim a unit it never handed in (issue 34). Their sha256 and content are the outer
+    claim a unit it never handed in. Their sha256 and content are the outer
     step's to check, which reads the bytes. The HEADs cost a share of a completion's time
     in the web process at round boundaries (bench/control_plane.py measures it)."""
     worker = current_worker(request)

@@ -7,7 +7,7 @@ module of the unit's path, well-formed checksums, sizes within what an fp32
 encoding of the module can take, and no more tokens than the unit holds (the
 token count weights the average, so an inflated one would let a worker dominate).
 
-A unit's Δ may be partial (docs/design.md §4, issue 20): its lease allows `Lease.steps` steps,
+A unit's Δ may be partial (docs/design.md §4): its lease allows `Lease.steps` steps,
 sized to the worker's speed, and an agent stopped early (SIGTERM, its lease expiring
 while it is alive, the round's deadline) uploads what it trained. Its tokens must lie
 between ``units.min_partial_steps`` steps and the lease's steps, and the outer step
@@ -164,7 +164,7 @@ def complete(
             for module_id, report in clean.items()
         )
         # No credit yet: units_completed and tokens_processed count a unit once the outer
-        # step accepted every one of its Δs (rounds.outer.step._credit, issue 19).
+        # step accepted every one of its Δs (rounds.outer.step._credit): a rejected Δ earns nothing.
         Worker.objects.filter(pk=worker.pk).update(
             last_seen=now,
             measured_speed=_smoothed_speed(worker, lease, clean, now),

@@ -87,7 +87,7 @@ def grant_lease(
     """
     now = now or timezone.now()
     policy = current_policy()
-    trust.check_trusted(worker)  # work that failed verification too often: no more (issue 19)
+    trust.check_trusted(worker)  # work that failed verification too often: no more
     # Idle polls are common at round boundaries: when nothing is queued (one look at the
     # partial index of queued units), answer without a transaction.
     if not _anything_queued():
@@ -184,7 +184,7 @@ def _create_lease(
         seconds_limit=size.seconds,
         size_reason=size.reason[:240],
     )
-    replication.maybe_replicate(unit, worker)  # sampled replication (issue 19)
+    replication.maybe_replicate(unit, worker)  # sampled replication: untrusted work is checked
     return LeaseGrant(lease=lease, secret=secret)
 
 
@@ -252,7 +252,7 @@ def _reclaim_unheard(worker: Worker, now: datetime) -> LeaseGrant | None:
 
     A grant whose answer was lost (a time-out at a round boundary, a dropped connection)
     leaves the worker at its lease limit holding a lease it does not know: it asks again
-    and, before issue 23, heard 409 lease_limit_reached until the lease expired, holding
+    and once heard 409 lease_limit_reached until the lease expired, holding
     its unit, and the round, for DIPACO_LEASE_TIMEOUT_S. A lease never heartbeated and
     whose manifest was never asked for cannot have been started, so asking again proves
     the answer was lost: the same lease is answered again, with a fresh secret (the old
@@ -349,7 +349,7 @@ def _next_queued_unit(
         candidates = WorkUnit.objects.filter(
             state=WorkUnit.State.QUEUED, round_id=group["round_id"], path_id=group["path_id"]
         ).order_by("replica")  # unique within a (round, path): the partial index's order
-        if worker is not None:  # never the check copy of a unit it trained (issue 19)
+        if worker is not None:  # never the check copy of a unit it trained
             candidates = candidates.filter(replication.not_own_check(worker))
         if connection.features.has_select_for_update_skip_locked:
             candidates = candidates.select_for_update(skip_locked=True)

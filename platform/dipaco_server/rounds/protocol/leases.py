@@ -91,21 +91,20 @@ def check_salvage(lease: Lease, now: datetime) -> bool:
         return True
 
 
-def authorize_upload(
-    worker: Worker, lease_id: int, secret: str, *, now: datetime | None = None
-) -> Lease:
-    """Like `authorize_lease`, but an expired lease whose Δ can still be salvaged passes."""
-    lease = load_own_lease(worker, lease_id, secret)
-    check_salvage(lease, now or timezone.now())
-    return lease
-
-
 def authorize_lease(
-    worker: Worker, lease_id: int, secret: str, *, now: datetime | None = None
+    worker: Worker,
+    lease_id: int,
+    secret: str,
+    *,
+    salvage: bool = False,
+    now: datetime | None = None,
 ) -> Lease:
-    """The live lease `lease_id` of `worker`: the check before upload URLs or a manifest."""
+    """The lease `lease_id` of `worker`, checked by its secret: live (before a manifest,
+    upload URLs or a rebase); with `salvage`, also an expired one whose Δ may still be
+    salvaged (upload URLs for a partial Δ, rounds.protocol.complete)."""
     lease = load_own_lease(worker, lease_id, secret)
-    check_lease_live(lease, now or timezone.now())
+    check = check_salvage if salvage else check_lease_live
+    check(lease, now or timezone.now())
     return lease
 
 

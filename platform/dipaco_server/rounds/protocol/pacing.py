@@ -81,10 +81,10 @@ def lease_timeout_s(policy: SchedulerPolicy | None = None) -> float:
     return 3 * heartbeat_interval_s(policy)
 
 
-# --- round boundaries without a stampede (issue 23) ----------------------------------------
+# --- round boundaries without a stampede ----------------------------------------------------
 #
-# When a round closes, every volunteer that finished its unit waits for the next one. Before
-# issue 23 each 204 said "ask again in workers / DIPACO_IDLE_POLL_RATE seconds", the same
+# When a round closes, every volunteer that finished its unit waits for the next one. Once
+# each 204 said "ask again in workers / DIPACO_IDLE_POLL_RATE seconds", the same
 # number for everyone, so the crowd came back within one Retry-After of the new round's
 # opening: at 5,000 volunteers, 95 grants a second on two saturated cores for a minute
 # (p99 1.6 s, docs/benchmarks.md). Now:

@@ -1,4 +1,4 @@
-"""``outer.overlap`` "eager" (issue 20): a unit's rebase onto the previous round's versions.
+"""``outer.overlap`` "eager": a unit's rebase onto the previous round's versions.
 
 With overlap, round t opens as round t - 1 starts closing (runs.phases.overlaps): its
 units start from the versions current then (v_{t-1}), and round t's outer step applies
@@ -20,20 +20,14 @@ compares only check copies with the same base.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from typing import Any
 
-from dipaco.config import RunConfig
+from dipaco.config import eager_rebase_step
 from dipaco_server.rounds.models import Round, WorkUnit
 from dipaco_server.runs.errors import ContributionInvalid
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, overlaps, round_config
-
-
-def rebase_step(config: RunConfig) -> int:
-    """The step after which an eager unit rebases: ceil(outer.eager_at x H), at least 1."""
-    return max(1, math.ceil(config.outer.eager_at * config.inner.steps))
 
 
 def rebase_targets(unit: WorkUnit) -> dict[str, int] | None:
@@ -80,7 +74,10 @@ def rebase_state(unit: WorkUnit) -> tuple[dict[str, Any] | None, dict[str, int] 
     targets = rebase_targets(unit)
     if targets is not None and targets == _versions(unit.base_versions):
         return None, None
-    return {"at_step": rebase_step(config), "round": local_round(run_config, t - 1)}, targets
+    return {
+        "at_step": eager_rebase_step(config.outer.eager_at, config.inner.steps),
+        "round": local_round(run_config, t - 1),
+    }, targets
 
 
 def check_delta_base(unit: WorkUnit, given: Mapping[str, Any] | None) -> dict[str, int]:

@@ -21,6 +21,7 @@ import hashlib
 import threading
 from dataclasses import dataclass
 
+from dipaco_server.rounds import stages
 from dipaco_server.runs import keys
 from dipaco_server.storage import BlobStore
 from dipaco_server.storage.keys import validate_key
@@ -69,8 +70,9 @@ def unit_data(
                 data = store.get_bytes(key)
             else:
                 shard = keys.data_key(run_id, path, "train", phase)
-                data = cut_unit(store, shard, dtype, seq_len, seed, first, count)
-                store.put_bytes(key, data)
+                with stages.timed("data_cutting"):  # the caller flushes it to its round
+                    data = cut_unit(store, shard, dtype, seq_len, seed, first, count)
+                    store.put_bytes(key, data)
             known = _digests[key] = (hashlib.sha256(data).hexdigest(), len(data))
     sha256, size = known
     return UnitData(key, sha256, size, count * (seq_len + 1), count, first)

@@ -1,4 +1,5 @@
-"""What a completion may report about its own training: a closed, bounded schema (issue 34).
+"""What a completion may report about its own training: a closed, bounded schema
+(a worker reports only what is its own).
 
 A worker is untrusted, and so are its numbers (docs/design.md §7). A completion carries
 the worker's own training metrics only, each finite and within what a real unit can

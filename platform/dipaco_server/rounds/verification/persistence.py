@@ -1,5 +1,5 @@
 """A fixed-direction bias, caught by what a worker's copy of a unit keeps adding round after
-round (issue 34).
+round (an attack each single round lets through).
 
 An honest Δ plus the same vector every round, at half the Δ's norm, passes every check of
 one round: its norm, its cosine with the momentum and its gain stay within what honest Δs

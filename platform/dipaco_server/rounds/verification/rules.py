@@ -1,4 +1,5 @@
-"""Checks on one module's Δs that hold with one or two contributions (docs/design.md §7, issue 19).
+"""Checks on one module's Δs that hold with one or two contributions (docs/design.md §7:
+volunteers are untrusted).
 
 A round's median says nothing when a module gets two Δs: the attacker's own norm is half
 of it. These checks compare each Δ with what the module itself did before and with what
@@ -41,6 +42,7 @@ from torch import Tensor, nn
 
 from dipaco.config import OuterConfig, RunConfig
 from dipaco.evaluate import mean_loss
+from dipaco.modular import assemble_path_state
 
 Tensors = Mapping[str, Tensor]
 
@@ -256,7 +258,7 @@ def settle_replicas(
     evidence: tuple[ReplicaEvidence, ReplicaEvidence] = (ReplicaEvidence(), ReplicaEvidence()),
     repeated: str = "",
 ) -> ReplicaOutcome:
-    """Two workers' Δs of one unit, settled by evidence (issue 34).
+    """Two workers' Δs of one unit, settled by evidence (never by who was first).
 
     Identical Δs prove nothing: an honest pair on deterministic CPUs computes the same
     bytes, and so does a colluder copying its partner, so identity is neither agreement
@@ -310,7 +312,7 @@ def _norm(delta: Tensors) -> float:
 def useful_fraction(
     score: Score | None, work: float, peers: Sequence[tuple[Score, float]]
 ) -> float:
-    """The share of a unit's claimed tokens that its verified work earns, 0..1 (issue 34).
+    """The share of a unit's claimed tokens that its verified work earns, 0..1 (a claim alone earns nothing).
 
     Measured by proof of useful work: the Δ's relative gain on its own windows per unit of
     work it claims (`work`, the fraction of a whole unit's tokens), against the median of
@@ -335,7 +337,7 @@ def _gain_rate(score: Score, work: float) -> float:
 
 
 # Before a module's first step it has no history and no momentum, and a sign flip of a
-# Δ trained from a fresh start still lowers its own unit's loss (issue 34: 9.04 -> 7.25
+# Δ trained from a fresh start still lowers its own unit's loss (measured: 9.04 -> 7.25
 # against 6.73 for the honest Δ). What holds then is the round's other Δs through the
 # module: trained from the same versions, honest ones point the same way. Unrelated Δs sit
 # near 0 (random directions: |cosine| ~ 1/√values), so the bar sits below it: only a Δ
@@ -417,8 +419,6 @@ def score_delta(
     measure of the work). `before` reuses the base losses of an earlier unit of the same
     path and base (`base_losses`), so each further unit costs two forward passes.
     """
-    from dipaco.modular import assemble_path_state  # transformers: seconds to import
-
     clock = time.perf_counter()
     if before is None:
         before = base_losses(config, p, model, modules, train, heldout)
@@ -440,7 +440,5 @@ def base_losses(
     heldout: Tensor,
 ) -> tuple[float, float]:
     """Path p's (train, held-out) losses with its base modules."""
-    from dipaco.modular import assemble_path_state
-
     model.load_state_dict(assemble_path_state(config, p, modules))
     return _loss(model, train), _loss(model, heldout)

@@ -39,7 +39,7 @@ class Upload:
     position: int = 0  # the unit's data_position: where its training windows start
     replayed: bool = False  # its sha256 was uploaded before in this run (rounds.verification.rules)
     check_of: int | None = None  # a check copy's: the original's contribution (replication)
-    partial: bool = False  # salvaged before its lease's steps were done (issue 20)
+    partial: bool = False  # salvaged before its lease's steps were done
     # The fraction of a whole unit's H steps it trained: a lease sized down (to the round's
     # deadline, a calibration) or a salvaged Δ is honest work that moves the loss less.
     work: float = 1.0
