@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from django.db import transaction
 
 from dipaco import codecs
 from dipaco.codecs import CodecError
@@ -32,23 +31,25 @@ def first_round_verdicts(
     store: BlobStore, round_: Round, config: Any, work: Path, scorer: Scorer | None
 ) -> dict[int, str]:
     """Lease id -> "<code>: <message>" for the round's units that its first-step settlement
-    refuses or holds out (first_round.settle); computed by the first module step that asks,
-    under a lock on the round, and read back by the others."""
-    with transaction.atomic():
-        locked = Round.objects.select_for_update().get(pk=round_.pk)
-        if isinstance(locked.first_round, dict):
-            return {int(k): str(v) for k, v in locked.first_round.items()}
+    refuses or holds out (first_round.settle). The first module step to finish computing
+    it stores it on the round (a conditional UPDATE, no lock held while computing: on
+    SQLite a transaction open that long would block the whole server), and every step
+    applies what is stored, so all apply the same verdicts."""
+    stored = Round.objects.filter(pk=round_.pk).values_list("first_round", flat=True).first()
+    if not isinstance(stored, dict):
         rows = list(
             Contribution.objects.filter(unit__round=round_)
             .select_related("module", "unit__path", "lease__worker")
             .order_by("lease_id", "module_id")
         )
         verdicts = _settle(store, rows, config, work, scorer)
-        locked.first_round = {str(k): v for k, v in verdicts.items()}
-        locked.save(update_fields=["first_round"])
-    if verdicts:
-        logger.info("round %s's first steps: %s", round_.pk, verdicts)
-    return verdicts
+        Round.objects.filter(pk=round_.pk, first_round__isnull=True).update(
+            first_round={str(k): v for k, v in verdicts.items()}
+        )
+        if verdicts:
+            logger.info("round %s's first steps: %s", round_.pk, verdicts)
+        stored = Round.objects.filter(pk=round_.pk).values_list("first_round", flat=True).get()
+    return {int(k): str(v) for k, v in (stored or {}).items()}
 
 
 def _settle(
