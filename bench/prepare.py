@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import resource
@@ -175,7 +176,10 @@ def run_pieces(
     todo = [p for p in pieces if not (out / "parts" / str(p) / "manifest.json").exists()]
     peaks: dict[int, int] = {}
     chars, done, cpu = 0, 0, 0.0
-    pool = ProcessPoolExecutor(max_workers=processes, initializer=one_thread)
+    # Fresh processes (spawn), as Celery's pool processes are: a forked child would count
+    # the pages it inherits from this one (the router's fit) in its RSS.
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=processes, initializer=one_thread, mp_context=context)
     # Every process imports torch and loads the tokenizer and router before the clock starts.
     list(pool.map(warm, [(str(corpus), str(out))] * processes))
     t0 = time.perf_counter()

@@ -35,6 +35,7 @@ from django.db import transaction
 
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
+from dipaco_server.runs.reporting import report_progress, upload_shards
 from dipaco_server.runs.sources import s3_options
 from dipaco_server.storage import BlobStore, validate_key
 
@@ -205,8 +206,6 @@ def write_piece(
 def record_pieces(run: Run, store: BlobStore, planned: dict[str, Any]) -> None:
     """Run.progress for the run page: pieces done of all, under a lock on the run row so
     pieces finishing together never write a smaller count after a larger one."""
-    from dipaco_server.runs.prepare import report_progress  # prepare imports this module
-
     total = len(planned["pieces"])
     with transaction.atomic():
         locked = Run.objects.select_for_update().get(pk=run.pk)
@@ -222,7 +221,6 @@ def join(run: Run, store: BlobStore, planned: dict[str, Any], work: Path) -> Any
     copied from the run that joined them first). Returns the ShardIndex."""
     from dipaco.data.shards import ShardIndex  # torch, pyarrow: only where a run is prepared
     from dipaco.data.stream import PieceResult, join_parts
-    from dipaco_server.runs.prepare import upload_shards  # prepare imports this module
 
     key, root = planned["key"], prefix(planned["key"])
     tokenizer, _ = _tools(store, planned, work)

@@ -43,9 +43,9 @@ from django.conf import settings
 from django.utils import timezone
 
 from dipaco.data.corpus import CorpusStats, iter_corpus
-from dipaco_server.runs import keys, phases
+from dipaco_server.runs import keys, phases, pieces
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
-from dipaco_server.runs.models import Path as RunPath
+from dipaco_server.runs.reporting import report_progress, upload_shards
 from dipaco_server.runs.services import transition
 from dipaco_server.runs.sources import check_source, s3_options
 from dipaco_server.runs.versions import publish_module_version
@@ -72,23 +72,6 @@ def data_index_key(run_id: int, phase: int = 2) -> str:
     return keys.data_index_key(run_id, phase)
 
 
-def report_progress(target: Run | Dataset, stage: str, step: int, steps: int, detail: str) -> None:
-    """Record what a preparation is doing now, for the API and the dashboard."""
-    now = timezone.now()
-    progress = {
-        "stage": stage,
-        "step": step,
-        "steps": steps,
-        "detail": detail,
-        "updated_at": now.isoformat(),
-    }
-    type(target).objects.filter(pk=target.pk).update(progress=progress, updated_at=now)
-    target.progress = progress
-    logger.info(
-        "%s %s: [%d/%d] %s: %s", type(target).__name__, target.pk, step, steps, stage, detail
-    )
-
-
 def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | None = None) -> Run:
     """Data, tokenizer, router and version 0 of every module; then the run is ready.
 
@@ -102,8 +85,6 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     read the corpus into memory (`prepare_in_memory`).
     `max_files` reads only the first files of the corpus (sorted), for demos and tests.
     """
-    from dipaco_server.runs import pieces  # pieces imports this module
-
     planned = begin_run(run, store=store, max_files=max_files)
     if planned is None:
         return run
@@ -119,8 +100,6 @@ def begin_run(
 ) -> dict[str, Any] | None:
     """The run's preparation plan (runs.pieces.plan), or None when there is nothing to do
     in pieces: the run is not preparing, or it was prepared whole (`prepare_in_memory`)."""
-    from dipaco_server.runs import pieces  # pieces imports this module
-
     run.refresh_from_db()
     if run.state == Run.State.DRAFT:
         transition(run, Run.State.PREPARING)
@@ -155,7 +134,6 @@ def begin_run(
 def finish_run(run: Run, key: str, *, store: BlobStore | None = None) -> Run:
     """After every piece: the shards joined and uploaded, version 0 of every module; ready."""
     from dipaco.modular import init_modules  # torch (module docstring)
-    from dipaco_server.runs import pieces  # pieces imports this module
 
     run.refresh_from_db()
     if run.state != Run.State.PREPARING:
@@ -280,24 +258,6 @@ def work_root() -> Path:
     root = Path(settings.DIPACO_DATA_DIR) / "tmp"
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-def upload_shards(run: Run, store: BlobStore, index: Any, shard_dir: Path, phase: int) -> None:
-    """One phase's shards and shard index, uploaded; each Path row gets its token counts
-    and routing share (runs.between writes phase 2's after phase 1)."""
-    total_docs = sum(entry["train"].docs for entry in index.paths) or 1
-    for p, entry in enumerate(index.paths):
-        for split in ("train", "val"):
-            key = keys.data_key(run.pk, p, split, phase)
-            store.put_file(key, shard_dir / entry[split].file)
-        RunPath.objects.filter(run=run, phase=phase, index=p).update(
-            train_tokens=entry["train"].tokens,
-            val_tokens=entry["val"].tokens,
-            routing_share=entry["train"].docs / total_docs,
-        )
-        if entry["val"].tokens <= 1:
-            logger.warning("run %s path %d has no validation text: it cannot stop early", run.pk, p)
-    store.put_file(data_index_key(run.pk, phase), shard_dir / "index.json")
 
 
 def write_document_chunks(
