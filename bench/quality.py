@@ -165,6 +165,7 @@ class Job:
     device: str
     eval_every: int = 1  # DiPaCo validates every this many rounds (and after the last)
     reroute_every: int = 0  # > 0: measure specialisation and re-routing (bench/specialise.py)
+    domains: bool = True  # with it, per-domain losses (reads the corpus again)
     # dense-total-steps: the DiPaCo config whose prepared data and base give the windows
     windows_config_json: str | None = None
 
@@ -248,7 +249,6 @@ def _run_job(job: Job) -> dict[str, Any]:
 def specialisation(config: RunConfig, result: Any, job: Job) -> dict[str, Any]:
     """bench/specialise.py's figures for a trained DiPaCo (oracle, agreement, re-routing,
     per domain)."""
-    # bench/specialise.py is a sibling script, importable once this directory is on the path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     # a sibling script, importable once this directory is on sys.path (above)
     import specialise
@@ -257,8 +257,10 @@ def specialisation(config: RunConfig, result: Any, job: Job) -> dict[str, Any]:
     figures = specialise.window_figures(
         config, result.data, modules, result.windows, job.reroute_every, job.device
     )
-    figures["by_domain"] = specialise.domain_figures(
-        config, result.data, modules, job.budget, job.device
+    figures["by_domain"] = (
+        specialise.domain_figures(config, result.data, modules, job.budget, job.device)
+        if job.domains
+        else {}
     )
     return figures
 
@@ -410,6 +412,7 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
             name, cfgs[key].model_dump_json(), baseline, budget, str(args.work_dir),
             args.eval_windows, args.threads, args.base_steps, args.batch, args.device,
             eval_every=args.eval_every, reroute_every=args.reroute_every if analyse else 0,
+            domains=not args.no_domains,
             windows_config_json=cfgs["b-fp32"].model_dump_json() if key == "e" else None,
         )  # fmt: skip
 
@@ -641,10 +644,11 @@ def print_tables(
         curve = " ".join(f"{loss:.3f}" for loss in results[name]["curve"])
         console.print(f"{name} routed val loss at validated rounds: {curve}")
     for name, figures in specialisation_summary(results).items():
+        purity = "-" if figures["domain_purity"] is None else f"{figures['domain_purity']:.2f}"
         console.print(
             f"{name} specialisation: oracle / routed {figures['oracle_vs_routed']:.3f}, router "
             f"agrees with the oracle on {figures['router_agreement']:.0%} of windows (chance "
-            f"{figures['chance_agreement']:.0%}), domain purity {figures['domain_purity']:.2f}, "
+            f"{figures['chance_agreement']:.0%}), domain purity {purity}, "
             f"re-routed {figures['windows_rerouted']:.0%} of windows"
         )
 
@@ -659,7 +663,7 @@ def specialisation_summary(results: dict[str, dict[str, Any]]) -> dict[str, dict
         keep = ("oracle_vs_routed", "router_agreement", "chance_agreement",
                 "reroute_vs_route_once", "windows_rerouted", "reroute_every")  # fmt: skip
         out[name] = {key: figures[key] for key in keep}
-        out[name]["domain_purity"] = figures["by_domain"].get("purity", math.nan)
+        out[name]["domain_purity"] = figures["by_domain"].get("purity")  # None: not measured
     return out
 
 
@@ -839,6 +843,11 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         "--reroute-every", type=int, default=32,
         help="reroute_vs_route_once: re-route every this many tokens of a validation "
         "window (the paper: 64 of 1,024-token sequences; default %(default)s of 128)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--no-domains", action="store_true",
+        help="skip the per-domain losses (they read the corpus again: seconds for the "
+        "standard library, minutes for a GPU run's 300M characters)",
     )  # fmt: skip
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1),
                         help="processes (default: %(default)s)")  # fmt: skip

@@ -3,7 +3,9 @@
 No file under the project's code is over 600 lines (migrations aside, and a file whose
 docstring says why: "Over N lines: ..."), and no function is over 80 lines, so each
 reads top to bottom in a sitting. The source names no issue number: a reader cannot open
-the tracker, so the reason belongs in the text.
+the tracker, so the reason belongs in the text. In the server and the dashboard, an import
+inside a function says why it is there (a comment on it, or above its group of imports):
+usually a module that takes seconds to load, or one that needs Django set up first.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ FOLDERS = ("platform", "dipaco", "worker_agent", "web", "bench")
 MAX_FILE_LINES = 600
 MAX_FUNCTION_LINES = 80
 SAYS_WHY = re.compile(r"\bover \d[\d,]* lines\b", re.IGNORECASE)
+SAYS_WHY_FOLDERS = ("platform", "web")
 ISSUE_NUMBER = re.compile(r"issue ?#?[0-9]+")  # as `grep -rnE "issue ?#?[0-9]+"` finds
 
 
@@ -84,3 +87,60 @@ def test_no_source_names_an_issue_number() -> None:
                 if ISSUE_NUMBER.search(line):
                     found.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
     assert not found, "say the reason instead of the issue number:\n" + "\n".join(found)
+
+
+def unexplained_imports(files: Iterable[tuple[str, str]]) -> list[str]:
+    """``path:line: import`` for each import inside a function with no comment on its line
+    nor above the run of import lines it starts or belongs to; `files` are (path, text)."""
+    found = []
+    for path, text in files:
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text, filename=path)):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for statement in ast.walk(node):
+                imports = isinstance(statement, ast.Import | ast.ImportFrom)
+                if imports and not _commented(lines, statement):
+                    found.append(f"{path}:{statement.lineno}: {ast.unparse(statement)}")
+    return found
+
+
+def _commented(lines: list[str], statement: ast.Import | ast.ImportFrom) -> bool:
+    end = statement.end_lineno or statement.lineno
+    if any("#" in line for line in lines[statement.lineno - 1 : end]):
+        return True
+    i = statement.lineno - 2  # up through the group of imports it belongs to
+    while i >= 0:
+        line = lines[i].strip()
+        if line.startswith("#"):
+            return True
+        if not line.startswith(("import ", "from ", ")")) and line and not line.endswith(","):
+            return False
+        i -= 1
+    return False
+
+
+def test_every_import_inside_a_server_function_says_why() -> None:
+    files = [
+        path
+        for folder in SAYS_WHY_FOLDERS
+        for path in sorted((ROOT / folder).rglob("*.py"))
+        if "migrations" not in path.parts
+    ]
+    sources = [(p.relative_to(ROOT).as_posix(), p.read_text("utf-8")) for p in files]
+    found = unexplained_imports(sources)
+    assert not found, "say why each import is inside its function:\n" + "\n".join(found)
+
+
+def test_the_import_check_takes_a_comment_on_the_line_or_above_the_group() -> None:
+    text = (
+        "def f():\n"
+        "    # Django: set up by then\n"
+        "    from django.db import connection\n"
+        "    from django.db.models import Q\n"
+        "\n"
+        "    x = 1\n"
+        "    import json  # only here\n"
+        "    import torch\n"
+    )
+    assert unexplained_imports([("a.py", text)]) == ["a.py:8: import torch"]

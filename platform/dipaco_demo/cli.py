@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         json_path=args.json_path, prompt=args.prompt or SAMPLE_PROMPT,
         baselines=args.baselines,
     )  # fmt: skip
-    import torch
+    import torch  # already loaded by the runner above; here to set its threads
 
     torch.set_num_threads(1)  # the workers have a core each; the baseline shares them
     previous = signal.signal(signal.SIGTERM, _interrupt)
