@@ -71,7 +71,7 @@ from dipaco.outer import DeltaAccumulator, delta_norm, norm_outliers, outer_lr, 
 from dipaco.simulate import DataBudget
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.train import evaluate_paths
-from dipaco_server.rounds.verification import persistence, rules
+from dipaco_server.rounds.verification import first_round, persistence, rules
 
 ATTACKS = [
     "sign_flip", "scale_x10", "scale_x1e3", "scale_fp16_max", "gaussian_noise", "zeros",
@@ -185,6 +185,7 @@ class Run:
         self.claimed: dict[int, int] = defaultdict(int)
         self.reasons: dict[str, int] = defaultdict(int)
         self.honest_rejected = 0
+        self.first_verdicts: dict[int, str] = {}  # unit index -> the first round's verdict
         # (worker, module) -> its compared copies' difference sketches, newest first
         self.replica_past: dict[tuple[int, str], list[tuple[int, bool, Tensor]]] = defaultdict(
             list
@@ -269,6 +270,9 @@ class Run:
         live = [u for u in units if not u.rejected]
         round_base = {m: dict(v) for m, v in self.modules.items()}  # what the units started from
         self.score_units(live, t, round_base)
+        self.first_verdicts = {}
+        if cfg.outer.verify and not any(self.history.values()):  # the modules' first step
+            self.first_verdicts = self.first_round(live)
         lr = outer_lr(cfg.outer, t)
         seen_now: set[str] = set()
         for module_id in module_ids(cfg):
@@ -342,6 +346,9 @@ class Run:
                 entries[i].reason = why
             self.settle_replicas(entries, module_id)
             if not past:  # the module's first step: no history yet
+                for e in entries:  # rounds.verification.checks.first_round_check
+                    if not e.reason and e.unit.index in self.first_verdicts:
+                        e.reason = self.first_verdicts[e.unit.index]
                 self.peer_check(entries)
         self.verify_seconds += time.process_time() - clock
         chosen = [e for e in entries if not e.reason and self.aggregated(e, entries)]
@@ -428,6 +435,39 @@ class Run:
         for entry in kept:  # as stored, seen from the next round's step on
             self.replica_new.append(entry)
         return persistence.repeated(sides, difference, min(e.norm for e in pair))
+
+    def first_round(self, units: list[Unit]) -> dict[int, str]:
+        """rounds.verification.settlement: the round's units settled over every module they
+        share (first_round.settle), the same verdict for each of their Δs."""
+        flat: dict[str, dict[int, Tensor]] = defaultdict(dict)
+        for u in units:
+            for module_id, data in u.encoded.items():
+                try:
+                    delta = codecs.decode(data, module_spec(self.cfg, module_id))
+                except codecs.CodecError:
+                    continue
+                flat[module_id][u.index] = torch.cat(
+                    [t.double().reshape(-1) for t in delta.values()]
+                )
+        sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for deltas in flat.values():
+            keys = sorted(deltas)
+            for i, a in enumerate(keys):
+                for b in keys[i + 1 :]:
+                    acc = sums[(a, b)]
+                    acc[0] += float(deltas[a] @ deltas[b])
+                    acc[1] += float(deltas[a] @ deltas[a])
+                    acc[2] += float(deltas[b] @ deltas[b])
+        cosines = {
+            pair: (ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 and math.isfinite(ab) else None)
+            for pair, (ab, aa, bb) in sums.items()
+        }
+        facts = {
+            u.index: first_round.UnitFacts(u.worker, rules.gain_rate(u.score, self.work(u)))
+            for u in units
+        }
+        copies = [(u.check_of, u.index) for u in units if u.check_of is not None]
+        return first_round.settle(facts, cosines, copies)
 
     def peer_check(self, entries: list[Entry]) -> None:
         live = {i: e for i, e in enumerate(entries) if not e.reason and self.aggregated(e, entries)}

@@ -34,6 +34,10 @@ class Round(models.Model):
     # When the round began closing (its outer step's start): what the next round's expected
     # opening is counted from (rounds.protocol.leases), whatever the resends do to closing_at.
     closing_started_at = models.DateTimeField(null=True, blank=True)
+    # The first round's settlement over whole units (rounds.verification.settlement): lease
+    # id -> "<code>: <message>" for each unit it refused or held out; computed by the first
+    # module step that needs it, so every module's first step applies the same verdicts.
+    first_round = models.JSONField(null=True, blank=True)
 
     class Meta:
         constraints = (models.UniqueConstraint(fields=["run", "t"], name="round_unique_per_run"),)

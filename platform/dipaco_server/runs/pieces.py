@@ -35,8 +35,8 @@ from django.db import transaction
 
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
-from dipaco_server.runs.reporting import report_progress, upload_shards
 from dipaco_server.runs.sources import s3_options
+from dipaco_server.runs.stages import report_progress, upload_shards
 from dipaco_server.storage import BlobStore, validate_key
 
 logger = logging.getLogger(__name__)
@@ -84,7 +84,6 @@ def plan(
     run: Run, store: BlobStore, key: str, listing: Any, work: Path, on_stage: Any
 ) -> dict[str, Any]:
     """Scan, tokenizer and router under prepared/<key>/, once: a stored plan is reused."""
-    # the library (torch, pyarrow): only in the processes that prepare
     from dipaco.data.prepare import fit_router_on  # torch, pyarrow: only where a run is prepared
     from dipaco.data.stream import ReadOptions, keep_fraction, prefix_chars, scan_corpus
     from dipaco.data.tokenizer import train_tokenizer_on
@@ -177,7 +176,7 @@ def write_piece(
     store: BlobStore, planned: dict[str, Any], piece: int, work_root: Path
 ) -> dict[str, Any]:
     """One file's part of every shard, uploaded, then its manifest; kept if already there."""
-    # the library (torch, pyarrow): only in the processes that prepare
+    # the corpus readers and the tokenizer: only in the task that writes a piece
     from dipaco.data.sources import Listing, SourceFile, filesystem
     from dipaco.data.stream import PieceResult, ReadOptions
     from dipaco.data.stream import write_piece as write
@@ -221,7 +220,6 @@ def record_pieces(run: Run, store: BlobStore, planned: dict[str, Any]) -> None:
 def join(run: Run, store: BlobStore, planned: dict[str, Any], work: Path) -> Any:
     """The run's shards, index, tokenizer and router: the parts joined in file order (or
     copied from the run that joined them first). Returns the ShardIndex."""
-    # the library (torch, pyarrow): only in the processes that prepare
     from dipaco.data.shards import ShardIndex  # torch, pyarrow: only where a run is prepared
     from dipaco.data.stream import PieceResult, join_parts
 

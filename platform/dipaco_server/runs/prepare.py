@@ -43,11 +43,11 @@ from django.conf import settings
 from django.utils import timezone
 
 from dipaco.data.corpus import CorpusStats, iter_corpus
-from dipaco_server.runs import keys, phases, pieces
+from dipaco_server.runs import keys, phases
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
-from dipaco_server.runs.reporting import report_progress, upload_shards
 from dipaco_server.runs.services import transition
 from dipaco_server.runs.sources import check_source, s3_options
+from dipaco_server.runs.stages import report_progress, upload_shards
 from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 
@@ -85,6 +85,8 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
     read the corpus into memory (`prepare_in_memory`).
     `max_files` reads only the first files of the corpus (sorted), for demos and tests.
     """
+    from dipaco_server.runs import pieces  # pieces imports this module
+
     planned = begin_run(run, store=store, max_files=max_files)
     if planned is None:
         return run
@@ -100,6 +102,8 @@ def begin_run(
 ) -> dict[str, Any] | None:
     """The run's preparation plan (runs.pieces.plan), or None when there is nothing to do
     in pieces: the run is not preparing, or it was prepared whole (`prepare_in_memory`)."""
+    from dipaco_server.runs import pieces  # pieces imports this module
+
     run.refresh_from_db()
     if run.state == Run.State.DRAFT:
         transition(run, Run.State.PREPARING)
@@ -134,6 +138,7 @@ def begin_run(
 def finish_run(run: Run, key: str, *, store: BlobStore | None = None) -> Run:
     """After every piece: the shards joined and uploaded, version 0 of every module; ready."""
     from dipaco.modular import init_modules  # torch (module docstring)
+    from dipaco_server.runs import pieces  # pieces imports this module
 
     run.refresh_from_db()
     if run.state != Run.State.PREPARING:

@@ -74,6 +74,7 @@ from dipaco_server.rounds.verification.context import (
 )
 from dipaco_server.rounds.verification.credit import settle
 from dipaco_server.rounds.verification.scorer import Scorer
+from dipaco_server.rounds.verification.settlement import first_round_verdicts
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
@@ -153,6 +154,7 @@ def compute_step(
     momentum: Mapping[str, Tensor] | None = None,
     scorer: ScoreFn | None = None,
     comm: CommConfig | None = None,
+    first_round: Mapping[int, str] | None = None,
 ) -> StepResult:
     """Verify, aggregate and step in `work`; the outputs stay there for the caller.
 
@@ -168,8 +170,9 @@ def compute_step(
     clock = time.perf_counter()
     with stages.timed("checks"):
         verdicts, replicas = check_contributions(
-            store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer
-        )
+            store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer,
+            first_round=first_round,
+        )  # fmt: skip
     result = StepResult(verdicts, replicas=replicas)
     result.timings["verify"] = time.perf_counter() - clock
     norms = [v.norm for v in result.verdicts if v.norm is not None]
@@ -274,11 +277,15 @@ def step_module(
             round_index == 0 and phase == PATHS and store.exists(keys.base_model_key(run_id))
         )
         stages.reset()
+        history = norm_history(module, t, outer.history_rounds)
         with stages.timed("outer_step"):
+            settled = None
+            if outer.verify and uploads and not history:  # a module's first step
+                settled = first_round_verdicts(store, round_, config, work, scorer)
             result = compute_step(
                 store, uploads, base, spec, outer, work, round_index=round_index,
-                trained_start=trained_start, history=norm_history(module, t, outer.history_rounds),
-                momentum=momentum, scorer=scorer, comm=config.comm,
+                trained_start=trained_start, history=history, momentum=momentum,
+                scorer=scorer, comm=config.comm, first_round=settled,
             )  # fmt: skip
         result.whole_unit = whole_unit
         with stages.timed("publishing"):

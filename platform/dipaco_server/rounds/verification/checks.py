@@ -13,7 +13,10 @@
    the pair is
    (rounds.verification.persistence: a fixed-direction bias); `aggregated` puts a check copy in the
    place of a refused original.
-4. **peers** (`peer_check`), in a module's first step only: no free first round.
+4. **the first round** (`first_round_check`, a module's first step): the round's units
+   settled over every module they share (rounds.verification.first_round), so two
+   colluders cannot win a tie, nor a module only their paths share.
+5. **peers** (`peer_check`), in a module's first step only: no free first round.
 
 Each Δ is decoded to tensors at most once (`Verdict.decoded`) and kept for the later
 checks and the aggregation: pass 1 holds every verified Δ of the module in fp32.
@@ -52,11 +55,14 @@ def check_contributions(
     history: Sequence[float] = (),
     momentum: Mapping[str, Tensor] | None = None,
     scorer: ScoreFn | None = None,
+    first_round: Mapping[int, str] | None = None,
 ) -> tuple[list[Verdict], list[tuple[int, str]]]:
     """Every check on one module's uploads: (a verdict per upload, in order; (worker,
     the replica counter it moves) per settled replica pair). An accepted verdict keeps its verified
     file (and its decoded Δ, when a check decoded it) for the aggregation; `aggregated`
-    picks the ones that go into the step."""
+    picks the ones that go into the step. `first_round`: the round's settlement over
+    whole units (lease id -> reason, rounds.verification.settlement), for a module's first
+    step."""
     verdicts = verify_uploads(
         store,
         uploads,
@@ -70,8 +76,19 @@ def check_contributions(
     )
     replicas = compare_replicas(verdicts, spec, cfg)
     if cfg.verify and not history:
+        first_round_check(verdicts, first_round or {})
         peer_check(verdicts, spec)
     return verdicts, replicas
+
+
+def first_round_check(verdicts: Sequence[Verdict], settled: Mapping[int, str]) -> None:
+    """The round's settlement over whole units (first_round.settle) applied to this
+    module's Δs: a unit refused or held out there is, in every module it trained."""
+    for v in verdicts:
+        reason = settled.get(v.upload.lease_id)
+        if v.accepted and reason:
+            code, _, message = reason.partition(": ")
+            v.reject(code, message)
 
 
 def peer_check(verdicts: Sequence[Verdict], spec: Spec) -> None:

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from django.db.models import F
 
 from dipaco_server.rounds.models import Contribution, WorkUnit
-from dipaco_server.rounds.verification import rules
+from dipaco_server.rounds.verification import first_round, rules
 from dipaco_server.rounds.verification.uploads import Verdict
 from dipaco_server.workers import trust
 from dipaco_server.workers.models import Worker
@@ -106,7 +106,9 @@ def settle(
     rejected = [v for v in verdicts if not v.accepted]
     count(accepted, "contributions_accepted")
     count(rejected, "contributions_rejected")
-    trust.penalise(v.upload.worker_id for v in rejected if not weak_partial(v))
+    # Held out by an undecided first round (first_round.UNSETTLED): not its worker's fault.
+    held = [v for v in rejected if v.reason.startswith(first_round.UNSETTLED)]
+    trust.penalise(v.upload.worker_id for v in rejected if not weak_partial(v) and v not in held)
     for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed"
         Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + 1})
     trust.reward(v.upload.worker_id for v in accepted)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -72,9 +72,19 @@ class Scorer:
         """The unit's whole Δ scored (rounds.verification.rules.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
         with stages.timed("scoring"), autocast(self.device):
-            return self._score(upload, delta)
+            return self._score(
+                upload, lambda: {**self._siblings(upload), self.module.module_id: delta}
+            )
 
-    def _score(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
+    def whole_unit(self, upload: Upload) -> rules.Score | None:
+        """The score of the unit `upload` belongs to, every module of it fetched from the
+        store (the first round's settlement scores units of other modules' paths too)."""
+        with stages.timed("scoring"), autocast(self.device):
+            return self._score(upload, lambda: self._siblings(upload, exclude=False))
+
+    def _score(
+        self, upload: Upload, unit_deltas: Callable[[], dict[str, dict[str, Tensor]]]
+    ) -> rules.Score | None:
         recorded = self._recorded(upload)
         if recorded is not None:
             self.reused += 1
@@ -84,7 +94,7 @@ class Scorer:
             key = (upload.path, upload.delta_base)
             modules, heldout = self._path(upload.path, upload.delta_base)
             train = self._train_windows(upload.path, upload.position)
-            deltas = {**self._siblings(upload), self.module.module_id: delta}
+            deltas = unit_deltas()
             score = rules.score_delta(
                 self.config,
                 upload.path,
@@ -120,11 +130,12 @@ class Scorer:
             return None
         return rules.Score.from_dict(row)
 
-    def _siblings(self, upload: Upload) -> dict[str, dict[str, Tensor]]:
-        """The unit's Δs of its path's other modules, fetched and checked like its own."""
-        others = Contribution.objects.filter(lease_id=upload.lease_id).exclude(
-            module_id=self.module.pk
-        )
+    def _siblings(self, upload: Upload, *, exclude: bool = True) -> dict[str, dict[str, Tensor]]:
+        """The unit's Δs of its path's other modules (every module without `exclude`),
+        fetched and checked like its own."""
+        others = Contribution.objects.filter(lease_id=upload.lease_id)
+        if exclude:
+            others = others.exclude(module_id=self.module.pk)
         deltas = {}
         for c in others.select_related("module"):
             sibling = Upload(c.pk, upload.worker_id, c.blob_key, c.size, c.sha256, c.tokens)

@@ -1,5 +1,5 @@
-"""What a preparation reports as it goes (``Run.progress``, ``Dataset.progress``) and the
-shards it uploads: shared by runs.prepare, runs.pieces and runs.between."""
+"""What the stages of a run's preparation share, whole (runs.prepare) or in pieces
+(runs.pieces): recording the stage it is at, and uploading a phase's shards."""
 
 from __future__ import annotations
 
@@ -14,7 +14,9 @@ from dipaco_server.runs.models import Dataset, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.storage import BlobStore
 
-logger = logging.getLogger("dipaco_server.runs.prepare")  # the name operators grep for
+logger = logging.getLogger("dipaco_server.runs.prepare")  # the preparation's one log
+
+__all__ = ["report_progress", "upload_shards"]
 
 
 def report_progress(target: Run | Dataset, stage: str, step: int, steps: int, detail: str) -> None:
