@@ -120,6 +120,15 @@ def plan(corpus: Path, out: Path) -> dict[str, Any]:
 _TOOLS: dict[str, Any] = {}
 
 
+def peak_rss_kib() -> int:
+    """This process's peak RSS: VmHWM, which starts afresh at exec (ru_maxrss carries the
+    spawning parent's peak over an exec on Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def cpu_seconds() -> float:
     """This process's CPU time (user + system): what a piece cost whatever else ran."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -165,7 +174,7 @@ def write_one(corpus: str, out: str, piece: int) -> dict[str, Any]:
         "chars": result.chars,
         "cpu_s": cpu_seconds() - cpu0,
         "pid": os.getpid(),
-        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "peak_rss_kib": peak_rss_kib(),
     }
 
 
