@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import random
 import resource
@@ -119,6 +120,15 @@ def plan(corpus: Path, out: Path) -> dict[str, Any]:
 _TOOLS: dict[str, Any] = {}
 
 
+def peak_rss_kib() -> int:
+    """This process's peak RSS: VmHWM, which starts afresh at exec (ru_maxrss carries the
+    spawning parent's peak over an exec on Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+
 def cpu_seconds() -> float:
     """This process's CPU time (user + system): what a piece cost whatever else ran."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -164,7 +174,7 @@ def write_one(corpus: str, out: str, piece: int) -> dict[str, Any]:
         "chars": result.chars,
         "cpu_s": cpu_seconds() - cpu0,
         "pid": os.getpid(),
-        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "peak_rss_kib": peak_rss_kib(),
     }
 
 
@@ -175,7 +185,10 @@ def run_pieces(
     todo = [p for p in pieces if not (out / "parts" / str(p) / "manifest.json").exists()]
     peaks: dict[int, int] = {}
     chars, done, cpu = 0, 0, 0.0
-    pool = ProcessPoolExecutor(max_workers=processes, initializer=one_thread)
+    # Fresh processes (spawn), as Celery's pool processes are: a forked child would count
+    # the pages it inherits from this one (the router's fit) in its RSS.
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(max_workers=processes, initializer=one_thread, mp_context=context)
     # Every process imports torch and loads the tokenizer and router before the clock starts.
     list(pool.map(warm, [(str(corpus), str(out))] * processes))
     t0 = time.perf_counter()

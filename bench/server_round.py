@@ -94,24 +94,50 @@ def shards(store: Any, config: RunConfig, paths: int, windows: int) -> None:
 
 def measure(config: RunConfig, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     # The server's modules load after django.setup() (main), the library's with them.
-    from dipaco import codecs
-    from dipaco.data.ranged import store_shard
-    from dipaco.data.windows import ShardSource, path_seed, unit_tokens, unit_windows
-    from dipaco.evaluate import mean_loss, sample_size
+    from dipaco.data.windows import unit_windows
+    from dipaco.evaluate import sample_size
     from dipaco.model import build_model
-    from dipaco.modular import init_modules, module_spec, modules_of_path
+
+    clock = Clock()
+    store, modules, bases, uploads, deltas = _uploads(config, args, root, clock)
+    torch.set_num_threads(1)
+    model = build_model(config.model, config.seed)
+    score_units, score_windows, scale = _score(config, args, store, modules, deltas, model, clock)
+    per_module = _steps(config, store, uploads, bases, root, clock)
+    eval_windows = _evaluate(config, args, store, model, clock)
+    return {
+        **{k: round(v, 4) for k, v in clock.stages.items()},
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "units": args.units,
+        "params": config.num_params(),
+        "cut_windows_per_unit": args.cut_windows,
+        "unit_windows": unit_windows(config),
+        "eval_windows": eval_windows,
+        "sample_windows": sample_size(config),
+        "score_windows": config.outer.score_windows,
+        "scoring_measured": {"units": score_units, "windows": score_windows, "scale": scale},
+        "modules": {m: {k: round(v, 4) for k, v in s.items()} for m, s in per_module.items()},
+    }
+
+
+def _uploads(
+    config: RunConfig, args: argparse.Namespace, root: Path, clock: Clock
+) -> tuple[Any, Any, dict[str, Any], dict[str, list[Any]], dict[int, Any]]:
+    """The store with the shards, version 0 of every module and each unit's Δ uploads."""
+    # The server's modules load after django.setup() (main), the library's with them.
+    from dipaco import codecs
+    from dipaco.data.windows import path_seed, unit_tokens, unit_windows
+    from dipaco.modular import init_modules, modules_of_path
     from dipaco.modules_file import write_module
     from dipaco_server.rounds.outer.aggregate import BaseVersion
-    from dipaco_server.rounds.outer.step import compute_step
     from dipaco_server.rounds.protocol.unit_data import cut_unit
-    from dipaco_server.rounds.verification.rules import score_delta
-    from dipaco_server.rounds.verification.uploads import Upload, fetch
+    from dipaco_server.rounds.verification.uploads import Upload
     from dipaco_server.runs import keys
     from dipaco_server.storage.local import LocalBlobStore
 
     store = LocalBlobStore(root / "blobs", public_url="http://127.0.0.1", secret="bench")
     args.cut_windows = min(args.cut_windows, unit_windows(config))
-    clock, T, comm = Clock(), config.model.seq_len, config.comm
+    T, comm = config.model.seq_len, config.comm
     paths = config.layout.num_paths
     shard_windows = max(args.cut_windows * 4, args.eval_windows + 64, 4096)
     shards(store, config, paths, shard_windows)
@@ -140,11 +166,29 @@ def measure(config: RunConfig, args: argparse.Namespace, root: Path) -> dict[str
             uploads[module_id].append(Upload(len(counts), u, key, len(data), hashlib.sha256(data).hexdigest(), unit_tokens(config), p, position=u * 8))  # fmt: skip
             counts[module_id] += 1
             deltas[u][module_id] = delta
-    torch.set_num_threads(1)
-    model = build_model(config.model, config.seed)
-    # Proof of useful work, as the Scorer reads its windows: --score-units units on
-    # --score-windows windows each, scaled to every unit and outer.score_windows (its cost
-    # is forward passes over 4 x score_windows windows: base and Δ, train and held-out).
+    return store, modules, bases, uploads, deltas
+
+
+def _score(
+    config: RunConfig,
+    args: argparse.Namespace,
+    store: Any,
+    modules: Any,
+    deltas: dict[int, Any],
+    model: Any,
+    clock: Clock,
+) -> tuple[int, int, float]:
+    """Proof of useful work, as the Scorer reads its windows: --score-units units on
+    --score-windows windows each, scaled to every unit and outer.score_windows (its cost
+    is forward passes over 4 x score_windows windows: base and Δ, train and held-out)."""
+    # The server's modules load after django.setup() (main), the library's with them.
+    from dipaco.data.ranged import store_shard
+    from dipaco.data.windows import ShardSource, path_seed
+    from dipaco.modular import modules_of_path
+    from dipaco_server.rounds.verification.rules import score_delta
+    from dipaco_server.runs import keys
+
+    T, paths = config.model.seq_len, config.layout.num_paths
     score_units = min(args.score_units or args.units, args.units)
     score_windows = args.score_windows or config.outer.score_windows
     for u in range(score_units):
@@ -158,6 +202,25 @@ def measure(config: RunConfig, args: argparse.Namespace, root: Path) -> dict[str
         clock.stages["scoring"] += time.perf_counter() - start
     scale = args.units / score_units * config.outer.score_windows / score_windows
     clock.stages["scoring"] *= scale
+    return score_units, score_windows, scale
+
+
+def _steps(
+    config: RunConfig,
+    store: Any,
+    uploads: dict[str, list[Any]],
+    bases: dict[str, Any],
+    root: Path,
+    clock: Clock,
+) -> dict[str, dict[str, float]]:
+    """Each module's outer step over its uploads, timed stage by stage."""
+    # The server's modules load after django.setup() (main), the library's with them.
+    from dipaco import codecs
+    from dipaco.modular import module_spec
+    from dipaco_server.rounds.outer.step import compute_step
+    from dipaco_server.rounds.verification.uploads import fetch
+
+    comm = config.comm
     per_module: dict[str, dict[str, float]] = {}
     for module_id, ups in uploads.items():
         spec = module_spec(config, module_id)
@@ -186,6 +249,19 @@ def measure(config: RunConfig, args: argparse.Namespace, root: Path) -> dict[str
         shutil.rmtree(work)
     for stage in ("fetch_decode", "checks", "aggregate", "outer_step", "publishing"):
         clock.stages[stage] = sum(m[stage] for m in per_module.values())
+    return per_module
+
+
+def _evaluate(
+    config: RunConfig, args: argparse.Namespace, store: Any, model: Any, clock: Clock
+) -> int:
+    """Evaluation: each path assembled, its sample's windows scored; returns the windows."""
+    # The server's modules load after django.setup() (main), the library's with them.
+    from dipaco.data.ranged import store_shard
+    from dipaco.evaluate import mean_loss
+    from dipaco_server.runs import keys
+
+    T, paths = config.model.seq_len, config.layout.num_paths
     eval_windows = 0
     for p in range(paths):  # evaluation: the path assembled, its sample's windows scored
         val = store_shard(store, keys.data_key(1, p, "val"), "<u2")
@@ -194,19 +270,7 @@ def measure(config: RunConfig, args: argparse.Namespace, root: Path) -> dict[str
         mean_loss(model, windows, config.eval.batch_size)
         clock.stages["evaluation"] += time.perf_counter() - start
         eval_windows += args.eval_windows
-    return {
-        **{k: round(v, 4) for k, v in clock.stages.items()},
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "units": args.units,
-        "params": config.num_params(),
-        "cut_windows_per_unit": args.cut_windows,
-        "unit_windows": unit_windows(config),
-        "eval_windows": eval_windows,
-        "sample_windows": sample_size(config),
-        "score_windows": config.outer.score_windows,
-        "scoring_measured": {"units": score_units, "windows": score_windows, "scale": scale},
-        "modules": {m: {k: round(v, 4) for k, v in s.items()} for m, s in per_module.items()},
-    }
+    return eval_windows
 
 
 def lpt(tasks: list[float], cores: int) -> float:

@@ -67,6 +67,7 @@ class Generation:
 def sample_next(logits: Tensor, temperature: float, top_k: int, generator: Any) -> int:
     """The next token from (V,) logits: argmax at temperature 0, else a draw from the
     softmax of logits / temperature over the top_k candidates."""
+    # torch: the note under the imports
     import torch
 
     if temperature <= 0:
@@ -88,8 +89,10 @@ def _chunk(
     """Up to `count` new tokens on one model: a fresh prefill of `context`, then one token
     at a time on its KV cache (a model without one, dipaco.model's, reads the whole text
     again each token); ends early at `stop`."""
+    # torch: the note under the imports
     import inspect
 
+    # torch: the note under the imports
     import torch
 
     device = next(model.parameters()).device
@@ -139,6 +142,7 @@ def generate(
     `route_tail`: never, a single path writes everything). `open_path(p)` gives path p's
     model. Generation stops after `max_new_tokens` or at the `stop` token (kept).
     `on_token(token, path)` hears each new token as it is drawn (a CLI streams them)."""
+    # torch: the note under the imports
     import torch
 
     if max_new_tokens < 1:

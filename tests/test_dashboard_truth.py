@@ -24,7 +24,7 @@ from dipaco.client import _plan_text
 from dipaco_demo.display import DemoDisplay
 from dipaco_demo.workers import WorkerStatus
 from dipaco_server.inference import card
-from dipaco_server.inference import services as inference
+from dipaco_server.inference import selection as inference
 from dipaco_server.rounds.models import Round, WorkUnit
 from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Dataset, Run

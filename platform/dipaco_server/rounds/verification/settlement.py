@@ -10,8 +10,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dipaco import codecs
 from dipaco.codecs import CodecError
+from dipaco.data.windows import unit_tokens
 from dipaco_server.rounds.models import Contribution, Round
 from dipaco_server.rounds.verification import first_round, rules
 from dipaco_server.rounds.verification.replication import CHECK_OFFSET
@@ -89,8 +92,6 @@ def _settle(
 
 
 def _flatten(delta: dict[str, Any]) -> Any:
-    import torch
-
     return torch.cat([t.double().reshape(-1) for t in delta.values()])
 
 
@@ -98,8 +99,6 @@ def _facts(
     rows: Sequence[Contribution], config: Any, scorer: Scorer | None
 ) -> dict[int, first_round.UnitFacts]:
     """Each lease's worker, whether it referees, and its unit's gain per unit of work."""
-    from dipaco.data.windows import unit_tokens
-
     whole = unit_tokens(config)
     out: dict[int, first_round.UnitFacts] = {}
     for c in rows:
