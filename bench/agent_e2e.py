@@ -71,7 +71,7 @@ def _prepared_run(
     from dipaco_server.cli.admin import setup_django
 
     setup_django()
-    from dipaco_server.rounds.open import start_run
+    from dipaco_server.rounds.lifecycle.open import start_run
     from dipaco_server.runs.prepare import prepare_run
     from dipaco_server.runs.services import create_run
     from dipaco_server.workers.services import create_enrollment_token

@@ -5,16 +5,16 @@
 A short DiPaCo 2x2 run with R=1 (dipaco.simulate's round loop: four units a round, one per
 path, each trained by its own simulated worker with warm AdamW state) in which worker 0
 attacks every round (workers 0 and 1 for `colluders`). Every upload then goes through the
-server's own checks, in the server's order: the completion's token bound (rounds.complete
+server's own checks, in the server's order: the completion's token bound (rounds.protocol.complete
 refuses a unit claiming more tokens than H x batch x seq_len), the codec check and the
-round-median outlier rule, then rounds.verify's rules as rounds.verification applies them
+round-median outlier rule, then rounds.verification.rules's rules as rounds.verification applies them
 (replay, norm against the module's history, direction against its outer momentum, proof
 of useful work on the unit's own windows and on held-out windows), replica pairs settled
 by evidence (`settle_replicas`; an honest check copy of a refused original aggregated in
 its place), the first-round peer check (`peer_refusals`), then clipped-mean aggregation
 and the outer step (dipaco.outer). Credit is the server's: a unit is credited when every
 one of its Δs was accepted, its claimed tokens x its useful fraction
-(`verify.useful_fraction`, its gain per token against the round's other accepted units).
+(`rules.useful_fraction`, its gain per token against the round's other accepted units).
 
 Reported per attack, over every seed: the final routed validation loss ÷ that of the
 clean run with the same seed (`ratio`: per seed, mean and spread), the tokens credited to
@@ -32,7 +32,7 @@ the next worker, so worker 1 checks worker 0's unit); a lazy worker sending 0.1 
 for the whole unit's tokens; a fixed-direction bias (the same unit vector every round, at
 0.5 x the Δ's norm; every unit replicated, by another worker each round: a copy's
 difference from the other copy, held against what its worker's copies differed by against
-other workers in the other role before, refuses it once it repeats, rounds.persistence); a sign flip whose
+other workers in the other role before, refuses it once it repeats, rounds.verification.persistence); a sign flip whose
 completion claims one token fewer than trained.
 
 Over 500 lines: the server's step is mirrored here check by check (`Run`), in the server's
@@ -55,22 +55,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from dipaco import codecs
-from dipaco.config import RunConfig
+from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.windows import path_seed, unit_start, unit_windows
 from dipaco.evaluate import routed_mean, stream_windows
 from dipaco.inner import InnerState, train_path
 from dipaco.model import build_model
-from dipaco.modular import module_ids, module_spec, modules_of_path
+from dipaco.modular import init_modules_from_base, module_ids, module_spec, modules_of_path
 from dipaco.outer import DeltaAccumulator, delta_norm, norm_outliers, outer_lr, outer_step
 from dipaco.simulate import DataBudget
 from dipaco.simulate.base import prepare_with_base
 from dipaco.simulate.train import evaluate_paths
-from dipaco_server.rounds import persistence, verify
+from dipaco_server.rounds.verification import first_round, persistence, rules
 
 ATTACKS = [
     "sign_flip", "scale_x10", "scale_x1e3", "scale_fp16_max", "gaussian_noise", "zeros",
@@ -93,8 +94,6 @@ def attackers(attack: str | None) -> set[int]:
 
 def config(args: argparse.Namespace, seed: int, **outer: Any) -> RunConfig:
     layers = RunConfig.tiny().model.num_layers
-    from dipaco.config import LayoutConfig
-
     return RunConfig.tiny(
         name="attacks", rounds=args.rounds, replicas_per_path=1,
         layout=LayoutConfig.grid(layers, 2, 2), seed=seed,
@@ -146,7 +145,7 @@ class Unit:
     tokens: int  # claimed
     check_of: int | None = None
     encoded: dict[str, bytes] = field(default_factory=dict)  # module -> its upload
-    score: verify.Score | None = None
+    score: rules.Score | None = None
     rejected: bool = False
 
 
@@ -166,8 +165,6 @@ class Run:
 
     def __init__(self, cfg: RunConfig, attack: str | None, args: argparse.Namespace) -> None:
         torch.manual_seed(cfg.seed)
-        from dipaco.modular import init_modules_from_base
-
         self.cfg, self.attack, self.args = cfg, attack, args
         self.bad = attackers(attack)
         data, base = prepared(cfg, args)
@@ -188,6 +185,7 @@ class Run:
         self.claimed: dict[int, int] = defaultdict(int)
         self.reasons: dict[str, int] = defaultdict(int)
         self.honest_rejected = 0
+        self.first_verdicts: dict[int, str] = {}  # unit index -> the first round's verdict
         # (worker, module) -> its compared copies' difference sketches, newest first
         self.replica_past: dict[tuple[int, str], list[tuple[int, bool, Tensor]]] = defaultdict(
             list
@@ -263,13 +261,18 @@ class Run:
         for u in units:
             self.claimed[u.worker] += u.tokens
         self.previous = {m: dict(v) for m, v in self.modules.items()}
-        for u in units:  # rounds.complete: a claim above the unit's tokens is refused outright
+        for (
+            u
+        ) in units:  # rounds.protocol.complete: a claim above the unit's tokens is refused outright
             if u.tokens > self.cap:
                 u.rejected = True
                 self.reasons["completion_refused: tokens above H x batch x seq_len"] += 1
         live = [u for u in units if not u.rejected]
         round_base = {m: dict(v) for m, v in self.modules.items()}  # what the units started from
         self.score_units(live, t, round_base)
+        self.first_verdicts = {}
+        if cfg.outer.verify and not any(self.history.values()):  # the modules' first step
+            self.first_verdicts = self.first_round(live)
         lr = outer_lr(cfg.outer, t)
         seen_now: set[str] = set()
         for module_id in module_ids(cfg):
@@ -297,7 +300,7 @@ class Run:
                 continue  # the zero check refuses it before scoring
             train_w = self.sources[u.path].batch(unit_start(cfg, t, 0), cfg.outer.score_windows,
                                                  cfg.model.seq_len)  # fmt: skip
-            u.score = verify.score_delta(cfg, u.path, self.model, base, deltas, train_w,
+            u.score = rules.score_delta(cfg, u.path, self.model, base, deltas, train_w,
                                          self.heldout[u.path], before=cache.get(u.path))  # fmt: skip
             cache[u.path] = (u.score.train_before, u.score.heldout_before)
             self.verify_seconds += time.process_time() - clock
@@ -333,16 +336,19 @@ class Run:
                     continue
                 assert e.delta is not None
                 if module_id in self.momentum:
-                    e.cosine = verify.cosine(e.delta, self.momentum[module_id])
+                    e.cosine = rules.cosine(e.delta, self.momentum[module_id])
                 sha = hashlib.sha256(e.unit.encoded[module_id]).hexdigest()
                 seen_now.add(sha)
-                candidates.append(verify.Candidate(i, e.norm, sha, e.cosine, e.unit.score,
+                candidates.append(rules.Candidate(i, e.norm, sha, e.cosine, e.unit.score,
                                                    work=self.work(e.unit)))  # fmt: skip
                 self.scored += 1
-            for i, why in verify.screen(candidates, past, outer, seen=self.seen).items():
+            for i, why in rules.screen(candidates, past, outer, seen=self.seen).items():
                 entries[i].reason = why
             self.settle_replicas(entries, module_id)
             if not past:  # the module's first step: no history yet
+                for e in entries:  # rounds.verification.checks.first_round_check
+                    if not e.reason and e.unit.index in self.first_verdicts:
+                        e.reason = self.first_verdicts[e.unit.index]
                 self.peer_check(entries)
         self.verify_seconds += time.process_time() - clock
         chosen = [e for e in entries if not e.reason and self.aggregated(e, entries)]
@@ -364,7 +370,7 @@ class Run:
         norms = [e.norm for e in chosen]
         limit = None
         if outer.robust == "clipped-mean":
-            limit = verify.clip_limit(norms, past, outer)
+            limit = rules.clip_limit(norms, past, outer)
         acc = DeltaAccumulator(spec, token_weighting=outer.token_weighting, clip_norm=limit)
         for e in chosen:
             assert e.delta is not None
@@ -395,16 +401,16 @@ class Run:
             repeats = self.repeated(pair, module_id)
             flagged = [i for i, why in enumerate(repeats) if why]
             if len(flagged) == 1:
-                outcome = verify.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
+                outcome = rules.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
             else:
-                outcome = verify.settle_replicas(
+                outcome = rules.settle_replicas(
                     original.delta, check.delta, self.cfg.outer,
-                    tuple(verify.ReplicaEvidence(e.unit.score, e.cosine,  # type: ignore[arg-type]
+                    tuple(rules.ReplicaEvidence(e.unit.score, e.cosine,  # type: ignore[arg-type]
                           hashlib.sha256(e.unit.encoded[module_id]).hexdigest()) for e in pair),
                     repeated="; ".join(repeats) if flagged else "",
                 )  # fmt: skip
             if outcome.kind == "disagree" and outcome.loser is not None:
-                pair[outcome.loser].reason = f"{verify.REPLICA}: {outcome.why}"
+                pair[outcome.loser].reason = f"{rules.REPLICA}: {outcome.why}"
         for past, partner, check, signed in self.replica_new:  # newest first, as the server
             past.insert(0, (partner, check, persistence.from_bytes(persistence.to_bytes(signed))))
             del past[persistence.PAST :]
@@ -430,11 +436,44 @@ class Run:
             self.replica_new.append(entry)
         return persistence.repeated(sides, difference, min(e.norm for e in pair))
 
+    def first_round(self, units: list[Unit]) -> dict[int, str]:
+        """rounds.verification.settlement: the round's units settled over every module they
+        share (first_round.settle), the same verdict for each of their Δs."""
+        flat: dict[str, dict[int, Tensor]] = defaultdict(dict)
+        for u in units:
+            for module_id, data in u.encoded.items():
+                try:
+                    delta = codecs.decode(data, module_spec(self.cfg, module_id))
+                except codecs.CodecError:
+                    continue
+                flat[module_id][u.index] = torch.cat(
+                    [t.double().reshape(-1) for t in delta.values()]
+                )
+        sums: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])
+        for deltas in flat.values():
+            keys = sorted(deltas)
+            for i, a in enumerate(keys):
+                for b in keys[i + 1 :]:
+                    acc = sums[(a, b)]
+                    acc[0] += float(deltas[a] @ deltas[b])
+                    acc[1] += float(deltas[a] @ deltas[a])
+                    acc[2] += float(deltas[b] @ deltas[b])
+        cosines = {
+            pair: (ab / math.sqrt(aa * bb) if aa > 0 and bb > 0 and math.isfinite(ab) else None)
+            for pair, (ab, aa, bb) in sums.items()
+        }
+        facts = {
+            u.index: first_round.UnitFacts(u.worker, rules.gain_rate(u.score, self.work(u)))
+            for u in units
+        }
+        copies = [(u.check_of, u.index) for u in units if u.check_of is not None]
+        return first_round.settle(facts, cosines, copies)
+
     def peer_check(self, entries: list[Entry]) -> None:
         live = {i: e for i, e in enumerate(entries) if not e.reason and self.aggregated(e, entries)}
         deltas = {i: e.delta for i, e in live.items() if e.delta is not None and e.norm > 0}
-        rates = {i: verify.gain_rate(e.unit.score, self.work(e.unit)) for i, e in live.items()}
-        for i, why in verify.peer_refusals(verify.pairwise_cosines(deltas), rates).items():
+        rates = {i: rules.gain_rate(e.unit.score, self.work(e.unit)) for i, e in live.items()}
+        for i, why in rules.peer_refusals(rules.pairwise_cosines(deltas), rates).items():
             entries[i].reason = why
 
     def credit(self, units: list[Unit]) -> None:
@@ -442,7 +481,7 @@ class Run:
         accepted = [u for u in units if not u.rejected]
         for u in accepted:
             peers = [(o.score, self.work(o)) for o in accepted if o is not u and o.score]
-            fraction = verify.useful_fraction(u.score, self.work(u), peers)
+            fraction = rules.useful_fraction(u.score, self.work(u), peers)
             self.credited[u.worker] += round(u.tokens * fraction)
 
     def result(self) -> dict[str, Any]:
@@ -463,8 +502,6 @@ class Run:
 def prepared(cfg: RunConfig, args: argparse.Namespace) -> tuple[Any, dict[str, Tensor]]:
     """The run's data and its dense base, trained once per seed and configuration and
     kept in the work dir (tfidf routing: the data does not depend on the base)."""
-    from safetensors.torch import load_file, save_file
-
     assert cfg.router.featurizer == "tfidf", "the base is trained after the data here"
     digest = hashlib.sha256(cfg.model_dump_json(exclude={"outer"}).encode()).hexdigest()[:16]
     file = args.work_dir / f"base-{digest}-{args.base_steps}.safetensors"
@@ -513,7 +550,7 @@ def spread(values: list[float]) -> dict[str, Any]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -530,7 +567,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-unverified", action="store_true", help="skip the unverified run")
     parser.add_argument("--attack", action="append", choices=ATTACKS, help="default: all")
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
     names = args.attack or ATTACKS

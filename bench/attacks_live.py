@@ -23,7 +23,8 @@ Reported per attack, each per seed: `ratio` (final routed validation loss ÷ the
 run's of that seed; mean and spread), `credited_tokens` and `claimed_tokens` of the
 attacker(s) (Worker.tokens_processed; the tokens its completed units claimed), and
 `accepted` / `rejected` (the attackers' Δs) and `honest_rejected` (the honest workers'
-rejected Δs); `first_round_seconds`: round 0's wall time (open to the next round's open).
+rejected Δs), `reasons` (rejected Δs by side and code); `first_round_seconds`: round 0's
+wall time (open to the next round's open).
 From the clean runs: `replication_share`, tokens trained on check copies over all tokens
 trained, and `steady_replication_share`, the same over the rounds that opened after every
 worker had left probation (null when some never did); `clean.first_round_seconds`.
@@ -59,6 +60,7 @@ from dipaco.evaluate import routed_mean
 from dipaco.simulate.train import evaluate_paths
 from dipaco_demo.control import (
     AdminClient,
+    DemoError,
     ServerProcess,
     embedded_environ,
     free_port,
@@ -183,7 +185,12 @@ def watch(
     over: int | None = None
     stopped: set[str] = set()
     while True:
-        status = admin.run(run_id)
+        try:
+            status = admin.run(run_id)
+        except DemoError as exc:  # a busy embedded server answers 503: ask again
+            print(f"asking again: {exc}", file=sys.stderr)
+            time.sleep(POLL_S)
+            continue
         if status["state"] == "finished":
             return over, sorted(stopped)
         if status["state"] not in ("ready", "running"):
@@ -197,7 +204,11 @@ def watch(
         if len(stopped) == len(workers):
             raise RuntimeError("every worker was stopped as distrusted")
         if over is None:
-            rows = admin.call("GET", "/workers", params={"limit": 100})["items"]
+            try:
+                rows = admin.call("GET", "/workers", params={"limit": 100})["items"]
+            except DemoError as exc:  # a busy embedded server answers 503: ask again
+                print(f"asking again: {exc}", file=sys.stderr)
+                rows = [{"probation": True}]
             if rows and not any(r["probation"] for r in rows if r["name"] not in stopped):
                 over = int(status.get("current_round") or 0) + 1  # opened from then on
         if time.monotonic() > deadline:
@@ -226,6 +237,10 @@ def figures(
             "SELECT l.worker_id, c.status, COUNT(*) FROM rounds_contribution c JOIN "
             "rounds_lease l ON l.id = c.lease_id GROUP BY l.worker_id, c.status"
         ).fetchall()
+        why = db.execute(
+            "SELECT l.worker_id, c.reason FROM rounds_contribution c JOIN rounds_lease l "
+            "ON l.id = c.lease_id WHERE c.status = 'rejected'"
+        ).fetchall()
         # A completed lease's claim: the smallest token count among its contributions.
         leases = db.execute(
             "SELECT l.worker_id, u.replica, r.t, MIN(c.tokens) FROM rounds_lease l "
@@ -236,6 +251,10 @@ def figures(
         opened = dict(db.execute(
             "SELECT t, opened_at FROM rounds_round WHERE run_id = ?", (run_id,)
         ).fetchall())  # fmt: skip
+    reasons: dict[str, int] = {}  # "<attacker|honest> <code>" -> rejected Δs
+    for worker_id, reason in why:
+        key = f"{'attacker' if worker_id in attacker_ids else 'honest'} {reason.split(':')[0]}"
+        reasons[key] = reasons.get(key, 0) + 1
     counts: dict[tuple[bool, str], int] = {}
     for worker_id, status, n in per_worker:
         key = (worker_id in attacker_ids, status)
@@ -250,6 +269,7 @@ def figures(
         "accepted": counts.get((True, "accepted"), 0),
         "rejected": counts.get((True, "rejected"), 0),
         "honest_rejected": counts.get((False, "rejected"), 0),
+        "reasons": reasons,
         "replication_share": sum(check) / max(1, sum(t for *_, t in leases)),
         "steady_replication_share": (
             sum(t for r, t in steady if r >= CHECK_OFFSET) / sum(t for _, t in steady)
@@ -347,6 +367,7 @@ def summary(
                     "honest_rejected",
                     "accepted",
                     "rejected",
+                    "reasons",
                     "first_round_seconds",
                     "seconds",
                 )
@@ -356,7 +377,15 @@ def summary(
         "loss": spread([c["loss"] for c in clean]),
         **{
             k: [c[k] for c in clean]
-            for k in ("honest_rejected", "first_round_seconds", "probation_over_round", "seconds")
+            for k in (
+                "honest_rejected",
+                "reasons",
+                "first_round_seconds",
+                "probation_over_round",
+                "seconds",
+                "replication_share",
+                "steady_replication_share",
+            )
         },
     }
     out["replication_share"] = round(statistics.mean(c["replication_share"] for c in clean), 4)

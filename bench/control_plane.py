@@ -1,4 +1,4 @@
-"""Control-plane load: N simulated volunteers against the real control plane (issues 9, 23).
+"""Control-plane load: N simulated volunteers against the real control plane.
 
     .venv/bin/python bench/control_plane.py --volunteers 500 --unit-seconds 60 --duration 300
     .venv/bin/python bench/control_plane.py --volunteers 10000 --unit-seconds 120 --ramp 120 \
@@ -37,6 +37,10 @@ completion the client got 200 for that is not recorded) and duplicated (a unit c
 under two leases, or twice to a client). Latencies are also read from gunicorn's access
 log (in the server: from the parsed request to the response), and the CPU the web, Celery
 and S3 processes used per request. Figures and the commands: docs/benchmarks.md.
+
+Over 1,000 lines: the volunteers speak the worker protocol by hand (thousands in one
+process, so not the agent), and the server they load is started, measured and torn down
+here, so one file is the whole experiment; bench/soak.py imports its pieces.
 """
 
 from __future__ import annotations
@@ -91,7 +95,9 @@ BOUNDARY_TAIL_S = 30.0  # a boundary's window: closing .. opening + units / gran
 LAG_TICK_S = 0.5  # how often loop_lag measures the client's event loop
 BACKEND_SAMPLE_S = 20.0  # how often the window samples the database backends' CPU
 GRANT_RATE = 50.0  # rounds.policy's DIPACO_GRANT_RATE default, unless --grant-rate
-CHECK_OFFSET = 1_000_000  # rounds.replication: check copies' replica indices start here
+CHECK_OFFSET = (
+    1_000_000  # rounds.verification.replication: check copies' replica indices start here
+)
 # gunicorn's access log, with the time each request took in the server (%(M)s, ms): the
 # server-side latency, without the client's own queueing when it is short of CPU.
 ACCESS_FORMAT = 'bench-access %(t)s "%(m)s %(U)s" %(s)s %(M)s'
@@ -108,6 +114,7 @@ def with_path(url: str, path: str) -> str:
 
 
 def create_database(admin_url: str, name: str) -> str:
+    # the server's database driver, for the bench's own database only
     import psycopg
 
     with psycopg.connect(with_path(admin_url, "/postgres"), autocommit=True) as conn:
@@ -116,6 +123,7 @@ def create_database(admin_url: str, name: str) -> str:
 
 
 def drop_database(admin_url: str, name: str) -> None:
+    # the server's database driver, for the bench's own database only
     import psycopg
 
     with psycopg.connect(with_path(admin_url, "/postgres"), autocommit=True) as conn:
@@ -124,6 +132,7 @@ def drop_database(admin_url: str, name: str) -> None:
 
 def start_s3(port: int, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, str]]:
     """A moto S3 server in its own process, with a bucket: the S3_* variables for it."""
+    # boto3 (~0.2 s to import): only for the S3 server
     import boto3
 
     command = [str(Path(sys.executable).parent / "moto_server"), "-H", "127.0.0.1", "-p", str(port)]
@@ -146,6 +155,7 @@ def start_s3(port: int, log: Path) -> tuple[subprocess.Popen[bytes], dict[str, s
 
 def server_environ(database: str, redis: str, data_dir: Path, url: str,
                    s3: Mapping[str, str], args: argparse.Namespace) -> dict[str, str]:  # fmt: skip
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_server.env import KNOWN_VARIABLES
 
     environ = {k: v for k, v in os.environ.items() if k not in KNOWN_VARIABLES}
@@ -169,6 +179,7 @@ SHARD_TOKENS = {"train": 65_536, "val": 4_096}  # per path: 2,048 and 128 window
 def corpus(n: int, seed: int, vocab: int) -> Any:
     """A learnable token stream: a few repeating phrases with 5 % noise. Trained Δs lower
     its loss on any window, so the outer step's proof of useful work accepts them."""
+    # numpy: only for the Δs made here
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -188,6 +199,7 @@ class Deltas:
     about a second per path per round for this model."""
 
     def __init__(self, run_id: int, shards: Path) -> None:
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from dipaco.data.shards import TokenShard, token_dtype
         from dipaco.data.windows import ShardSource
         from dipaco_server.runs.models import Run
@@ -210,6 +222,7 @@ class Deltas:
         return result
 
     def train(self, path: int, versions: dict[str, int], t: int) -> dict[str, bytes]:
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connection
 
         from dipaco import codecs
@@ -245,11 +258,12 @@ def seed(
     """A running run with about `units` queued units per round, its modules' real version-0
     blobs and its paths' real token shards (written under `work`) in S3, a token per
     volunteer, and the Δs its units upload (`Deltas`)."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco.config import LayoutConfig, RunConfig
     from dipaco.data.shards import ShardIndex, ShardInfo, token_dtype
     from dipaco.modular import init_modules
     from dipaco.modules_file import write_module
-    from dipaco_server.rounds.open import start_run
+    from dipaco_server.rounds.lifecycle.open import start_run
     from dipaco_server.runs import keys
     from dipaco_server.runs.prepare import upload_shards
     from dipaco_server.runs.services import create_run, transition
@@ -325,6 +339,7 @@ def process_cpu_s(roots: list[int]) -> float:
 
 def database_backends(admin_url: str, name: str) -> dict[int, float]:
     """PostgreSQL backend pid -> CPU seconds so far, for the connections to database `name`."""
+    # the server's database driver, for the bench's own database only
     import psycopg
 
     with psycopg.connect(with_path(admin_url, "/postgres"), autocommit=True) as conn:
@@ -487,7 +502,7 @@ def succeeded(reply: Any) -> bool:
 
 def trained_tokens(lease: Mapping[str, Any], steps: int | None = None) -> int:
     """The tokens a worker reports for training the lease's steps, or `steps` of them
-    (rounds.complete accepts between the run's least partial steps and the lease's)."""
+    (rounds.protocol.complete accepts between the run's least partial steps and the lease's)."""
     inner, model = lease["config"]["inner"], lease["config"]["model"]
     batch = inner.get("batch_size") or inner["micro_batch_size"] * inner["grad_accum_steps"]
     return int(lease["steps"] if steps is None else steps) * batch * model["seq_len"]
@@ -504,7 +519,7 @@ def monotonic_at(iso: str | None) -> float | None:
 def unique(data: bytes, nonce: str) -> bytes:
     """`data`, an encoded Δ, with `nonce` in its header's metadata: other bytes, the same Δ.
 
-    The outer step rejects bytes uploaded before in the run as a replay (rounds.verify), so
+    The outer step rejects bytes uploaded before in the run as a replay (rounds.verification.rules), so
     every upload must differ; encoding a fresh Δ per upload would cost the client the CPU
     the server is measured with. The codec container's header is JSON padded to 8 bytes."""
     length = struct.unpack("<Q", data[:8])[0]
@@ -587,108 +602,139 @@ class HandIn:
         return done, "complete failed"
 
 
-async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Namespace,
-                    payloads: Deltas, stop: asyncio.Event) -> None:  # fmt: skip
-    auth = {"Authorization": f"Bearer {token}"}
-    rng = random.Random(token)
-    await asyncio.sleep(rng.uniform(0, args.ramp))
-    next_beat, interval = time.monotonic(), HEARTBEAT_S
+@dataclass
+class Volunteer:
+    """One simulated volunteer: asks for work, trains it in simulated time (heartbeating)
+    and hands it in, as worker_agent does."""
+
+    client: Session
+    token: str
+    stats: Stats
+    args: argparse.Namespace
+    payloads: Deltas
+    stop: asyncio.Event
+    next_beat: float = field(default_factory=time.monotonic)
+    interval: float = HEARTBEAT_S
     round_end: float | None = None  # the lease's round deadline as last heard (monotonic)
 
-    async def beat(lease: dict[str, Any] | None) -> bool:
+    def __post_init__(self) -> None:
+        self.auth = {"Authorization": f"Bearer {self.token}"}
+        self.rng = random.Random(self.token)
+
+    async def beat(self, lease: dict[str, Any] | None) -> bool:
         """Heartbeat when one is due; False when the server says to release the lease."""
-        nonlocal next_beat, interval, round_end
-        if time.monotonic() < next_beat:
+        if time.monotonic() < self.next_beat:
             return True
-        next_beat = time.monotonic() + interval
-        headers = {**auth, **({"X-Lease-Secret": lease["lease_secret"]} if lease else {})}
+        self.next_beat = time.monotonic() + self.interval
+        secret = {"X-Lease-Secret": lease["lease_secret"]} if lease else {}
         body = {"lease_id": lease["lease_id"] if lease else None}
-        reply = await call(client, stats, "heartbeat", "POST", "/api/v1/worker/heartbeat",
-                           json=body, headers=headers)  # fmt: skip
+        reply = await call(self.client, self.stats, "heartbeat", "POST",
+                           "/api/v1/worker/heartbeat", json=body,
+                           headers={**self.auth, **secret})  # fmt: skip
         if reply is None:
             return True
         answer = reply.json()
-        interval = float(answer.get("heartbeat_interval_s") or interval)
-        next_beat = time.monotonic() + interval  # the server's pace from now on
+        self.interval = float(answer.get("heartbeat_interval_s") or self.interval)
+        self.next_beat = time.monotonic() + self.interval  # the server's pace from now on
         if lease is not None and answer.get("round_deadline"):
-            round_end = monotonic_at(answer["round_deadline"])  # an adaptive close moves it
+            self.round_end = monotonic_at(answer["round_deadline"])  # an adaptive close moves it
         return "release" not in answer.get("instructions", [])
 
-    idle_wait = IDLE_WAIT_S[0]
-    while not stop.is_set():
-        await beat(None)
-        # 503 is the server shedding load (dipaco_server.shedding): an error in the figures,
-        # but, as for the agent, an idle answer whose Retry-After is honoured.
-        response = await call(client, stats, "lease", "POST", "/api/v1/worker/lease",
-                              headers=auth, answers=(503,))  # fmt: skip
-        if response is None or response.status_code in (204, 503):
-            # As the agent does: back off 1 s, x1.5, up to 30 s, or the server's
-            # Retry-After when that is longer (a slot after the next round's opening).
-            hint = float(response.headers.get("Retry-After", 0)) if response is not None else 0
-            stats.idle += response is not None and response.status_code == 204
-            pause = idle_pause_s(idle_wait, hint)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause)
-            idle_wait = min(IDLE_WAIT_S[1], idle_wait * 1.5)
-            continue
+    async def run(self) -> None:
+        await asyncio.sleep(self.rng.uniform(0, self.args.ramp))
         idle_wait = IDLE_WAIT_S[0]
-        lease = response.json()
+        while not self.stop.is_set():
+            await self.beat(None)
+            # 503 is the server shedding load (dipaco_server.shedding): an error in the
+            # figures, but, as for the agent, an idle answer whose Retry-After is honoured.
+            response = await call(self.client, self.stats, "lease", "POST",
+                                  "/api/v1/worker/lease", headers=self.auth,
+                                  answers=(503,))  # fmt: skip
+            if response is None or response.status_code in (204, 503):
+                # As the agent does: back off 1 s, x1.5, up to 30 s, or the server's
+                # Retry-After when that is longer (a slot after the next round's opening).
+                hint = float(response.headers.get("Retry-After", 0)) if response is not None else 0
+                self.stats.idle += response is not None and response.status_code == 204
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), idle_pause_s(idle_wait, hint))
+                idle_wait = min(IDLE_WAIT_S[1], idle_wait * 1.5)
+                continue
+            idle_wait = IDLE_WAIT_S[0]
+            await self.work(response.json())
+
+    async def work(self, lease: dict[str, Any]) -> None:
+        """Train the lease's unit and hand it in, or record why it was not."""
         lease_id = lease["lease_id"]
-        # A check copy (sampled replication of untrusted work) never holds up its round: when the round
-        # closes first, its completion is refused. Lost work too, named apart.
+        # A check copy (sampled replication of untrusted work) never holds up its round:
+        # when the round closes first, its completion is refused. Lost work too, named apart.
         kind = "check copy: " if lease["replica"] >= CHECK_OFFSET else ""
-        stats.granted.add(lease_id)
-        headers = {**auth, "X-Lease-Secret": lease["lease_secret"]}
-        # As the agent trains: the lease's steps (sized to the worker's speed and to what
-        # fits before the round's deadline) at unit_seconds per full unit of H steps, and a
-        # heartbeat interval before the round's deadline as last heard it stops after the
-        # step in progress and hands in the partial Δ (worker_agent.agent).
+        self.stats.granted.add(lease_id)
+        steps, released = await self.train(lease)
+        if self.stop.is_set():
+            return
+        if released:
+            self.stats.unfinished[lease_id] = kind + "release instruction"
+            return
+        self.stats.partial += steps < int(lease["steps"])
+        await self.hand_in(lease, steps, kind)
+
+    async def train(self, lease: dict[str, Any]) -> tuple[int, bool]:
+        """(steps trained, whether the server said to release the lease).
+
+        As the agent trains: the lease's steps (sized to the worker's speed and to what
+        fits before the round's deadline) at unit_seconds per full unit of H steps, and a
+        heartbeat interval before the round's deadline as last heard it stops after the
+        step in progress and hands in the partial Δ (worker_agent.agent)."""
         steps, started = int(lease["steps"]), time.monotonic()
-        step_s = args.unit_seconds * rng.uniform(0.8, 1.2) / int(lease["config"]["inner"]["steps"])
+        unit_s = self.args.unit_seconds * self.rng.uniform(0.8, 1.2)
+        step_s = unit_s / int(lease["config"]["inner"]["steps"])
         done_at = started + steps * step_s
-        round_end = monotonic_at(lease.get("round_deadline"))
-        released = False
-        while (left := done_at - time.monotonic()) > 0 and not stop.is_set():
-            if round_end is not None and round_end - interval <= time.monotonic():
+        self.round_end = monotonic_at(lease.get("round_deadline"))
+        while (left := done_at - time.monotonic()) > 0 and not self.stop.is_set():
+            round_end = self.round_end
+            if round_end is not None and round_end - self.interval <= time.monotonic():
                 # the step in progress ends, then the partial Δ goes up
                 trained = max(1, math.ceil((time.monotonic() - started) / step_s))
                 steps = min(steps, trained)
                 done_at = started + step_s * steps
                 await asyncio.sleep(max(0.0, done_at - time.monotonic()))
                 break
-            wake = min(left, max(0.0, next_beat - time.monotonic()) + 0.01)
+            wake = min(left, max(0.0, self.next_beat - time.monotonic()) + 0.01)
             if round_end is not None:
-                wake = min(wake, max(0.0, round_end - interval - time.monotonic()) + 0.01)
+                wake = min(wake, max(0.0, round_end - self.interval - time.monotonic()) + 0.01)
             await asyncio.sleep(wake)
-            if not await beat(lease):
-                released = True
-                break
-        if stop.is_set():
-            return
-        if released:
-            stats.unfinished[lease_id] = kind + "release instruction"
-            continue
-        stats.partial += steps < int(lease["steps"])
-        trained = await payloads.get(lease["path"], lease["base_versions"], lease["round"])
-        deltas = {m: unique(data, f"{token[-16:]}-{lease_id}") for m, data in trained.items()}
-        unit = HandIn(client, stats, lease, headers, deltas, steps, rng)
-        # worker_agent.agent.hand_in: tried again every HAND_IN_PAUSE_S while the round may
-        # take the Δ (its deadline as last heard plus two heartbeat intervals), heartbeating.
-        left = None if round_end is None else round_end - time.monotonic()
-        until = time.monotonic() + hand_in_patience_s(left, interval, RETRY.longest_total_s)
+            if not await self.beat(lease):
+                return steps, True
+        return steps, False
+
+    async def hand_in(self, lease: dict[str, Any], steps: int, kind: str) -> None:
+        """worker_agent.agent.hand_in: tried again every HAND_IN_PAUSE_S while the round
+        may take the Δ (its deadline as last heard plus two heartbeat intervals)."""
+        lease_id = lease["lease_id"]
+        headers = {**self.auth, "X-Lease-Secret": lease["lease_secret"]}
+        trained = await self.payloads.get(lease["path"], lease["base_versions"], lease["round"])
+        deltas = {m: unique(d, f"{self.token[-16:]}-{lease_id}") for m, d in trained.items()}
+        unit = HandIn(self.client, self.stats, lease, headers, deltas, steps, self.rng)
+        left = None if self.round_end is None else self.round_end - time.monotonic()
+        until = time.monotonic() + hand_in_patience_s(left, self.interval, RETRY.longest_total_s)
         while True:
             reply, why = await unit.send()
             if succeeded(reply):
-                stats.completed[lease["unit_id"]] += 1
-                break
+                self.stats.completed[lease["unit_id"]] += 1
+                return
             pause = min(HAND_IN_PAUSE_S, until - time.monotonic())
-            if not transient(reply) or pause <= 0 or stop.is_set():
-                stats.unfinished[lease_id] = kind + why
-                break
-            stats.hand_in_waits += 1
+            if not transient(reply) or pause <= 0 or self.stop.is_set():
+                self.stats.unfinished[lease_id] = kind + why
+                return
+            self.stats.hand_in_waits += 1
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), pause)
-            await beat(lease)
+                await asyncio.wait_for(self.stop.wait(), pause)
+            await self.beat(lease)
+
+
+async def volunteer(client: Session, token: str, stats: Stats, args: argparse.Namespace,
+                    payloads: Deltas, stop: asyncio.Event) -> None:  # fmt: skip
+    await Volunteer(client, token, stats, args, payloads, stop).run()
 
 
 async def load(url: str, tokens: list[str], args: argparse.Namespace,
@@ -768,6 +814,7 @@ def server_side(logs: list[Path], start: float, end: float) -> dict[str, Any]:
 def boundaries(run_id: int, grant_rate: float) -> list[dict[str, Any]]:
     """Each round boundary: from a round's closing to the next round's opening plus the
     time its units take to go out at the grant rate (+ BOUNDARY_TAIL_S), wall-clock."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_server.rounds.models import Round
 
     rounds = list(Round.objects.filter(run_id=run_id).order_by("t"))
@@ -793,6 +840,7 @@ def boundaries(run_id: int, grant_rate: float) -> list[dict[str, Any]]:
 
 def verify(run_id: int, stats: Stats) -> dict[str, int]:
     """Lost and duplicated units, from the database against what the clients were told."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from django.db.models import Count
 
     from dipaco_server.rounds.models import Contribution, Lease, OuterStep, WorkUnit
@@ -829,7 +877,7 @@ def verify(run_id: int, stats: Stats) -> dict[str, int]:
         "duplicated": twice + sum(1 for n in stats.completed.values() if n > 1),
         "orphaned_leases": active.exclude(pk__in=stats.granted).count(),
         "outer_steps": OuterStep.objects.filter(module__run_id=run_id).count(),
-        # units the outer step's proof of useful work scored (rounds.outer_step.Scorer)
+        # units the outer step's proof of useful work scored (rounds.outer.step.Scorer)
         "scored": Lease.objects.filter(unit__round__run_id=run_id, score__isnull=False).count(),
         "contributions": dict(contributions),
     }  # fmt: skip
@@ -859,7 +907,155 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"client event-loop lag (ms): {result['client_loop_lag_ms']}")
 
 
-def main() -> int:
+async def measured(
+    url: str,
+    tokens: list[str],
+    args: argparse.Namespace,
+    payloads: Deltas,
+    groups: dict[str, list[int]],
+    database: str,
+    lags: list[float],
+) -> tuple[Stats, float, float, dict[str, float]]:
+    """The volunteers' load, and each process group's CPU over the measured window."""
+
+    task = asyncio.create_task(load(url, tokens, args, payloads))
+    await asyncio.sleep(args.warmup)
+    before = {k: process_cpu_s(v) for k, v in groups.items()}
+    client_before = time.process_time()  # this process: the volunteers and Δ thread
+    lagging = asyncio.create_task(loop_lag(lags))
+    first = database_backends(args.postgres, database)
+    # Every backend's CPU as last seen, sampled through the window: the pool closes
+    # connections (psycopg_pool's max_lifetime, an hour) and a backend gone by the
+    # end would otherwise take its CPU with it (a 57-min window counted 21 CPU-s of
+    # about 400).
+    seen = dict(first)
+    end_at = time.monotonic() + args.duration
+    while (left := end_at - time.monotonic()) > 0:
+        await asyncio.sleep(min(BACKEND_SAMPLE_S, left))
+        # In a thread: a connection to a loaded PostgreSQL can take seconds, and
+        # the volunteers' event loop would stall with it (sessions 14-15 did that).
+        sample = await asyncio.to_thread(database_backends, args.postgres, database)
+        for pid, cpu in sample.items():
+            seen[pid] = max(seen.get(pid, 0.0), cpu)  # 0 if it ended meanwhile
+    spent = {k: process_cpu_s(v) - before[k] for k, v in groups.items()}
+    spent["postgres"] = sum(cpu - first.get(pid, 0.0) for pid, cpu in seen.items())
+    spent["client"] = time.process_time() - client_before
+    lagging.cancel()
+    stats, start, end = await task
+    return stats, start, end, spent
+
+
+def start_server(
+    args: argparse.Namespace,
+    port: int,
+    environ: dict[str, str],
+    work: Path,
+    children: dict[str, subprocess.Popen[bytes]],
+) -> list[Path]:
+    """The web servers (on one port), Celery workers and beat, added to `children`;
+    returns the web servers' access logs."""
+    from dipaco_server.cli.server import child_commands  # platform/ is on sys.path by now
+
+    threads = {"web_threads": args.web_threads} if args.web_threads else {}
+    commands = child_commands("127.0.0.1", port, args.web_workers, 1, **threads)
+    logs = []
+    for i in range(args.web_servers):
+        logs.append(work / f"web-{i}.log")
+        command = [*commands["web"], "--reuse-port", "--access-logformat", ACCESS_FORMAT]
+        children[f"web-{i}"] = subprocess.Popen(
+            command, env=environ, stdout=logs[-1].open("ab"), stderr=subprocess.STDOUT
+        )
+    for i in range(args.celery_workers):
+        command = [*commands["worker"], "-n", f"bench{i}@%h"]
+        children[f"celery-{i}"] = subprocess.Popen(
+            command, env=environ, stdout=(work / f"celery-{i}.log").open("ab"),
+            stderr=subprocess.STDOUT,
+        )  # fmt: skip
+    children["beat"] = subprocess.Popen(
+        commands["beat"], env=environ, stdout=(work / "beat.log").open("ab"),
+        stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    return logs
+
+
+def wait_healthy(url: str, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.3)
+
+
+def build_result(
+    args: argparse.Namespace,
+    run_id: int,
+    stats: Stats,
+    window_s: tuple[float, float],
+    cpu: dict[str, float],
+    lags: list[float],
+    wall_offset: float,
+    units: int,
+    environ: dict[str, str],
+    logs: list[Path],
+) -> dict[str, Any]:
+    """Every figure of the measured window (client monotonic times `window_s`)."""
+    from dipaco_server.cli.server import WEB_THREADS  # platform/ is on sys.path by now
+
+    start, end = window_s
+    seconds = end - start
+    window = [s for s in stats.samples if start <= s[0] < end]
+    grant_rate = args.grant_rate or GRANT_RATE
+    edges = boundaries(run_id, grant_rate)
+    for edge in edges:
+        for key in ("closing_at", "opened_at", "until"):
+            edge[key] -= wall_offset  # to the client's monotonic clock
+    inside = [e for e in edges if start <= e["opened_at"] < end]
+    at_boundary = [s for s in window
+                   if any(e["closing_at"] <= s[0] < e["until"] for e in inside)]  # fmt: skip
+    latency = summarize(window, seconds)
+    overall = latency.get("all", {"requests": 0, "failed": 0})
+    requests = max(1, overall["requests"])
+    counts = verify(run_id, stats)
+    result = {
+        "volunteers": args.volunteers,
+        "p50_ms": overall.get("p50_ms", math.nan),
+        "p99_ms": overall.get("p99_ms", math.nan),
+        "p99_boundary_ms": 1e3 * percentile([s[2] for s in at_boundary], 0.99),
+        "requests_per_s": overall["requests"] / seconds,
+        "error_rate": overall["failed"] / requests,
+        "lost_units": counts["lost"],
+        "duplicated_units": counts["duplicated"],
+        "boundaries_in_window": len(inside),
+        "duration_s": seconds, "warmup_s": args.warmup, "unit_seconds": args.unit_seconds,
+        "ramp_s": args.ramp, "web_servers": args.web_servers,
+        "web_workers": args.web_workers, "web_threads": args.web_threads or WEB_THREADS,
+        "celery_workers": args.celery_workers,
+        "db_pool": args.db_pool, "grant_rate": grant_rate, "units_per_round": units,
+        "overlap": args.overlap,
+        "shed_after_s": environ.get("DIPACO_SHED_AFTER_S", "default (5)"),
+        "load_average": [round(x, 1) for x in os.getloadavg()],
+        "cpu": capacity(cpu, latency, seconds, args.volunteers),
+        "client_loop_lag_ms": {
+            "p50": round(1e3 * percentile(lags, 0.5), 1),
+            "p99": round(1e3 * percentile(lags, 0.99), 1),
+            "max": round(1e3 * max(lags, default=math.nan), 1),
+        },
+        "rounds": [{"t": e["t"],
+                    "outer_step_s": e["outer_step_s"] and round(e["outer_step_s"], 1),
+                    "wait_s": round(e["wait_s"], 1),
+                    "opened_at_s": round(e["opened_at"] - start + args.warmup, 1)}
+                   for e in edges],
+        "latency": latency, "errors": dict(stats.errors),
+        "server_latency": server_side(logs, start + wall_offset, end + wall_offset),
+        "units": {**counts, "idle_polls": stats.idle, "partial": stats.partial,
+                  "hand_in_waits": stats.hand_in_waits},
+    }  # fmt: skip
+    return result
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--volunteers", type=int, default=500, help="simulated volunteers")
     parser.add_argument("--duration", type=float, default=300.0, help="measured seconds")
@@ -893,13 +1089,18 @@ def main() -> int:
                         help="the run's outer.overlap: with delayed, round t + 1 opens as "
                              "round t's outer step starts, so volunteers train through it")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the result here")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def main() -> int:
+    args = parse_args()
+
+    # the server's Redis client: only to flush the bench's database
     import redis
 
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "platform"))
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_demo.control import free_port
-    from dipaco_server.cli.server import WEB_THREADS, child_commands
 
     name = f"dipaco_bench_{os.getpid()}"
     database = create_database(args.postgres, name)
@@ -914,6 +1115,7 @@ def main() -> int:
     try:
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
                        env=environ, check=True)  # fmt: skip
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from dipaco_server.cli.admin import setup_django
 
         setup_django()
@@ -921,35 +1123,12 @@ def main() -> int:
         units = round(args.volunteers * args.units_per_volunteer)
         print(f"seeding {units} units per round and {args.volunteers} workers ...", flush=True)
         run_id, tokens, payloads = seed(args.volunteers, units, args.paths, work, args.overlap)
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connections
 
         connections.close_all()
-        threads = {"web_threads": args.web_threads} if args.web_threads else {}
-        commands = child_commands("127.0.0.1", port, args.web_workers, 1, **threads)
-        logs = []
-        for i in range(args.web_servers):
-            logs.append(work / f"web-{i}.log")
-            command = [*commands["web"], "--reuse-port", "--access-logformat", ACCESS_FORMAT]
-            children[f"web-{i}"] = subprocess.Popen(
-                command, env=environ, stdout=logs[-1].open("ab"), stderr=subprocess.STDOUT
-            )
-        for i in range(args.celery_workers):
-            command = [*commands["worker"], "-n", f"bench{i}@%h"]
-            children[f"celery-{i}"] = subprocess.Popen(
-                command, env=environ, stdout=(work / f"celery-{i}.log").open("ab"),
-                stderr=subprocess.STDOUT,
-            )  # fmt: skip
-        children["beat"] = subprocess.Popen(
-            commands["beat"], env=environ, stdout=(work / "beat.log").open("ab"),
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{url}/api/v1/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
+        logs = start_server(args, port, environ, work, children)
+        wait_healthy(url)
         print(f"{args.volunteers} volunteers for {args.warmup:.0f} + {args.duration:.0f} s ...",
               flush=True)  # fmt: skip
         wall_offset = time.time() - time.monotonic()
@@ -960,83 +1139,13 @@ def main() -> int:
             "redis": redis_pids(),
         }
 
-        async def measured() -> tuple[Stats, float, float, dict[str, float]]:
-            task = asyncio.create_task(load(url, tokens, args, payloads))
-            await asyncio.sleep(args.warmup)
-            before = {k: process_cpu_s(v) for k, v in groups.items()}
-            client_before = time.process_time()  # this process: the volunteers and Δ thread
-            lagging = asyncio.create_task(loop_lag(lags))
-            first = database_backends(args.postgres, name)
-            # Every backend's CPU as last seen, sampled through the window: the pool closes
-            # connections (psycopg_pool's max_lifetime, an hour) and a backend gone by the
-            # end would otherwise take its CPU with it (a 57-min window counted 21 CPU-s of
-            # about 400).
-            seen = dict(first)
-            end_at = time.monotonic() + args.duration
-            while (left := end_at - time.monotonic()) > 0:
-                await asyncio.sleep(min(BACKEND_SAMPLE_S, left))
-                # In a thread: a connection to a loaded PostgreSQL can take seconds, and
-                # the volunteers' event loop would stall with it (sessions 14-15 did that).
-                sample = await asyncio.to_thread(database_backends, args.postgres, name)
-                for pid, cpu in sample.items():
-                    seen[pid] = max(seen.get(pid, 0.0), cpu)  # 0 if it ended meanwhile
-            spent = {k: process_cpu_s(v) - before[k] for k, v in groups.items()}
-            spent["postgres"] = sum(cpu - first.get(pid, 0.0) for pid, cpu in seen.items())
-            spent["client"] = time.process_time() - client_before
-            lagging.cancel()
-            stats, start, end = await task
-            return stats, start, end, spent
-
         lags: list[float] = []
-        stats, start, end, cpu = asyncio.run(measured())
-        seconds = end - start
-        window = [s for s in stats.samples if start <= s[0] < end]
-        grant_rate = args.grant_rate or GRANT_RATE
-        edges = boundaries(run_id, grant_rate)
-        for edge in edges:
-            for key in ("closing_at", "opened_at", "until"):
-                edge[key] -= wall_offset  # to the client's monotonic clock
-        inside = [e for e in edges if start <= e["opened_at"] < end]
-        at_boundary = [s for s in window
-                       if any(e["closing_at"] <= s[0] < e["until"] for e in inside)]  # fmt: skip
-        latency = summarize(window, seconds)
-        overall = latency.get("all", {"requests": 0, "failed": 0})
-        requests = max(1, overall["requests"])
-        counts = verify(run_id, stats)
-        result = {
-            "volunteers": args.volunteers,
-            "p50_ms": overall.get("p50_ms", math.nan),
-            "p99_ms": overall.get("p99_ms", math.nan),
-            "p99_boundary_ms": 1e3 * percentile([s[2] for s in at_boundary], 0.99),
-            "requests_per_s": overall["requests"] / seconds,
-            "error_rate": overall["failed"] / requests,
-            "lost_units": counts["lost"],
-            "duplicated_units": counts["duplicated"],
-            "boundaries_in_window": len(inside),
-            "duration_s": seconds, "warmup_s": args.warmup, "unit_seconds": args.unit_seconds,
-            "ramp_s": args.ramp, "web_servers": args.web_servers,
-            "web_workers": args.web_workers, "web_threads": args.web_threads or WEB_THREADS,
-            "celery_workers": args.celery_workers,
-            "db_pool": args.db_pool, "grant_rate": grant_rate, "units_per_round": units,
-            "overlap": args.overlap,
-            "shed_after_s": environ.get("DIPACO_SHED_AFTER_S", "default (5)"),
-            "load_average": [round(x, 1) for x in os.getloadavg()],
-            "cpu": capacity(cpu, latency, seconds, args.volunteers),
-            "client_loop_lag_ms": {
-                "p50": round(1e3 * percentile(lags, 0.5), 1),
-                "p99": round(1e3 * percentile(lags, 0.99), 1),
-                "max": round(1e3 * max(lags, default=math.nan), 1),
-            },
-            "rounds": [{"t": e["t"],
-                        "outer_step_s": e["outer_step_s"] and round(e["outer_step_s"], 1),
-                        "wait_s": round(e["wait_s"], 1),
-                        "opened_at_s": round(e["opened_at"] - start + args.warmup, 1)}
-                       for e in edges],
-            "latency": latency, "errors": dict(stats.errors),
-            "server_latency": server_side(logs, start + wall_offset, end + wall_offset),
-            "units": {**counts, "idle_polls": stats.idle, "partial": stats.partial,
-                      "hand_in_waits": stats.hand_in_waits},
-        }  # fmt: skip
+        stats, start, end, cpu = asyncio.run(
+            measured(url, tokens, args, payloads, groups, name, lags)
+        )
+        result = build_result(
+            args, run_id, stats, (start, end), cpu, lags, wall_offset, units, environ, logs
+        )
         print_report(result)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -1048,6 +1157,7 @@ def main() -> int:
                 child.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 child.kill()
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connections
 
         connections.close_all()

@@ -5,7 +5,7 @@
 
 For each codec, `contributions` pseudo-gradients of a `params`-value module are encoded
 and stored in a local blob store (a temporary directory), with version `base` and its
-momentum. Then `rounds.outer_step.compute_step` runs exactly as the Celery task does: fetch
+momentum. Then `rounds.outer.step.compute_step` runs exactly as the Celery task does: fetch
 each upload (sha256 while it streams), verify it, norm outliers, then accumulate the
 accepted ones into one fp32 sum, and the Nesterov step streaming version `base` and its
 momentum in and version t + 1 and its momentum out. Reported:
@@ -111,7 +111,7 @@ def measure(codec: str, args: argparse.Namespace, root: Path) -> dict[str, float
     from dipaco.codecs import encode
     from dipaco.config import OuterConfig
     from dipaco.modules_file import write_module
-    from dipaco_server.rounds.outer_step import BaseVersion, Upload, compute_step
+    from dipaco_server.rounds.outer.step import BaseVersion, Upload, compute_step
     from dipaco_server.storage.local import LocalBlobStore
 
     store = LocalBlobStore(root / "blobs", public_url="http://127.0.0.1", secret="bench")

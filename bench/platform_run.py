@@ -54,7 +54,7 @@ from dipaco.modular import module_ids
 from dipaco.routing.router import Router
 from dipaco.simulate.baselines import data_parallel_bytes
 from dipaco.simulate.prepare import PreparedData
-from dipaco.simulate.train import evaluate_paths, train_dipaco
+from dipaco.simulate.train import DipacoRun, evaluate_paths, train_dipaco
 from dipaco_demo import plan
 from dipaco_demo.control import (
     AdminClient,
@@ -315,6 +315,7 @@ def platform_bytes(data_dir: Path, run_id: int) -> list[dict[str, int]]:
     """Bytes per round as the dashboard's "Communication" counts them (dipaco_web.curves):
     every contribution's upload, and what each completed lease's manifest sent down
     (Lease.download_bytes: encoded updates, fp32 files, nothing for a version held)."""
+    # only the embedded server's database is read here
     import sqlite3
 
     rounds = (
@@ -338,6 +339,45 @@ def platform_bytes(data_dir: Path, run_id: int) -> list[dict[str, int]]:
         {"round": t, "upload": int(up.get(t) or 0), "download": int(down.get(t) or 0)}
         for t in sorted(set(up) | set(down))
     ]
+
+
+def _simulate(
+    config: RunConfig, data: PreparedData, windows: ValWindows
+) -> tuple[DipacoRun, dict[str, list[float]], float]:
+    """The simulation of the run, each unit's step losses by its label, and its seconds."""
+    started = time.perf_counter()
+    unit_steps: dict[str, list[float]] = {}
+    simulated = train_dipaco(
+        config, data, windows,
+        on_step=lambda label, m: unit_steps.setdefault(label, []).append(m.loss),
+    )  # fmt: skip
+    return simulated, unit_steps, time.perf_counter() - started
+
+
+def _traffic(
+    config: RunConfig, data_dir: Path, run_id: int, simulated: DipacoRun
+) -> dict[str, Any]:
+    """Bytes each round moved: the platform's (from its database) and the simulation's."""
+    return {
+        "platform": platform_bytes(data_dir, run_id),
+        "simulate": [
+            {"round": r.round - 1, "upload": r.upload_bytes, "download": r.download_bytes}
+            for r in simulated.rounds[1:]
+        ],
+        "data_parallel_per_round": data_parallel_bytes(config) // config.rounds,
+    }
+
+
+def _with_simulated_losses(
+    units: list[dict[str, Any]], unit_steps: dict[str, list[float]], config: RunConfig
+) -> list[dict[str, Any]]:
+    """Each platform unit with the simulator's figure for the same unit, as the agent
+    reports it (None with replicas: the agent's log does not name the replica)."""
+    for unit in units:
+        label = f"round {unit['round'] + 1}/{config.rounds} path {unit['path']} replica 0"
+        one = config.replicas_per_path == 1
+        unit["simulate_loss"] = unit_loss(unit_steps.get(label, [])) if one else None
+    return units
 
 
 def platform_vs_simulate(
@@ -385,29 +425,12 @@ def platform_vs_simulate(
         data = prepared_from_blobs(blobs, run_id, root / "prepared")
         windows = data.val_windows(config.model.seq_len, eval_windows)
         log(f"simulating the same run in this process ({threads} torch thread(s))")
-        started = time.perf_counter()
-        unit_steps: dict[str, list[float]] = {}
-        simulated = train_dipaco(
-            config, data, windows,
-            on_step=lambda label, m: unit_steps.setdefault(label, []).append(m.loss),
-        )  # fmt: skip
-        simulate_seconds = time.perf_counter() - started
-        traffic = {
-            "platform": platform_bytes(data_dir, run_id),
-            "simulate": [
-                {"round": r.round - 1, "upload": r.upload_bytes, "download": r.download_bytes}
-                for r in simulated.rounds[1:]
-            ],
-            "data_parallel_per_round": data_parallel_bytes(config) // config.rounds,
-        }
+        simulated, unit_steps, simulate_seconds = _simulate(config, data, windows)
+        traffic = _traffic(config, data_dir, run_id, simulated)
         curve = platform_curve(blobs, run_id, config, windows)
         platform_loss = curve[-1]["routed_loss"]
         simulate_loss = simulated.rounds[-1].routed_loss
-        units = platform_run["units"]
-        for unit in units:  # the simulator's figure for the same unit, as the agent reports it
-            label = f"round {unit['round'] + 1}/{config.rounds} path {unit['path']} replica 0"
-            one = config.replicas_per_path == 1  # the agent's log does not name the replica
-            unit["simulate_loss"] = unit_loss(unit_steps.get(label, [])) if one else None
+        units = _with_simulated_losses(platform_run["units"], unit_steps, config)
         return {
             "platform_loss": platform_loss,
             "simulate_loss": simulate_loss,

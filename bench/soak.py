@@ -9,6 +9,10 @@ its workers dying at any moment).
 
 Figures and what the machine was doing meanwhile: docs/reliability.md.
 
+Over 600 lines: the volunteers, the kills and the checks that nothing was lost or done
+twice are one experiment, read and run as one file (the protocol pieces are
+bench/control_plane.py's).
+
 What bench/control_plane.py does (its pieces are imported from there), plus everything a
 round needs to really close: the web server (`dipaco server`'s gunicorn command), a real
 Celery worker and Celery beat (its commands too) on Redis, a moto S3 server in its own
@@ -117,6 +121,7 @@ CELERY_BEAT_SCHEDULE = {{
 
 
 def free_port() -> int:
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from dipaco_demo.control import free_port as port
 
     return port()
@@ -198,13 +203,14 @@ class Payload:
 def seed(units: int, paths: int) -> tuple[int, str, dict[str, Payload]]:
     """A running run of a tiny model with real version-0 modules in the blob store, about
     `units` units per round, an enrollment token, and one valid Δ upload per module."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     import torch
 
     from dipaco import codecs
     from dipaco.config import LayoutConfig, RunConfig
     from dipaco.modular import init_modules, module_spec
     from dipaco.modules_file import write_module
-    from dipaco_server.rounds.open import start_run
+    from dipaco_server.rounds.lifecycle.open import start_run
     from dipaco_server.runs import keys
     from dipaco_server.runs.services import create_run, transition
     from dipaco_server.runs.versions import publish_module_version
@@ -254,6 +260,7 @@ class Monitor(threading.Thread):
         self.run_id, self.stop, self.closed, self.current = run_id, threading.Event(), 0, 0
 
     def run(self) -> None:
+        # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
         from django.db import connections
 
         from dipaco_server.rounds.models import Round
@@ -419,6 +426,7 @@ async def celery_killer(soak: Soak, worker: CeleryWorker) -> None:
 
 
 async def load(url: str, soak: Soak, worker: CeleryWorker, monitor: Monitor) -> float:
+    # rich: only for the report
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
     args = soak.args
@@ -462,7 +470,8 @@ async def load(url: str, soak: Soak, worker: CeleryWorker, monitor: Monitor) -> 
 def drain(run_id: int) -> None:
     """Wait for a round that is closing, or that the last completions made ready, to close:
     its outer steps are under way or queued, and counting now would call them lost."""
-    from dipaco_server.rounds.close import round_ready_to_close
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
+    from dipaco_server.rounds.lifecycle.close import round_ready_to_close
     from dipaco_server.rounds.models import Round
 
     deadline = time.monotonic() + DRAIN_TIMEOUT_S
@@ -477,6 +486,7 @@ def drain(run_id: int) -> None:
 
 def verify(run_id: int, stats: Stats) -> dict[str, Any]:
     """Lost and duplicated units, contributions, outer steps and versions, from the database."""
+    # the server's modules: platform/ is on sys.path (and Django set up) by the time this runs
     from django.db.models import Count
 
     from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
@@ -553,6 +563,7 @@ def verify(run_id: int, stats: Stats) -> dict[str, Any]:
 
 
 def print_report(result: dict[str, Any]) -> None:
+    # rich: only for the report
     from rich.console import Console
     from rich.table import Table
 
@@ -620,11 +631,68 @@ def main() -> int:
     return soak(args)
 
 
+def soak_environ(
+    args: argparse.Namespace, database: str, work: Path, url: str, s3_port: int, bucket: str
+) -> dict[str, str]:
+    """The server's environment: control_plane's, with the soak's settings module and S3."""
+    # Soak sets its own S3 variables below; no DB pool (as before), the default grant rate.
+    defaults = argparse.Namespace(db_pool="off", grant_rate=None, shed_after=None)
+    environ = server_environ(database, args.redis, work / "data", url, {}, defaults)
+    environ.update(
+        DJANGO_SETTINGS_MODULE="soak_settings", OMP_NUM_THREADS="1",
+        # Every simulated volunteer comes from 127.0.0.1: one address, hundreds of
+        # workers. The per-token limit stays at the project's default.
+        DIPACO_RATE_LIMIT_ADDRESS="off",
+        PYTHONPATH=os.pathsep.join([str(work), str(ROOT / "platform"),
+                                    os.environ.get("PYTHONPATH", "")]),
+        S3_ENDPOINT_URL=f"http://127.0.0.1:{s3_port}", S3_BUCKET=bucket,
+        S3_ACCESS_KEY_ID="soak", S3_SECRET_ACCESS_KEY="soak", S3_REGION="us-east-1",
+    )  # fmt: skip
+    return environ
+
+
+def start_s3(
+    environ: dict[str, str], work: Path, s3_port: int, bucket: str
+) -> subprocess.Popen[bytes]:
+    """A moto S3 server in its own process, with the run's bucket."""
+    import boto3  # ~0.2 s to import: only for the bucket
+
+    moto = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)]
+    process = start(moto, environ, work / "s3.log")
+    wait_http(environ["S3_ENDPOINT_URL"], "the S3 server", process, work / "s3.log")
+    boto3.client("s3", endpoint_url=environ["S3_ENDPOINT_URL"], aws_access_key_id="soak",
+                 aws_secret_access_key="soak", region_name="us-east-1",
+                 ).create_bucket(Bucket=bucket)  # fmt: skip
+    return process
+
+
+def soak_result(
+    args: argparse.Namespace,
+    state: Soak,
+    window_s: tuple[float, float],
+    units: int,
+    units_report: dict[str, Any],
+) -> dict[str, Any]:
+    started, ended = window_s
+    window = [s for s in state.stats.samples if started <= s[0] < ended]
+    return {
+        "volunteers": args.volunteers, "duration_s": ended - started,
+        "unit_seconds": args.unit_seconds, "lease_timeout_s": args.lease_timeout,
+        "kill_fraction": args.kill_fraction, "celery_kill_every_s": args.celery_kill_every,
+        "web_workers": args.web_workers, "task_concurrency": args.task_concurrency,
+        "load_average": [round(x, 1) for x in os.getloadavg()],
+        "registered": state.registered, "units_per_round": units,
+        "latency": summarize(window, ended - started),
+        "errors": dict(state.stats.errors), "kills": dict(state.kills),
+        "units": {**units_report, "idle_polls": state.stats.idle},
+    }  # fmt: skip
+
+
 def soak(args: argparse.Namespace) -> int:
     from moto.server import ThreadedMotoServer  # noqa: F401 - fail early without moto[server]
 
     sys.path.insert(0, str(ROOT / "platform"))
-    from dipaco_server.cli.server import child_commands
+    from dipaco_server.cli.server import child_commands  # platform/ is on sys.path (above)
 
     tag = f"soak-{os.getpid()}-{uuid.uuid4().hex[:6]}"
     name = tag.replace("-", "_")
@@ -642,39 +710,20 @@ def soak(args: argparse.Namespace) -> int:
     keep = os.environ.get("SOAK_KEEP_LOGS") is not None
     database = create_database(args.postgres, name)
     try:
-        # Soak sets its own S3 variables below; no DB pool (as before), the default grant rate.
-        defaults = argparse.Namespace(db_pool="off", grant_rate=None, shed_after=None)
-        environ = server_environ(database, args.redis, work / "data", url, {}, defaults)
-        environ.update(
-            DJANGO_SETTINGS_MODULE="soak_settings", OMP_NUM_THREADS="1",
-            # Every simulated volunteer comes from 127.0.0.1: one address, hundreds of
-            # workers. The per-token limit stays at the project's default.
-            DIPACO_RATE_LIMIT_ADDRESS="off",
-            PYTHONPATH=os.pathsep.join([str(work), str(ROOT / "platform"),
-                                        os.environ.get("PYTHONPATH", "")]),
-            S3_ENDPOINT_URL=f"http://127.0.0.1:{s3_port}", S3_BUCKET=bucket,
-            S3_ACCESS_KEY_ID="soak", S3_SECRET_ACCESS_KEY="soak", S3_REGION="us-east-1",
-        )  # fmt: skip
-        moto = [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(s3_port)]
-        processes.append(start(moto, environ, work / "s3.log"))
-        wait_http(environ["S3_ENDPOINT_URL"], "the S3 server", processes[-1], work / "s3.log")
-        import boto3
-
-        boto3.client("s3", endpoint_url=environ["S3_ENDPOINT_URL"], aws_access_key_id="soak",
-                     aws_secret_access_key="soak", region_name="us-east-1",
-                     ).create_bucket(Bucket=bucket)  # fmt: skip
+        environ = soak_environ(args, database, work, url, s3_port, bucket)
+        processes.append(start_s3(environ, work, s3_port, bucket))
         os.environ.update(environ)
         sys.path.insert(0, str(work))
         subprocess.run([sys.executable, "-m", "django", "migrate", "--noinput", "-v", "0"],
                        env=environ, check=True)  # fmt: skip
-        from dipaco_server.cli.admin import setup_django
+        from dipaco_server.cli.admin import setup_django  # platform/ is on sys.path
 
         setup_django()
         logging.getLogger("dipaco_server").setLevel(logging.WARNING)
         units = round(args.volunteers * args.units_per_volunteer)
         print(f"seeding a run of {units} units per round ...", flush=True)
         run_id, enrollment, payloads = seed(units, args.paths)
-        from django.db import connections
+        from django.db import connections  # Django: set up above
 
         connections.close_all()
         commands = child_commands("127.0.0.1", port, args.web_workers, args.task_concurrency)
@@ -695,18 +744,7 @@ def soak(args: argparse.Namespace) -> int:
         monitor.join()
         drain(run_id)
         units_report = verify(run_id, state.stats)
-        window = [s for s in state.stats.samples if started <= s[0] < ended]
-        result = {
-            "volunteers": args.volunteers, "duration_s": ended - started,
-            "unit_seconds": args.unit_seconds, "lease_timeout_s": args.lease_timeout,
-            "kill_fraction": args.kill_fraction, "celery_kill_every_s": args.celery_kill_every,
-            "web_workers": args.web_workers, "task_concurrency": args.task_concurrency,
-            "load_average": [round(x, 1) for x in os.getloadavg()],
-            "registered": state.registered, "units_per_round": units,
-            "latency": summarize(window, ended - started),
-            "errors": dict(state.stats.errors), "kills": dict(state.kills),
-            "units": {**units_report, "idle_polls": state.stats.idle},
-        }  # fmt: skip
+        result = soak_result(args, state, (started, ended), units, units_report)
         print_report(result)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
@@ -723,7 +761,7 @@ def soak(args: argparse.Namespace) -> int:
             worker.stop()
         for process in reversed(processes):
             stop(process)
-        from django.db import connections
+        from django.db import connections  # Django: set up above
 
         connections.close_all()
         drop_database(args.postgres, name)

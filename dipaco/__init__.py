@@ -19,7 +19,7 @@ __all__ = ["__version__", "load_path"]
 def __getattr__(name: str) -> Any:
     # Lazy, so `import dipaco` stays cheap: load_path pulls in torch and transformers.
     if name == "load_path":
-        from dipaco.client import load_path
+        from dipaco.client import load_path  # lazy: see above
 
         return load_path
     raise AttributeError(f"module 'dipaco' has no attribute {name!r}")

@@ -93,6 +93,7 @@ class PathLoss:
 
 def stream_windows(stream: Tensor, seq_len: int) -> Tensor:
     """Every non-overlapping (seq_len + 1)-token window of a 1-D token tensor: (n, T+1)."""
+    # torch and numpy: the note under the imports
     import torch
 
     count = max(0, (stream.numel() - 1) // seq_len)
@@ -120,6 +121,7 @@ def sample_plan(tokens: Sequence[int], seq_len: int, count: int, seed: int) -> l
     generator seeded with `seed`: the same counts and seed give the same plan on the
     server, in the demo and in the simulator.
     """
+    # torch and numpy: the note under the imports
     import torch
 
     if count < 1:
@@ -161,6 +163,7 @@ def sample_streams(streams: Sequence[Tensor], seq_len: int, count: int, seed: in
 def sample_shard(shard: Any, seq_len: int, indices: Sequence[int]) -> Tensor:
     """(q, T+1) int64: the windows `indices` (a `sample_plan` row) of a validation shard
     (a dipaco.data.shards.TokenShard, or a dipaco.data.ranged.RangedShard read by ranges)."""
+    # torch and numpy: the note under the imports
     import numpy as np
     import torch
 
@@ -172,6 +175,7 @@ def sample_shard(shard: Any, seq_len: int, indices: Sequence[int]) -> Tensor:
 
 def window_losses(model: nn.Module, windows: Tensor, batch_size: int = EVAL_BATCH) -> Tensor:
     """Mean next-token cross-entropy of each window, (n,) float64 on the CPU."""
+    # torch and numpy: the note under the imports
     import torch
     import torch.nn.functional as F
 

@@ -72,6 +72,7 @@ def export_state(
     transformers re-ties lm_head to the embedding from config.tie_word_embeddings, and
     safetensors refuses two names for one tensor, so the tied head is left out.
     """
+    # torch: not when the server starts (the note under the imports)
     import torch
 
     from dipaco.modular import TIED_HEAD, assemble_path_state
@@ -99,7 +100,7 @@ def write_model_file(
 ) -> Path:
     """Write path p's model.safetensors to `dest` atomically; the same inputs give the same
     bytes (safetensors orders the tensors itself, and the metadata has one key)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # torch: the note under the imports
 
     dest = Path(dest)
     state = export_state(config, p, modules)
@@ -151,6 +152,7 @@ def tokenizer_files(tokenizer_json: bytes) -> tuple[dict[str, bytes], int]:
     """The tokenizer files of a path directory from the run's tokenizer.json, and the
     separator id; tokenizer.json is kept byte for byte, the two small files are
     RunTokenizer.save's."""
+    # the tokenizers library: not when the server starts (the note under the imports)
     from tokenizers import Tokenizer
 
     from dipaco.data.tokenizer import TOKENIZER_FILES, RunTokenizer
@@ -173,6 +175,7 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
 
 def open_path_dir(directory: str | os.PathLike[str], *, device: str = "cpu") -> tuple[Any, Any]:
     """(model, tokenizer) of a path directory through transformers' Auto classes, offline."""
+    # torch and transformers (seconds): only where a path is opened
     import torch
 
     from dipaco.hf import transformers

@@ -222,7 +222,7 @@ def round_momentum(cfg: OuterConfig, round_index: int, *, trained_start: bool = 
     From random weights the look-ahead costs nothing: tiny DiLoCo, 2 replicas, H = 30,
     5 rounds ended at 6.882 with SGD's first step and 6.957 with the mean Δ, so a random
     start keeps cfg.momentum from round 0. The server's outer step
-    (dipaco_server.rounds.outer_step) and `dipaco simulate` both take μ here, with the
+    (dipaco_server.rounds.outer.step) and `dipaco simulate` both take μ here, with the
     phase's own round index.
     """
     if round_index < 0:

@@ -39,7 +39,7 @@ T = TypeVar("T")
 
 
 # The longest Retry-After an idle worker honours: only a guard against a broken header. The
-# server paces a waiting crowd itself (dipaco_server.rounds.lease.retry_after_s): N workers
+# server paces a waiting crowd itself (dipaco_server.rounds.protocol.pacing.retry_after_s): N workers
 # waiting for the next round are spread over N / DIPACO_GRANT_RATE seconds after its
 # expected opening, 200 s for 10,000 at the default 50/s. A cap of twice the agent's own
 # longest wait (60 s) squeezed that crowd into 60 s: ~170 polls/s instead of 100/s while an

@@ -6,7 +6,7 @@ error feedback (`dipaco.codecs.encode_with_feedback`, the residual carried from 
 module's previous update) and publishes θ_t + decode(u). A worker that holds θ_t
 rebuilds the new version from the update's bytes alone (`apply_update`), with the same
 fp32 addition, so the two sides hold the same weights bit for bit. One home for the
-simulator (dipaco.simulate.train), the server (rounds.outer_step) and the worker agent.
+simulator (dipaco.simulate.train), the server (rounds.outer.step) and the worker agent.
 """
 
 from __future__ import annotations

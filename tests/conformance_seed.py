@@ -34,8 +34,8 @@ def main() -> int:
     torch.set_num_threads(1)
     from dipaco.config import LayoutConfig, RunConfig
     from dipaco_server.accounts.services import create_api_token, create_user
-    from dipaco_server.rounds.lease import grant_lease
-    from dipaco_server.rounds.open import start_run
+    from dipaco_server.rounds.lifecycle.open import start_run
+    from dipaco_server.rounds.protocol.grant import grant_lease
     from dipaco_server.runs.models import Dataset
     from dipaco_server.runs.prepare import prepare_run
     from dipaco_server.runs.services import create_run

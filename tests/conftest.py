@@ -151,7 +151,7 @@ def pytest_configure(config: pytest.Config) -> None:
     data_dir = Path(tempfile.mkdtemp(prefix="dipaco-test-"))
     config.add_cleanup(lambda: shutil.rmtree(data_dir, ignore_errors=True))
     os.environ["DIPACO_DATA_DIR"] = str(data_dir)
-    # Sampled replication (rounds.replication) would add check copies at random; tests
+    # Sampled replication (rounds.verification.replication) would add check copies at random; tests
     # that want it set DIPACO_REPLICATION_RATE themselves.
     os.environ.setdefault("DIPACO_REPLICATION_RATE", "0")
     # Probation (workers.probation) replicates every new worker's units the same way; tests
@@ -520,7 +520,7 @@ def _fresh_scheduler_caches() -> None:
     test: SQLite reuses the ids of rolled-back rows, so another test's counts could match."""
     if not SERVER:
         return
-    from dipaco_server.rounds import lease as leasing
+    from dipaco_server.rounds.protocol import pacing
 
-    leasing._groups = (float("-inf"), [])
-    leasing._active_workers = (float("-inf"), 0)
+    pacing._groups = (float("-inf"), [])
+    pacing._active_workers = (float("-inf"), 0)

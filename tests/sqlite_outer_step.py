@@ -44,10 +44,10 @@ def main(hidden: int, layers: int, stepped_module: str = "shared") -> int:
 
     from dipaco.config import LayoutConfig
     from dipaco.modular import module_spec
-    from dipaco_server.rounds import outer_step
-    from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
-    from dipaco_server.rounds.lease import grant_lease
-    from dipaco_server.rounds.outer_step import step_module
+    from dipaco_server.rounds.outer import step as outer_step
+    from dipaco_server.rounds.outer.step import step_module
+    from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
+    from dipaco_server.rounds.protocol.grant import grant_lease
     from dipaco_server.storage import get_blob_store
     from dipaco_server.workers.services import create_enrollment_token, register_worker
     from tests import test_outer_tasks as helpers

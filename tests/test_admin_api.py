@@ -33,6 +33,7 @@ ENDPOINTS = {
     ("POST", "/api/v1/runs/{run_id}/resume"),
     ("POST", "/api/v1/runs/{run_id}/cancel"),
     ("GET", "/api/v1/runs/{run_id}/metrics"),
+    ("GET", "/api/v1/runs/{run_id}/rounds"),
     ("POST", "/api/v1/enrollment-tokens"),
     ("GET", "/api/v1/enrollment-tokens"),
     ("POST", "/api/v1/enrollment-tokens/{token_id}/revoke"),

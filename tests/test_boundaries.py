@@ -161,7 +161,7 @@ def test_a_server_process_trains_scores_and_steps_paths_without_importing_transf
         "django.setup()\n"
         "from dipaco_server.core.preload import import_heavy_libraries\n"
         "import_heavy_libraries()\n"
-        "import dipaco_server.rounds.tasks as tasks\n"
+        "import dipaco_server.rounds.lifecycle.tasks as tasks\n"
         "tasks.preload()\n"
         "import torch\n"
         "from dipaco.config import RunConfig\n"

@@ -1,6 +1,6 @@
 """comm.compression = "zstd": lossless round trips, and every hostile frame refused with a
 CodecError before it can cost memory (bombs, cut-off frames, wrong magic, lies about sizes).
-The server's own upload check (rounds.outer_step.check_upload) and the worker's encoder
+The server's own upload check (rounds.outer.step.check_upload) and the worker's encoder
 (worker_agent.payload) are exercised with compressed bytes too."""
 
 from __future__ import annotations
@@ -203,7 +203,7 @@ def test_a_corrupt_byte_inside_the_frame_is_refused() -> None:
 def test_the_server_upload_check_accepts_zstd_and_refuses_bad_frames(
     settings, tmp_path: Path
 ) -> None:
-    from dipaco_server.rounds.verification import Upload, check_upload
+    from dipaco_server.rounds.verification.uploads import Upload, check_upload
     from dipaco_server.storage import get_blob_store
 
     settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}

@@ -125,7 +125,7 @@ def schemathesis_config(seed: dict[str, Any], identity: str) -> str:
     if identity == "worker":
         lines.append('"header.X-Lease-Secret" = { dictionary = "secret", probability = 0.8 }')
     lines.append("")
-    # A request line over gunicorn's limit (cli.server.REQUEST_LINE_LIMIT) is refused by
+    # A request line over gunicorn's limit (http_limits.REQUEST_LINE_LIMIT) is refused by
     # gunicorn itself (documented as 414 on every operation): a refusal of the invalid
     # request, like a 4xx of Django's. No schema-valid request line reaches the limit.
     lines += [

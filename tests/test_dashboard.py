@@ -21,11 +21,11 @@ from django.test import Client
 from django.utils import timezone
 
 from dipaco.data.windows import unit_tokens
-from dipaco_server.rounds.close import mark_round_closed, mark_round_closing
-from dipaco_server.rounds.complete import ContributionReport, complete
-from dipaco_server.rounds.lease import grant_lease
+from dipaco_server.rounds.lifecycle.close import mark_round_closed, mark_round_closing
+from dipaco_server.rounds.lifecycle.open import open_round, start_run
 from dipaco_server.rounds.models import Contribution
-from dipaco_server.rounds.open import open_round, start_run
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete
+from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.rounds.verification.credit import credit
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Run
@@ -121,7 +121,7 @@ def build_short_run(name: str = "short-run", rounds_done: int = 3) -> ShortRun:
                 reports,
                 now=opened + timedelta(minutes=i, seconds=1),
             )
-            # What the worker API records from the completion's metrics (rounds.api).
+            # What the worker API records from the completion's metrics (rounds.protocol.api).
             path = grant.unit.path
             record_metric(run, "loss", train_loss_of(path.index, t), path=path, round=t)
         # The outer step's verdicts (its Celery task decides them for real).

@@ -24,9 +24,9 @@ from dipaco.client import _plan_text
 from dipaco_demo.display import DemoDisplay
 from dipaco_demo.workers import WorkerStatus
 from dipaco_server.inference import card
-from dipaco_server.inference import services as inference
+from dipaco_server.inference import selection as inference
 from dipaco_server.rounds.models import Round, WorkUnit
-from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Dataset, Run
 from dipaco_server.workers.models import EnrollmentToken
 from dipaco_server.workers.services import create_enrollment_token

@@ -1,7 +1,7 @@
 """Encoded downloads (issue 20): a worker that holds version t fetches only the encoded update.
 
 With ``comm.download_codec`` int8 every outer step publishes its update encoded, and the
-new version is exactly the version before plus the decoded update (rounds.publish).
+new version is exactly the version before plus the decoded update (rounds.outer.publish).
 
 - On the cluster (docker-compose.yml's migrate, web = gunicorn, worker = Celery and beat on
   a fresh PostgreSQL database, Redis, the moto S3 server) one `dipaco-worker` trains a 2x1
@@ -241,13 +241,13 @@ def test_apply_update_refuses_an_update_for_another_module() -> None:
 def test_the_outer_step_publishes_its_base_plus_exactly_the_decoded_update_as_the_library(
     tmp_path: Path,
 ) -> None:
-    """Two steps through rounds.outer_step.compute_step with int8 published updates: each
+    """Two steps through rounds.outer.step.compute_step with int8 published updates: each
     version is bit for bit what dipaco.updates.publish_update gives from the same step (its
     residual carried to the second), the update's bytes are the library's, and a worker's
     apply_update of them to the base rebuilds the version."""
     from dipaco import codecs
     from dipaco.outer import aggregate, outer_lr, outer_step
-    from dipaco_server.rounds.outer_step import BaseVersion, Upload, compute_step
+    from dipaco_server.rounds.outer.step import BaseVersion, Upload, compute_step
     from dipaco_server.runs import keys
     from dipaco_server.storage import get_blob_store
     from tests.test_outer_tasks import DILOCO, random_delta, running_run, stored_version
@@ -298,7 +298,7 @@ def test_the_outer_step_publishes_its_base_plus_exactly_the_decoded_update_as_th
 
 
 def test_the_manifest_offers_the_chain_only_when_it_is_whole_and_cheaper() -> None:
-    from dipaco_server.rounds.downloads import parse_held, plan_downloads
+    from dipaco_server.rounds.protocol.downloads import parse_held, plan_downloads
     from dipaco_server.runs.models import ModuleVersion
 
     def row(v: int, update: int | None) -> ModuleVersion:

@@ -26,8 +26,8 @@ from dipaco.modular import assemble_path_state, init_modules, split_path_state
 from dipaco.modules_file import write_module
 from dipaco.simulate.train import evaluate_paths
 from dipaco_demo.baseline import fetch_run_data, path_losses
-from dipaco_server.rounds.open import open_round
-from dipaco_server.rounds.tasks import advance_run, finish_round
+from dipaco_server.rounds.lifecycle.open import open_round
+from dipaco_server.rounds.lifecycle.tasks import advance_run, finish_round
 from dipaco_server.runs import evaluate as evaluate_module
 from dipaco_server.runs import keys
 from dipaco_server.runs.evaluate import evaluate_run

@@ -33,8 +33,8 @@ from schemathesis.specs.openapi.checks import (
 
 from dipaco_server.accounts.services import create_api_token, create_user
 from dipaco_server.api import api
-from dipaco_server.rounds.lease import grant_lease
-from dipaco_server.rounds.open import start_run
+from dipaco_server.rounds.lifecycle.open import start_run
+from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 from tests.test_models import make_run, prepare_run

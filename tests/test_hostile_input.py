@@ -88,9 +88,9 @@ from django.test import Client
 from dipaco import codecs
 from dipaco.config import MAX_UNITS_PER_ROUND
 from dipaco_server.accounts.services import create_api_token, create_user
+from dipaco_server.rounds.lifecycle.tasks import finish_round
 from dipaco_server.rounds.models import Contribution, Lease, Round
-from dipaco_server.rounds.outer_step import step_module
-from dipaco_server.rounds.tasks import finish_round
+from dipaco_server.rounds.outer.step import step_module
 from dipaco_server.runs.models import Module, Run
 from dipaco_server.runs.services import record_metric
 from dipaco_server.storage import get_blob_store

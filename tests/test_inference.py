@@ -378,3 +378,31 @@ def test_generate_routes_the_prompt_downloads_its_path_once_and_streams_text(
     assert captured.out.rstrip("\n") == prompt + tokenizer.decode(
         greedy[0, ids.shape[1] :], skip_special_tokens=True
     )
+
+
+def test_generate_re_routes_a_prompt_that_turns_to_another_topic_and_a_seed_fixes_it(
+    served: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.test_generation import crossing
+
+    t = trained()
+    run = publish(t)
+    prompt, first_path, second_path = crossing(t)
+    common = ("generate", "--server", served, "--run", str(run.pk), prompt,
+              "--cache-dir", str(tmp_path / "cache"), "--max-new-tokens", "8")  # fmt: skip
+    assert run_cli(*common, "--temperature", "0", "--reroute-every", "4") == 0
+    err = capsys.readouterr().err
+    assert f"routed to path {first_path}" in err
+    assert f"re-routed after 4 new tokens: path {first_path} -> {second_path}" in err
+    assert f"paths used: {first_path}, {second_path}" in err
+    sampled = (*common, "--temperature", "1.5", "--seed", "3", "--reroute-every", "4")
+    outputs = []
+    for _ in range(2):
+        assert run_cli(*sampled) == 0
+        outputs.append(capsys.readouterr())
+    said = [[line for line in o.err.splitlines() if "path" in line] for o in outputs]
+    assert outputs[0].out == outputs[1].out and said[0] == said[1]
+    # --path: that downloaded path writes everything on its own
+    assert run_cli(*common, "--path", str(first_path), "--reroute-every", "4") == 0
+    assert "re-routed" not in capsys.readouterr().err
+    assert run_cli(*common, "--reroute-every", "-1") == 2

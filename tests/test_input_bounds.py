@@ -26,10 +26,11 @@ from dipaco.data.windows import step_tokens, unit_start, unit_tokens, unit_windo
 from dipaco_server.accounts.services import create_api_token, create_user
 from dipaco_server.audit.models import AuditEntry
 from dipaco_server.audit.services import _refusal
-from dipaco_server.rounds.complete import ContributionReport, complete
-from dipaco_server.rounds.lease import grant_lease, size_unit
 from dipaco_server.rounds.models import Contribution, Lease
-from dipaco_server.rounds.worker_metrics import SERVER_SERIES, WorkerMetricsIn
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete
+from dipaco_server.rounds.protocol.grant import grant_lease
+from dipaco_server.rounds.protocol.sizing import size_unit
+from dipaco_server.rounds.protocol.worker_metrics import SERVER_SERIES, WorkerMetricsIn
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.services import transition

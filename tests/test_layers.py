@@ -6,16 +6,24 @@ never one above, at the top of a file or inside a function alike. From the botto
 - library: ``dipaco`` and ``worker_agent``, which import nothing of the server;
 - shared: what every app builds on and which names no app: the ``dipaco_server``
   package's own modules (``errors`` with ``ServiceError``, ``bounds``, ``patterns``,
-  ``celery``, ``settings``...), ``storage``, ``core`` (tokens, the retry policy of tasks,
-  the read-only admin) and ``cli.server`` (the stdlib-only launcher whose request-line
-  limit ``errors`` documents);
+  ``http_limits``, ``error_pages``, ``celery``, ``settings``...), ``storage`` and ``core``
+  (tokens, the retry policy of tasks, the read-only admin);
 - the apps: accounts, audit, workers, runs, rounds, inference; each app's ``api.py`` is
-  part of its app. runs asks rounds to open a round or end a run's leases through
-  runs.signals, never by importing it;
-- entry: what assembles them (``dipaco_server.api``, ``asgi``, ``wsgi``, the ``cli`` but
-  its launcher);
-- site: the dashboard (``dipaco_web``), the demo (``dipaco_demo``) and the URL map that
-  mounts the dashboard beside the API (``dipaco_server.urls``).
+  part of its app, and its ``apps.py`` (the AppConfig that connects its receivers when
+  Django is ready) sits at its top. runs asks rounds to open a round or end a run's leases
+  through runs.signals, never by importing it;
+- rounds in its parts, from the bottom: its own modules (``models``, ``policy``,
+  ``signals``, ``admin``); ``verification`` (the rules, Django-free, and every check of an
+  outer step); ``protocol`` (the worker protocol: register, lease, heartbeat, upload,
+  complete); ``outer`` (the outer step and publishing); ``lifecycle`` (a round's life:
+  open, close, deadlines, the tasks); ``reports`` (what staff and workers read back). The
+  protocol tells the round's life that a lease completed through rounds.signals;
+- entry: what assembles them (``dipaco_server.api``, ``asgi``, ``wsgi``, ``urls``, the
+  ``cli``);
+- site: the dashboard (``dipaco_web``) and the demo (``dipaco_demo``). The URL map mounts
+  the dashboard by name (``include("dipaco_web.urls")``), which imports nothing.
+
+Every module's layer follows from its name: no module is placed by hand.
 
 Only the ``dipaco*`` and ``worker_agent`` packages are placed; third-party imports are
 not checked here (tests/test_boundaries keeps Django out of the library and the agent).
@@ -36,14 +44,19 @@ LAYERS = (
     "workers",
     "runs",
     "rounds",
+    "rounds.verification",
+    "rounds.protocol",
+    "rounds.outer",
+    "rounds.lifecycle",
+    "rounds.reports",
     "inference",
     "entry",
     "site",
 )
 APPS = ("accounts", "audit", "workers", "runs", "rounds", "inference")
-ENTRY = ("api", "asgi", "wsgi", "cli")
-# Placed by name before their package: the launcher is stdlib-only, the URL map mounts the site.
-PLACED = {"dipaco_server.cli.server": "shared", "dipaco_server.urls": "site"}
+# An app's parts, bottom first: packages inside the app whose modules are layers of their own.
+PARTS = {"rounds": ("verification", "protocol", "outer", "lifecycle", "reports")}
+ENTRY = ("api", "asgi", "wsgi", "urls", "cli")
 # Where each package's modules are, relative to the checkout: their module names start there.
 SOURCES = {"dipaco": "", "worker_agent": "", "dipaco_server": "platform",
            "dipaco_demo": "platform", "dipaco_web": "web"}  # fmt: skip
@@ -59,11 +72,13 @@ def layer_of(module: str) -> str | None:
         return "site"
     if parts[0] != "dipaco_server":
         return None
-    for name, layer in PLACED.items():
-        if module == name or module.startswith(name + "."):
-            return layer
     if len(parts) > 1 and parts[1] in APPS:
-        return parts[1]
+        app, inside = parts[1], parts[2:3]
+        if inside == ["apps"] and app in PARTS:  # the AppConfig connects the top's receivers
+            return f"{app}.{PARTS[app][-1]}"
+        if inside and inside[0] in PARTS.get(app, ()):
+            return f"{app}.{inside[0]}"
+        return app
     if len(parts) > 1 and parts[1] in ENTRY:
         return "entry"
     return "shared"
@@ -135,6 +150,10 @@ def test_no_module_imports_a_layer_above_its_own() -> None:
     packages = ("dipaco.inner", "worker_agent.agent", "dipaco_web.views", "dipaco_demo.cli")
     for expected in (*packages, *(f"dipaco_server.{app}" for app in APPS)):
         assert expected in read, expected
+    parts = {".".join(module_name(path).split(".")[:3]) for path, _ in sources}
+    for app, inside in PARTS.items():
+        for part in inside:
+            assert f"dipaco_server.{app}.{part}" in parts, f"{app}.{part}"
     found = violations(sources)
     assert not found, f"imports up the layers ({' < '.join(LAYERS)}):\n" + "\n".join(found)
 
@@ -147,10 +166,25 @@ def test_the_check_names_the_file_line_and_arrow_of_an_import_up_the_layers() ->
         "from dipaco_server.runs.models import Run\n"
         "\n"
         "def f() -> None:\n"
-        "    from dipaco_server.rounds.open import open_round\n"
+        "    from dipaco_server.rounds.lifecycle.open import open_round\n"
     )
     assert violations([("platform/dipaco_server/runs/bad.py", bad)]) == [
-        "platform/dipaco_server/runs/bad.py:7: runs -> rounds (dipaco_server.rounds.open)"
+        "platform/dipaco_server/runs/bad.py:7: runs -> rounds.lifecycle "
+        "(dipaco_server.rounds.lifecycle.open)"
+    ]
+    # Inside rounds, each part imports only the parts below it.
+    parts = [
+        ("platform/dipaco_server/rounds/protocol/x.py", "from ..lifecycle import tasks\n"),
+        (
+            "platform/dipaco_server/rounds/verification/rules.py",
+            "import dipaco_server.rounds.outer\n",
+        ),
+        ("platform/dipaco_server/rounds/models.py", "from .protocol.leases import x\n"),
+    ]
+    assert [v.split(" (")[0] for v in violations(parts)] == [
+        "platform/dipaco_server/rounds/protocol/x.py:1: rounds.protocol -> rounds.lifecycle",
+        "platform/dipaco_server/rounds/verification/rules.py:1: rounds.verification -> rounds.outer",
+        "platform/dipaco_server/rounds/models.py:1: rounds -> rounds.protocol",
     ]
     # Relative imports, `from package import module`, and the library importing the server.
     bad_sources = [
@@ -171,6 +205,8 @@ def test_the_check_names_the_file_line_and_arrow_of_an_import_up_the_layers() ->
     fine = [
         ("platform/dipaco_server/rounds/x.py", "from dipaco_server.runs import signals\n"),
         ("platform/dipaco_server/rounds/y.py", "from . import models\nimport django\n"),
+        ("platform/dipaco_server/rounds/lifecycle/z.py", "from ..protocol import grant\n"),
+        ("platform/dipaco_server/rounds/apps.py", "from .lifecycle import receivers\n"),
         ("platform/dipaco_server/api.py", "from dipaco_server.inference.api import router\n"),
         ("web/dipaco_web/views.py", "from dipaco_server.rounds.models import Round\n"),
     ]

@@ -23,9 +23,10 @@ from pydantic import TypeAdapter, ValidationError
 
 from dipaco_server import patterns
 from dipaco_server.bounds import MAX_ID
-from dipaco_server.cli.server import REQUEST_LINE_LIMIT, child_commands
+from dipaco_server.cli.server import child_commands
 from dipaco_server.errors import ServiceError
-from dipaco_server.rounds.downloads import HELD_PATTERN
+from dipaco_server.http_limits import REQUEST_LINE_LIMIT
+from dipaco_server.rounds.protocol.downloads import HELD_PATTERN
 from dipaco_server.runs.sources import check_source
 from dipaco_server.workers.services import _clean_text
 

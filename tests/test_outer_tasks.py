@@ -35,12 +35,11 @@ from dipaco.modules_file import read_module, write_module
 from dipaco.outer import aggregate, outer_lr, outer_step
 from dipaco_server.env import blob_store as blob_store_config
 from dipaco_server.env import celery_transport
-from dipaco_server.rounds.close import mark_round_closing
-from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
-from dipaco_server.rounds.lease import grant_lease
+from dipaco_server.rounds.lifecycle.close import mark_round_closing
+from dipaco_server.rounds.lifecycle.open import start_run
+from dipaco_server.rounds.lifecycle.tasks import advance_run, fail_round, finish_round
 from dipaco_server.rounds.models import Contribution, OuterStep, Round
-from dipaco_server.rounds.open import start_run
-from dipaco_server.rounds.outer_step import (
+from dipaco_server.rounds.outer.step import (
     FAULTS_DIR_ENV,
     BaseVersion,
     Fault,
@@ -49,7 +48,8 @@ from dipaco_server.rounds.outer_step import (
     compute_step,
     step_module,
 )
-from dipaco_server.rounds.tasks import advance_run, fail_round, finish_round
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.services import create_run, transition
@@ -78,7 +78,7 @@ MODEL = {
 DILOCO = LayoutConfig.grid(2, levels=1, modules=1)  # modules "0.0" and "shared", one path
 GRID = LayoutConfig.grid(2, levels=2, modules=2)  # 4 paths over 0.0, 0.1, 1.0, 1.1, shared
 TOKENS = 1000
-TASK = "dipaco_server.rounds.tasks."
+TASK = "dipaco_server.rounds.tasks."  # the tasks' names, kept when their module moved
 Deltas = dict[str, Tensor]
 
 
@@ -601,7 +601,7 @@ import json, os, sys, tempfile, pathlib
 import django
 django.setup()
 import torch
-from dipaco_server.rounds.outer_step import BaseVersion, Upload, compute_step
+from dipaco_server.rounds.outer.step import BaseVersion, Upload, compute_step
 from dipaco_server.storage.local import LocalBlobStore
 
 def rss_kib(field):

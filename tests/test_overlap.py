@@ -20,12 +20,16 @@ from dipaco import codecs
 from dipaco.modular import module_spec
 from dipaco.modules_file import read_module
 from dipaco.outer import aggregate, outer_lr, outer_step
-from dipaco_server.rounds.close import mark_round_closed, mark_round_closing, round_ready_to_close
-from dipaco_server.rounds.lease import grant_lease
+from dipaco_server.rounds.lifecycle.close import (
+    mark_round_closed,
+    mark_round_closing,
+    round_ready_to_close,
+)
+from dipaco_server.rounds.lifecycle.open import open_round
+from dipaco_server.rounds.lifecycle.tasks import close_round, start_closing
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round
-from dipaco_server.rounds.open import open_round
-from dipaco_server.rounds.outer_step import step_module
-from dipaco_server.rounds.tasks import close_round, start_closing
+from dipaco_server.rounds.outer.step import step_module
+from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.runs.errors import RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion, Run
 from dipaco_server.storage import BlobStore, get_blob_store

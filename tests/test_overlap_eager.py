@@ -1,7 +1,7 @@
 """The eager correction on the platform (issue 20, ``outer.overlap`` "eager").
 
 Round t + 1 opens while round t steps, as with "delayed"; its units also rebase at step
-s = ceil(outer.eager_at x H) onto the versions round t publishes (platform rounds.rebase,
+s = ceil(outer.eager_at x H) onto the versions round t publishes (platform rounds.protocol.rebase,
 worker_agent.rebase), so their Δs are relative to those and the outer step applies them
 with no staleness. The agent's hook is checked against the simulator's (`train_dipaco`'s
 `_eager`: the same `dipaco.inner.path_shift`, bit for bit); the server side through its
@@ -28,14 +28,14 @@ from dipaco.modular import init_modules, module_spec
 from dipaco.modules_file import write_module
 from dipaco.outer import aggregate, outer_lr, outer_step
 from dipaco.simulate.train import _eager
-from dipaco_server.rounds.close import mark_round_closed, mark_round_closing
-from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
-from dipaco_server.rounds.lease import grant_lease
+from dipaco_server.rounds.lifecycle.close import mark_round_closed, mark_round_closing
+from dipaco_server.rounds.lifecycle.open import open_round, start_run
+from dipaco_server.rounds.lifecycle.tasks import start_closing
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round
-from dipaco_server.rounds.open import open_round, start_run
-from dipaco_server.rounds.outer_step import _delta_bases
-from dipaco_server.rounds.rebase import rebase_plan, rebase_targets
-from dipaco_server.rounds.tasks import start_closing
+from dipaco_server.rounds.outer.step import _delta_bases
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.protocol.grant import grant_lease
+from dipaco_server.rounds.protocol.rebase import rebase_plan, rebase_targets
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import ContributionInvalid
 from dipaco_server.runs.models import Run
@@ -299,7 +299,7 @@ def test_an_eager_units_delta_is_relative_to_round_ts_versions_and_lands_on_them
     complete(worker, granted.lease.pk, granted.secret, reports, base_versions=targets)
     rows = list(Contribution.objects.filter(lease=granted.lease).select_related("lease", "unit"))
     assert {c.base_version for c in rows} == {1}
-    # Proof of useful work scores it on the versions it is relative to (rounds.outer_step).
+    # Proof of useful work scores it on the versions it is relative to (rounds.outer.step).
     assert _delta_bases(rows)[granted.lease.pk] == (("0.0", 1), ("shared", 1))
 
     assert send(on_s3, "close_round", run.pk, 1).get(timeout=30) in CLOSING

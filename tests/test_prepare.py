@@ -24,8 +24,8 @@ from dipaco.data.tokenizer import RunTokenizer
 from dipaco.modular import init_modules
 from dipaco.modules_file import ModuleReader, write_module
 from dipaco.routing.router import Router
+from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.models import Round
-from dipaco_server.rounds.open import start_run
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
 from dipaco_server.runs.prepare import (
@@ -81,7 +81,9 @@ def test_prepare_run_uploads_every_blob_and_leaves_the_run_ready_to_start(
 ) -> None:
     run = new_run()
     task = "dipaco_server.runs.tasks.prepare_run"
-    assert celery_worker_redis.call(task, run.pk, FILES, timeout=120) == "ready"
+    # The plan, then a chord of one task per file and the join (runs.pieces).
+    assert celery_worker_redis.call(task, run.pk, FILES, timeout=120) in ("preparing", "ready")
+    wait_for(lambda: Run.objects.get(pk=run.pk).state != Run.State.PREPARING, celery_worker_redis)
 
     run.refresh_from_db()
     assert run.state == Run.State.READY

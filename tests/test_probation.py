@@ -19,16 +19,17 @@ import pytest
 from dipaco import codecs
 from dipaco.data.windows import ShardSource
 from dipaco.inner import train_path
-from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
-from dipaco_server.rounds.lease import grant_lease
-from dipaco_server.rounds.models import Contribution, WorkUnit
-from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.protocol.grant import grant_lease
+from dipaco_server.rounds.verification import first_round
+from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Run
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers import probation
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
-from tests.test_outer_tasks import DILOCO, running_run
+from tests.test_outer_tasks import DILOCO, GRID, running_run
 from tests.test_replica_bias import added
 from tests.test_untrusted import (
     INNER,
@@ -215,3 +216,147 @@ def test_honest_copies_differing_by_warm_and_cold_moments_are_never_refused(
     for w in workers:
         w.refresh_from_db()
         assert w.trust == 1.0 and w.replicas_disagreed == 0
+
+
+# --- the first round, settled over units (rounds.verification.first_round) -------------------
+
+
+def facts(rates: dict[int, float], referees: tuple[int, ...] = ()) -> dict[int, Any]:
+    return {k: first_round.UnitFacts(k, r, k in referees) for k, r in rates.items()}
+
+
+def against(*pairs: tuple[int, int]) -> dict[tuple[int, int], float | None]:
+    """Cosines among units 0..3: the listed pairs point against each other, the rest along."""
+    out: dict[tuple[int, int], float | None] = {
+        (a, b): 0.6 for a in range(4) for b in range(a + 1, 4)
+    }
+    for pair in pairs:
+        out[tuple(sorted(pair))] = -0.9  # type: ignore[index]
+    return out
+
+
+# Two colluders (0, 1) flip; 2 and 3 are honest. Rates as measured from a fresh start.
+TIE = against((0, 2), (0, 3), (1, 2), (1, 3))
+HONEST_RATES = {0: 0.18, 1: 0.23, 2: 0.27, 3: 0.31}
+
+
+def test_a_two_against_two_tie_is_settled_by_gain_per_token_not_by_accepting_both() -> None:
+    verdicts = first_round.settle(facts(HONEST_RATES), TIE)
+    assert set(verdicts) == {0, 1}
+    assert all(v.startswith(first_round.AGAINST) for v in verdicts.values())
+
+
+def test_a_tie_that_gain_cannot_decide_is_held_out_whole() -> None:
+    close = {0: 0.26, 1: 0.27, 2: 0.27, 3: 0.28}
+    verdicts = first_round.settle(facts(close), TIE)
+    assert set(verdicts) == {0, 1, 2, 3}
+    assert all(v.startswith(first_round.UNSETTLED) for v in verdicts.values())
+
+
+def test_a_trusted_referee_decides_whatever_the_gains_say() -> None:
+    # the colluders' gain even looks better; the referee (unit 3) says otherwise
+    rates = {0: 0.4, 1: 0.4, 2: 0.27, 3: 0.31}
+    verdicts = first_round.settle(facts(rates, referees=(3,)), TIE)
+    assert set(verdicts) == {0, 1} and "trusted referee" in verdicts[0]
+
+
+def test_a_minority_against_the_rest_is_refused_and_agreement_refuses_nobody() -> None:
+    one = first_round.settle(facts(HONEST_RATES), against((0, 1), (0, 2), (0, 3)))
+    assert set(one) == {0}
+    assert first_round.settle(facts(HONEST_RATES), against()) == {}
+
+
+def test_two_copies_of_one_unit_that_disagree_are_settled_on_their_windows() -> None:
+    # 4 is honest worker's copy of colluder 0's unit: the same windows, more gain
+    units = facts({**HONEST_RATES, 4: 0.30})
+    cosines = {**TIE, (0, 4): -0.9, (1, 4): -0.9, (2, 4): 0.6, (3, 4): 0.6}
+    verdicts = first_round.settle(units, cosines, copies=[(0, 4)])
+    assert "same unit" in verdicts[0] and set(verdicts) == {0, 1}
+
+
+# --- a first round colluders cannot win, on the real services ---------------------------------
+
+
+def flip(deltas: Any) -> Any:
+    return {m: {n: -t for n, t in d.items()} for m, d in deltas.items()}
+
+
+ALL_MODULES = ("0.0", "0.1", "1.0", "1.1", "shared")
+
+
+def fresh_grid(tmp_path: Path) -> tuple[Run, dict[int, ShardSource]]:
+    """A 2x2 grid from a fresh start: four paths, each module of a level in two of them,
+    the shared module in all four. Proof of useful work off: on real text a flipped Δ from
+    a fresh start still lowers its unit's loss (first_round's docstring), while this test
+    model's flips raise it and would be refused for that alone; without it, the first
+    round's settlement is all that stands between the flips and the step."""
+    run = running_run(
+        GRID, replicas=1, rounds=2, inner=INNER, data={"val_fraction": 0.2},
+        outer={"score": False},
+    )  # fmt: skip
+    return run, with_data(run, tmp_path)
+
+
+def accepted(run: Run, workers: list[Worker]) -> list[str]:
+    rows = Contribution.objects.filter(unit__round__run=run, lease__worker__in=workers)
+    return [f"{c.lease.worker.name} {c.module.module_id}" for c in rows if not c.reason]
+
+
+@pytest.mark.django_db
+def test_two_colluders_out_of_four_get_no_flipped_delta_accepted_in_round_0(
+    tmp_path: Path,
+) -> None:
+    """Workers 0 and 1 flip their Δs and get paths 0 and 1: a two-against-two tie in the
+    shared module, and module 0.0 gets only their two flips, which agree with each other.
+    Settled over whole units, the tie is not decided here (no score, no referee, no third
+    copy), so both sides are held out of every module's step, module 0.0's included:
+    never both accepted, and nobody's trust falls for it (the pure tests above settle the
+    same tie by gain per token, bench/attacks_live.py on real text)."""
+    run, sources = fresh_grid(tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    workers = [register_worker(token, f"w{i}", {})[0] for i in range(4)]
+    for i, worker in enumerate(workers):
+        unit = train(run, worker, sources, flip if i < 2 else device(400 + i))
+        assert unit.path.index == i
+    step_round(run, 0, ALL_MODULES)
+
+    assert accepted(run, workers[:2]) == []
+    rows = Contribution.objects.filter(unit__round__run=run)
+    assert {c.reason.partition(":")[0] for c in rows} == {first_round.UNSETTLED}
+    step = OuterStep.objects.get(round__run=run, round__t=0, module__module_id="0.0")
+    assert step.accepted == 0  # only the two flips went through it
+    round0 = Round.objects.get(run=run, t=0)
+    assert len(round0.first_round) == 4
+    for w in workers:
+        w.refresh_from_db()
+        assert w.trust == 1.0 and w.tokens_processed == 0
+
+
+@pytest.mark.django_db
+def test_a_trusted_worker_from_a_marked_token_referees_round_0(
+    tmp_path: Path, settings: Any
+) -> None:
+    """Probation at its default: the newcomers' units get check copies, and the operator's
+    machine, asking for work, is handed the check copy of colluder w0's unit. Its copy
+    refutes w0's flip, and w1's flipped unit points against it too; an honest newcomer's
+    copy of w1's unit steps with the referee's."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    run, sources = fresh_grid(tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    w0, w1, w2 = (register_worker(token, f"w{i}", {})[0] for i in range(3))
+    referee, _ = register_worker(create_enrollment_token(trusted=True)[1], "operator", {})
+    assert referee.operator_trusted and not referee.probation
+    original = train(run, w0, sources, flip)
+    refereed = train(run, referee, sources, device(500))
+    assert refereed.replica == CHECK_OFFSET + original.replica  # a check copy, first
+    train(run, w1, sources, flip)
+    checked = train(run, w2, sources, device(501))
+    assert checked.replica >= CHECK_OFFSET
+    step_round(run, 0, ALL_MODULES)
+
+    assert accepted(run, [w0, w1]) == []
+    refused = Contribution.objects.filter(lease__worker__in=[w0, w1])
+    assert all("trusted referee" in c.reason for c in refused), [c.reason for c in refused]
+    assert {c.reason.partition(":")[0] for c in refused} == {first_round.AGAINST}
+    assert accepted(run, [referee, w2])
+    assert not Contribution.objects.filter(lease__worker__in=[referee, w2]).exclude(reason="")

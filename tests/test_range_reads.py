@@ -1,5 +1,5 @@
 """The server reads a shard's windows by byte ranges, never the whole shard: cutting a unit's
-data (rounds.unit_data), scoring a Δ (rounds.verification.scorer) and evaluating a path
+data (rounds.protocol.unit_data), scoring a Δ (rounds.verification.scorer) and evaluating a path
 (runs.evaluate) each run here on a blob store that refuses to read a large shard whole (or
 in a range over a quarter of it), and read the same tokens as from a local copy.
 """
@@ -23,8 +23,8 @@ from dipaco.evaluate import mean_loss, sample_shard
 from dipaco.model import build_model
 from dipaco.modular import assemble_path_state, init_modules
 from dipaco.modules_file import write_module
-from dipaco_server.rounds.open import open_round
-from dipaco_server.rounds.unit_data import unit_data
+from dipaco_server.rounds.lifecycle.open import open_round
+from dipaco_server.rounds.protocol.unit_data import unit_data
 from dipaco_server.rounds.verification.scorer import Scorer
 from dipaco_server.runs import keys
 from dipaco_server.runs.evaluate import evaluate_run, run_sample

@@ -225,6 +225,7 @@ def test_a_malformed_rate_is_refused_naming_the_variable_and_the_fix(value: str)
     "method, path",
     [
         ("post", "/api/v1/runs/{run}/route"),
+        ("post", "/api/v1/runs/{run}/generate"),
         ("get", "/api/v1/runs/{run}/paths/0/download"),
         ("get", "/api/v1/runs/{run}/paths/0/files/model.safetensors"),
         ("get", "/api/v1/runs/{run}/paths/0/manifest"),

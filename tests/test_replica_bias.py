@@ -19,10 +19,10 @@ import torch
 
 from dipaco import codecs
 from dipaco.data.windows import ShardSource
-from dipaco_server.rounds import persistence
-from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
-from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.protocol.grant import grant_lease
+from dipaco_server.rounds.verification import persistence
 from dipaco_server.runs.models import Run
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers import probation

@@ -14,10 +14,12 @@ from typing import Any, TypeVar
 import pytest
 from django.db import connection
 
-from dipaco_server.rounds import lease as leasing
-from dipaco_server.rounds.close import mark_round_closed, mark_round_closing
+from dipaco_server.rounds.lifecycle.close import mark_round_closed, mark_round_closing
+from dipaco_server.rounds.lifecycle.open import open_round, start_run
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
-from dipaco_server.rounds.open import open_round, start_run
+from dipaco_server.rounds.protocol import grant as granting
+from dipaco_server.rounds.protocol import leases as leasing
+from dipaco_server.rounds.protocol import pacing
 from dipaco_server.workers.models import Worker
 from tests.test_models import make_run, make_worker, prepare_run
 
@@ -30,9 +32,9 @@ Result = TypeVar("Result")
 def fresh_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Forget the per-process counts (workers seen, closing round, groups) as a new
     second of a real server would."""
-    monkeypatch.setattr(leasing, "_active_workers", (float("-inf"), 0))
-    monkeypatch.setattr(leasing, "_closing", (float("-inf"), None))
-    monkeypatch.setattr(leasing, "_groups", (float("-inf"), []))
+    monkeypatch.setattr(pacing, "_active_workers", (float("-inf"), 0))
+    monkeypatch.setattr(pacing, "_closing", (float("-inf"), None))
+    monkeypatch.setattr(pacing, "_groups", (float("-inf"), []))
 
 
 def in_thread(call: Callable[[], Result]) -> Result:
@@ -58,10 +60,10 @@ def test_200_waiting_volunteers_get_leases_within_the_jitter_window_without_a_du
     asked_at = closing_at + timedelta(seconds=1)
     slots = {}
     for i, worker in enumerate(workers):
-        assert leasing.grant_lease(worker, now=asked_at) is None
-        wait = leasing.retry_after_s(now=asked_at, rng=random.Random(i))
+        assert granting.grant_lease(worker, now=asked_at) is None
+        wait = pacing.retry_after_s(now=asked_at, rng=random.Random(i))
         slots[worker.pk] = asked_at + timedelta(seconds=wait)
-    opens_at = closing_at + timedelta(seconds=leasing.DEFAULT_OUTER_S)  # no history yet
+    opens_at = closing_at + timedelta(seconds=pacing.DEFAULT_OUTER_S)  # no history yet
     window_end = opens_at + timedelta(seconds=VOLUNTEERS / GRANT_RATE + 1)
     assert min(slots.values()) >= opens_at, "nobody is sent back before the expected opening"
     assert max(slots.values()) <= window_end
@@ -81,10 +83,10 @@ def test_200_waiting_volunteers_get_leases_within_the_jitter_window_without_a_du
             at = min(pending.values())
             due = [pk for pk, slot in pending.items() if slot == at]
 
-            def ask(pk: int, at: datetime = at) -> tuple[int, leasing.LeaseGrant | None, int]:
-                def call() -> tuple[int, leasing.LeaseGrant | None, int]:
-                    grant = leasing.grant_lease(by_pk[pk], now=at)
-                    wait = 0 if grant is not None else leasing.retry_after_s(now=at)
+            def ask(pk: int, at: datetime = at) -> tuple[int, granting.LeaseGrant | None, int]:
+                def call() -> tuple[int, granting.LeaseGrant | None, int]:
+                    grant = granting.grant_lease(by_pk[pk], now=at)
+                    wait = 0 if grant is not None else pacing.retry_after_s(now=at)
                     return pk, grant, wait
 
                 return in_thread(call)
@@ -116,12 +118,12 @@ def test_grants_ahead_of_the_pace_of_an_opening_wait_for_a_later_slot(
     round0 = start_run(prepare_run(make_run(replicas_per_path=2)), now=T0)
     fresh_caches(monkeypatch)
     workers = [make_worker(f"w{i}") for i in range(5)]
-    burst = [leasing.grant_lease(w, now=T0) for w in workers[:4]]
+    burst = [granting.grant_lease(w, now=T0) for w in workers[:4]]
     assert all(g is not None for g in burst)
-    assert leasing.grant_lease(workers[4], now=T0) is None
-    wait = leasing.retry_after_s(now=T0, rng=random.Random(0))
+    assert granting.grant_lease(workers[4], now=T0) is None
+    wait = pacing.retry_after_s(now=T0, rng=random.Random(0))
     assert 1 <= wait <= 2, wait  # one grant over the pace at 2/s: half a second, then jitter
-    later = leasing.grant_lease(workers[4], now=T0 + timedelta(seconds=wait))
+    later = granting.grant_lease(workers[4], now=T0 + timedelta(seconds=wait))
     assert later is not None and later.unit.round_id == round0.pk
 
 
@@ -134,7 +136,7 @@ def test_an_idle_retry_after_is_jittered_above_the_idle_wait(
     fresh_caches(monkeypatch)
     seen = [make_worker(f"idle-{i}") for i in range(10)]
     Worker.objects.filter(pk__in=[w.pk for w in seen]).update(last_seen=T0)
-    waits = {leasing.retry_after_s(now=T0, rng=random.Random(i)) for i in range(50)}
+    waits = {pacing.retry_after_s(now=T0, rng=random.Random(i)) for i in range(50)}
     assert min(waits) >= 10 and max(waits) <= 15 and len(waits) >= 4, waits
 
 
@@ -150,9 +152,9 @@ def test_a_grant_whose_answer_was_lost_is_given_again_under_a_new_secret_until_i
     start_run(prepare_run(make_run(replicas_per_path=2)), now=T0)
     worker = make_worker("lossy-connection")
     fresh_caches(monkeypatch)
-    first = leasing.grant_lease(worker, now=T0)
+    first = granting.grant_lease(worker, now=T0)
     assert first is not None
-    again = leasing.grant_lease(worker, now=T0 + timedelta(seconds=31))
+    again = granting.grant_lease(worker, now=T0 + timedelta(seconds=31))
     assert again is not None and again.lease.pk == first.lease.pk
     assert again.secret != first.secret
     assert Lease.objects.filter(worker=worker).count() == 1
@@ -164,7 +166,7 @@ def test_a_grant_whose_answer_was_lost_is_given_again_under_a_new_secret_until_i
     # Heard now (a heartbeat): asking again is the worker's mistake, refused with 409.
     leasing.heartbeat(worker, again.lease.pk, again.secret, now=T0 + timedelta(seconds=32))
     with pytest.raises(LeaseLimitReached):
-        leasing.grant_lease(worker, now=T0 + timedelta(seconds=33))
+        granting.grant_lease(worker, now=T0 + timedelta(seconds=33))
 
 
 def test_waiters_of_an_outer_step_slower_than_expected_ask_at_the_grant_rate_not_twice_it(
@@ -181,8 +183,8 @@ def test_waiters_of_an_outer_step_slower_than_expected_ask_at_the_grant_rate_not
     Worker.objects.filter(pk__in=[w.pk for w in seen]).update(last_seen=closing_at)
     assert mark_round_closing(round0, now=closing_at)
     fresh_caches(monkeypatch)
-    late = closing_at + timedelta(seconds=leasing.DEFAULT_OUTER_S + 60)
-    waits = [leasing.retry_after_s(now=late, rng=random.Random(i)) for i in range(400)]
+    late = closing_at + timedelta(seconds=pacing.DEFAULT_OUTER_S + 60)
+    waits = [pacing.retry_after_s(now=late, rng=random.Random(i)) for i in range(400)]
     spread = VOLUNTEERS / GRANT_RATE  # 10 s
     assert min(waits) >= 1 and max(waits) <= 2 * spread
     mean = sum(waits) / len(waits)  # ceil adds about half a second
@@ -200,8 +202,8 @@ def test_a_slow_outer_step_is_not_sent_again_while_its_modules_keep_stepping(
     began closing, whatever the resend does to closing_at."""
     from types import SimpleNamespace
 
+    from dipaco_server.rounds.lifecycle.tasks import resend_stalled_rounds
     from dipaco_server.rounds.models import OuterStep
-    from dipaco_server.rounds.tasks import resend_stalled_rounds
     from tests.test_worker_api import sent_tasks
 
     settings.DIPACO_ROUND_CLOSE_RETRY_S = 600
@@ -224,7 +226,7 @@ def test_a_slow_outer_step_is_not_sent_again_while_its_modules_keep_stepping(
     assert resent.closing_at > began and resent.closing_started_at == began
 
     fresh_caches(monkeypatch)
-    assert leasing._closing_round() == (began, leasing.DEFAULT_OUTER_S)
+    assert pacing._closing_round() == (began, pacing.DEFAULT_OUTER_S)
 
     # Round 1's waiters expect its close to take as long as round 0's did: from when round 0
     # began closing to round 1's opening, 20 minutes, not the 5 since the resend.
@@ -234,4 +236,4 @@ def test_a_slow_outer_step_is_not_sent_again_while_its_modules_keep_stepping(
     round1_closing = opened + timedelta(minutes=30)
     assert mark_round_closing(round1, now=round1_closing)
     fresh_caches(monkeypatch)
-    assert leasing._closing_round() == (round1_closing, 20 * 60.0)
+    assert pacing._closing_round() == (round1_closing, 20 * 60.0)

@@ -14,19 +14,18 @@ from django.test import override_settings
 from django.utils import timezone
 
 from dipaco.data.windows import unit_start, unit_tokens, unit_windows
-from dipaco_server.rounds.close import mark_round_closed, mark_round_closing, round_ready_to_close
-from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
-from dipaco_server.rounds.lease import (
-    LeaseGrant,
-    expire_leases,
-    grant_lease,
-    heartbeat,
-    heartbeat_interval_s,
-    release,
+from dipaco_server.rounds.lifecycle.close import (
+    mark_round_closed,
+    mark_round_closing,
+    round_ready_to_close,
 )
+from dipaco_server.rounds.lifecycle.open import open_round, start_run
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
-from dipaco_server.rounds.open import open_round, start_run
 from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.protocol.grant import LeaseGrant, grant_lease
+from dipaco_server.rounds.protocol.leases import expire_leases, heartbeat, release
+from dipaco_server.rounds.protocol.pacing import heartbeat_interval_s
 from dipaco_server.runs.errors import (
     ContributionConflict,
     ContributionInvalid,
@@ -154,19 +153,19 @@ def test_with_more_workers_about_than_the_heartbeat_rate_allows_heartbeats_slow_
 ) -> None:
     """Five workers seen at 0.1 heartbeats/s: every 50 s instead of the timeout's 10 s, and a
     lease lives three intervals (150 s) without one; told in every heartbeat answer."""
-    from dipaco_server.rounds import lease as leasing
+    from dipaco_server.rounds.protocol import pacing
 
-    leasing._heartbeating = (-math.inf, 0)  # this process's count from earlier tests
+    pacing._heartbeating = (-math.inf, 0)  # this process's count from earlier tests
     workers = [make_worker(f"crowd{i}") for i in range(5)]
     Worker.objects.filter(pk__in=[w.pk for w in workers]).update(last_seen=timezone.now())
-    assert leasing.heartbeat_interval_s() == 50.0 and leasing.lease_timeout_s() == 150.0
+    assert pacing.heartbeat_interval_s() == 50.0 and pacing.lease_timeout_s() == 150.0
     held = grant(workers[0])
     assert held.lease.deadline == T0 + timedelta(seconds=150)
     renewed = heartbeat(workers[0], held.lease.pk, held.secret, now=T0 + MINUTE)
     assert renewed.deadline == T0 + MINUTE + timedelta(seconds=150)
     with override_settings(DIPACO_HEARTBEAT_RATE=100):
-        leasing._heartbeating = (-math.inf, 0)
-        assert leasing.heartbeat_interval_s() == 10.0, "few workers: the timeout's third"
+        pacing._heartbeating = (-math.inf, 0)
+        assert pacing.heartbeat_interval_s() == 10.0, "few workers: the timeout's third"
 
 
 @pytest.mark.django_db(transaction=True)
@@ -353,7 +352,7 @@ def test_an_expired_lease_returns_its_unit_to_the_queue(round0: Round) -> None:
 
 
 def test_the_beat_sweep_requeues_units_of_leases_past_their_deadline(round0: Round) -> None:
-    from dipaco_server.rounds.tasks import sweep_leases
+    from dipaco_server.rounds.lifecycle.tasks import sweep_leases
 
     held = grant(make_worker(), now=timezone.now() - timedelta(hours=1))  # long silent
     fresh = grant(make_worker("fresh"), now=timezone.now())
@@ -406,7 +405,7 @@ def test_complete_records_pending_contributions_under_server_built_keys(round0: 
     # between grant and completion (workers.speed).
     measured = unit_tokens(round0.run.run_config) / MINUTE.total_seconds()
     assert stored.measured_speed == pytest.approx(min(900.0, measured))
-    # No credit before the outer step accepted its Δs (issue 19: rounds.outer_step._credit).
+    # No credit before the outer step accepted its Δs (issue 19: rounds.outer.step._credit).
     assert stored.units_completed == 0 and stored.tokens_processed == 0
 
 
@@ -461,7 +460,7 @@ def test_a_completion_claiming_more_tokens_than_its_lease_allowed_is_refused(
 
 def test_units_are_sized_to_the_workers_speed_and_a_new_worker_calibrates() -> None:
     from dipaco.config import RunConfig
-    from dipaco_server.rounds.lease import size_unit
+    from dipaco_server.rounds.protocol.sizing import size_unit
 
     config = RunConfig.tiny(inner={"steps": 500}, units={"target_seconds": 900})
     per_step = config.inner.batch_size * config.model.seq_len
@@ -653,7 +652,7 @@ def test_the_completion_path_recomputes_the_adaptive_deadline_at_most_every_few_
     """Every completion asks whether its round may close; the adaptive deadline reads all of
     the round's completed leases, so the completion path (adapt_every_s) recomputes it once
     per ADAPT_EVERY_S per process and round, and beat's sweep (no throttle) every time."""
-    from dipaco_server.rounds import close
+    from dipaco_server.rounds.lifecycle import close
 
     close._adapted_at.clear()
     finishers = [grant(make_worker(f"finisher{i}"), now=T0) for i in range(4)]
@@ -711,11 +710,11 @@ def test_a_cancelled_runs_round_never_closes_and_its_leases_stop(round0: Round) 
 def test_the_idle_retry_after_grows_with_the_workers_seen_lately(
     db: None, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from dipaco_server.rounds import lease as leasing
+    from dipaco_server.rounds.protocol import pacing
 
     def fresh() -> int:
-        monkeypatch.setattr(leasing, "_active_workers", (float("-inf"), 0))
-        return leasing.idle_retry_after_s(now=T0)
+        monkeypatch.setattr(pacing, "_active_workers", (float("-inf"), 0))
+        return pacing.idle_retry_after_s(now=T0)
 
     seen = [make_worker() for _ in range(5)]
     Worker.objects.filter(pk__in=[w.pk for w in seen]).update(last_seen=T0 - MINUTE)
@@ -745,9 +744,9 @@ def test_grants_from_cached_groups_skip_a_path_stopped_meanwhile(round0: Round) 
 
 
 def test_a_round_opened_within_the_cache_second_is_granted_at_once(db: None) -> None:
-    from dipaco_server.rounds import lease as leasing
+    from dipaco_server.rounds.protocol import pacing
 
     assert grant_lease(make_worker("early"), now=T0) is None  # nothing queued yet
-    leasing._cached_groups(refresh=True)  # caches "no groups"
+    pacing.cached_groups(refresh=True)  # caches "no groups"
     start_run(prepare_run(make_run(replicas_per_path=1)), now=T0)
     assert grant_lease(make_worker("prompt"), now=T0) is not None

@@ -14,8 +14,9 @@ import uuid
 from pathlib import Path
 
 from dipaco import __version__
-from dipaco_server.cli.server import REQUEST_LINE_LIMIT, child_commands
+from dipaco_server.cli.server import child_commands
 from dipaco_server.env import KNOWN_VARIABLES, celery_transport
+from dipaco_server.http_limits import REQUEST_LINE_LIMIT
 from tests.conftest import (
     celery_client,
     compose_command,

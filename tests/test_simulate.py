@@ -337,3 +337,17 @@ def test_with_int8_downloads_a_worker_holding_version_t_rebuilds_the_servers_wei
     for record in later:  # then encoded updates only: int8 plus block scales and headers
         assert 0 < record.download_bytes < config.num_paths * path_fp32 / 3
     assert math.isfinite(result.loss) and result.loss == pytest.approx(dipaco_run.loss, rel=0.05)
+
+
+def test_validating_every_other_round_keeps_the_weights_bytes_and_last_loss(
+    work_dir: Path, dipaco_run: SimulationResult
+) -> None:
+    options = SimulateOptions(
+        budget=BUDGET, work_dir=work_dir, eval_windows=32, baselines=(), eval_every=2
+    )
+    sparse = simulate(tiny_config(), options)
+    assert [r.round for r in sparse.run.rounds] == [0, 2, 3]  # and always the last
+    assert sparse.run.rounds[-1].routed_loss == dipaco_run.run.rounds[-1].routed_loss
+    assert sparse.run.upload_bytes == dipaco_run.run.upload_bytes
+    with pytest.raises(ValueError, match="eval_every"):
+        simulate(tiny_config(), SimulateOptions(budget=BUDGET, work_dir=work_dir, eval_every=0))

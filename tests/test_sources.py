@@ -67,12 +67,12 @@ WORDS = [
 ]
 
 
-def records(files: int = 3, rows: int = 40, seed: int = 0) -> list[list[str]]:
+def records(files: int = 3, rows: int = 40, seed: int = 0, words: int = 60) -> list[list[str]]:
     """Real-ish text: sentences of a small vocabulary, one topic word per file."""
     rng = random.Random(seed)
     return [
         [
-            " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, 60))) + f" file{f}"
+            " ".join(rng.choice(WORDS) for _ in range(rng.randint(5, words))) + f" file{f}"
             for _ in range(rows)
         ]
         for f in range(files)

@@ -41,11 +41,11 @@ from dipaco_server.env import celery_transport
 from dipaco_server.inference.card import model_card
 from dipaco_server.inference.routing import route_text
 from dipaco_server.inference.selection import Selection
-from dipaco_server.rounds.close import mark_round_closed, mark_round_closing
+from dipaco_server.rounds.lifecycle.close import mark_round_closed, mark_round_closing
+from dipaco_server.rounds.lifecycle.open import start_run
+from dipaco_server.rounds.lifecycle.tasks import PREPARING_PHASE2, advance_run, close_ready_rounds
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
-from dipaco_server.rounds.open import start_run
-from dipaco_server.rounds.outer_step import step_module
-from dipaco_server.rounds.tasks import PREPARING_PHASE2, advance_run, close_ready_rounds
+from dipaco_server.rounds.outer.step import step_module
 from dipaco_server.runs import between, keys
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Run
 from dipaco_server.runs.prepare import prepare_run, report_progress

@@ -18,8 +18,8 @@ from django.test import Client
 
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource, UnitSource, path_seed
-from dipaco_server.rounds.lease import grant_lease
-from dipaco_server.rounds.open import start_run
+from dipaco_server.rounds.lifecycle.open import start_run
+from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.runs import keys
 from dipaco_server.runs.prepare import prepare_run
 from dipaco_server.storage import get_blob_store

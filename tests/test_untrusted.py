@@ -1,7 +1,7 @@
 """Untrusted volunteers (issue 19): each attack is refused, or bounded, by the check meant for it.
 
 Real services: PostgreSQL, the blob store, the lease and completion services and the outer
-step (rounds.outer_step.step_module, the Celery task's body) with its proof-of-useful-work
+step (rounds.outer.step.step_module, the Celery task's body) with its proof-of-useful-work
 scorer reading real shards from the store. Honest Δs are real: dipaco.inner.train_path on
 the unit's own windows of a learnable synthetic corpus. Each scenario is the issue's: a
 module that gets two Δs a round, one of them hostile, where a round's median says nothing.
@@ -26,14 +26,14 @@ from dipaco import codecs
 from dipaco.data.shards import ShardIndex, ShardInfo, TokenShard
 from dipaco.data.windows import ShardSource
 from dipaco.inner import train_path
-from dipaco_server.rounds.close import mark_round_closing, round_ready_to_close
-from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
-from dipaco_server.rounds.lease import grant_lease
+from dipaco_server.rounds.lifecycle.close import mark_round_closing, round_ready_to_close
+from dipaco_server.rounds.lifecycle.retention import sweep_blobs
+from dipaco_server.rounds.lifecycle.tasks import finish_round
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
-from dipaco_server.rounds.outer_step import step_module
+from dipaco_server.rounds.outer.step import step_module
 from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.retention import sweep_blobs
-from dipaco_server.rounds.tasks import finish_round
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import ContributionInvalid
 from dipaco_server.runs.models import Module, ModuleVersion, Run
@@ -114,12 +114,20 @@ def submit(
     *,
     raw: dict[str, bytes] | None = None,
     tokens: int | None = None,
+    manifest: bool = False,
 ) -> tuple[Worker, dict[str, bytes]]:
     """A new worker leases a unit, trains it honestly, applies `attack` (or uploads `raw`
-    bytes), uploads and completes."""
-    worker, _ = register_worker(create_enrollment_token(max_uses=None)[1], name, {})
+    bytes), uploads and completes; with `manifest`, it asks for its lease's manifest
+    first, as an agent does (which cuts the unit's data)."""
+    worker, token = register_worker(create_enrollment_token(max_uses=None)[1], name, {})
     granted = grant_lease(worker)
     assert granted is not None
+    if manifest:
+        answer = Client().get(
+            f"/api/v1/worker/lease/{granted.lease.pk}/manifest",
+            headers={"Authorization": f"Bearer {token}", "X-Lease-Secret": granted.secret},
+        )
+        assert answer.status_code == 200, answer.content
     deltas = honest_deltas(run, granted.unit, sources)
     if attack is not None:
         deltas = attack(deltas)
@@ -505,7 +513,7 @@ def test_an_honest_pair_with_warm_and_cold_adamw_moments_agrees_and_an_attack_do
     from dipaco.config import OuterConfig
     from dipaco.inner import train_path
     from dipaco.modular import init_modules
-    from dipaco_server.rounds.verify import replicas_agree
+    from dipaco_server.rounds.verification.rules import replicas_agree
     from tests.test_inner import CFG, SOURCE
 
     h = 50

@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from dipaco.config import OuterConfig
-from dipaco_server.rounds import verify
-from dipaco_server.rounds.lease import grant_lease
 from dipaco_server.rounds.models import Contribution, OuterStep
-from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.rounds.protocol.grant import grant_lease
+from dipaco_server.rounds.verification import rules
+from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.workers import trust
 from dipaco_server.workers.errors import WorkerDistrusted
 from dipaco_server.workers.models import Worker
@@ -141,14 +141,14 @@ def test_the_same_delta_twice_within_float_rounding_is_identical_not_agreement()
     rounded = {k: v * (1 + 1e-9) for k, v in delta.items()}
     other = {k: v + 0.3 * torch.randn_like(v) for k, v in delta.items()}
     cfg = OuterConfig()
-    assert verify.settle_replicas(delta, rounded, cfg).kind == "identical"
-    assert verify.settle_replicas(delta, other, cfg).kind == "agree"
+    assert rules.settle_replicas(delta, rounded, cfg).kind == "identical"
+    assert rules.settle_replicas(delta, other, cfg).kind == "agree"
     # Disagreeing with no score and no momentum: nothing tells which is right.
     flipped = {k: -v for k, v in delta.items()}
-    assert verify.settle_replicas(delta, flipped, cfg).kind == "unsettled"
-    good, bad = verify.Score(5.0, 4.0, 5.0, 4.9), verify.Score(5.0, 4.8, 5.0, 4.9)
-    evidence = (verify.ReplicaEvidence(bad), verify.ReplicaEvidence(good))
-    outcome = verify.settle_replicas(delta, flipped, cfg, evidence)
+    assert rules.settle_replicas(delta, flipped, cfg).kind == "unsettled"
+    good, bad = rules.Score(5.0, 4.0, 5.0, 4.9), rules.Score(5.0, 4.8, 5.0, 4.9)
+    evidence = (rules.ReplicaEvidence(bad), rules.ReplicaEvidence(good))
+    outcome = rules.settle_replicas(delta, flipped, cfg, evidence)
     assert (outcome.kind, outcome.loser) == ("disagree", 0)
 
 
@@ -194,12 +194,14 @@ def test_in_a_modules_first_step_a_delta_against_its_peers_is_refused(work: Path
     flipper, _ = submit(run, "flipper", sources, scaled(-1.0))
     step_round(run, 0)
 
-    assert reasons(run, flipper) == {"against_peers"}
+    # The round's settlement over whole units takes it first (rounds.verification.first_round):
+    # a minority against the rest, in every module.
+    assert reasons(run, flipper) == {"first_round_against"}
     for worker in honest:
         assert reasons(run, worker) == {""}
 
 
-pairs = verify.pairwise_cosines
+pairs = rules.pairwise_cosines
 
 
 def test_peer_refusals_settle_a_pair_by_gain_and_never_refuse_half_or_more() -> None:
@@ -207,20 +209,20 @@ def test_peer_refusals_settle_a_pair_by_gain_and_never_refuse_half_or_more() -> 
     honest = {"w": torch.randn(256)}
     near = {k: v + 0.5 * torch.randn_like(v) for k, v in honest.items()}
     flip = {k: -v for k, v in honest.items()}
-    assert verify.peer_refusals(pairs({1: honest, 2: flip}), {1: 0.2, 2: 0.1}).keys() == {2}
-    assert verify.peer_refusals(pairs({1: honest, 2: flip}), {1: None, 2: 0.1}) == {}
-    assert verify.peer_refusals(pairs({1: honest, 2: near}), {1: 0.2, 2: 0.1}) == {}
-    assert verify.peer_refusals(pairs({1: honest, 2: near, 3: flip}), {}).keys() == {3}
+    assert rules.peer_refusals(pairs({1: honest, 2: flip}), {1: 0.2, 2: 0.1}).keys() == {2}
+    assert rules.peer_refusals(pairs({1: honest, 2: flip}), {1: None, 2: 0.1}) == {}
+    assert rules.peer_refusals(pairs({1: honest, 2: near}), {1: 0.2, 2: 0.1}) == {}
+    assert rules.peer_refusals(pairs({1: honest, 2: near, 3: flip}), {}).keys() == {3}
     two_against_two = {1: honest, 2: near, 3: flip, 4: {k: -v for k, v in near.items()}}
-    assert verify.peer_refusals(pairs(two_against_two), {}) == {}
+    assert rules.peer_refusals(pairs(two_against_two), {}) == {}
 
 
 def test_credit_follows_the_gain_per_token_against_the_rounds_other_units() -> None:
-    honest, lazy = verify.Score(6.0, 5.0, 6.0, 5.5), verify.Score(6.0, 5.8, 6.0, 5.9)
-    peers = [(honest, 1.0), (verify.Score(6.0, 5.1, 6.0, 5.5), 1.0)]
-    assert verify.useful_fraction(honest, 1.0, peers) == 1.0
-    assert verify.useful_fraction(lazy, 1.0, peers) == pytest.approx(0.2 / 0.95, rel=1e-6)
+    honest, lazy = rules.Score(6.0, 5.0, 6.0, 5.5), rules.Score(6.0, 5.8, 6.0, 5.9)
+    peers = [(honest, 1.0), (rules.Score(6.0, 5.1, 6.0, 5.5), 1.0)]
+    assert rules.useful_fraction(honest, 1.0, peers) == 1.0
+    assert rules.useful_fraction(lazy, 1.0, peers) == pytest.approx(0.2 / 0.95, rel=1e-6)
     # Claiming half the tokens doubles the rate per token but credit stays within the claim.
-    assert verify.useful_fraction(lazy, 0.5, peers) == pytest.approx(0.4 / 0.95, rel=1e-6)
-    assert verify.useful_fraction(verify.Score(6.0, 6.2, 6.0, 6.0), 1.0, peers) == 0.0
-    assert verify.useful_fraction(None, 1.0, peers) == 1.0  # nothing to measure against
+    assert rules.useful_fraction(lazy, 0.5, peers) == pytest.approx(0.4 / 0.95, rel=1e-6)
+    assert rules.useful_fraction(rules.Score(6.0, 6.2, 6.0, 6.0), 1.0, peers) == 0.0
+    assert rules.useful_fraction(None, 1.0, peers) == 1.0  # nothing to measure against

@@ -203,6 +203,11 @@ def test_the_run_page_shows_preparation_progress(staff: Client) -> None:
     html = staff.get(f"/runs/{run.pk}/live/").content.decode()
     assert 'data-progress="shards"' in html and 'value="4"' in html
     assert "step 4 of 5, shards" in html and "tokenising and routing 120 documents" in html
+    assert "data-pieces" not in html
+    run.progress["pieces"] = {"done": 3, "total": 8}  # runs.pieces.record_pieces
+    Run.objects.filter(pk=run.pk).update(progress=run.progress)
+    html = staff.get(f"/runs/{run.pk}/live/").content.decode()
+    assert 'data-pieces="3/8"' in html and "Pieces: 3 of 8 files" in html
 
 
 def test_the_prompt_box_routes_a_text_to_its_path_and_continues_it(

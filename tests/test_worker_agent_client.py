@@ -9,9 +9,9 @@ import httpx
 import pytest
 from django.utils import timezone
 
-from dipaco_server.rounds.close import mark_round_closing
-from dipaco_server.rounds.lease import expire_leases
+from dipaco_server.rounds.lifecycle.close import mark_round_closing
 from dipaco_server.rounds.models import Lease, Round
+from dipaco_server.rounds.protocol.leases import expire_leases
 from dipaco_server.storage import BlobStore
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, revoke_worker
@@ -103,13 +103,13 @@ def test_an_idle_agent_waits_as_long_as_the_servers_retry_after_says(
     import json
     import threading
 
-    from dipaco_server.rounds import lease as leasing
+    from dipaco_server.rounds.protocol import pacing
     from worker_agent.agent import Agent, AgentOptions
     from worker_agent.device import detect_device
     from worker_agent.progress import JsonReporter
 
     settings.DIPACO_IDLE_POLL_RATE = 0.25  # one worker seen: ask again in 4 s
-    monkeypatch.setattr(leasing, "_active_workers", (float("-inf"), 0))
+    monkeypatch.setattr(pacing, "_active_workers", (float("-inf"), 0))
     client = enrolled(live_server.url)
     assert client.lease() is None
     assert client.idle_retry_after_s in (4.0, 5.0, 6.0)

@@ -36,11 +36,11 @@ from dipaco.config import RunConfig
 from dipaco.inner import InnerState, state_fingerprint
 from dipaco.modular import init_modules, module_spec
 from dipaco.modules_file import write_module
-from dipaco_server.rounds.close import mark_round_closing
-from dipaco_server.rounds.lease import expire_leases
+from dipaco_server.rounds.lifecycle.close import mark_round_closing
+from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round, WorkUnit
-from dipaco_server.rounds.open import start_run
-from dipaco_server.rounds.outer_step import step_module
+from dipaco_server.rounds.outer.step import step_module
+from dipaco_server.rounds.protocol.leases import expire_leases
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import ModuleVersion, Run
 from dipaco_server.runs.services import create_run, transition

@@ -128,7 +128,7 @@ def test_versions_are_compatible_on_the_same_major_and_while_zero_the_same_minor
 
 
 def test_an_idle_worker_waits_the_servers_retry_after_up_to_a_guard_only() -> None:
-    """The server paces an idle crowd (rounds.lease.retry_after_s): its Retry-After wins when
+    """The server paces an idle crowd (rounds.protocol.pacing.retry_after_s): its Retry-After wins when
     longer than the worker's own backoff, however long, up to a guard against a broken one."""
     assert idle_pause_s(1.0, None) == 1.0
     assert idle_pause_s(1.5, 0.0) == 1.5

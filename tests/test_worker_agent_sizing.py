@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 
 from dipaco.config import RunConfig
+from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.models import Contribution, Lease
-from dipaco_server.rounds.open import start_run
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import create_run, transition
 from dipaco_server.storage import BlobStore, get_blob_store

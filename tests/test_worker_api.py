@@ -26,8 +26,8 @@ from dipaco.data.shards import ShardIndex, ShardInfo
 from dipaco.data.windows import path_seed, unit_start, unit_windows
 from dipaco_server.core import tokens
 from dipaco_server.errors import MAX_JSON_BODY_BYTES
+from dipaco_server.rounds.lifecycle.open import open_round
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
-from dipaco_server.rounds.open import open_round
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.services import create_run, transition
@@ -452,6 +452,38 @@ def test_completing_the_last_unit_of_a_round_sends_close_round(
         assert closing == ([f"[{run.pk}, 0]"] if i == run.paths.count() - 1 else [])
 
 
+def test_a_completion_tells_the_rounds_life_through_a_signal_once_not_on_a_replay(
+    holder: Holder, django_capture_on_commit_callbacks: Any
+) -> None:
+    """The protocol records the completion and sends rounds.signals.lease_completed after
+    its commit; whether the round closes is the round's life's (rounds.lifecycle)."""
+    from dipaco_server.rounds.lifecycle.receivers import close_if_ready
+    from dipaco_server.rounds.signals import lease_completed
+
+    heard: list[int] = []
+
+    def probe(sender: Any, *, round_: Round, **_: Any) -> None:
+        heard.append(round_.pk)
+
+    lease_completed.connect(probe, weak=False)
+    try:
+        assert lease_completed.has_listeners()
+        report = holder.completion()
+        with django_capture_on_commit_callbacks(execute=False) as callbacks:
+            assert holder.on("complete", report).status_code == 200
+        assert heard == [], "sent only once the completion is committed"
+        for callback in callbacks:
+            callback()
+        assert heard == [Round.objects.get(run=holder.run, t=0).pk]
+        with django_capture_on_commit_callbacks(execute=True):
+            assert holder.on("complete", report).status_code == 200  # a replay
+        assert len(heard) == 1, "a replay tells nothing again"
+    finally:
+        lease_completed.disconnect(probe)
+    receivers = [entry[1]() for entry in lease_completed.receivers]  # (key, weakref, ...)
+    assert close_if_ready in receivers, "the round's life listens (RoundsConfig.ready)"
+
+
 def test_release_puts_the_unit_back_in_the_queue(holder: Holder) -> None:
     response = holder.on("release")
     assert response.status_code == 200 and response.json()["state"] == "released"
@@ -521,7 +553,7 @@ def test_unknown_routes_and_methods_under_the_api_are_json_errors(client: Client
 
 
 def test_a_heartbeat_tells_the_rounds_deadline_as_it_moves_up(holder: Holder) -> None:
-    """An adaptive close (rounds.close) moves the deadline up; agents learn it on their next
+    """An adaptive close (rounds.lifecycle.close) moves the deadline up; agents learn it on their next
     heartbeat and stop in time to upload what they trained."""
     first = holder.heartbeat()
     assert first.status_code == 200, first.content

@@ -25,8 +25,8 @@ from django.db import connection
 from dipaco.codecs import decode, encode
 from dipaco.modular import module_spec
 from dipaco_server.env import blob_store, celery_transport
+from dipaco_server.rounds.lifecycle.open import open_round
 from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
-from dipaco_server.rounds.open import open_round
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import transition
 from dipaco_server.storage import BlobStore, get_blob_store
@@ -84,10 +84,11 @@ class RedisQueue:
 def redis_queue(
     redis_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[RedisQueue]:
-    """Point the worker API's Celery sends at Redis, on a queue no other session consumes."""
+    """Point the Celery sends that follow a completion (rounds.lifecycle.receivers) at Redis,
+    on a queue no other session consumes."""
     name = f"dipaco-test-{uuid.uuid4().hex[:8]}"
     app = celery_client(celery_transport(tmp_path, redis_url), name)
-    monkeypatch.setattr("dipaco_server.rounds.api.celery_app", app)
+    monkeypatch.setattr("dipaco_server.rounds.lifecycle.receivers.celery_app", app)
     queue = RedisQueue(redis_url, name)
     yield queue
     queue.client.delete(name)

@@ -35,7 +35,7 @@ it is dropped. Fewer than ``units.min_partial_steps`` steps are released, not up
 Checkpoints live per unit (``work/unit-<id>``), not per lease: after ``kill -9`` a
 restart resumes the saved lease if the server still calls it active; if it expired
 meanwhile the server gives this worker the same unit back under a new lease
-(rounds.lease) and training resumes from the checkpoint, while its round is open.
+(rounds.protocol.grant) and training resumes from the checkpoint, while its round is open.
 
 `_work` is one lease top to bottom: lease -> fetch -> train -> hand in. The policies it
 applies are named: the micro-batch fitted to the device and its stop reasons and progress

@@ -137,7 +137,7 @@ def _main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     _install_signals(stop, reporter)
     try:
-        from worker_agent.run import run_agent
+        from worker_agent.run import run_agent  # torch (seconds): not for --help
 
         run_agent(args, reporter, stop)
         return ExitCode.OK

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dipaco.config import ModelConfig
+from dipaco.model import build_model
 from worker_agent.errors import UsageError
 
 __all__ = ["DeviceInfo", "apply_memory_cap", "detect_device", "speed_probe"]
@@ -110,9 +112,6 @@ def apply_memory_cap(info: DeviceInfo, cap_bytes: int | None) -> int | None:
 
 def speed_probe(device: torch.device, seconds: float = 1.0) -> float:
     """Training tokens/s of a two-block, 128-wide Llama (batch 4 x 128): a relative speed."""
-    from dipaco.config import ModelConfig
-    from dipaco.model import build_model
-
     cfg = ModelConfig(
         hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=4, intermediate_size=352,
         vocab_size=2048, seq_len=128,

@@ -4,7 +4,7 @@ The agent keeps the fp32 file of the version of each module it holds (in the blo
 by sha256) and an index of those versions per run (`HeldModules`,
 ``<cache>/held/run-<id>.json``). It tells the server what it holds when it asks for a
 unit's manifest; the server then sends, with ``comm.download_codec`` int8 or fp16, the
-encoded outer updates from the held version to the unit's (platform rounds.downloads).
+encoded outer updates from the held version to the unit's (platform rounds.protocol.downloads).
 `ModuleFetcher` applies them (dipaco.updates.apply_update: θ_t + decode(u) in fp32, as
 the server computed the version it published), writes the result as a module file
 (dipaco.modules_file, whose bytes are a function of the values and the module's spec),

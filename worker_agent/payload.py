@@ -3,7 +3,7 @@
 Module files are read with ``safetensors`` only (never pickle; docs/design.md §7), and every
 tensor's name and shape is checked against the run's module spec before it is used:
 a blob for another layout is refused with the module it belongs to. The server writes
-plain fp32 safetensors (rounds.outer_step's ModuleWriter); a dipaco codec container is read
+plain fp32 safetensors (rounds.outer.step's ModuleWriter); a dipaco codec container is read
 too, so the two formats stay interchangeable.
 """
 

@@ -1,6 +1,6 @@
 """outer.overlap "eager" on the worker: the unit's rebase onto the previous round's versions.
 
-A lease of an eager round may say `rebase` (platform rounds.rebase): after step
+A lease of an eager round may say `rebase` (platform rounds.protocol.rebase): after step
 `at_step` the unit adds (v_t − v_{t-1}) to its live weights and its Δ becomes relative to
 v_t, the versions round t − 1's outer step publishes while this unit trains
 (`dipaco.inner.run_inner_loop(rebase=)`, the shift from `dipaco.inner.path_shift`, as

@@ -28,7 +28,7 @@ import httpx
 
 from worker_agent.client import UploadTarget, parse_error
 from worker_agent.errors import DiskFull, Interrupted, ServerError
-from worker_agent.retry import Backoff, RetryAttempt, retry
+from worker_agent.retry import Backoff, RetryAttempt, is_transient, retry
 
 __all__ = ["BlobCache", "ChecksumMismatch", "TransferMeter", "Transfers", "sha256_of"]
 
@@ -86,8 +86,6 @@ def disk_errors(data_dir: Path) -> Iterator[None]:
 
 
 def _transient(error: BaseException) -> bool:
-    from worker_agent.retry import is_transient
-
     return isinstance(error, ChecksumMismatch) or is_transient(error)
 
 

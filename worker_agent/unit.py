@@ -87,7 +87,7 @@ class UnitStops:
 
     def round_end(self) -> float | None:
         """Seconds until the unit must stop to upload before the round's deadline (a
-        heartbeat interval ahead); a heartbeat may bring it forward (rounds.close)."""
+        heartbeat interval ahead); a heartbeat may bring it forward (rounds.lifecycle.close)."""
         grant = self.grant
         left = seconds_until(self.heartbeats.round_deadline or grant.round_deadline)
         return None if left is None else left - grant.heartbeat_interval_s

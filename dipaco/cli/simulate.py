@@ -215,6 +215,7 @@ def _add_output_arguments(out: argparse._ArgumentGroup) -> None:
 
 def build_config(args: argparse.Namespace) -> Any:
     """The RunConfig the flags describe (raises pydantic's ValidationError on a bad one)."""
+    # pydantic's schemas: when the command runs, not when `dipaco --help` lists it
     from dipaco.config import LayoutConfig, RunConfig
 
     if args.diloco and args.paths is not None:
@@ -271,6 +272,7 @@ def base_steps(args: argparse.Namespace, config: Any) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    # torch and the simulator (seconds): when the command runs, not for `dipaco --help`
     import torch
     from pydantic import ValidationError
     from rich.console import Console

@@ -144,7 +144,7 @@ class OuterConfig(Section):
         description="Drop a Δ whose norm exceeds this x the round's median norm.",
     )
     # Checks against the module's own history, which hold with one or two Δs a round
-    # (platform/dipaco_server/rounds/verify.py; docs/reliability.md, "Untrusted workers").
+    # (platform/dipaco_server/rounds/verification/rules.py; docs/reliability.md, "Untrusted workers").
     verify: bool = Field(
         default=True,
         description="Screen each Δ against the module's history and score it (proof of "
@@ -237,7 +237,8 @@ class OuterConfig(Section):
 
 def eager_rebase_step(eager_at: float, inner_steps: int) -> int:
     """The step after which an eager unit (outer.overlap "eager") rebases onto the
-    previous round's versions: ceil(eager_at x H), at least 1."""
+    previous round's versions: ceil(eager_at x H), at least 1. The platform's lease plan
+    (dipaco_server.rounds.protocol.rebase) and `dipaco simulate` both take it from here."""
     return max(1, math.ceil(eager_at * inner_steps))
 
 
@@ -270,7 +271,7 @@ class CommConfig(Section):
         "downloads only update t -> t + 1 in this encoding, and the server applies exactly "
         "the decoded update (with error feedback), so both hold the same weights bit for "
         "bit; fp32: whole fp32 modules, as new workers always get them. The same in "
-        "dipaco simulate and on the platform (rounds.publish, rounds.downloads; the "
+        "dipaco simulate and on the platform (rounds.outer.publish, rounds.protocol.downloads; the "
         "worker's manifest request says which versions it holds).",
     )
 

@@ -346,7 +346,7 @@ def corpus_listing(
         listing = list_source(
             str(stdlib_root()), text_suffixes=STDLIB_SUFFIXES, excluded_dirs=STDLIB_EXCLUDED_DIRS
         )
-        listing.files = [f for f in listing.files if f.kind == "text"]
+        listing.files = [f for f in listing.files if f.kind == "text" and f.compression is None]
     else:
         listing = list_source(corpus, s3=s3, text_suffixes=TEXT_SUFFIXES)
     if max_files is not None:

@@ -152,11 +152,12 @@ class ZstdReader:
         self._raw.close()
 
 
-def _filesystem(source: str, s3: S3Options | None) -> tuple[Any, str]:
+def filesystem(source: str, s3: S3Options | None) -> tuple[Any, str]:
+    """(file system, path in it) of a source: LocalFiles, or pyarrow's S3FileSystem."""
     if not is_s3(source):
         return LocalFiles(), str(Path(source).expanduser())
     # pyarrow (a server-side extra, a second to import): only an S3 source needs it here.
-    from pyarrow import fs
+    from pyarrow import fs  # see the comment above
 
     options = s3 or S3Options()
     kwargs: dict[str, Any] = {}
@@ -188,7 +189,7 @@ def _walk(fs: Any, root: str, excluded_dirs: frozenset[str]) -> list[tuple[str, 
                 if not os.path.islink(full):
                     found.append((os.path.relpath(full, root).replace(os.sep, "/"), full))
         return sorted((rel, os.path.getsize(full)) for rel, full in found)
-    from pyarrow import fs as pafs  # as in _filesystem
+    from pyarrow import fs as pafs  # as in filesystem
 
     infos = fs.get_file_info(pafs.FileSelector(root, recursive=True, allow_not_found=True))
     prefix = root.rstrip("/") + "/"
@@ -226,7 +227,7 @@ def _stat(fs: Any, path: str) -> tuple[str | None, int]:
         if os.path.isfile(path):
             return "file", os.path.getsize(path)
         return ("dir" if os.path.isdir(path) else None), 0
-    from pyarrow import fs as pafs  # as in _filesystem
+    from pyarrow import fs as pafs  # as in filesystem
 
     info = fs.get_file_info(path)
     if info.type == pafs.FileType.File:
@@ -243,7 +244,7 @@ def list_source(
 ) -> Listing:
     """The files of ``source`` (a local or s3:// file, directory or glob), sorted by their
     path relative to the root. Raises FileNotFoundError when there is nothing there."""
-    fs, path = _filesystem(source, s3)
+    fs, path = filesystem(source, s3)
     root, pattern = _split_glob(path)
     kind, size = _stat(fs, root)
     if kind == "file" and pattern is None:
@@ -345,9 +346,9 @@ def _json_value(raw: bytes, text_field: str) -> Any:
 def _columnar_records(
     listing: Listing, file: SourceFile, text_field: str
 ) -> Iterator[tuple[int, Any]]:
-    # pyarrow, as in _filesystem.
-    import pyarrow.ipc as ipc
-    import pyarrow.parquet as pq
+    # pyarrow, as in filesystem.
+    import pyarrow.ipc as ipc  # a server-side extra (module docstring)
+    import pyarrow.parquet as pq  # as above
 
     if file.kind == "parquet":
         handle = listing.fs.open_input_file(file.path)

@@ -39,8 +39,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
-import numpy as np
-
 from dipaco.data.corpus import (
     DEFAULT_MAX_CHARS,
     CorpusStats,
@@ -297,10 +295,10 @@ def _write_batch(
     if not batch:
         return 0
     texts = [doc.text for _, doc in batch]
-    ids = tokenizer.encode_batch(texts)
-    routes = router.route_batch(texts) if router is not None else [0] * len(texts)
+    ids = tokenizer.encode_batch_arrays(texts)
+    routes = router.route_prefixes(texts, ids) if router is not None else [0] * len(texts)
     for (split, _), path, doc_ids in zip(batch, routes, ids, strict=True):
-        writers[path, split].add_document(np.asarray(doc_ids, dtype=np.int64))
+        writers[path, split].add_document(doc_ids)
     return sum(len(t) for t in texts)
 
 

@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dipaco.data.corpus import Document
@@ -72,6 +73,12 @@ class RunTokenizer:
         # The Rust backend parallelises over the batch.
         encodings = self.backend.encode_batch(list(texts), add_special_tokens=False)
         return [list(e.ids) for e in encodings]
+
+    def encode_batch_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """encode_batch as uint32 arrays, without offsets or attention masks (the shard
+        writer's hot loop: about half the time of encode_batch)."""
+        encodings = self.backend.encode_batch_fast(list(texts), add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.uint32) for e in encodings]
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.backend.decode(list(ids), skip_special_tokens=False))

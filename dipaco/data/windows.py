@@ -80,6 +80,7 @@ class RowSource:
     baselines read every unit's sequences of the run this way."""
 
     def __init__(self, rows: Tensor, seed: int) -> None:
+        # torch and numpy: the note under the imports
         import torch
 
         self.rows = rows  # (N, T+1)
@@ -89,6 +90,7 @@ class RowSource:
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
         if seq_len + 1 != self.rows.shape[1]:
             raise ValueError(f"sequences cut for seq_len {self.rows.shape[1] - 1}, asked {seq_len}")
+        # torch and numpy: the note under the imports
         import torch
 
         picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
@@ -112,6 +114,7 @@ class ShardSource:
                 f"{shard.path} holds {len(shard)} tokens, not one window of {seq_len + 1}; "
                 "give the path more data (or use fewer paths)"
             )
+        # torch and numpy: the note under the imports
         import torch
 
         generator = torch.Generator().manual_seed(seed)
@@ -125,6 +128,7 @@ class ShardSource:
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
         if seq_len != self.seq_len:
             raise ValueError(f"source cut for seq_len {self.seq_len}, asked for {seq_len}")
+        # torch and numpy: the note under the imports
         import numpy as np
         import torch
 
@@ -135,6 +139,7 @@ class ShardSource:
     def unit_rows(self, first: int, count: int) -> np.ndarray:
         """The windows at positions first .. first + count - 1, one row each: (count, T+1),
         in the shard's dtype. What a unit reads, cut once by the server (`UnitSource`)."""
+        # torch and numpy: the note under the imports
         import torch
 
         picks = self.order[(first + torch.arange(count)) % self.order.numel()]  # (count,)
@@ -161,6 +166,7 @@ class UnitSource:
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
         if seq_len != self.seq_len:
             raise ValueError(f"windows cut for seq_len {self.seq_len}, asked for {seq_len}")
+        # torch and numpy: the note under the imports
         import numpy as np
         import torch
 

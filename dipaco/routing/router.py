@@ -174,8 +174,37 @@ class Router:
             return []
         return [int(p) for p in self.route_scores_batch(texts).argmax(dim=1)]
 
+    def route_prefixes(self, texts: Sequence[str], prefixes: Sequence[Any]) -> list[int]:
+        """route_batch with each text's first ``prefix_tokens`` ids already known, e.g. from
+        the encoding a shard writer made anyway (dipaco.data.stream): one tokenisation, not
+        two. Equal to route_batch unless one pre-token straddles prefix_ids' character cut."""
+        if not texts:
+            return []
+        x = self.featurizer.features([list(p[: self.spec.prefix_tokens]) for p in prefixes])
+        scores = -self.distances(x) + tie_break(texts, self.num_paths) + self.bias  # (N, P)
+        return [int(p) for p in scores.argmax(dim=1)]
+
     def route(self, text: str) -> int:
         return self.route_batch([text])[0]
+
+    def route_tails(self, ids: Sequence[Sequence[int]]) -> list[int]:
+        """The path of each token-id sequence read from its end: the router's features of
+        its last ``prefix_tokens`` ids (re-routing while generating reads the text so far,
+        not a document's first tokens). The tie-break hashes the decoded tail, as `route`
+        hashes its text."""
+        tails = [list(row[-self.spec.prefix_tokens :]) for row in ids]
+        if not tails:
+            return []
+        if any(not tail for tail in tails):
+            raise ValueError("route_tails: every sequence needs at least one token id")
+        texts = [self.tokenizer.decode(tail) for tail in tails]
+        x = self.featurizer.features(tails)  # (N, D)
+        scores = -self.distances(x) + tie_break(texts, self.num_paths) + self.bias
+        return [int(p) for p in scores.argmax(dim=1)]
+
+    def route_tail(self, ids: Sequence[int]) -> int:
+        """`route_tails` of one sequence: the path for the text so far."""
+        return self.route_tails([ids])[0]
 
     def modules(self, path: int) -> tuple[int, ...]:
         return path_to_modules(path, self.spec.factors)

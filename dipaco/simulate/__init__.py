@@ -66,6 +66,7 @@ class SimulateOptions:
     base_batch: int | None = None  # the base's batch (default the run's): one base per bench
     progress: bool = False  # a rich progress bar on the console
     device: str = "cpu"
+    eval_every: int = 1  # validate DiPaCo every this many rounds (and after the last)
 
 
 @contextmanager
@@ -125,6 +126,7 @@ def simulate(
             on_step=on_unit_step,
             device=options.device,
             base_state=base_state,
+            eval_every=options.eval_every,
         )
         baselines: dict[str, BaselineRun] = {}
         for baseline in options.baselines:

@@ -44,6 +44,7 @@ from dipaco.data.shards import ShardIndex
 from dipaco.data.tokenizer import RunTokenizer
 from dipaco.data.windows import ShardSource  # the platform's window order (re-exported)
 from dipaco.evaluate import ValWindows, sample_streams
+from dipaco.model import build_model
 from dipaco.routing.router import Router
 
 __all__ = ["DataBudget", "PreparedData", "ShardSource", "default_work_dir", "prepare_data"]
@@ -179,8 +180,6 @@ def _base_model(
             "router.featurizer = 'base-lm' routes with a trained base model: give base "
             "steps (--base-steps) or use router.featurizer = 'tfidf'"
         )
-    from dipaco.model import build_model
-
     model: nn.Module = build_model(config.model, config.seed)
     model.load_state_dict(base_state)
     return model.to(device).eval()

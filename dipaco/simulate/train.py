@@ -195,6 +195,18 @@ def _eager(
     return rebase
 
 
+def _eager_fraction(config: RunConfig, eager_at: float | None, eval_every: int) -> float | None:
+    """`train_dipaco`'s arguments checked; the eager fraction it trains with (the config's
+    under outer.overlap "eager" when none is given)."""
+    if eager_at is not None and not 0 < eager_at <= 1:
+        raise ValueError(f"eager_at = {eager_at}: a fraction of the unit's steps, in (0, 1]")
+    if eval_every < 1:
+        raise ValueError(f"eval_every = {eval_every}: validate every 1 or more rounds")
+    if config.outer.overlap == "eager" and eager_at is None:
+        return config.outer.eager_at
+    return eager_at
+
+
 def _train_unit(
     config: RunConfig,
     trainer: PathTrainer,
@@ -202,13 +214,14 @@ def _train_unit(
     train_from: Modules,
     source: ShardSource,
     states: dict[tuple[int, int], InnerState],
-    on_step: Callable[[StepMetrics], None] | None,
+    on_step: OnStep | None,
     rebase: Callable[[int], dict[str, Tensor] | None] | None,
     device: torch.device | str,
 ) -> tuple[InnerResult, list[tuple[str, bytes]]]:
     """Unit (path p, replica r, round t): trained from `train_from` with the replica's warm
     state (kept in `states`), and its Δs encoded as the worker uploads them."""
     p, r, t = unit
+    label = f"round {t + 1}/{config.rounds} path {p} replica {r}"
     result = train_path(
         config,
         p,
@@ -219,7 +232,7 @@ def _train_unit(
         # Where the server starts unit (t, r) (dipaco.data.windows), so a platform
         # run reads the same windows; a path's stream wraps at its end.
         start_position=unit_start(config, t, r),
-        on_step=on_step,
+        on_step=None if on_step is None else _labelled(on_step, label),
         state=states.get((p, r)),
         rebase=rebase,
         trainer=trainer,
@@ -251,8 +264,12 @@ def train_dipaco(
     device: torch.device | str = "cpu",
     base_state: Mapping[str, Tensor] | None = None,
     eager_at: float | None = None,
+    eval_every: int = 1,
 ) -> DipacoRun:
-    """T outer rounds of P paths x R replicas; validation before training and after each round.
+    """T outer rounds of P paths x R replicas; validation before training, after every
+    `eval_every`-th round and after the last (`run.rounds` holds the validated rounds: on
+    the CPU one validation of the 1,024-window sample costs about what a tiny path's round
+    of training does, so a bench that needs only the final loss validates less often).
 
     Modules start from `base_state` (every module of a level equal) when given, else from
     the run's seeded initialisation. With ``outer.overlap`` "delayed", `eager_at` in (0, 1]
@@ -261,10 +278,7 @@ def train_dipaco(
     rebases its Δ on it (dipaco.inner.run_inner_loop's `rebase`). ``outer.overlap`` "eager"
     is that with ``outer.eager_at`` (what the platform's agent does, worker_agent.rebase).
     """
-    if eager_at is not None and not 0 < eager_at <= 1:
-        raise ValueError(f"eager_at = {eager_at}: a fraction of the unit's steps, in (0, 1]")
-    if config.outer.overlap == "eager" and eager_at is None:
-        eager_at = config.outer.eager_at
+    eager_at = _eager_fraction(config, eager_at, eval_every)
     started = time.perf_counter()
     sources = training_sources(config, data)
     modules: Modules = (
@@ -292,13 +306,11 @@ def train_dipaco(
         last_losses = []
         for p in range(config.num_paths):
             for r in range(reps):
-                label = f"round {t + 1}/{config.rounds} path {p} replica {r}"
-                step_hook = None if on_step is None else _labelled(on_step, label)
                 rebase = _eager(config, p, train_from, modules, eager_at)
-                unit = (p, r, t)
                 result, deltas = _train_unit(
-                    config, trainer, unit, train_from, sources[p], states, step_hook, rebase, device
-                )
+                    config, trainer, (p, r, t), train_from, sources[p], states, on_step, rebase,
+                    device,
+                )  # fmt: skip
                 last_losses.append(result.losses[-1])
                 for module_id, encoded in deltas:
                     contributions[module_id].append((p, encoded, result.tokens))
@@ -311,12 +323,14 @@ def train_dipaco(
             config, modules, momentum, contributions, t, published,
             trained_start=base_state is not None,
         )  # fmt: skip
-        record.paths = evaluate_paths(config, modules, windows, device)
-        record.routed_loss = routed_mean(record.paths)
         record.train_loss = sum(last_losses) / len(last_losses)
-        record.seconds = time.perf_counter() - round_started
         run.upload_bytes += record.upload_bytes
         run.download_bytes += record.download_bytes
+        if (t + 1) % eval_every and t + 1 < config.rounds:
+            continue  # not validated this round: its bytes count, it keeps no record
+        record.paths = evaluate_paths(config, modules, windows, device)
+        record.routed_loss = routed_mean(record.paths)
+        record.seconds = time.perf_counter() - round_started
         run.rounds.append(record)
     run.seconds = time.perf_counter() - started
     run.modules = modules

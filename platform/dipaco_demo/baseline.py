@@ -43,7 +43,9 @@ import torch
 from torch import Tensor, nn
 
 from dipaco.config import RunConfig
-from dipaco.data.windows import RowSource
+from dipaco.data.shards import ShardIndex, TokenShard
+from dipaco.data.windows import RowSource, ShardSource, unit_start, unit_windows
+from dipaco.evaluate import mean_loss, sample_shard
 from dipaco.inner import StepMetrics
 from dipaco.model import build_model
 from dipaco.simulate.baselines import baseline_steps, fit_baseline
@@ -82,10 +84,6 @@ class RunData:
 def fetch_run_data(run_id: int, work: Path, *, units: bool = True) -> RunData:
     """Download phase 2's shards (and the base model, if any) and cut the windows its units
     and evaluations use; `units=False` skips the training windows (no baselines)."""
-    from dipaco.data.shards import ShardIndex, TokenShard
-    from dipaco.data.windows import ShardSource, unit_start, unit_windows
-    from dipaco.evaluate import sample_shard
-
     # The server's models (once control.setup_django ran) and torch (seconds): only the
     # baselines need them.
     from dipaco_server.runs import keys
@@ -174,8 +172,6 @@ def train_dense(
 
 def path_losses(model: nn.Module, data: RunData) -> dict[int, float]:
     """Validation loss per path, exactly as the server's evaluation computes it."""
-    from dipaco.evaluate import mean_loss
-
     return {p: mean_loss(model, w, data.eval_batch_size) for p, w in data.val_windows.items()}
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from types import FrameType
 
 from dipaco.cli.command import Command
+from dipaco_demo import plan
+from dipaco_demo.plan import parse_paths
 
 DESCRIPTION = """\
 Train a small DiPaCo model on this machine with the real platform, the paper's way (a
@@ -83,8 +85,6 @@ def default_data_dir() -> Path:
 
 
 def _paths(text: str) -> tuple[int, int]:
-    from dipaco_demo.plan import parse_paths
-
     try:
         return parse_paths(text)
     except ValueError as exc:
@@ -92,8 +92,6 @@ def _paths(text: str) -> tuple[int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from dipaco_demo import plan
-
     add = parser.add_argument
     add("--paths", type=_paths, default=plan.DEFAULT_PATHS, metavar="LxK",
         help="L levels of K modules each, K**L paths (default: 2x2)")  # fmt: skip
@@ -136,6 +134,7 @@ def _interrupt(signum: int, frame: FrameType | None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the demo's machinery and torch (seconds): only when the demo runs, not for `dipaco --help`
     from rich.console import Console
 
     from dipaco_demo.control import DemoError
@@ -160,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         json_path=args.json_path, prompt=args.prompt or SAMPLE_PROMPT,
         baselines=args.baselines,
     )  # fmt: skip
-    import torch
+    import torch  # already loaded by the runner above; here to set its threads
 
     torch.set_num_threads(1)  # the workers have a core each; the baseline shares them
     previous = signal.signal(signal.SIGTERM, _interrupt)

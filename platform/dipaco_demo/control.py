@@ -144,6 +144,7 @@ def setup_django(environ: dict[str, str]) -> None:
 
 def mint_tokens(label: str, enrollments: int) -> tuple[str, str]:
     """(a staff API token of the user "demo", an enrollment token for `enrollments` workers)."""
+    # Django: set up by setup_django when the server's database is first needed
     from django.db import connections
 
     # The server's models: importable once setup_django (above) has set Django up.

@@ -23,7 +23,7 @@ class Traffic:
     tokens: int  # training tokens of phase 2's completed units (the baselines' budget)
     phase1_units: int = 0
     phase1_tokens: int = 0  # the dense phase's, the head start both sides share
-    # Sampled replication's check copies (rounds.replication, both phases): a second worker
+    # Sampled replication's check copies (rounds.verification.replication, both phases): a second worker
     # trains a unit again to vouch for the first. Their Δs are compared, never averaged in,
     # so their tokens are verification, not training: counted here, not above.
     check_units: int = 0
@@ -32,13 +32,14 @@ class Traffic:
 
 def traffic(run_id: int) -> Traffic:
     """What the run's completed units sent and received (from the server's database)."""
+    # Django: set up by control.setup_django once the server is up
     from django.db import connections
     from django.db.models import Sum
 
     # The server's models: importable once setup_django (control.py) has pointed Django
     # at the demo's database, which this module's importers do not need.
     from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
-    from dipaco_server.rounds.replication import CHECK_OFFSET
+    from dipaco_server.rounds.verification.replication import CHECK_OFFSET
     from dipaco_server.runs.models import ModuleVersion
     from dipaco_server.runs.phases import DENSE
 
@@ -95,6 +96,7 @@ class PhaseClock:
 
 def phase_clock(run_id: int, config: RunConfig) -> PhaseClock:
     """Each phase's seconds, from the run's Round rows (opened_at, closed_at)."""
+    # Django: set up by control.setup_django once the server is up
     from django.db import connections
 
     from dipaco_server.rounds.models import Round  # once Django is set up, as above

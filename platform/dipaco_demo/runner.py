@@ -18,6 +18,7 @@ stop the server (it stops its children).
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import threading
@@ -87,6 +88,7 @@ class BaselineThread(threading.Thread):
 def reset_staff_password() -> str:
     """A fresh password for the demo's staff user, to print: the demo is one person's
     sandbox, and a password nobody was shown would leave the staff pages out of reach."""
+    # Django: set up by control.setup_django once the server is up
     from django.contrib.auth import get_user_model
     from django.db import connections
 
@@ -390,8 +392,6 @@ class Demo:
             raise DemoError("the dense baselines stopped before they finished")
 
     def _save(self, result: summary.DemoSummary) -> None:
-        import json
-
         path = self.options.json_path or self.data_dir / "summaries" / f"{result.run_name}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(result.to_json(), indent=2) + "\n", "utf-8")

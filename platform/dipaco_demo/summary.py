@@ -394,6 +394,7 @@ def sample(
     server: str, run_id: int, prompt: str, cache_dir: str, seed: int, log: Callable[[str], None]
 ) -> dict[str, Any]:
     """Route `prompt`, download that path through the inference API, continue the prompt."""
+    # torch and transformers (seconds): only when a sample is generated
     import torch
     from transformers.utils import logging as transformers_logging
 

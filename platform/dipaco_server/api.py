@@ -19,14 +19,15 @@ from django.conf import settings
 from django.urls import URLPattern, URLResolver, re_path
 from ninja import NinjaAPI
 from ninja.openapi.schema import OpenAPISchema
+from ninja.operation import Operation
 
 from dipaco import __version__
 from dipaco_server import errors
 from dipaco_server.audit.api import router as audit_router
 from dipaco_server.core.api import router as core_router
 from dipaco_server.inference.api import router as inference_router
-from dipaco_server.rounds.api import router as lease_router
-from dipaco_server.rounds.api import staff_router as rounds_staff_router
+from dipaco_server.rounds.protocol.api import router as protocol_router
+from dipaco_server.rounds.reports import contributions, round_stages, run_status
 from dipaco_server.runs.api import router as runs_router
 from dipaco_server.shedding import document_shedding
 from dipaco_server.workers.api import router as workers_router
@@ -45,6 +46,13 @@ class DipacoAPI(NinjaAPI):
         # Last, so it only sees paths that no route (including routers added later) matched.
         urls.append(re_path(r"^.*$", errors.not_found, name="not-found"))
         return urls
+
+    def get_openapi_operation_id(self, operation: Operation) -> str:
+        """``dipaco_server_<app>_api_<view>``: the app's, wherever in the app the view lives,
+        so that moving a view between an app's modules keeps the ids clients were generated
+        with (tests/test_openapi_schema.py)."""
+        app = operation.view_func.__module__.split(".")[1]
+        return f"dipaco_server_{app}_api_{operation.view_func.__name__}"
 
     def get_openapi_schema(
         self, *, path_prefix: str | None = None, path_params: dict[str, Any] | None = None
@@ -85,7 +93,10 @@ errors.install(api)
 api.add_router("/", core_router)
 api.add_router("/", runs_router)
 api.add_router("/", workers_router)
-api.add_router("/", rounds_staff_router)
+api.add_router("/", run_status.staff_router)
+api.add_router("/", contributions.staff_router)
+api.add_router("/", round_stages.staff_router)
 api.add_router("/", inference_router)
 api.add_router("/", audit_router)
-api.add_router("/worker", lease_router)
+api.add_router("/worker", protocol_router)
+api.add_router("/worker", contributions.router)

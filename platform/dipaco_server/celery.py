@@ -18,6 +18,8 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dipaco_server.settings")
 app = Celery("dipaco_server")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+# The rounds app keeps its tasks with the round's life, not at the app's top (<app>.tasks).
+app.autodiscover_tasks(["dipaco_server.rounds.lifecycle"])
 
 
 def pool_threads(cpus: int, concurrency: int) -> int:

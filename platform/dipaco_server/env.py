@@ -218,14 +218,14 @@ def database(environ: Environ, data: Path) -> dict[str, Any]:
 
 
 def grant_rate(environ: Environ = os.environ) -> float | None:
-    """``DIPACO_GRANT_RATE``: lease grants per second when a round opens (rounds.lease), or
+    """``DIPACO_GRANT_RATE``: lease grants per second when a round opens (rounds.protocol.leases), or
     None when unset (the scheduling policy's default, 50)."""
     return _rate("DIPACO_GRANT_RATE", environ, "give grants per second, e.g. 50")
 
 
 def heartbeat_rate(environ: Environ = os.environ) -> float | None:
     """``DIPACO_HEARTBEAT_RATE``: heartbeats per second the server aims for, all workers
-    together (rounds.lease.heartbeat_interval_s), or None when unset (the policy's 50)."""
+    together (rounds.protocol.pacing.heartbeat_interval_s), or None when unset (the policy's 50)."""
     return _rate("DIPACO_HEARTBEAT_RATE", environ, "give heartbeats per second, e.g. 50")
 
 

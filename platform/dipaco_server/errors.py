@@ -32,7 +32,7 @@ from ninja import NinjaAPI
 from ninja.errors import AuthenticationError, AuthorizationError, HttpError, ValidationError
 from ninja.parser import Parser
 
-from dipaco_server.cli.server import REQUEST_LINE_LIMIT  # gunicorn's; the module is stdlib-only
+from dipaco_server.http_limits import REQUEST_LINE_LIMIT  # gunicorn's
 
 logger = logging.getLogger(__name__)
 

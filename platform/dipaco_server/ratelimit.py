@@ -20,8 +20,8 @@ Rate limiting protects the service, and a worker API that answered 500 while Red
 away would do the opposite.
 
 The public endpoints that cost the server CPU or bandwidth, routing a text
-(``POST /api/v1/runs/{id}/route``) and a path's downloads (its manifest, zip and files),
-answer anyone while DIPACO_PUBLIC_READ is on; they count per client address against
+(``POST /api/v1/runs/{id}/route``), generating text (``POST .../generate``) and a
+path's downloads (its manifest, zip and files), answer anyone while DIPACO_PUBLIC_READ is on; they count per client address against
 ``DIPACO_RATE_LIMIT_PUBLIC`` (default 120/min), in the same way and the same shape.
 
 A middleware rather than a ninja decorator: it covers every worker route, including
@@ -54,7 +54,7 @@ logger = logging.getLogger(__name__)
 WORKER_API_PREFIX = "/api/v1/worker/"
 # Public routes that cost CPU (routing runs the router) or bandwidth (a path's weights).
 PUBLIC_COSTLY = re.compile(
-    r"^/api/v1/runs/[^/]+/(?:route|paths/[^/]+/(?:manifest|download|files/[^/]*))/?$"
+    r"^/api/v1/runs/[^/]+/(?:route|generate|paths/[^/]+/(?:manifest|download|files/[^/]*))/?$"
 )
 CACHE_ALIAS = "ratelimit"
 FAIL_OPEN_PAUSE_S = 30.0

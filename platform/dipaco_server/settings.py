@@ -31,7 +31,7 @@ DEBUG = env.env_bool("DEBUG", False, os.environ)
 ALLOWED_HOSTS = env.allowed_hosts(os.environ, DIPACO_PUBLIC_URL)
 _public = urlsplit(DIPACO_PUBLIC_URL)
 CSRF_TRUSTED_ORIGINS = [f"{_public.scheme}://{_public.netloc}"]
-CSRF_FAILURE_VIEW = "dipaco_web.errors.csrf_failure"  # a page of the site, JSON under /api/
+CSRF_FAILURE_VIEW = "dipaco_server.error_pages.csrf_failure"  # a page of the site, JSON under /api/
 
 # --- HTTPS (what `manage.py check --deploy` asks for) --------------------------------
 # With an https DIPACO_PUBLIC_URL the server sits behind a TLS proxy (gunicorn speaks
@@ -141,15 +141,18 @@ DIPACO_RATE_LIMIT_ADDRESS = env.rate_limit("DIPACO_RATE_LIMIT_ADDRESS", "6000/mi
 # Routing a text and a path's downloads (manifest, zip, files), per client address: they
 # answer anyone (DIPACO_PUBLIC_READ) and cost CPU or a model's worth of bandwidth each.
 DIPACO_RATE_LIMIT_PUBLIC = env.rate_limit("DIPACO_RATE_LIMIT_PUBLIC", "120/min", os.environ)
-# Lease grants per second when a round opens (rounds.policy, rounds.lease; docs/deploy.md).
+# Lease grants per second when a round opens (rounds.policy, rounds.protocol.leases; docs/deploy.md).
 if (_grant_rate := env.grant_rate(os.environ)) is not None:
     DIPACO_GRANT_RATE = _grant_rate
-# Heartbeats per second, all workers together (rounds.policy, rounds.lease; docs/deploy.md).
+# Heartbeats per second, all workers together (rounds.policy, rounds.protocol.leases; docs/deploy.md).
 if (_heartbeat_rate := env.heartbeat_rate(os.environ)) is not None:
     DIPACO_HEARTBEAT_RATE = _heartbeat_rate
 # A request for new work that waited longer than this for a web thread is told to come
 # back later (dipaco_server.shedding; docs/deploy.md); None: never.
 DIPACO_SHED_AFTER_S = env.shed_after_s(os.environ)
+# Where evaluation and proof of useful work run their forward passes (runs.device): auto
+# (CUDA where torch sees it), cpu, cuda or cuda:N.
+DIPACO_SERVER_DEVICE = os.environ.get("DIPACO_SERVER_DEVICE", "auto")
 # What the enrolment page tells volunteers to install before `dipaco-worker` (dipaco_web).
 DIPACO_WORKER_INSTALL = env.worker_install(os.environ)
 CACHES = {
@@ -189,7 +192,7 @@ CELERY_BEAT_SCHEDULE: dict[str, dict[str, object]] = {
         "task": "dipaco_server.rounds.tasks.close_ready_rounds",
         "schedule": 30.0,
     },
-    # Uploads and module versions past retention (rounds.retention): the store stays bounded.
+    # Uploads and module versions past retention (rounds.lifecycle.retention): the store stays bounded.
     "sweep-blobs": {"task": "dipaco_server.rounds.tasks.sweep_blobs", "schedule": 600.0},
 }
 

@@ -40,12 +40,12 @@ from dipaco.config import LayoutConfig
 from dipaco.modular import init_modules
 from dipaco_server.audit.models import AuditEntry
 from dipaco_server.env import celery_transport
-from dipaco_server.rounds.close import mark_round_closing
-from dipaco_server.rounds.complete import ContributionReport, complete, upload_key
-from dipaco_server.rounds.lease import grant_lease
+from dipaco_server.rounds.lifecycle.close import mark_round_closing
+from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.models import Contribution, Round
-from dipaco_server.rounds.open import start_run
-from dipaco_server.rounds.outer_step import step_module
+from dipaco_server.rounds.outer.step import step_module
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
+from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Dataset, MetricPoint, ModuleVersion, Run
 from dipaco_server.runs.services import create_run, transition

@@ -28,11 +28,11 @@ from django.utils import timezone
 from dipaco.data.windows import unit_tokens
 from dipaco.evaluate import perplexity
 from dipaco_server.accounts.services import create_api_token, create_user
-from dipaco_server.rounds.close import mark_round_closed, mark_round_closing
-from dipaco_server.rounds.complete import ContributionReport, complete
-from dipaco_server.rounds.lease import grant_lease
+from dipaco_server.rounds.lifecycle.close import mark_round_closed, mark_round_closing
+from dipaco_server.rounds.lifecycle.open import open_round
 from dipaco_server.rounds.models import Contribution
-from dipaco_server.rounds.open import open_round
+from dipaco_server.rounds.protocol.complete import ContributionReport, complete
+from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.services import record_metric, transition
 from dipaco_server.workers.models import Worker

@@ -137,7 +137,7 @@ class Communication:
 
     DiPaCo moves, per completed unit, the path's weights down and its encoded Δ up. Down
     is what the unit's manifest sent its worker to (Lease.download_bytes,
-    rounds.downloads): with ``comm.download_codec`` int8/fp16 only the encoded updates
+    rounds.protocol.downloads): with ``comm.download_codec`` int8/fp16 only the encoded updates
     from the versions the worker held, else the fp32 files of the versions it started
     from (as `dipaco simulate` counts them; leases from before it was recorded count the
     fp32 files). Data-parallel training of the same steps would

@@ -13,12 +13,8 @@ from __future__ import annotations
 
 import logging
 import math
-import tempfile
-import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path as FsPath
 from typing import Any
 
 from django.conf import settings
@@ -32,13 +28,11 @@ from markdown_it import MarkdownIt
 
 from dipaco_server.audit.services import client_address
 from dipaco_server.errors import ServiceError
-from dipaco_server.inference import card, routing
-from dipaco_server.inference import services as inference
-from dipaco_server.inference.selection import Selection
+from dipaco_server.inference import card, generation
+from dipaco_server.inference.selection import select
 from dipaco_server.rounds.models import Contribution, Lease
 from dipaco_server.runs.models import MetricPoint, Path, Run
 from dipaco_server.runs.phases import PATHS
-from dipaco_server.storage import get_blob_store
 from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 from dipaco_web import queries
@@ -52,9 +46,8 @@ RECENT_CONTRIBUTIONS = 100
 MAX_PROMPT_CHARS = 2000
 DEFAULT_MAX_NEW_TOKENS = 32  # the prompt box's bound (settings.DIPACO_GENERATE_MAX_NEW_TOKENS)
 DEFAULT_GENERATE_RATE = (6, 60)  # requests per seconds per client address
-_MODELS: OrderedDict[str, tuple[Any, Any]] = OrderedDict()
-_MODELS_KEPT = 2
-_models_lock = threading.Lock()
+REROUTE_CHOICES = (0, 8, 16, 32)  # the prompt box's "re-route every k tokens" (0: once)
+DEFAULT_REROUTE = 16
 
 
 # --- a worker's page -------------------------------------------------------------------
@@ -68,7 +61,7 @@ class UnitRow:
     path: int
     tokens: int
     steps: int  # the inner steps the scheduler gave this lease (sized to the worker)
-    size_reason: str  # why that many (rounds.lease.size_unit)
+    size_reason: str  # why that many (rounds.protocol.sizing.size_unit)
     accepted: int
     rejected: int
     pending: int
@@ -201,10 +194,12 @@ def path_context(run: Run, path: Path, request: HttpRequest) -> dict[str, Any]:
         "server": settings.DIPACO_PUBLIC_URL.rstrip("/"),
         "max_new_tokens": max_new_tokens(),
         "max_prompt": MAX_PROMPT_CHARS,
+        "reroute_choices": REROUTE_CHOICES,
+        "reroute_default": DEFAULT_REROUTE,
         "paths": run.paths.filter(phase=PATHS).count(),
     }
     try:
-        selection = inference.select(run.pk, path.index)
+        selection = select(run.pk, path.index)
     except ServiceError as exc:
         context["not_ready"] = exc.message
         return context
@@ -271,6 +266,15 @@ def generate_view(request: HttpRequest, run_id: int, path_index: int) -> HttpRes
                       f"{MAX_PROMPT_CHARS:,}: give its start"},
             422,
         )  # fmt: skip
+    try:
+        reroute = int(request.POST.get("reroute_every", DEFAULT_REROUTE))
+    except ValueError:
+        reroute = -1
+    if reroute not in REROUTE_CHOICES:
+        return _fragment(
+            request, {"error": f"re-route every: choose one of {list(REROUTE_CHOICES)} tokens"},
+            422,
+        )  # fmt: skip
     wait = _over_rate(request)
     if wait is not None:
         response = _fragment(
@@ -279,7 +283,7 @@ def generate_view(request: HttpRequest, run_id: int, path_index: int) -> HttpRes
         response["Retry-After"] = str(wait)
         return response
     try:
-        answer = generate_text(run, path_index, prompt, max_new_tokens())
+        answer = generate_text(run, path_index, prompt, max_new_tokens(), reroute)
     except ServiceError as exc:
         return _fragment(request, {"error": exc.message}, exc.status)
     return _fragment(request, answer, 200)
@@ -291,61 +295,14 @@ def _fragment(request: HttpRequest, context: dict[str, Any], status: int) -> Htt
     return response
 
 
-def generate_text(run: Run, path_index: int, prompt: str, new_tokens: int) -> dict[str, Any]:
-    """{"path", "routed", "continuation", "tokens"}: the run's router picks the path (a run of
-    one path has no router: this path), which continues `prompt` greedily."""
-    routed = False
-    chosen = path_index
-    if run.paths.filter(phase=PATHS).count() > 1:
-        chosen = int(routing.route_text(run.pk, prompt)["path"])
-        routed = True
-    selection = inference.select(run.pk, chosen)
-    model, tokenizer = _open(selection)
-    import torch
-
-    # Training documents start with the separator (BOS), as in `dipaco generate`; a long
-    # prompt keeps its end, so prompt and continuation fit the model's context.
-    tokens = [tokenizer.bos_token_id, *tokenizer.encode(prompt)]
-    room = max(1, run.run_config.model.seq_len - new_tokens)
-    ids = torch.tensor([tokens[-room:]])
-    with torch.no_grad():
-        out = model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False
-        )
-    new = out[0, ids.shape[1] :]
-    return {
-        "path": chosen,
-        "asked": path_index,
-        "routed": routed,
-        "prompt": prompt,
-        "continuation": tokenizer.decode(new, skip_special_tokens=True),
-        "tokens": int(new.numel()),
-        "round": selection.round,
-    }
-
-
-def _open(selection: Selection) -> tuple[Any, Any]:
-    """The path's transformers model and tokenizer, from its directory's files (kept for
-    the last few paths asked; the key names the module versions, so new weights reload)."""
-    key = inference.model_blob_key(selection)
-    with _models_lock:
-        if key in _MODELS:
-            _MODELS.move_to_end(key)
-            return _MODELS[key]
-    from dipaco.inference import open_path_dir
-
-    store = get_blob_store()
-    with tempfile.TemporaryDirectory(prefix="dipaco-generate-") as tmp:
-        for file in inference.path_files(selection):
-            target = FsPath(tmp) / file.name
-            if file.data is not None:
-                target.write_bytes(file.data)
-            else:
-                assert file.blob_key is not None
-                store.download_to(file.blob_key, target)
-        loaded = open_path_dir(tmp)
-    with _models_lock:
-        _MODELS[key] = loaded
-        while len(_MODELS) > _MODELS_KEPT:
-            _MODELS.popitem(last=False)
-    return loaded
+def generate_text(
+    run: Run, path_index: int, prompt: str, new_tokens: int, reroute_every: int = 0
+) -> dict[str, Any]:
+    """The prompt box's answer (inference.generation): the run's router picks the path (a
+    run of one path has no router: this path), which continues `prompt` greedily; with
+    `reroute_every` k the router picks again from the text so far every k new tokens."""
+    answer = generation.generate_text(
+        run.pk, prompt, new_tokens, reroute_every=reroute_every, limit=max(new_tokens, 1),
+        path=None if run.paths.filter(phase=PATHS).count() > 1 else path_index,
+    )  # fmt: skip
+    return {**answer, "asked": path_index}

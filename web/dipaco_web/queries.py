@@ -19,7 +19,8 @@ from django.utils import timezone
 from dipaco.evaluate import perplexity  # one helper, so every page shows the same number
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
-from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.rounds.stages import stages_by_round
+from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Path, Run
 from dipaco_server.runs.phases import PATHS
 from dipaco_server.runs.services import TERMINAL
@@ -28,7 +29,7 @@ from dipaco_server.workers.models import Worker
 # Metric series the evaluation and outer-step tasks record (MetricPoint.name).
 VAL_LOSS = "val_loss"  # per path (path set), after round t's outer step
 ROUTED_VAL_LOSS = "routed_val_loss"  # per run (no path): token-weighted mean over paths
-# The training loss is what workers report: rounds.api.complete_lease records each metric
+# The training loss is what workers report: rounds.protocol.api.complete_lease records each metric
 # of a completion under the name the worker sent, one point per unit (path and round set),
 # and worker_agent sends "loss", the mean of the unit's last tenth of inner-step losses.
 TRAIN_LOSS = "loss"
@@ -197,6 +198,30 @@ class RoundRow:
     accepted: int
     rejected: int
     pending: int
+    # Where its time went (rounds.stages): each stage's wall span as a part of a stacked
+    # bar scaled to the round with the most, and its tasks' summed seconds.
+    stages: tuple[StageBar, ...] = ()
+
+
+@dataclass(frozen=True)
+class StageBar:
+    stage: str
+    percent: float
+    wall_seconds: float
+    seconds: float
+
+
+def _stage_bars(rounds: list[Round]) -> dict[int, tuple[StageBar, ...]]:
+    spans = stages_by_round(rounds)
+    longest = max((sum(s.wall_seconds for s in row) for row in spans.values()), default=0.0)
+    scale = 100 / (longest or 1.0)
+    return {
+        pk: tuple(
+            StageBar(s.stage, round(scale * s.wall_seconds, 2), s.wall_seconds, s.seconds)
+            for s in row
+        )
+        for pk, row in spans.items()
+    }
 
 
 def round_rows(run: Run, *, now: datetime | None = None) -> list[RoundRow]:
@@ -207,7 +232,7 @@ def round_rows(run: Run, *, now: datetime | None = None) -> list[RoundRow]:
         .order_by("-t")
         .annotate(
             # The units the round needed: its originals. Sampled replication's check copies
-            # (rounds.replication) do not hold a round up, and one still queued when the
+            # (rounds.verification.replication) do not hold a round up, and one still queued when the
             # round closes is dropped, so they are counted apart, and only when trained.
             units_total=Count("units", filter=ORIGINAL, distinct=True),
             units_done=Count("units", filter=ORIGINAL & DONE_UNIT, distinct=True),
@@ -221,6 +246,7 @@ def round_rows(run: Run, *, now: datetime | None = None) -> list[RoundRow]:
         .annotate(n=Count("pk"))
         .order_by()
     }
+    bars = _stage_bars(rounds)
     seconds = {r.pk: ((r.closed_at or now) - r.opened_at).total_seconds() for r in rounds}
     longest = max(seconds.values(), default=0.0) or 1.0
     return [
@@ -237,6 +263,7 @@ def round_rows(run: Run, *, now: datetime | None = None) -> list[RoundRow]:
             accepted=counts.get((r.pk, ACCEPTED), 0),
             rejected=counts.get((r.pk, REJECTED), 0),
             pending=counts.get((r.pk, PENDING), 0),
+            stages=bars[r.pk],
         )
         for r in rounds
     ]

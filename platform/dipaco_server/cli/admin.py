@@ -155,6 +155,7 @@ def setup_django() -> None:
     """Configure Django from the environment (once); a no-op inside a running server or test."""
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "dipaco_server.settings")
     try:
+        # Django only when a command runs: the dispatcher lists it without the server installed
         import django
         from django.apps import apps
     except ModuleNotFoundError:
@@ -174,6 +175,7 @@ def check_database_exists(environ: Mapping[str, str], given_by: str = "DIPACO_DA
     Says where it looked and how to point the command elsewhere; creates nothing.
     PostgreSQL (DATABASE_URL) is left to the connection, which names its own problem.
     """
+    # Django only when a command runs (the module docstring)
     from django.core.exceptions import ImproperlyConfigured
 
     from dipaco_server import env  # needs Django, which this module imports without
@@ -211,6 +213,7 @@ def check_database_exists(environ: Mapping[str, str], given_by: str = "DIPACO_DA
 
 def check_database_migrated() -> None:
     """A database without the server's tables (never served from) gets the command to fix it."""
+    # Django only when a command runs (the module docstring)
     from django.db import connection
 
     if "auth_user" not in connection.introspection.table_names():
@@ -298,6 +301,7 @@ def enroll(args: argparse.Namespace) -> int:
 def _django_ready() -> bool:
     """Inside a running server, a test or the demo, Django already has its database."""
     try:
+        # ModuleNotFoundError on a worker-only install: then Django is not ready
         from django.apps import apps
     except ModuleNotFoundError:
         return False
@@ -316,6 +320,7 @@ def run(args: argparse.Namespace) -> int:
             with contextlib.suppress(ModuleNotFoundError):
                 check_database_exists(os.environ, given_by)
         setup_django()
+        # after setup_django: Django only when a command runs
         from django.db import DatabaseError
 
         from dipaco_server.errors import ServiceError  # needs Django, set up just above

@@ -22,6 +22,7 @@ import urllib.request
 from types import FrameType
 
 from dipaco.cli.command import Command
+from dipaco_server.http_limits import REQUEST_LINE_LIMIT
 
 DESCRIPTION = """\
 Run the dipaco control plane on this machine: the web app and API (gunicorn),
@@ -84,10 +85,6 @@ def _bind_address(host: str, port: int) -> str:
 WEB_WORKER_CLASS = "dipaco_server.web_worker.QueueTimingWorker"  # gthread, timed (shedding.py)
 WEB_CONNECTIONS = 10_000  # per gunicorn worker process (web_worker.connection_room)
 WEB_THREADS = 4  # per gunicorn worker process; each thread holds its own database connection
-# gunicorn's largest finite --limit-request-line (its default is 4094): the longest request
-# line the API's schema admits, a manifest request whose `held` lists every module of a
-# 256-module path, fits with room (rounds.api.HELD_MAX_LENGTH; tests/test_server_cli.py).
-REQUEST_LINE_LIMIT = 8190
 
 
 def child_commands(
@@ -197,6 +194,7 @@ def _wait_until_healthy(url: str, supervisor: Supervisor) -> bool:
 def _prepare() -> str | None:
     """Check settings and migrate; returns an error message, or None when ready."""
     try:
+        # Django only when the server starts (the module docstring)
         import django
         from django.core.exceptions import ImproperlyConfigured
     except ModuleNotFoundError:
@@ -205,6 +203,7 @@ def _prepare() -> str | None:
         django.setup()
     except ImproperlyConfigured as exc:
         return str(exc)
+    # after django.setup() above
     from django.conf import settings
     from django.core.management import call_command
     from django.db import DatabaseError, connections

@@ -4,6 +4,7 @@
     GET  /runs/{id}/paths/{p}/download[?round=t]   the Hugging Face directory as a zip
     GET  /runs/{id}/paths/{p}/files/{name}[?round=t]  one file (blob-backed: a redirect)
     POST /runs/{id}/route {"text": ...}            the path for a text, with every score
+    POST /runs/{id}/generate {"text": ..., ...}     a continuation, re-routed every k tokens
 
 `round=t` serves the weights after round index t closed (0-based, as every machine field
 of the API; the dashboard, the model card and the folder name count rounds from 1, so
@@ -29,7 +30,7 @@ from ninja import Field, Query, Router, Schema
 from dipaco_server.accounts.auth import StaffToken
 from dipaco_server.bounds import MAX_INT, PathIndex, RunId
 from dipaco_server.errors import ApiError
-from dipaco_server.inference import routing, services
+from dipaco_server.inference import generation, routing, services
 from dipaco_server.inference.routing import MAX_TEXT_CHARS
 from dipaco_server.inference.selection import select
 from dipaco_server.inference.zipstream import ZipEntry, stream_zip
@@ -117,6 +118,62 @@ class RouteOut(Schema):
     scores: list[float] = Field(description="Score per path; the path is the highest.")
 
 
+class GenerateIn(Schema):
+    text: str = Field(
+        min_length=1,
+        max_length=MAX_TEXT_CHARS,
+        pattern=NOT_ONLY_WHITESPACE,
+        description="The prompt (not only whitespace); the router reads its first tokens.",
+    )
+    max_new_tokens: int = Field(
+        32, ge=1, le=generation.MAX_NEW_TOKENS, description="New tokens at most."
+    )
+    reroute_every: int = Field(
+        0,
+        ge=0,
+        le=generation.MAX_NEW_TOKENS,
+        description="Re-route every this many new tokens, the router reading the last "
+        "router.prefix_tokens tokens of the text so far (the DiPaCo paper: 64); 0 routes "
+        "the prompt once.",
+    )
+    temperature: float = Field(0.0, ge=0.0, le=2.0, description="0 is greedy.")
+    seed: int = Field(0, ge=0, le=MAX_INT, description="Sampling seed: same seed, same text.")
+    path: int | None = Field(
+        None, ge=0, le=MAX_INT, description="This path writes everything (no routing)."
+    )
+    round: int | None = Field(
+        None, ge=0, le=MAX_INT, description="The weights after this 0-based round closed."
+    )
+
+
+class SegmentOut(Schema):
+    path: int
+    start: int = Field(description="First new token this path wrote (0-based).")
+    end: int = Field(description="One past the last new token it wrote.")
+    text: str
+
+
+class SwitchOut(Schema):
+    at: int = Field(description="New-token index where the path changed.")
+    from_path: int
+    to_path: int
+
+
+class GenerateOut(Schema):
+    path: int = Field(description="The path the prompt was routed to (or the one asked).")
+    routed: bool
+    prompt: str
+    continuation: str
+    tokens: int
+    round: int
+    reroute_every: int = Field(description="0 when the answer was not re-routed.")
+    paths: list[int] = Field(description="Every path that wrote, in order of first use.")
+    segments: list[SegmentOut]
+    switches: list[SwitchOut]
+    seed: int
+    temperature: float
+
+
 def _file_url(run_id: int, path_index: int, round: int) -> Callable[[str], str]:
     def url(name: str) -> str:
         relative = reverse(
@@ -187,3 +244,13 @@ def path_file(
 def route(request: HttpRequest, run_id: RunId, body: RouteIn) -> dict[str, Any]:
     """The path the run's router picks for a text (the router that sharded the training data)."""
     return routing.route_text(run_id, body.text)
+
+
+@router.post("/runs/{run_id}/generate", response=GenerateOut)
+def generate(request: HttpRequest, run_id: RunId, body: GenerateIn) -> dict[str, Any]:
+    """Continue a text on the run's paths: the router picks the prompt's path and, with
+    reroute_every k, picks again from the text so far every k new tokens."""
+    return generation.generate_text(
+        run_id, body.text, body.max_new_tokens, reroute_every=body.reroute_every,
+        temperature=body.temperature, seed=body.seed, path=body.path, round=body.round,
+    )  # fmt: skip

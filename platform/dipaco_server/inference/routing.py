@@ -39,6 +39,7 @@ class TextInvalid(ServiceError):
 
 
 def _load(run: Run, tokenizer_json: bytes, router_file: bytes) -> Router:
+    # torch (dipaco.routing) and the tokenizers: on the first route call, not at every start
     from safetensors import safe_open
     from tokenizers import Tokenizer
 

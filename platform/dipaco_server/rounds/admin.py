@@ -1,7 +1,7 @@
 """Read-only Django admin pages for rounds, units, leases, contributions and outer steps.
 
 Nothing here can be added, changed or deleted from the admin, superusers included:
-scheduling state changes only through the round protocol (rounds.lease, complete,
+scheduling state changes only through the round protocol (rounds.protocol.leases, complete,
 outer_step), and contributions and outer steps are the immutable record of what each
 module version was computed from.
 """

@@ -7,6 +7,7 @@ class RoundsConfig(AppConfig):
     verbose_name = "dipaco rounds"
 
     def ready(self) -> None:
-        # Connects the receivers that open due rounds and end an ended run's leases
-        # (runs.signals); imported here, as Django wants, once every app's models are loaded.
-        from dipaco_server.rounds import receivers  # noqa: F401
+        # Connects the round's life to what asks it (runs.signals: open a due round, end an
+        # ended run's leases; rounds.signals: close a round a completion made ready);
+        # imported here, as Django wants, once every app's models are loaded.
+        from dipaco_server.rounds.lifecycle import receivers  # noqa: F401

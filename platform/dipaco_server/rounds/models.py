@@ -1,6 +1,6 @@
 """Outer rounds, their work units, the leases that hand units to workers, and contributions.
 
-State changes go through rounds.open / rounds.lease / rounds.complete,
+State changes go through rounds.lifecycle.open / rounds.protocol.leases / rounds.protocol.complete,
 each written as a conditional UPDATE so that concurrent requests cannot both win.
 """
 
@@ -32,8 +32,12 @@ class Round(models.Model):
     # When close_round last sent the outer steps: a round closing for long lost them.
     closing_at = models.DateTimeField(null=True, blank=True)
     # When the round began closing (its outer step's start): what the next round's expected
-    # opening is counted from (rounds.lease), whatever the resends do to closing_at.
+    # opening is counted from (rounds.protocol.leases), whatever the resends do to closing_at.
     closing_started_at = models.DateTimeField(null=True, blank=True)
+    # The first round's settlement over whole units (rounds.verification.settlement): lease
+    # id -> "<code>: <message>" for each unit it refused or held out; computed by the first
+    # module step that needs it, so every module's first step applies the same verdicts.
+    first_round = models.JSONField(null=True, blank=True)
 
     class Meta:
         constraints = (models.UniqueConstraint(fields=["run", "t"], name="round_unique_per_run"),)
@@ -41,6 +45,19 @@ class Round(models.Model):
 
     def __str__(self) -> str:
         return f"run {self.run_id} round {self.t} ({self.state})"
+
+    def previous_published(self) -> bool:
+        """Whether round t - 1 (if any) is closed: its outer step published its versions.
+
+        With ``outer.overlap`` "delayed", round t opened while round t - 1 was closing, and round
+        t's Δs are applied onto the versions round t - 1 publishes: round t may not close (and
+        so neither step nor open round t + 1) before that, which bounds the staleness at one
+        version. Without overlap round t opens only after round t - 1 closed, so this holds.
+        """
+        if self.t == 0:
+            return True
+        previous = Round.objects.filter(run_id=self.run_id, t=self.t - 1)
+        return not previous.exclude(state=Round.State.CLOSED).exists()
 
 
 class WorkUnit(models.Model):
@@ -111,12 +128,12 @@ class Lease(models.Model):
     heartbeat_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
     # Inner steps of the unit this lease may train, counted from the unit's start (<= H),
-    # sized to the worker's measured speed (rounds.lease.size_unit); 0 on leases granted
-    # before sizing existed, meaning H. Its tokens cap the Δ's weight (rounds.complete).
+    # sized to the worker's measured speed (rounds.protocol.sizing.size_unit); 0 on leases granted
+    # before sizing existed, meaning H. Its tokens cap the Δ's weight (rounds.protocol.complete).
     steps = models.PositiveIntegerField(default=0)
     seconds_limit = models.FloatField(null=True, blank=True)  # a calibration unit's time
     size_reason = models.CharField(max_length=240, blank=True, default="")
-    # Bytes its manifest sent the worker to (rounds.api.manifest, the last one asked for):
+    # Bytes its manifest sent the worker to (rounds.protocol.api.manifest, the last one asked for):
     # encoded updates for the modules it holds an earlier version of, fp32 files for the
     # rest, 0 for those it holds already. Null on leases from before it was recorded.
     download_bytes = models.PositiveBigIntegerField(null=True, blank=True)
@@ -125,7 +142,7 @@ class Lease(models.Model):
     # it was relative to, and the path's other module steps reuse it (rounds.verification.scorer)
     # instead of fetching the unit's other Δs and running the same forward passes again.
     score = models.JSONField(null=True, blank=True)
-    # Not a column: the round's deadline as a heartbeat read it (rounds.lease.heartbeat).
+    # Not a column: the round's deadline as a heartbeat read it (rounds.protocol.leases.heartbeat).
     round_deadline: datetime | None = None
 
     class Meta:
@@ -156,14 +173,14 @@ class Contribution(models.Model):
     metrics = models.JSONField(default=dict, blank=True)
     # The module version the Δ is relative to: the unit's base version, or with
     # outer.overlap eager the version round t - 1 published, when the unit rebased onto it
-    # (rounds.rebase). Null on contributions from before it was recorded: the unit's base.
+    # (rounds.protocol.rebase). Null on contributions from before it was recorded: the unit's base.
     base_version = models.PositiveIntegerField(null=True, blank=True)
     status = models.CharField(max_length=16, choices=Status.choices, default=Status.PENDING)
     reason = models.TextField(blank=True)
     created_at = models.DateTimeField(default=timezone.now)
     verified_at = models.DateTimeField(null=True, blank=True)
     # When a second worker's copy of its unit was compared with it: its Δ minus that copy's,
-    # as a count sketch (rounds.persistence), its worker's evidence of what it
+    # as a count sketch (rounds.verification.persistence), its worker's evidence of what it
     # keeps adding, and that copy's worker; null otherwise.
     replica_sketch = models.BinaryField(null=True, blank=True)
     replica_partner = models.ForeignKey(
@@ -187,7 +204,7 @@ class Contribution(models.Model):
 
 
 class OuterStep(models.Model):
-    """One module's outer step in one round: its outcome, recorded once (rounds.outer_step).
+    """One module's outer step in one round: its outcome, recorded once (rounds.outer.step).
 
     The row is written in the same transaction that publishes version t + 1 and settles
     the contributions, so its existence is what makes a retried step a no-op.
@@ -217,3 +234,22 @@ class OuterStep(models.Model):
 
     def __str__(self) -> str:
         return f"round {self.round_id} module {self.module_id}: {self.outcome}"
+
+
+class RoundStage(models.Model):
+    """Where a round's server time went (rounds.stages): one stage's wall span, first task
+    started to last task ended, and its tasks' summed seconds. Training is not stored: it
+    is the round's opening to its last completion (rounds.stages.round_stages)."""
+
+    round = models.ForeignKey(Round, on_delete=models.CASCADE, related_name="stages")
+    stage = models.CharField(max_length=32)
+    started_at = models.DateTimeField()
+    ended_at = models.DateTimeField()
+    seconds = models.FloatField(default=0.0)
+    tasks = models.PositiveIntegerField(default=0)
+
+    class Meta:
+        constraints = (models.UniqueConstraint(fields=["round", "stage"], name="round_stage_once"),)
+
+    def __str__(self) -> str:
+        return f"round {self.round_id} {self.stage}: {self.seconds:.1f} s"

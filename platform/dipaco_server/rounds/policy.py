@@ -30,7 +30,7 @@ DEFAULTS: dict[str, float] = {
     "DIPACO_UNIT_MAX_ATTEMPTS": 5,
     # A round's deadline, from its opening; after it a quorum of units suffices to close.
     "DIPACO_ROUND_DEADLINE_S": 3600,
-    # Adaptive deadline (issue 20): once a quorum is done, the round's deadline moves up to
+    # Adaptive deadline (no round waits for its slowest unit): once a quorum is done, the round's deadline moves up to
     # the last unit's grant + the median + this many x the MAD (at least 10 % of the median)
     # of the done units' durations, + the heartbeat interval by which agents stop before a
     # deadline; units still out are then expected to hand in partial Δs.
@@ -50,13 +50,13 @@ DEFAULTS: dict[str, float] = {
     # last minutes / this (1 s to 60 s), so 5,000 idle volunteers at a round boundary
     # do not ask a thousand times a second, and a handful still notice a new round at once.
     "DIPACO_IDLE_POLL_RATE": 100,
-    # Lease grants per second the server aims for when a round opens (issue 23): waiting
+    # Lease grants per second the server aims for when a round opens (no stampede at a round boundary): waiting
     # workers are given Retry-After slots spread over (waiting workers / this) seconds
     # after the next round's expected opening, and grants ahead of that pace answer 204
     # with a later slot. At 10,000 volunteers that is 200 s instead of a stampede of every
     # waiting volunteer within one Retry-After (bench/control_plane.py, docs/deploy.md).
     "DIPACO_GRANT_RATE": 50,
-    # Heartbeats per second the server aims for, all workers together (issue 23): agents are
+    # Heartbeats per second the server aims for, all workers together (thousands of workers): agents are
     # told to heartbeat every DIPACO_LEASE_TIMEOUT_S / 3 seconds, or every (workers seen
     # lately / this) seconds when that is longer, and a lease then lives three such intervals
     # without one. At 10,000 volunteers: 200 s and 50 heartbeats a second instead of 100 s
@@ -86,7 +86,7 @@ class SchedulerPolicy:
     @property
     def heartbeat_interval_s(self) -> float:
         """How often an agent should heartbeat with few workers about; with many, the longer
-        interval of rounds.lease.heartbeat_interval_s (DIPACO_HEARTBEAT_RATE)."""
+        interval of rounds.protocol.pacing.heartbeat_interval_s (DIPACO_HEARTBEAT_RATE)."""
         return self.lease_timeout_s / 3
 
     def lease_budget_s(self, tokens: int, speed: float | None) -> float:

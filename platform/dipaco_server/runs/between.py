@@ -32,9 +32,17 @@ from typing import Any
 import torch
 from django.db import transaction
 from django.utils import timezone
+from safetensors.torch import load_file, save_file
 from torch import Tensor
 
+from dipaco.data.corpus import Document
+from dipaco.data.shards import build_shards
+from dipaco.data.tokenizer import RunTokenizer
+from dipaco.inference import export_state
+from dipaco.modular import init_modules_from_base, module_spec
 from dipaco.modules_file import read_module
+from dipaco.routing.featurize import BaseLMFeaturizer, PrecomputedFeaturizer
+from dipaco.routing.router import Router, prefix_ids
 from dipaco_server.runs import keys, phases
 from dipaco_server.runs.checkpoint import base_model, load_base_state, write_base_model
 from dipaco_server.runs.evaluate import evaluate_start_or_log
@@ -71,9 +79,6 @@ def enter_preparing(run: Run) -> bool:
 
 def begin(run: Run, *, store: BlobStore | None = None) -> int:
     """Write phase 1's last weights as the base model; returns the number of chunks."""
-    from dipaco.inference import export_state
-    from dipaco.modular import module_spec
-
     store = store or get_blob_store()
     config = run.run_config
     dense = config.dense_phase
@@ -106,16 +111,12 @@ def _documents(store: BlobStore, run_id: int, chunk: int, work: Path) -> list[tu
 
 
 def _tokenizer(store: BlobStore, run_id: int, work: Path) -> Any:
-    from dipaco.data.tokenizer import RunTokenizer
-
     file = work / "tokenizer.json"
     store.download_to(keys.tokenizer_key(run_id), file)
     return RunTokenizer.load(file)
 
 
 def _featurizer(run: Run, store: BlobStore, tokenizer: Any, work: Path) -> Any:
-    from dipaco.routing.featurize import BaseLMFeaturizer
-
     config = run.run_config
     model = base_model(load_base_state(store, run.pk, config, work), config)
     return BaseLMFeaturizer(
@@ -125,10 +126,6 @@ def _featurizer(run: Run, store: BlobStore, tokenizer: Any, work: Path) -> Any:
 
 def embed_chunk(run: Run, chunk: int, *, store: BlobStore | None = None) -> int:
     """Base-LM features of one document chunk, stored; returns how many documents."""
-    from safetensors.torch import save_file
-
-    from dipaco.routing.router import prefix_ids
-
     store = store or get_blob_store()
     key = keys.features_key(run.pk, chunk)
     work = _work(run, f"phase2-embed-{chunk}")
@@ -163,14 +160,6 @@ def _record_embedded(run: Run, store: BlobStore) -> None:
 
 def finish(run: Run, *, store: BlobStore | None = None) -> str:
     """Router, shards and phase-2 modules from the features; then phase 2's first round."""
-    from safetensors.torch import load_file
-
-    from dipaco.data.corpus import Document
-    from dipaco.data.shards import build_shards
-    from dipaco.modular import init_modules_from_base
-    from dipaco.routing.featurize import PrecomputedFeaturizer
-    from dipaco.routing.router import Router, prefix_ids
-
     run.refresh_from_db()
     if run.state in TERMINAL:
         return str(run.state)

@@ -20,9 +20,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+from tokenizers import Tokenizer
 from torch import Tensor
 
 from dipaco.config import RunConfig
+from dipaco.data.tokenizer import RunTokenizer
+from dipaco.inference import model_metadata
+from dipaco.model import build_model, state_shapes
+from dipaco.modular import TIED_HEAD, TIED_TO
 from dipaco_server.errors import ServiceError
 from dipaco_server.runs import keys
 from dipaco_server.storage import BlobStore
@@ -43,9 +50,6 @@ def _refuse(field: str, message: str) -> CheckpointInvalid:
 
 def expected_shapes(config: RunConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of the tensors a dense checkpoint of this run holds (no tied head)."""
-    from dipaco.model import state_shapes
-    from dipaco.modular import TIED_HEAD
-
     shapes = state_shapes(config.model)
     if config.model.tie_embeddings:
         shapes.pop(TIED_HEAD)
@@ -82,10 +86,6 @@ def verify_checkpoint(file: Path, config: RunConfig) -> dict[str, Tensor]:
     Names and shapes must be the run's model's (``model.*`` settings); a tied LM head may
     be present (it must then equal the embedding) or left out; F32, F16 and BF16 are read.
     """
-    from safetensors import SafetensorError, safe_open
-
-    from dipaco.modular import TIED_HEAD, TIED_TO
-
     header = _header(file)
     expected = expected_shapes(config)
     tied_head = config.model.tie_embeddings and TIED_HEAD in header
@@ -137,10 +137,6 @@ def verify_tokenizer(data: bytes, config: RunConfig) -> Any:
     Parsed by the tokenizers library from JSON (no code runs); it must have the document
     separator and no more ids than the model's embedding rows (``model.vocab_size``).
     """
-    from tokenizers import Tokenizer
-
-    from dipaco.data.tokenizer import RunTokenizer
-
     try:
         tokenizer = RunTokenizer(Tokenizer.from_str(data.decode("utf-8")))
     except Exception as exc:  # tokenizers raises a plain Exception for JSON it cannot parse
@@ -160,10 +156,6 @@ def verify_tokenizer(data: bytes, config: RunConfig) -> Any:
 
 def write_base_model(store: BlobStore, run_id: int, state: dict[str, Tensor], work: Path) -> str:
     """Store the base model (the export_state format) and return its key."""
-    from safetensors.torch import save_file
-
-    from dipaco.inference import model_metadata
-
     file = work / "base-model.safetensors"
     tensors = {name: t.detach().to(torch.float32).contiguous() for name, t in state.items()}
     save_file(tensors, str(file), metadata=model_metadata())
@@ -177,8 +169,6 @@ def load_base_state(
     store: BlobStore, run_id: int, config: RunConfig, work: Path
 ) -> dict[str, Tensor]:
     """The stored base model's full state dict (a tied head put back), checked again."""
-    from dipaco.modular import TIED_HEAD, TIED_TO
-
     file = work / "base-model.safetensors"
     store.download_to(keys.base_model_key(run_id), file)
     try:
@@ -192,8 +182,6 @@ def load_base_state(
 
 def base_model(state: dict[str, Tensor], config: RunConfig) -> Any:
     """A LlamaForCausalLM holding `state`, in eval mode (for the base-lm featurizer)."""
-    from dipaco.model import build_model
-
     model = build_model(config.model, config.seed)
     model.load_state_dict(state)
     return model.eval()

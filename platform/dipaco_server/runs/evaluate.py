@@ -29,9 +29,13 @@ from torch import Tensor
 
 from dipaco.config import EvalConfig, RunConfig
 from dipaco.data.ranged import store_shard
+from dipaco.data.shards import ShardIndex
 from dipaco.evaluate import mean_loss, perplexity, sample_plan, sample_shard, sample_size
+from dipaco.model import build_model
+from dipaco.modular import assemble_path_state, module_spec
 from dipaco.modules_file import read_module
 from dipaco_server.runs import keys
+from dipaco_server.runs.device import autocast, server_device
 from dipaco_server.runs.models import MetricPoint, Module, ModuleVersion, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.phases import PATHS, first_round, round_config
@@ -111,10 +115,6 @@ def _score(
 ) -> list[tuple[RunPath, float, int]]:
     """(path, loss, tokens scored) of every active path of `phase` without a `name` point
     of round t, assembled from its modules as they stand after round t."""
-    from dipaco.data.shards import ShardIndex
-    from dipaco.model import build_model
-    from dipaco.modular import assemble_path_state
-
     done = set(
         MetricPoint.objects.filter(run=run, round=t, name=name).values_list("path_id", flat=True)
     )
@@ -137,13 +137,15 @@ def _score(
         store.download_to(data_index_key(run.pk, phase), work / "index.json")
         index = ShardIndex.load(work)
         modules = _ModuleCache(run, t, store, work, phase, config)
-        model = build_model(config.model, config.seed)
+        device = server_device()  # a GPU where the Celery worker has one, in bf16
+        model = build_model(config.model, config.seed).to(device)
         for path in paths:
             model.load_state_dict(assemble_path_state(config, path.index, modules.of(path)))
             # Only the sample's windows of the validation shard, read by ranges.
             val = store_shard(store, keys.data_key(run.pk, path.index, "val", phase), index.dtype)
             windows = sample_shard(val, seq_len, plan[path.index])
-            loss = mean_loss(model, windows, eval_settings(config).batch_size)
+            with autocast(device):
+                loss = mean_loss(model, windows, eval_settings(config).batch_size)
             if not math.isfinite(loss):
                 logger.warning(
                     "run %s path %d: validation loss is %s after round %d",
@@ -208,8 +210,6 @@ class _ModuleCache:
         self.tensors: dict[str, dict[str, Tensor]] = {}
 
     def of(self, path: RunPath) -> dict[str, dict[str, Tensor]]:
-        from dipaco.modular import module_spec
-
         for module_id in path.modules:
             if module_id in self.tensors:
                 continue

@@ -136,7 +136,7 @@ class ModuleVersion(models.Model):
     sha256 = models.CharField(max_length=64)
     size = models.PositiveBigIntegerField()
     momentum_key = models.CharField(max_length=1024, blank=True)
-    # With comm.download_codec int8/fp16 (rounds.publish): the encoded update from the
+    # With comm.download_codec int8/fp16 (rounds.outer.publish): the encoded update from the
     # version before (a dipaco.codecs container; the weights are exactly the version before
     # plus its decoded values) and the encoding's residual (error feedback); blank when the
     # version was not made by an outer step, or with fp32 downloads.

@@ -50,3 +50,14 @@ def round_config(config: RunConfig, t: int) -> tuple[int, RunConfig]:
     """(phase, the phase's config) of round t."""
     phase = round_phase(config, t)
     return phase, phase_config(config, phase)
+
+
+def overlaps(run_config: RunConfig, t: int) -> bool:
+    """Whether round t + 1 opens as soon as round t starts closing (``outer.overlap``
+    "delayed" or "eager"): not after a phase's last round or the run's, nor with
+    ``eval.patience`` (early stopping after round t's evaluation decides which paths round
+    t + 1 trains)."""
+    phase, config = round_config(run_config, t)
+    if config.outer.overlap == "none" or t + 1 >= run_config.total_rounds:
+        return False
+    return round_config(run_config, t + 1)[0] == phase and run_config.eval.patience is None

@@ -42,11 +42,12 @@ from typing import TYPE_CHECKING, Any
 from django.conf import settings
 from django.utils import timezone
 
+from dipaco.data.corpus import CorpusStats, iter_corpus
 from dipaco_server.runs import keys, phases
 from dipaco_server.runs.models import Dataset, Module, ModuleVersion, Run
-from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.services import transition
 from dipaco_server.runs.sources import check_source, s3_options
+from dipaco_server.runs.stages import report_progress, upload_shards
 from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 
@@ -71,49 +72,112 @@ def data_index_key(run_id: int, phase: int = 2) -> str:
     return keys.data_index_key(run_id, phase)
 
 
-def report_progress(target: Run | Dataset, stage: str, step: int, steps: int, detail: str) -> None:
-    """Record what a preparation is doing now, for the API and the dashboard."""
-    now = timezone.now()
-    progress = {
-        "stage": stage,
-        "step": step,
-        "steps": steps,
-        "detail": detail,
-        "updated_at": now.isoformat(),
-    }
-    type(target).objects.filter(pk=target.pk).update(progress=progress, updated_at=now)
-    target.progress = progress
-    logger.info(
-        "%s %s: [%d/%d] %s: %s", type(target).__name__, target.pk, step, steps, stage, detail
-    )
-
-
 def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | None = None) -> Run:
     """Data, tokenizer, router and version 0 of every module; then the run is ready.
 
+    A run routed by tf-idf (or with one path) is prepared in pieces (runs.pieces): the
+    corpus streams, a killed preparation resumes, and a later run with the same inputs
+    reuses the work; runs.tasks runs the pieces as a Celery chord, this runs them here.
     With ``phase1`` the data is one shard of every document (plus the documents in chunks,
     for routing after phase 1) and the modules are the dense phase's (runs.phases); with
     an uploaded dense checkpoint (runs.checkpoint) it routes with the checkpoint's features
-    when ``router.featurizer`` is "base-lm", and every module starts from its layers.
+    when ``router.featurizer`` is "base-lm", and every module starts from its layers; both
+    read the corpus into memory (`prepare_in_memory`).
     `max_files` reads only the first files of the corpus (sorted), for demos and tests.
     """
-    # torch and the tokenizers: seconds to import, in the task that prepares only (every
-    # process that loads the URLs loads this module).
-    from dipaco.data.corpus import load_corpus
-    from dipaco.data.prepare import prepare_documents
-    from dipaco.data.tokenizer import RunTokenizer
+    from dipaco_server.runs import pieces  # pieces imports this module
+
+    planned = begin_run(run, store=store, max_files=max_files)
+    if planned is None:
+        return run
+    store = store or get_blob_store()
+    for piece in pieces.pending(store, planned):
+        pieces.write_piece(store, planned, piece, work_root())
+        pieces.record_pieces(run, store, planned)
+    return finish_run(run, planned["key"], store=store)
+
+
+def begin_run(
+    run: Run, *, store: BlobStore | None = None, max_files: int | None = None
+) -> dict[str, Any] | None:
+    """The run's preparation plan (runs.pieces.plan), or None when there is nothing to do
+    in pieces: the run is not preparing, or it was prepared whole (`prepare_in_memory`)."""
+    from dipaco_server.runs import pieces  # pieces imports this module
 
     run.refresh_from_db()
     if run.state == Run.State.DRAFT:
         transition(run, Run.State.PREPARING)
     elif run.state != Run.State.PREPARING:
         logger.info("run %s is %s, not preparing; nothing to do", run.pk, run.state)
+        return None
+    store = store or get_blob_store()
+    config = run.run_config
+    if config.phase1 is not None or store.exists(keys.base_model_key(run.pk)):
+        prepare_in_memory(run, store=store, max_files=max_files)
+        return None
+    _check_router_has_base(config, False)
+    corpus = run.dataset.source if run.dataset is not None else config.data.corpus
+    check_source(corpus)  # the roots may have changed since the run was created
+    steps = len(RUN_STAGES)
+    report_progress(run, "corpus", 1, steps, f"reading {corpus}")
+    key, listing = pieces.plan_key(run, max_files)
+    stage_step = {"corpus": 1, "tokenizer": 2, "router": 3}
+
+    def on_stage(stage: str, detail: str) -> None:
+        report_progress(run, stage, stage_step[stage], steps, detail)
+
+    work = Path(tempfile.mkdtemp(prefix=f"prepare-{run.pk}-", dir=work_root()))
+    try:
+        planned = pieces.plan(run, store, key, listing, work, on_stage)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    pieces.record_pieces(run, store, planned)
+    return planned
+
+
+def finish_run(run: Run, key: str, *, store: BlobStore | None = None) -> Run:
+    """After every piece: the shards joined and uploaded, version 0 of every module; ready."""
+    from dipaco.modular import init_modules  # torch (module docstring)
+    from dipaco_server.runs import pieces  # pieces imports this module
+
+    run.refresh_from_db()
+    if run.state != Run.State.PREPARING:
         return run
+    store = store or get_blob_store()
+    planned = json.loads(store.get_bytes(f"{pieces.prefix(key)}/plan.json"))
+    missing = pieces.pending(store, planned)
+    if missing:
+        raise RuntimeError(f"run {run.pk}: pieces {missing[:10]} are not prepared yet")
+    steps = len(RUN_STAGES)
+    report_progress(run, "shards", 4, steps, "joining the pieces into the shards")
+    work = Path(tempfile.mkdtemp(prefix=f"prepare-{run.pk}-", dir=work_root()))
+    try:
+        pieces.join(run, store, planned, work)
+        report_progress(run, "modules", 5, steps, "initialising modules as version 0")
+        init_module_versions(run, store, work, init_modules(run.run_config), phases.PATHS)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    transition(run, Run.State.READY)
+    report_progress(run, "done", steps, steps, "ready to start")
+    return run
+
+
+def prepare_in_memory(
+    run: Run, *, store: BlobStore | None = None, max_files: int | None = None
+) -> Run:
+    """prepare_run for a run with ``phase1`` or an uploaded checkpoint: the corpus is read
+    into memory (phase 2's routing, runs.between, reads its documents back whole)."""
+    # torch and the tokenizers: seconds to import, in the task that prepares only (every
+    # process that loads the URLs loads this module).
+    from dipaco.data.corpus import load_corpus
+    from dipaco.data.prepare import prepare_documents
+    from dipaco.data.tokenizer import RunTokenizer
+
     store = store or get_blob_store()
     config = run.run_config
     paths = config.num_paths
     dense = config.phase1 is not None
-    # torch: runs.checkpoint imports it (seconds); the URLs load this module (rounds.api).
+    # torch: runs.checkpoint imports it (seconds); the URLs load this module (rounds.protocol.api).
     from dipaco_server.runs.checkpoint import base_model, load_base_state
 
     has_base = not dense and store.exists(keys.base_model_key(run.pk))
@@ -126,7 +190,7 @@ def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | No
         report_progress(run, "corpus", 1, steps, f"reading {corpus}")
         split = load_corpus(
             corpus,
-            text_field=config.data.text_field,
+            text_field=run.dataset.text_field if run.dataset else config.data.text_field,
             val_fraction=config.data.val_fraction,
             max_files=max_files,
         )
@@ -201,24 +265,6 @@ def work_root() -> Path:
     return root
 
 
-def upload_shards(run: Run, store: BlobStore, index: Any, shard_dir: Path, phase: int) -> None:
-    """One phase's shards and shard index, uploaded; each Path row gets its token counts
-    and routing share (runs.between writes phase 2's after phase 1)."""
-    total_docs = sum(entry["train"].docs for entry in index.paths) or 1
-    for p, entry in enumerate(index.paths):
-        for split in ("train", "val"):
-            key = keys.data_key(run.pk, p, split, phase)
-            store.put_file(key, shard_dir / entry[split].file)
-        RunPath.objects.filter(run=run, phase=phase, index=p).update(
-            train_tokens=entry["train"].tokens,
-            val_tokens=entry["val"].tokens,
-            routing_share=entry["train"].docs / total_docs,
-        )
-        if entry["val"].tokens <= 1:
-            logger.warning("run %s path %d has no validation text: it cannot stop early", run.pk, p)
-    store.put_file(data_index_key(run.pk, phase), shard_dir / "index.json")
-
-
 def write_document_chunks(
     run: Run, store: BlobStore, train: Sequence[Any], val: Sequence[Any], work: Path
 ) -> int:
@@ -242,6 +288,7 @@ def init_module_versions(
     run: Run, store: BlobStore, work: Path, modules: dict[str, dict[str, Tensor]], phase: int
 ) -> None:
     """Version 0 of every module of one phase, from `modules` (module id -> tensors)."""
+    # torch: see the note under the imports
     from dipaco.modules_file import write_module
 
     for module in Module.objects.filter(run=run, phase=phase).order_by("pk"):
@@ -257,8 +304,6 @@ def init_module_versions(
 
 def prepare_dataset(dataset: Dataset) -> Dataset:
     """Read the dataset's corpus once: its files, documents and characters, and what was skipped."""
-    from dipaco.data.corpus import CorpusStats, iter_corpus
-
     now = timezone.now()
     Dataset.objects.filter(pk=dataset.pk).update(
         state=Dataset.State.PREPARING, error="", updated_at=now

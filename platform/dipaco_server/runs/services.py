@@ -42,7 +42,7 @@ TRANSITIONS: dict[str, tuple[str, ...]] = {
     State.CANCELLED: (),
 }
 TERMINAL = frozenset(s for s, moves in TRANSITIONS.items() if not moves)
-# States whose rounds open (rounds.open); a paused run's next round waits queued.
+# States whose rounds open (rounds.lifecycle.open); a paused run's next round waits queued.
 OPENABLE = (State.RUNNING, State.PAUSED)
 _RACE_RETRIES = 3
 
@@ -183,7 +183,7 @@ def transition(run: Run, to: str, *, error: str = "", now: datetime | None = Non
         with transaction.atomic():
             moved = Run.objects.filter(pk=run.pk, state=current).update(**changes)
             if moved and target in TERMINAL:
-                # Its leases end in this transaction (rounds.receivers.end_leases).
+                # Its leases end in this transaction (rounds.lifecycle.receivers.end_leases).
                 run_ended.send(sender=Run, run=run, now=now)
         if moved:
             run.refresh_from_db()

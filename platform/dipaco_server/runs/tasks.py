@@ -15,6 +15,7 @@ is idempotent).
 
 from __future__ import annotations
 
+import json
 import logging
 
 from celery import Task, chord, shared_task
@@ -23,6 +24,7 @@ from dipaco_server.core.tasks import RETRY, TRANSIENT, same_queue
 from dipaco_server.runs import prepare as preparation
 from dipaco_server.runs.models import Dataset, Run
 from dipaco_server.runs.services import TERMINAL, transition
+from dipaco_server.storage import get_blob_store
 
 logger = logging.getLogger(__name__)
 
@@ -36,20 +38,79 @@ def _retry_or_raise(task: Task, exc: Exception) -> None:
         raise task.retry(exc=exc, countdown=2 ** (task.request.retries + 1))
 
 
+def _fail_run(run_id: int, error: str) -> None:
+    run = Run.objects.get(pk=run_id)
+    if run.state == Run.State.PREPARING:  # not if it was cancelled meanwhile
+        transition(run, Run.State.FAILED, error=error)
+
+
 @shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_run")
 def prepare_run(self: Task, run_id: int, max_files: int | None = None) -> str:
-    """Tokenise, route, shard, initialise modules; the run ends ready (or failed, with why)."""
+    """Plan (corpus scan, tokenizer, router), then a chord of `prepare_piece` tasks, one per
+    file not yet prepared, then `finish_preparation` (join, modules): the run ends ready,
+    or failed with why. Sending it again resumes with the pieces left (runs.pieces)."""
+    from dipaco_server.runs import pieces  # pyarrow and torch: not at the Celery app's start
+
     run = Run.objects.get(pk=run_id)
     try:
-        preparation.prepare_run(run, max_files=max_files)
+        planned = preparation.begin_run(run, max_files=max_files)
+        if planned is not None:
+            todo = pieces.pending(get_blob_store(), planned)
+            if not todo:
+                preparation.finish_run(run, planned["key"])
+                return str(Run.objects.get(pk=run_id).state)
+            options = same_queue(self)
+            header = [prepare_piece.si(run_id, planned["key"], i).set(**options) for i in todo]
+            done = finish_preparation.si(run_id, planned["key"]).set(**options)
+            chord(header)(done.on_error(fail_preparation.si(run_id).set(**options)))
+            logger.info("run %s: %d pieces to prepare", run_id, len(todo))
     except Exception as exc:
         _retry_or_raise(self, exc)
         logger.exception("run %s: preparation failed", run_id)
-        run.refresh_from_db()
-        if run.state == Run.State.PREPARING:  # not if it was cancelled meanwhile
-            transition(run, Run.State.FAILED, error=f"preparation failed: {exc}")
+        _fail_run(run_id, f"preparation failed: {exc}")
         raise
-    return str(run.state)
+    return str(Run.objects.get(pk=run_id).state)
+
+
+@shared_task(
+    bind=True,
+    name="dipaco_server.runs.tasks.prepare_piece",
+    acks_late=True,
+    reject_on_worker_lost=True,
+    **RETRY,
+)
+def prepare_piece(self: Task, run_id: int, key: str, piece: int) -> int:
+    """One file tokenised, routed and uploaded as its part of every shard (runs.pieces)."""
+    from dipaco_server.runs import pieces  # as in prepare_run
+
+    run = Run.objects.get(pk=run_id)
+    if run.state in TERMINAL:
+        return 0
+    store = get_blob_store()
+    planned = json.loads(store.get_bytes(f"{pieces.prefix(key)}/plan.json"))
+    result = pieces.write_piece(store, planned, piece, preparation.work_root())
+    pieces.record_pieces(run, store, planned)
+    return int(result.get("chars", 0))
+
+
+@shared_task(bind=True, name="dipaco_server.runs.tasks.finish_preparation", **RETRY)
+def finish_preparation(self: Task, run_id: int, key: str) -> str:
+    """After every piece: the shards joined, version 0 of every module; the run is ready."""
+    run = Run.objects.get(pk=run_id)
+    try:
+        preparation.finish_run(run, key)
+    except Exception as exc:
+        _retry_or_raise(self, exc)
+        _fail_run(run_id, f"preparation failed: {exc}")
+        raise
+    return str(Run.objects.get(pk=run_id).state)
+
+
+@shared_task(name="dipaco_server.runs.tasks.fail_preparation")
+def fail_preparation(run_id: int) -> None:
+    """A piece failed for good: the run fails with where to look; the pieces done are kept,
+    so preparing it again (a new run with the same inputs) resumes from them."""
+    _fail_run(run_id, "preparation failed: a piece failed; see the Celery worker log")
 
 
 @shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_dataset")

@@ -3,8 +3,8 @@
 Versions are immutable: publishing the same content again is a no-op (a retried task),
 other content under an existing version is refused, and the current pointer only moves
 forward. Preparation publishes version 0 of every module (runs.prepare), each outer step
-the next (rounds.outer_step); workers lease against the current versions (rounds.open,
-rounds.lease).
+the next (rounds.outer.step); workers lease against the current versions (rounds.lifecycle.open,
+rounds.protocol.leases).
 """
 
 from __future__ import annotations

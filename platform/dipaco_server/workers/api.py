@@ -3,7 +3,7 @@
 ``router``: create, list and revoke enrollment tokens; list and revoke workers, reset a
 worker's trust. A machine's registration and the contributions of a worker are answered
 with rounds' records (the heartbeat interval leases keep, the verdicts of its Δs), so
-they are rounds' routes (rounds.api).
+they are rounds' routes (rounds.protocol.api).
 """
 
 from datetime import datetime, timedelta

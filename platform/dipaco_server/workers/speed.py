@@ -1,4 +1,4 @@
-"""A worker's training speed (tokens/s), the number that sizes its units (rounds.lease).
+"""A worker's training speed (tokens/s), the number that sizes its units (rounds.protocol.leases).
 
 The speed a worker reports is its own claim, so the scheduler never uses it alone
 (docs/design.md §7: a worker is untrusted): a completion's speed is the smaller of the claim and what

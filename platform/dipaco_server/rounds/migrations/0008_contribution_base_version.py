@@ -1,4 +1,4 @@
-# outer.overlap eager (issue 20): the version each Δ is relative to (rounds.rebase).
+# outer.overlap eager: the version each Δ is relative to (rounds.rebase).
 
 from django.db import migrations, models
 

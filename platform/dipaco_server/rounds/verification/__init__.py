@@ -1,35 +1,14 @@
-"""Every acceptance check of an outer step, in one place (docs/design.md §7, issue 34).
+"""Verification, in one home: every acceptance check of an outer step (docs/design.md §7).
 
-The outer step (rounds.outer_step) calls two things: `check_contributions` before it
-aggregates (format, history, direction, proof of useful work, replication: the verdicts),
-and `settle` inside its commit (counts, trust, credit). The rules themselves are pure
-functions in rounds.verify, which bench/attacks.py runs too.
+- ``rules``: the checks on one module's Δs as pure functions, and ``persistence``: the
+  fixed-direction bias a worker's copies keep adding; neither imports Django, so
+  bench/attacks.py runs the very rules the server applies;
+- ``replication``: the sampled check copies a lease may be (some units trained twice);
+- ``uploads`` (the format check), ``context`` (what the checks compare against), ``scorer``
+  (proof of useful work), ``checks`` (every check in order: `check_contributions`) and
+  ``credit`` (what the verdicts do to trust and credit: `settle`).
+
+The outer step (rounds.outer.step) calls `check_contributions` before it aggregates and
+`settle` inside its commit. This package imports none of its modules, so that importing
+the rules needs no Django settings.
 """
-
-from dipaco_server.rounds.verification.checks import aggregated, check_contributions
-from dipaco_server.rounds.verification.context import (
-    check_copies,
-    norm_history,
-    outer_momentum,
-    replayed,
-    replica_past,
-)
-from dipaco_server.rounds.verification.credit import settle
-from dipaco_server.rounds.verification.scorer import Scorer
-from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict, check_upload
-
-__all__ = [
-    "ScoreFn",
-    "Scorer",
-    "Upload",
-    "Verdict",
-    "aggregated",
-    "check_contributions",
-    "check_copies",
-    "check_upload",
-    "norm_history",
-    "outer_momentum",
-    "replayed",
-    "replica_past",
-    "settle",
-]

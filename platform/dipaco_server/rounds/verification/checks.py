@@ -4,16 +4,19 @@
 1. **format** (`uploads.check_upload`): size and sha256 against what the worker declared,
    hashed as it downloads; then `codecs.verify` against the module's spec for its norm.
    Norms above ``outer.reject_norm_factor`` x the median of the verified ones are outliers.
-2. **history, direction, useful work** (`screen_verdicts`, rounds.verify's rules, with
+2. **history, direction, useful work** (`screen_verdicts`, rounds.verification.rules's rules, with
    ``outer.verify``): replay, norm against the module's history, cosine with its outer
    momentum, proof of useful work (`scorer.Scorer`).
 3. **replication** (`compare_replicas`): a check copy's Δ against its original's, a
    disagreement settled by evidence; a copy that differs in the direction its worker's
    copies differed from other workers' before, in the other role, is refused however close
    the pair is
-   (rounds.persistence: a fixed-direction bias); `aggregated` puts a check copy in the
+   (rounds.verification.persistence: a fixed-direction bias); `aggregated` puts a check copy in the
    place of a refused original.
-4. **peers** (`peer_check`), in a module's first step only: no free first round.
+4. **the first round** (`first_round_check`, a module's first step): the round's units
+   settled over every module they share (rounds.verification.first_round), so two
+   colluders cannot win a tie, nor a module only their paths share.
+5. **peers** (`peer_check`), in a module's first step only: no free first round.
 
 Each Δ is decoded to tensors at most once (`Verdict.decoded`) and kept for the later
 checks and the aggregation: pass 1 holds every verified Δ of the module in fp32.
@@ -33,7 +36,8 @@ from dipaco.codecs import CodecError
 from dipaco.config import OuterConfig
 from dipaco.modules_file import Spec
 from dipaco.outer import norm_outliers
-from dipaco_server.rounds import persistence, verify
+from dipaco_server.rounds import stages
+from dipaco_server.rounds.verification import persistence, rules
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict, check_upload
 from dipaco_server.storage import BlobStore
 
@@ -51,11 +55,14 @@ def check_contributions(
     history: Sequence[float] = (),
     momentum: Mapping[str, Tensor] | None = None,
     scorer: ScoreFn | None = None,
+    first_round: Mapping[int, str] | None = None,
 ) -> tuple[list[Verdict], list[tuple[int, str]]]:
     """Every check on one module's uploads: (a verdict per upload, in order; (worker,
     the replica counter it moves) per settled replica pair). An accepted verdict keeps its verified
     file (and its decoded Δ, when a check decoded it) for the aggregation; `aggregated`
-    picks the ones that go into the step."""
+    picks the ones that go into the step. `first_round`: the round's settlement over
+    whole units (lease id -> reason, rounds.verification.settlement), for a module's first
+    step."""
     verdicts = verify_uploads(
         store,
         uploads,
@@ -69,19 +76,30 @@ def check_contributions(
     )
     replicas = compare_replicas(verdicts, spec, cfg)
     if cfg.verify and not history:
+        first_round_check(verdicts, first_round or {})
         peer_check(verdicts, spec)
     return verdicts, replicas
 
 
+def first_round_check(verdicts: Sequence[Verdict], settled: Mapping[int, str]) -> None:
+    """The round's settlement over whole units (first_round.settle) applied to this
+    module's Δs: a unit refused or held out there is, in every module it trained."""
+    for v in verdicts:
+        reason = settled.get(v.upload.lease_id)
+        if v.accepted and reason:
+            code, _, message = reason.partition(": ")
+            v.reject(code, message)
+
+
 def peer_check(verdicts: Sequence[Verdict], spec: Spec) -> None:
     """A module's first step, before it has a history or a momentum to hold a Δ against:
-    the Δs it would aggregate against each other (rounds.verify.peer_refusals)."""
+    the Δs it would aggregate against each other (rounds.verification.rules.peer_refusals)."""
     chosen = {v.upload.contribution_id: v for v in aggregated(verdicts) if (v.norm or 0) > 0}
     if len(chosen) < 2:
         return
-    refused = verify.peer_refusals(
+    refused = rules.peer_refusals(
         _pairwise_cosines(chosen, spec),
-        {key: verify.gain_rate(v.score, v.upload.work) for key, v in chosen.items()},
+        {key: rules.gain_rate(v.score, v.upload.work) for key, v in chosen.items()},
     )
     for key, reason in refused.items():
         code, _, message = reason.partition(": ")
@@ -91,7 +109,7 @@ def peer_check(verdicts: Sequence[Verdict], spec: Spec) -> None:
 def _pairwise_cosines(
     chosen: Mapping[int, Verdict], spec: Spec
 ) -> dict[tuple[int, int], float | None]:
-    """rounds.verify.pairwise_cosines, streamed: the Gram matrix of the Δs' raw fp32
+    """rounds.verification.rules.pairwise_cosines, streamed: the Gram matrix of the Δs' raw fp32
     copies, read a chunk of each at a time (memory: Δs x chunk, not Δs x module)."""
     keys = list(chosen)
     for v in chosen.values():
@@ -137,7 +155,8 @@ def verify_uploads(
     for upload in uploads:
         verdict = Verdict(upload)
         try:
-            verdict.file, verdict.norm = check_upload(store, upload, spec, work)
+            with stages.timed("fetch_decode"):
+                verdict.file, verdict.norm = check_upload(store, upload, spec, work)
         except CodecError as exc:  # the codec's refusals and ours share one shape
             verdict.reject(exc.code, str(exc))
         verdicts.append(verdict)
@@ -167,7 +186,7 @@ def screen_verdicts(
     momentum: Mapping[str, Tensor] | None,
     scorer: ScoreFn | None,
 ) -> None:
-    """rounds.verify's checks on the verified uploads, one decoded Δ in memory at a time."""
+    """rounds.verification.rules's checks on the verified uploads, one decoded Δ in memory at a time."""
     candidates = []
     for v in verdicts:
         if not v.accepted or v.file is None:
@@ -176,7 +195,7 @@ def screen_verdicts(
         if needs_delta and not v.upload.replayed and (v.norm or 0.0) > 0:
             delta = v.decoded(spec)
             if momentum is not None:
-                v.cosine = verify.cosine(delta, momentum)
+                v.cosine = rules.cosine(delta, momentum)
             if scorer is not None and cfg.score:
                 try:
                     v.score = scorer(v.upload, delta)
@@ -185,7 +204,7 @@ def screen_verdicts(
                     continue
             del delta  # one decoded Δ in memory at a time
         candidates.append(
-            verify.Candidate(
+            rules.Candidate(
                 v.upload.contribution_id,
                 float(v.norm or 0.0),
                 cosine=v.cosine,
@@ -194,7 +213,7 @@ def screen_verdicts(
                 work=v.upload.work,
             )
         )
-    refused = verify.screen(candidates, history, cfg)
+    refused = rules.screen(candidates, history, cfg)
     for v in verdicts:
         reason = refused.get(v.upload.contribution_id)
         if reason:
@@ -205,8 +224,8 @@ def screen_verdicts(
 def compare_replicas(
     verdicts: Sequence[Verdict], spec: Spec, cfg: OuterConfig
 ) -> list[tuple[int, str]]:
-    """Each check copy's Δ against its original's (rounds.replication), settled by
-    evidence (rounds.verify.settle_replicas): on a disagreement only the copy its score
+    """Each check copy's Δ against its original's (rounds.verification.replication), settled by
+    evidence (rounds.verification.rules.settle_replicas): on a disagreement only the copy its score
     (else its direction) finds worse is refused. A pair is compared when both passed
     every other check, whatever tokens each claims: a claimed count cannot opt out of
     the comparison. (worker, "replicas_agreed" | "replicas_disagreed") per worker whose
@@ -219,21 +238,21 @@ def compare_replicas(
             continue
         if check.upload.delta_base != original.upload.delta_base:
             # outer.overlap eager: one rebased onto round t - 1's versions, the other could
-            # not in time (rounds.rebase). Relative to other versions, they are not comparable.
+            # not in time (rounds.protocol.rebase). Relative to other versions, they are not comparable.
             continue
         pair = (original, check)
         a, b = original.decoded(spec), check.decoded(spec)
         repeats = _repeated(pair, a, b, spec)
         flagged = [i for i, why in enumerate(repeats) if why]
         if len(flagged) == 1:  # only that worker's copies keep adding one direction
-            outcome = verify.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
+            outcome = rules.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
         else:
-            outcome = verify.settle_replicas(
+            outcome = rules.settle_replicas(
                 a,
                 b,
                 cfg,
                 tuple(  # type: ignore[arg-type]
-                    verify.ReplicaEvidence(v.score, v.cosine, v.upload.sha256) for v in pair
+                    rules.ReplicaEvidence(v.score, v.cosine, v.upload.sha256) for v in pair
                 ),
                 repeated="; ".join(repeats) if flagged else "",
             )
@@ -248,7 +267,7 @@ def compare_replicas(
             loser = pair[outcome.loser]
             moves.append((loser.upload.worker_id, "replicas_disagreed"))
             loser.reject(
-                verify.REPLICA,
+                rules.REPLICA,
                 f"two workers trained unit {original.upload.unit_id}: {outcome.why}",
             )
     return moves

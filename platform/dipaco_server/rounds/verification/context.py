@@ -12,8 +12,8 @@ from torch import Tensor
 
 from dipaco.modules_file import Spec, read_module
 from dipaco_server.rounds.models import Contribution, OuterStep
-from dipaco_server.rounds.persistence import PAST
-from dipaco_server.rounds.replication import CHECK_OFFSET
+from dipaco_server.rounds.verification.persistence import PAST
+from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Module
 from dipaco_server.storage import BlobStore
 

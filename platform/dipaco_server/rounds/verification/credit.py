@@ -8,8 +8,8 @@ from collections.abc import Sequence
 
 from django.db.models import F
 
-from dipaco_server.rounds import verify
 from dipaco_server.rounds.models import Contribution, WorkUnit
+from dipaco_server.rounds.verification import first_round, rules
 from dipaco_server.rounds.verification.uploads import Verdict
 from dipaco_server.workers import trust
 from dipaco_server.workers.models import Worker
@@ -19,8 +19,8 @@ from dipaco_server.workers.models import Worker
 # gain or a norm near the module's history. Refused and not credited, but its worker's
 # trust does not fall for it. Only the server's own sizing counts, never the tokens a
 # completion claims: a claim one token short of the unit must not make a rejection free
-# (issue 34). A salvaged Δ's claimed share already lowers the gain it must show.
-WEAK_REASONS = frozenset({verify.NO_GAIN, verify.NORM_LOW})
+# (that would be an attack). A salvaged Δ's claimed share already lowers the gain it must show.
+WEAK_REASONS = frozenset({rules.NO_GAIN, rules.NORM_LOW})
 
 
 def weak_partial(verdict: Verdict) -> bool:
@@ -35,7 +35,7 @@ def count(verdicts: Sequence[Verdict], counter: str) -> None:
 
 def credit(unit_ids: set[int], whole_unit: int) -> None:
     """Credit each unit whose contributions are now all settled and all accepted: one
-    unit, and its claimed tokens x its useful fraction (rounds.verify.useful_fraction:
+    unit, and its claimed tokens x its useful fraction (rounds.verification.rules.useful_fraction:
     its scored gain per token against the round's other accepted units'), to the worker
     that completed it (issues 19, 34: credit follows verified useful work, not claims).
     Inside the step's transaction; the unit rows are locked in pk order, so of two
@@ -61,7 +61,7 @@ def credit(unit_ids: set[int], whole_unit: int) -> None:
         own = scores.get(round_id, {})
         peers = [scored for lease, scored in own.items() if lease != lease_id]
         score, work = own.get(lease_id, (None, min(1.0, tokens / whole_unit)))
-        earned = round(tokens * verify.useful_fraction(score, work, peers))
+        earned = round(tokens * rules.useful_fraction(score, work, peers))
         Worker.objects.filter(pk=worker_id).update(
             units_completed=F("units_completed") + 1,
             tokens_processed=F("tokens_processed") + earned,
@@ -70,19 +70,19 @@ def credit(unit_ids: set[int], whole_unit: int) -> None:
 
 def _round_scores(
     round_ids: set[int], whole_unit: int
-) -> dict[int, dict[int, tuple[verify.Score, float]]]:
+) -> dict[int, dict[int, tuple[rules.Score, float]]]:
     """Round -> lease -> (its unit's recorded score, its work) for every scored lease of
     those rounds none of whose Δs was refused (a refused unit is no reference)."""
     rows = Contribution.objects.filter(
         unit__round_id__in=round_ids, lease__score__isnull=False
     ).values_list("unit__round_id", "lease_id", "lease__score", "status", "tokens")
-    out: dict[int, dict[int, tuple[verify.Score, float]]] = {}
+    out: dict[int, dict[int, tuple[rules.Score, float]]] = {}
     refused: set[int] = set()
     for round_id, lease_id, row, status, tokens in rows:
         if status == Contribution.Status.REJECTED:
             refused.add(lease_id)
             continue
-        score = verify.Score.from_dict(row)
+        score = rules.Score.from_dict(row)
         if score is not None:
             work = min(1.0, tokens / whole_unit) if whole_unit > 0 else 1.0
             out.setdefault(round_id, {})[lease_id] = (score, work)
@@ -106,7 +106,9 @@ def settle(
     rejected = [v for v in verdicts if not v.accepted]
     count(accepted, "contributions_accepted")
     count(rejected, "contributions_rejected")
-    trust.penalise(v.upload.worker_id for v in rejected if not weak_partial(v))
+    # Held out by an undecided first round (first_round.UNSETTLED): not its worker's fault.
+    held = [v for v in rejected if v.reason.startswith(first_round.UNSETTLED)]
+    trust.penalise(v.upload.worker_id for v in rejected if not weak_partial(v) and v not in held)
     for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed"
         Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + 1})
     trust.reward(v.upload.worker_id for v in accepted)

@@ -1,10 +1,10 @@
-"""Proof of useful work (rounds.verify.score_delta) for one module's outer step."""
+"""Proof of useful work (rounds.verification.rules.score_delta) for one module's outer step."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -13,12 +13,18 @@ from torch import Tensor
 
 from dipaco import codecs
 from dipaco.data.ranged import store_shard
+from dipaco.data.shards import ShardIndex
+from dipaco.data.windows import ShardSource
 from dipaco.evaluate import window_count
+from dipaco.model import build_model
+from dipaco.modular import module_spec, modules_of_path
 from dipaco.modules_file import read_module
-from dipaco_server.rounds import verify
+from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
+from dipaco_server.rounds.verification import rules
 from dipaco_server.rounds.verification.uploads import Upload, fetch
 from dipaco_server.runs import keys
+from dipaco_server.runs.device import autocast, server_device
 from dipaco_server.runs.models import Module, ModuleVersion
 from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.storage import BlobNotFound, BlobStore
@@ -29,7 +35,7 @@ _PathKey = tuple[int, tuple[tuple[str, int], ...]]  # (path, the versions its Δ
 
 
 class Scorer:
-    """Proof of useful work for one module's step (rounds.verify.score_delta): each Δ
+    """Proof of useful work for one module's step (rounds.verification.rules.score_delta): each Δ
     applied alone to its path's base weights, on ``outer.score_windows`` windows of its
     unit's own training data and as many held-out windows of the path's validation shard.
 
@@ -45,11 +51,10 @@ class Scorer:
     def __init__(
         self, store: BlobStore, round_: Round, module: Module, config: Any, work: Path
     ) -> None:
-        from dipaco.model import build_model
-
         self.store, self.round, self.module = store, round_, module
         self.config, self.work = config, work
-        self.model = build_model(config.model, config.seed)
+        self.device = server_device()  # a GPU where the Celery worker has one, in bf16
+        self.model = build_model(config.model, config.seed).to(self.device)
         # Keyed by path and the versions its Δs are relative to (outer.overlap eager: the
         # unit's base versions, or those it rebased onto).
         self.paths: dict[_PathKey, tuple[dict[str, dict[str, Tensor]], Tensor]] = {}
@@ -63,9 +68,23 @@ class Scorer:
         self.scored = 0
         self.reused = 0
 
-    def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> verify.Score | None:
-        """The unit's whole Δ scored (rounds.verify.score_delta); CodecError when another
+    def __call__(self, upload: Upload, delta: Mapping[str, Tensor]) -> rules.Score | None:
+        """The unit's whole Δ scored (rounds.verification.rules.score_delta); CodecError when another
         module's upload of the unit is not what its worker declared."""
+        with stages.timed("scoring"), autocast(self.device):
+            return self._score(
+                upload, lambda: {**self._siblings(upload), self.module.module_id: delta}
+            )
+
+    def whole_unit(self, upload: Upload) -> rules.Score | None:
+        """The score of the unit `upload` belongs to, every module of it fetched from the
+        store (the first round's settlement scores units of other modules' paths too)."""
+        with stages.timed("scoring"), autocast(self.device):
+            return self._score(upload, lambda: self._siblings(upload, exclude=False))
+
+    def _score(
+        self, upload: Upload, unit_deltas: Callable[[], dict[str, dict[str, Tensor]]]
+    ) -> rules.Score | None:
         recorded = self._recorded(upload)
         if recorded is not None:
             self.reused += 1
@@ -75,8 +94,8 @@ class Scorer:
             key = (upload.path, upload.delta_base)
             modules, heldout = self._path(upload.path, upload.delta_base)
             train = self._train_windows(upload.path, upload.position)
-            deltas = {**self._siblings(upload), self.module.module_id: delta}
-            score = verify.score_delta(
+            deltas = unit_deltas()
+            score = rules.score_delta(
                 self.config,
                 upload.path,
                 self.model,
@@ -101,7 +120,7 @@ class Scorer:
         )
         return score
 
-    def _recorded(self, upload: Upload) -> verify.Score | None:
+    def _recorded(self, upload: Upload) -> rules.Score | None:
         """The unit's score as another module's step recorded it, when it is relative to the
         same versions as this Δ; None otherwise."""
         if not upload.lease_id:
@@ -109,15 +128,14 @@ class Scorer:
         row = Lease.objects.filter(pk=upload.lease_id).values_list("score", flat=True).first()
         if not isinstance(row, dict) or [list(p) for p in upload.delta_base] != row.get("base"):
             return None
-        return verify.Score.from_dict(row)
+        return rules.Score.from_dict(row)
 
-    def _siblings(self, upload: Upload) -> dict[str, dict[str, Tensor]]:
-        """The unit's Δs of its path's other modules, fetched and checked like its own."""
-        from dipaco.modular import module_spec
-
-        others = Contribution.objects.filter(lease_id=upload.lease_id).exclude(
-            module_id=self.module.pk
-        )
+    def _siblings(self, upload: Upload, *, exclude: bool = True) -> dict[str, dict[str, Tensor]]:
+        """The unit's Δs of its path's other modules (every module without `exclude`),
+        fetched and checked like its own."""
+        others = Contribution.objects.filter(lease_id=upload.lease_id)
+        if exclude:
+            others = others.exclude(module_id=self.module.pk)
         deltas = {}
         for c in others.select_related("module"):
             sibling = Upload(c.pk, upload.worker_id, c.blob_key, c.size, c.sha256, c.tokens)
@@ -148,9 +166,6 @@ class Scorer:
     def _load_path(
         self, p: int, delta_base: tuple[tuple[str, int], ...]
     ) -> tuple[dict[str, dict[str, Tensor]], Tensor]:
-        from dipaco.data.shards import ShardIndex
-        from dipaco.modular import module_spec, modules_of_path
-
         run_id, phase = self.module.run_id, self.module.phase
         versions = dict(delta_base)
         if not versions:
@@ -183,8 +198,6 @@ class Scorer:
         return modules, heldout
 
     def _train_windows(self, p: int, position: int) -> Tensor:
-        from dipaco.data.windows import ShardSource
-
         if p not in self.train:  # the unit's windows of the train shard, read by ranges
             run_id, phase = self.module.run_id, self.module.phase
             shard = store_shard(self.store, keys.data_key(run_id, p, "train", phase), self.dtype)

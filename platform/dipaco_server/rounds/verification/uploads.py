@@ -17,7 +17,7 @@ from torch import Tensor
 from dipaco import codecs
 from dipaco.codecs import CodecError
 from dipaco.modules_file import Spec
-from dipaco_server.rounds import verify
+from dipaco_server.rounds.verification import rules
 from dipaco_server.storage import BlobNotFound, BlobStore
 
 DOWNLOAD_CHUNK = 1 << 20
@@ -37,22 +37,22 @@ class Upload:
     unit_id: int = 0
     lease_id: int = 0
     position: int = 0  # the unit's data_position: where its training windows start
-    replayed: bool = False  # its sha256 was uploaded before in this run (rounds.verify)
+    replayed: bool = False  # its sha256 was uploaded before in this run (rounds.verification.rules)
     check_of: int | None = None  # a check copy's: the original's contribution (replication)
-    partial: bool = False  # salvaged before its lease's steps were done (issue 20)
+    partial: bool = False  # salvaged before its lease's steps were done
     # The fraction of a whole unit's H steps it trained: a lease sized down (to the round's
     # deadline, a calibration) or a salvaged Δ is honest work that moves the loss less.
     work: float = 1.0
-    # The fraction of a whole unit the server itself sized its lease to (rounds.lease
+    # The fraction of a whole unit the server itself sized its lease to (rounds.protocol.leases
     # .size_unit): what it knows without the worker's claim.
     sized: float = 1.0
     # (module id, version) of every module of its path: the versions its unit's Δ is
     # relative to (the unit's base, or with outer.overlap eager those it rebased onto,
-    # rounds.rebase); proof of useful work scores it there. (): the unit's base versions.
+    # rounds.protocol.rebase); proof of useful work scores it there. (): the unit's base versions.
     delta_base: tuple[tuple[str, int], ...] = ()
     # Its worker's earlier replica differences in this module, newest first: (the other
     # copy's worker, whether its own copy was the check copy, the difference's sketch,
-    # rounds.persistence).
+    # rounds.verification.persistence).
     replica_past: tuple[tuple[int, bool, bytes], ...] = ()
 
 
@@ -63,12 +63,12 @@ class Verdict:
     norm: float | None = None
     reason: str = ""  # "<code>: <message>" when rejected
     cosine: float | None = None  # with the module's outer momentum
-    score: verify.Score | None = None  # proof of useful work
+    score: rules.Score | None = None  # proof of useful work
     # Its Δ decoded once, to raw fp32 in the spec's order beside its file (`decoded`): the
     # screen, the replica comparison, the peer check and the aggregation read that back
     # one Δ at a time, so each upload is decoded once a step and memory stays bounded.
     raw: Path | None = None
-    # Its Δ minus the other copy's of its unit, sketched (rounds.persistence), when
+    # Its Δ minus the other copy's of its unit, sketched (rounds.verification.persistence), when
     # the two were compared: kept on its contribution as its worker's evidence.
     sketch: bytes | None = None
     partner: int | None = None  # the other copy's worker
@@ -108,7 +108,7 @@ class Verdict:
 
 
 # (upload, its decoded Δ) -> its score, or None when it cannot be scored
-ScoreFn = Callable[[Upload, Mapping[str, Tensor]], "verify.Score | None"]
+ScoreFn = Callable[[Upload, Mapping[str, Tensor]], "rules.Score | None"]
 
 
 def read_raw(path: Path, spec: Spec) -> dict[str, Tensor]:

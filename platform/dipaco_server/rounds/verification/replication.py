@@ -1,0 +1,139 @@
+"""Sampled replication (BOINC's adaptive replication): some units trained twice.
+
+When a unit is granted, `maybe_replicate` may queue a *check copy* of it: the same round,
+path, windows and base versions, with ``replica = CHECK_OFFSET + the original's replica``,
+at the rate workers.trust.replication_rate gives the worker that took the original (a
+low trust: every unit). A check copy is never granted to the worker that holds or held
+its original (`not_own_check`), does not hold up the round while it is queued (rounds.lifecycle.close
+counts only originals; one still queued when the round closes is dropped; one being
+trained gets the deadline and salvage grace an original gets), and its Δ is never
+aggregated unless its original was refused: the outer step compares it with the
+original's (rounds.verification.rules.settle_replicas, a tolerance for nondeterminism) and a
+disagreement refuses only the copy its evidence finds worse (rounds.verification).
+
+Who trains a check copy (`preferred_check`, workers.probation): a worker on probation and
+the operator's trusted machines take a queued check copy before an original; an
+established worker takes one only when its original is a newcomer's (newcomers are
+checked by established workers where any exist); the copy is drawn at random, avoiding
+the worker the asker was last paired with.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from typing import Any
+
+from django.db import connection
+from django.db.models import Exists, F, OuterRef, Q
+
+from dipaco_server.rounds.models import Lease, WorkUnit
+from dipaco_server.workers import probation, trust
+from dipaco_server.workers.models import Worker
+
+logger = logging.getLogger(__name__)
+
+# Check copies take replica indices from here: replicas_per_path is far below it.
+CHECK_OFFSET = 1_000_000
+
+
+def is_check(unit: WorkUnit) -> bool:
+    return unit.replica >= CHECK_OFFSET
+
+
+def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
+    """Queue a check copy of `unit`, just granted to `worker`, if its trust says so."""
+    if is_check(unit) or not trust.should_replicate(worker):
+        return None
+    copy, created = WorkUnit.objects.get_or_create(
+        round_id=unit.round_id,
+        path_id=unit.path_id,
+        replica=CHECK_OFFSET + unit.replica,
+        defaults={
+            "data_position": unit.data_position,
+            "data_windows": unit.data_windows,
+            "base_versions": unit.base_versions,
+        },
+    )
+    if created:
+        Worker.objects.filter(pk=worker.pk).update(audits=F("audits") + 1)
+        logger.info(
+            "unit %s of worker %s replicated as unit %s (%s)",
+            unit.pk, worker.pk, copy.pk, "probation" if worker.probation else "audit",
+        )  # fmt: skip
+    return copy if created else None
+
+
+def not_own_check(worker: Worker) -> Q:
+    """Excludes the check copies of units `worker` holds or held (same round, path and
+    windows): two workers, never one twice."""
+    own = Lease.objects.filter(
+        worker=worker,
+        unit__round_id=OuterRef("round_id"),
+        unit__path_id=OuterRef("path_id"),
+        unit__data_position=OuterRef("data_position"),
+    )
+    return ~(Q(replica__gte=CHECK_OFFSET) & Q(Exists(own)))
+
+
+# Queued check copies looked at per grant: a round queues at most one per original.
+CHECK_CANDIDATES = 64
+_rng = random.Random()
+
+
+def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | None:
+    """A queued check copy `worker` should train before any original (module docstring),
+    locked where the database can skip locked rows, or None. `groups`: the grantable
+    (round, path) groups (rounds.protocol.pacing._open_groups)."""
+    rounds = {g["round_id"] for g in groups if g["queued"] > 0}
+    if not rounds:
+        return None
+    queued = (
+        WorkUnit.objects.filter(
+            state=WorkUnit.State.QUEUED, round_id__in=rounds, replica__gte=CHECK_OFFSET
+        )
+        .filter(not_own_check(worker))
+        .order_by("pk")
+        .values_list("pk", "round_id", "path_id", "data_position")[:CHECK_CANDIDATES]
+    )
+    offered = [(pk, _original_worker(r, p, d)) for pk, r, p, d in queued]
+    if not offered:
+        return None
+    standing = trust.standing(worker)
+    newcomers = set(
+        Worker.objects.filter(pk__in={w for _, w in offered}, probation=True).values_list(
+            "pk", flat=True
+        )
+    )
+    checks_of_newcomers = [c for c in offered if c[1] in newcomers]
+    if not probation.prefer_check(standing, bool(checks_of_newcomers)):
+        return None
+    if standing.probation:  # checked against established workers where any exist
+        pool = [c for c in offered if c[1] not in newcomers] or offered
+    elif standing.operator_trusted:
+        pool = checks_of_newcomers or offered
+    else:
+        pool = checks_of_newcomers
+    partners = worker.partners if isinstance(worker.partners, list) else []
+    last = int(partners[-1][0]) if partners and len(partners[-1]) == 2 else None
+    chosen = probation.pick_check(pool, last, _rng)
+    units = WorkUnit.objects.filter(pk=chosen, state=WorkUnit.State.QUEUED)
+    if connection.features.has_select_for_update_skip_locked:
+        units = units.select_for_update(skip_locked=True)
+    return units.first()
+
+
+def _original_worker(round_id: int, path_id: int, data_position: int) -> int:
+    """The worker holding (or last holding) the original of a check copy; 0 when none."""
+    lease = (
+        Lease.objects.filter(
+            unit__round_id=round_id,
+            unit__path_id=path_id,
+            unit__data_position=data_position,
+            unit__replica__lt=CHECK_OFFSET,
+        )
+        .order_by("-pk")
+        .values_list("worker_id", flat=True)
+        .first()
+    )
+    return int(lease or 0)
