@@ -82,8 +82,10 @@ def test_every_admin_action_through_the_api_writes_one_entry_saying_who_what_and
         assert entry["api_token_id"] == token_row.pk and entry["channel"] == "api"
         assert entry["address"] == ADDRESS and entry["outcome"] == "ok"
         assert entry["created_at"] and entry["error_code"] == ""
-    assert entries[0]["params"] == {"body": {"name": "corpus", "source": "stdlib"}}
-    assert entries[6]["params"]["body"] == {"label": "lab", "max_uses": 3, "expires_in_s": None}
+    body = {"name": "corpus", "source": "stdlib", "text_field": "text", "token_budget": None}
+    assert entries[0]["params"] == {"body": body}, "a budget of tokens is no secret"
+    enrolled = {"label": "lab", "max_uses": 3, "expires_in_s": None, "trusted": False}
+    assert entries[6]["params"]["body"] == enrolled
     assert entries[2]["params"] == {"run_id": run.pk}
     assert plaintext not in json.dumps(entries), "the token the answer carried is not logged"
 

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 
 View = TypeVar("View", bound=Callable[..., Any])
 SECRET_WORDS = ("token", "secret", "password", "passwd", "credential")
+# Keys that hold a word of SECRET_WORDS and no secret (a dataset's budget of tokens).
+NOT_SECRET = frozenset({"token_budget"})
 MAX_MESSAGE = 2000
 
 
@@ -46,10 +48,7 @@ def redact(value: Any) -> Any:
     if isinstance(value, BaseModel):
         value = value.model_dump(mode="json")
     if isinstance(value, Mapping):
-        return {
-            storable(str(k)): "***" if any(w in str(k).lower() for w in SECRET_WORDS) else redact(v)
-            for k, v in value.items()
-        }
+        return {storable(str(k)): "***" if _secret(str(k)) else redact(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
         return [redact(v) for v in value]
     if isinstance(value, float) and not math.isfinite(value):
@@ -57,6 +56,11 @@ def redact(value: Any) -> Any:
     if value is None or isinstance(value, int | float | bool):
         return value
     return storable(str(value))
+
+
+def _secret(key: str) -> bool:
+    name = key.lower()
+    return name not in NOT_SECRET and any(w in name for w in SECRET_WORDS)
 
 
 def storable(value: str) -> str:

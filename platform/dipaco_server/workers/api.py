@@ -14,6 +14,7 @@ from django.http import HttpRequest
 from ninja import Field, Router, Schema, Status
 from ninja.pagination import paginate
 from pydantic import Field as Range
+from pydantic import StrictBool
 
 from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.services import audited
@@ -37,7 +38,7 @@ class EnrollmentIn(Schema):
     expires_in_s: Annotated[int, Range(ge=60, le=MAX_EXPIRY_S), JSON_INTEGER] | None = Field(
         None, description="Seconds until it expires; null: never."
     )
-    trusted: bool = Field(
+    trusted: StrictBool = Field(
         False,
         description="For the operator's own machines: its workers skip probation, are "
         "never audited, and referee a module's first step.",
