@@ -9,28 +9,24 @@ anew per unit).
 
 from __future__ import annotations
 
-import hashlib
 import random
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from dipaco import codecs
 from dipaco.data.windows import ShardSource
 from dipaco.inner import train_path
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
-from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
 from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.rounds.verification import first_round
 from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Run
-from dipaco_server.storage import get_blob_store
 from dipaco_server.workers import probation
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 from tests.test_outer_tasks import DILOCO, GRID, running_run
-from tests.test_replica_bias import added
+from tests.test_replica_bias import added, hand_in
 from tests.test_untrusted import (
     INNER,
     Attack,
@@ -96,14 +92,7 @@ def train(run: Run, worker: Worker, sources: dict[int, ShardSource], attack: Att
     assert granted is not None
     deltas = attack(honest_deltas(run, granted.unit, sources))
     tokens = TOKENS * run.run_config.model.seq_len
-    reports = []
-    for module_id, delta in deltas.items():
-        data = codecs.encode(delta, "fp16")
-        get_blob_store().put_bytes(upload_key(granted.lease, module_id), data)
-        reports.append(
-            ContributionReport(module_id, len(data), hashlib.sha256(data).hexdigest(), tokens)
-        )
-    complete(worker, granted.lease.pk, granted.secret, reports)
+    hand_in(worker, granted, deltas, tokens)
     return granted.unit
 
 
@@ -177,14 +166,7 @@ def warm_or_cold(
         states[worker.pk] = result.state
     deltas = added(result.module_deltas, seed, 0.05)
     tokens = TOKENS * run.run_config.model.seq_len
-    reports = []
-    for module_id, delta in deltas.items():
-        data = codecs.encode(delta, "fp16")
-        get_blob_store().put_bytes(upload_key(granted.lease, module_id), data)
-        reports.append(
-            ContributionReport(module_id, len(data), hashlib.sha256(data).hexdigest(), tokens)
-        )
-    complete(worker, granted.lease.pk, granted.secret, reports)
+    hand_in(worker, granted, deltas, tokens)
     return unit
 
 

@@ -49,12 +49,8 @@ def _norm(delta: dict[str, torch.Tensor]) -> float:
     return float(sum(v.double().pow(2).sum() for v in delta.values()) ** 0.5)
 
 
-def contribute(run: Run, worker: Worker, sources: dict[int, ShardSource], seed: int) -> None:
-    """`worker` leases a unit, trains it and uploads its Δs plus `seed`'s vector."""
-    granted = grant_lease(worker)
-    assert granted is not None
-    deltas = added(honest_deltas(run, granted.unit, sources), seed, 0.5 if seed < 100 else 0.3)
-    tokens = run.run_config.inner.steps * 4 * run.run_config.model.seq_len
+def hand_in(worker: Worker, granted: Any, deltas: Deltas, tokens: int) -> None:
+    """Upload `deltas` (fp16) for `granted`'s lease and complete it, claiming `tokens`."""
     reports = []
     for module_id, delta in deltas.items():
         data = codecs.encode(delta, "fp16")
@@ -63,6 +59,15 @@ def contribute(run: Run, worker: Worker, sources: dict[int, ShardSource], seed: 
             ContributionReport(module_id, len(data), hashlib.sha256(data).hexdigest(), tokens)
         )
     complete(worker, granted.lease.pk, granted.secret, reports)
+
+
+def contribute(run: Run, worker: Worker, sources: dict[int, ShardSource], seed: int) -> None:
+    """`worker` leases a unit, trains it and uploads its Δs plus `seed`'s vector."""
+    granted = grant_lease(worker)
+    assert granted is not None
+    deltas = added(honest_deltas(run, granted.unit, sources), seed, 0.5 if seed < 100 else 0.3)
+    tokens = run.run_config.inner.steps * 4 * run.run_config.model.seq_len
+    hand_in(worker, granted, deltas, tokens)
 
 
 def statuses(worker: Worker) -> list[tuple[int, str, str]]:
