@@ -253,6 +253,35 @@ def write_piece(
     written under ``out`` (``<path>/<split>.bin``). A file that fails midway leaves empty
     parts and its error in the result: skipped whole, as the scan skipped it."""
     file = listing.files[piece]
+    stats = CorpusStats()
+    result = PieceResult(piece=piece, name=file.rel)
+
+    def documents() -> Iterator[tuple[str, str]]:
+        for doc in _documents(listing, file, stats, read):
+            if is_kept(doc.source, keep, keep_seed):
+                val = is_validation(doc.source, read.val_fraction)
+                yield ("val" if val else "train", doc.text)
+
+    try:
+        write_parts(documents(), out, tokenizer, router, result)
+    except UnreadableFile as exc:
+        result.error = str(exc)
+        write_parts(iter(()), out, tokenizer, router, result)
+    result.stats = stats.to_json()
+    return result
+
+
+def write_parts(
+    documents: Iterator[tuple[str, str]],
+    out: Path,
+    tokenizer: RunTokenizer,
+    router: Router | None,
+    result: PieceResult,
+) -> None:
+    """(split, text) pairs tokenised and routed ``BATCH_DOCS`` at a time (path 0 without a
+    router) and appended, in order, to ``out/<path>/<split>.bin``; ``result`` gets the parts
+    and the characters. The preparation's pieces and phase 2's routing (after a dense
+    phase 1) both write this way. What ``documents`` raises aborts every part and goes on."""
     paths = router.num_paths if router is not None else 1
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {
@@ -260,41 +289,33 @@ def write_piece(
         for p in range(paths)
         for split in SPLITS
     }
-    stats = CorpusStats()
-    result = PieceResult(piece=piece, name=file.rel)
+    chars = 0
     try:
-        batch: list[tuple[str, Document]] = []
-        for doc in _documents(listing, file, stats, read):
-            if not is_kept(doc.source, keep, keep_seed):
-                continue
-            batch.append(("val" if is_validation(doc.source, read.val_fraction) else "train", doc))
+        batch: list[tuple[str, str]] = []
+        for pair in documents:
+            batch.append(pair)
             if len(batch) == BATCH_DOCS:
-                result.chars += _write_batch(batch, tokenizer, router, writers)
+                chars += _write_batch(batch, tokenizer, router, writers)
                 batch = []
-        result.chars += _write_batch(batch, tokenizer, router, writers)
-    except UnreadableFile as exc:
-        result.error = str(exc)
+        chars += _write_batch(batch, tokenizer, router, writers)
+    except BaseException:
         for w in writers.values():
             w.abort()
-        writers = {
-            key: ShardWriter(w.path, dtype, tokenizer.separator_id) for key, w in writers.items()
-        }
-        result.chars = 0
+        raise
+    result.chars = chars
     for (p, split), w in writers.items():
         result.parts[f"{p}/{split}"] = w.close(out).__dict__
-    result.stats = stats.to_json()
-    return result
 
 
 def _write_batch(
-    batch: list[tuple[str, Document]],
+    batch: list[tuple[str, str]],
     tokenizer: RunTokenizer,
     router: Router | None,
     writers: dict[tuple[int, str], ShardWriter],
 ) -> int:
     if not batch:
         return 0
-    texts = [doc.text for _, doc in batch]
+    texts = [text for _, text in batch]
     ids = tokenizer.encode_batch_arrays(texts)
     routes = router.route_prefixes(texts, ids) if router is not None else [0] * len(texts)
     for (split, _), path, doc_ids in zip(batch, routes, ids, strict=True):
