@@ -45,6 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +119,7 @@ def plan(corpus: Path, out: Path) -> dict[str, Any]:
     t2 = time.perf_counter()
     return {
         "pieces": scan.pieces,
+        "spans": [asdict(span) for span in scan.spans],
         "chars": scan.train_chars + scan.val_chars,
         "scan_s": t1 - t0,
         "tokenizer_router_s": t2 - t1,
@@ -159,16 +161,16 @@ def load_tools(corpus: str, out: str) -> None:
         )
 
 
-def write_one(corpus: str, out: str, piece: int) -> dict[str, Any]:
-    """Pass 2 for one piece, in a pool process: what runs.pieces.write_piece does."""
+def write_one(corpus: str, out: str, piece: int, span: dict[str, Any]) -> dict[str, Any]:
+    """Pass 2 for one piece, in a worker's pool process: what runs.pieces.write_piece does."""
+    from dipaco.data.sources import Span
     from dipaco.data.stream import ReadOptions, write_piece
 
     load_tools(corpus, out)
     cpu0 = cpu_seconds()
     part = Path(out) / "parts" / str(piece)
-    result = write_piece(
-        _TOOLS["listing"], piece, part, _TOOLS["tokenizer"], _TOOLS["router"], ReadOptions()
-    )
+    tools = (_TOOLS["tokenizer"], _TOOLS["router"], ReadOptions())
+    result = write_piece(_TOOLS["listing"], piece, part, *tools, span=Span.from_json(span))
     (part / "manifest.json").write_text(result.to_json())  # last, as the server uploads it
     return {
         "chars": result.chars,
@@ -210,8 +212,8 @@ def warm(corpus: str, out: str) -> int:
 
 
 @app.task(name="bench.prepare.piece")
-def piece_task(corpus: str, out: str, piece: int) -> dict[str, Any]:
-    return write_one(corpus, out, piece)
+def piece_task(corpus: str, out: str, piece: int, span: dict[str, Any]) -> dict[str, Any]:
+    return write_one(corpus, out, piece, span)
 
 
 class Workers:
@@ -260,17 +262,19 @@ class Workers:
 
 
 def run_pieces(
-    corpus: Path, out: Path, pieces: list[int], processes: int, stop_after: int | None = None
+    corpus: Path, out: Path, planned: dict[str, Any], processes: int, stop_after: int | None = None
 ) -> dict[str, Any]:
     """Pass 2 over the pieces without a manifest, one Celery task each, on ``processes``
     fresh workers; ``stop_after``: kill the workers then."""
-    todo = [p for p in pieces if not (out / "parts" / str(p) / "manifest.json").exists()]
+    parts = out / "parts"
+    todo = [p for p in planned["pieces"] if not (parts / str(p) / "manifest.json").exists()]
     peaks: dict[int, int] = {}
     chars, done, cpu = 0, 0, 0.0
     workers = Workers(out.parent, processes, corpus, out)
     t0 = time.perf_counter()
     try:
-        pending = [piece_task.delay(str(corpus), str(out), p) for p in todo]
+        spans = planned["spans"]
+        pending = [piece_task.delay(str(corpus), str(out), p, spans[p]) for p in todo]
         while pending and (stop_after is None or done < stop_after):
             ready = [r for r in pending if r.ready()]
             pending = [r for r in pending if not r.ready()]
@@ -331,7 +335,7 @@ def measure(work: Path, texts: list[str], scale: float) -> dict[str, Any]:
         planned = plan(corpus, work / f"plan-{size}")
         for processes in runs:
             out = copy_plan(work / f"plan-{size}", work / f"out-{size}-{processes}")
-            r = run_pieces(corpus, out, planned["pieces"], processes)
+            r = run_pieces(corpus, out, planned, processes)
             join_s, written_bytes = join(corpus, out, planned["pieces"])
             key = f"{size}_{processes}p"
             figures[key] = {
@@ -343,9 +347,9 @@ def measure(work: Path, texts: list[str], scale: float) -> dict[str, Any]:
         if size == "small":
             out = copy_plan(work / "plan-small", work / "out-small-resume")
             half = len(planned["pieces"]) // 2
-            run_pieces(corpus, out, planned["pieces"], 2, stop_after=half)
+            run_pieces(corpus, out, planned, 2, stop_after=half)
             t0 = time.perf_counter()
-            rest = run_pieces(corpus, out, planned["pieces"], 2)
+            rest = run_pieces(corpus, out, planned, 2)
             join(corpus, out, planned["pieces"])
             figures["resume"] = {
                 "pieces_left": rest["pieces"],
