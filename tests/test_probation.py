@@ -285,15 +285,17 @@ def accepted(run: Run, workers: list[Worker]) -> list[str]:
 
 
 @pytest.mark.django_db
-def test_two_colluders_out_of_four_get_no_flipped_delta_accepted_in_round_0(
+def test_two_colluders_out_of_four_get_no_flipped_delta_accepted_and_a_tie_waits(
     tmp_path: Path,
 ) -> None:
     """Workers 0 and 1 flip their Δs and get paths 0 and 1: a two-against-two tie in the
     shared module, and module 0.0 gets only their two flips, which agree with each other.
-    Settled over whole units, the tie is not decided here (no score, no referee, no third
-    copy), so both sides are held out of every module's step, module 0.0's included:
-    never both accepted, and nobody's trust falls for it (the pure tests above settle the
-    same tie by gain per token, bench/attacks_live.py on real text)."""
+    Settled over whole units, the tie is not decided in round 0 (no score, no referee, no
+    third copy): both sides are held, never both accepted, nobody's trust falls for it, and
+    every module's step waits, keeping its version and all its Δs. In round 1 the two honest
+    workers train the four paths; with round 0's kept units the majority refuses the flips,
+    and the honest round-0 Δs step with round 1's (the pure tests above settle the same tie
+    by gain per token, bench/attacks_live.py on real text)."""
     run, sources = fresh_grid(tmp_path)
     token = create_enrollment_token(max_uses=None)[1]
     workers = [register_worker(token, f"w{i}", {})[0] for i in range(4)]
@@ -305,13 +307,30 @@ def test_two_colluders_out_of_four_get_no_flipped_delta_accepted_in_round_0(
     assert accepted(run, workers[:2]) == []
     rows = Contribution.objects.filter(unit__round__run=run)
     assert {c.reason.partition(":")[0] for c in rows} == {first_round.UNSETTLED}
-    step = OuterStep.objects.get(round__run=run, round__t=0, module__module_id="0.0")
-    assert step.accepted == 0  # only the two flips went through it
-    round0 = Round.objects.get(run=run, t=0)
-    assert len(round0.first_round) == 4
+    assert {c.status for c in rows} == {Contribution.Status.PENDING}  # kept, not lost
+    steps = OuterStep.objects.filter(round__run=run, round__t=0)
+    waited = {(s.outcome, s.accepted, s.rejected) for s in steps}
+    assert waited == {(OuterStep.Outcome.KEPT, 0, 0)}
+    assert len(Round.objects.get(run=run, t=0).first_round) == 4
     for w in workers:
         w.refresh_from_db()
-        assert w.trust == 1.0 and w.tokens_processed == 0
+        assert w.trust == 1.0 and w.tokens_processed == 0 and w.contributions_rejected == 0
+
+    round1 = [train(run, workers[2 + i % 2], sources, device(410 + i)) for i in range(4)]
+    assert {u.round.t for u in round1} == {1}
+    assert all(u.base_versions == {m: 0 for m in u.base_versions} for u in round1)
+    step_round(run, 1, ALL_MODULES)
+
+    flips = Contribution.objects.filter(lease__worker__in=workers[:2])
+    assert {c.reason.partition(":")[0] for c in flips} == {first_round.AGAINST}
+    honest = Contribution.objects.filter(lease__worker__in=workers[2:])
+    assert {(c.status, c.reason) for c in honest} == {(Contribution.Status.ACCEPTED, "")}
+    step = OuterStep.objects.get(round__run=run, round__t=1, module__module_id="0.1")
+    assert (step.outcome, step.accepted) == (OuterStep.Outcome.STEPPED, 4)  # 2 kept + 2 new
+    for w in workers[2:]:
+        w.refresh_from_db()
+        assert w.contributions_accepted == honest.filter(lease__worker=w).count()
+        assert w.trust == 1.0 and w.tokens_processed > 0
 
 
 @pytest.mark.django_db
