@@ -47,8 +47,9 @@ def _fail_run(run_id: int, error: str) -> None:
 @shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_run")
 def prepare_run(self: Task, run_id: int, max_files: int | None = None) -> str:
     """Plan (corpus scan, tokenizer, router), then a chord of `prepare_piece` tasks, one per
-    file not yet prepared, then `finish_preparation` (join, modules): the run ends ready,
-    or failed with why. Sending it again resumes with the pieces left (runs.pieces)."""
+    piece (a file, or a range of a large one) not yet prepared, then `finish_preparation`
+    (join, modules): the run ends ready, or failed with why. Sending it again resumes with
+    the pieces left (runs.pieces)."""
     from dipaco_server.runs import pieces  # pyarrow and torch: not at the Celery app's start
 
     run = Run.objects.get(pk=run_id)
@@ -80,7 +81,7 @@ def prepare_run(self: Task, run_id: int, max_files: int | None = None) -> str:
     **RETRY,
 )
 def prepare_piece(self: Task, run_id: int, key: str, piece: int) -> int:
-    """One file tokenised, routed and uploaded as its part of every shard (runs.pieces)."""
+    """One piece tokenised, routed and uploaded as its part of every shard (runs.pieces)."""
     from dipaco_server.runs import pieces  # as in prepare_run
 
     run = Run.objects.get(pk=run_id)
