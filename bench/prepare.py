@@ -8,24 +8,27 @@ corpus reader chunks them), repeated in a new seeded order until the size is rea
 Parquet files of equal size: 0.5 GB and 2 GB of text times ``--scale`` (``--scale 0.1``:
 50 MB and 200 MB), 16 and 64 files, so every piece holds the same text at both sizes.
 
-Per size it runs pass 1 (scan, tokenizer, router; timed apart), then pass 2 (the pieces) in
-a process pool of 2 processes (and of 1 at the small size), each process held to one
-thread (torch, Rayon, OpenMP), then pass 3 (the join). It reports:
+Per size it runs pass 1 (scan, tokenizer, router; timed apart), then pass 2 (the pieces) on
+2 Celery worker processes (and on 1 at the small size), each ``--concurrency 1`` and held to
+one thread (torch, Rayon, OpenMP), then pass 3 (the join). It reports:
 
 - ``chars_per_s_per_process``: characters tokenised, routed and written per second per
   process, from pass 2's wall time (tokenizer training and the scan excluded);
-- ``chars_per_cpu_s``: the same per CPU-second the pool processes used, which the
+- ``chars_per_cpu_s``: the same per CPU-second the worker processes used, which the
   machine's other load does not dilute;
 - ``speedup_2_vs_1``: pass 2's throughput with 2 processes over 1, small size;
-- ``peak_rss_mib``: the largest peak RSS of a pool process, and
-  ``rss_ratio_large_vs_small`` of the two sizes;
+- ``peak_rss_mib``: the largest peak RSS of a worker's pool process (each one's is in
+  ``runs``), and ``rss_ratio_large_vs_small`` of the two sizes;
 - ``bytes_written``: the parts and the shards, what the server uploads (runs.pieces);
-- ``resume_s``: after the pool is killed once half the pieces are done (small size, 2
-  processes), the time to finish: the pieces left, then the join.
+- ``resume_s``: after both workers are killed (SIGKILL) once half the pieces are done
+  (small size), the time to finish: fresh workers, the pieces left sent again (those
+  without a manifest, as a resent ``prepare_run`` does), then the join.
 
-The processes are a ``concurrent.futures`` pool running the function a Celery
-``prepare_piece`` task runs, without the broker and the blob store (their cost is one
-upload per part, measured by bench/control_plane.py). The machine's load average is
+The workers are real ``celery worker`` processes (``--concurrency 1``, prefork, one task
+prefetched) on kombu's filesystem broker in the scratch directory, the embedded default's
+broker, consuming one task per piece that runs what a ``prepare_piece`` task runs
+(dipaco.data.stream.write_piece), without the database and the blob store (their cost is
+one upload per part, measured by bench/control_plane.py). The machine's load average is
 printed with the figures: on a shared machine the 2-process speedup is pessimistic.
 """
 
@@ -33,21 +36,26 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
 import random
 import resource
 import shutil
+import signal
+import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+
+from celery import Celery
 
 ROOT = Path(__file__).resolve().parents[1]
 SIZES = {"small": (0.5e9, 16), "large": (2e9, 64)}  # characters of text, files
 VOCAB = 32_768
+BROKER_ENV = "BENCH_PREPARE_BROKER"  # the broker's folder, for the worker processes
+app = Celery("bench_prepare", set_as_current=False)  # `celery -A prepare worker` runs it
 
 
 def one_thread() -> None:
@@ -111,6 +119,7 @@ def plan(corpus: Path, out: Path) -> dict[str, Any]:
     t2 = time.perf_counter()
     return {
         "pieces": scan.pieces,
+        "spans": [asdict(span) for span in scan.spans],
         "chars": scan.train_chars + scan.val_chars,
         "scan_s": t1 - t0,
         "tokenizer_router_s": t2 - t1,
@@ -135,13 +144,6 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-def warm(args: tuple[str, str]) -> None:
-    """Load what a piece needs in this pool process, and hold it long enough that each
-    process of the pool takes one of these."""
-    load_tools(*args)
-    time.sleep(1.0)
-
-
 def load_tools(corpus: str, out: str) -> None:
     import torch
 
@@ -159,16 +161,16 @@ def load_tools(corpus: str, out: str) -> None:
         )
 
 
-def write_one(corpus: str, out: str, piece: int) -> dict[str, Any]:
-    """Pass 2 for one piece, in a pool process: what runs.pieces.write_piece does."""
+def write_one(corpus: str, out: str, piece: int, span: dict[str, Any]) -> dict[str, Any]:
+    """Pass 2 for one piece, in a worker's pool process: what runs.pieces.write_piece does."""
+    from dipaco.data.sources import Span
     from dipaco.data.stream import ReadOptions, write_piece
 
     load_tools(corpus, out)
     cpu0 = cpu_seconds()
     part = Path(out) / "parts" / str(piece)
-    result = write_piece(
-        _TOOLS["listing"], piece, part, _TOOLS["tokenizer"], _TOOLS["router"], ReadOptions()
-    )
+    tools = (_TOOLS["tokenizer"], _TOOLS["router"], ReadOptions())
+    result = write_piece(_TOOLS["listing"], piece, part, *tools, span=Span.from_json(span))
     (part / "manifest.json").write_text(result.to_json())  # last, as the server uploads it
     return {
         "chars": result.chars,
@@ -178,38 +180,118 @@ def write_one(corpus: str, out: str, piece: int) -> dict[str, Any]:
     }
 
 
+def configure(folder: Path) -> Celery:
+    """The app on kombu's filesystem transport in ``folder`` (dipaco_server.env's embedded
+    broker, without Django): tasks acknowledged late, one prefetched per process."""
+    queue, control, results = folder / "queue", folder / "control", folder / "results"
+    for path in (queue, control, results):
+        path.mkdir(parents=True, exist_ok=True)
+    app.conf.update(
+        broker_url="filesystem://localhost//",
+        result_backend=f"file://{results}",
+        broker_transport_options={
+            "data_folder_in": str(queue), "data_folder_out": str(queue),
+            "control_folder": str(control), "polling_interval": 0.1,
+        },
+        task_acks_late=True, worker_prefetch_multiplier=1, worker_hijack_root_logger=False,
+    )  # fmt: skip
+    return app
+
+
+if os.environ.get(BROKER_ENV):  # a worker process
+    configure(Path(os.environ[BROKER_ENV]))
+
+
+@app.task(name="bench.prepare.warm")
+def warm(corpus: str, out: str) -> int:
+    """Load what a piece needs in this process and hold it a moment, so that each worker
+    takes one of these; returns the process id."""
+    load_tools(corpus, out)
+    time.sleep(1.0)
+    return os.getpid()
+
+
+@app.task(name="bench.prepare.piece")
+def piece_task(corpus: str, out: str, piece: int, span: dict[str, Any]) -> dict[str, Any]:
+    return write_one(corpus, out, piece, span)
+
+
+class Workers:
+    """``processes`` Celery worker processes, each ``--concurrency 1``, ready and warm."""
+
+    def __init__(self, work: Path, processes: int, corpus: Path, out: Path) -> None:
+        folder = work / "celery"  # one broker for the bench: the app connects once
+        if app.conf.broker_url is None:
+            configure(folder)
+        for message in (folder / "queue").iterdir():  # what killed workers left: purged
+            message.unlink()
+        environ = {**os.environ, BROKER_ENV: str(folder)}
+        environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), str(ROOT)])
+        environ.pop("DJANGO_SETTINGS_MODULE", None)  # Celery's Django fix-up: not here
+        command = [sys.executable, "-m", "celery", "-A", "prepare", "worker", "--concurrency",
+                   "1", "--pool", "prefork", "--loglevel", "WARNING", "--without-gossip",
+                   "--without-mingle", "--without-heartbeat"]  # fmt: skip
+        self.procs = []
+        for i in range(processes):
+            log = (folder / f"worker-{i}.log").open("ab")
+            self.procs.append(
+                subprocess.Popen(
+                    [*command, "-n", f"bench{i}@%h"],
+                    env=environ,
+                    cwd=ROOT,
+                    start_new_session=True,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            )
+        pids: set[int] = set()
+        deadline = time.monotonic() + 300
+        while len(pids) < processes:  # every pool process has loaded the tools
+            if time.monotonic() > deadline or any(p.poll() is not None for p in self.procs):
+                self.kill()
+                raise RuntimeError(f"the Celery workers did not start; see {folder}")
+            warming = [warm.delay(str(corpus), str(out)) for _ in range(processes)]
+            pids.update(r.get(timeout=300) for r in warming)
+
+    def kill(self) -> None:
+        """SIGKILL to each worker's process group (the worker and its pool process)."""
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def run_pieces(
-    corpus: Path, out: Path, pieces: list[int], processes: int, stop_after: int | None = None
+    corpus: Path, out: Path, planned: dict[str, Any], processes: int, stop_after: int | None = None
 ) -> dict[str, Any]:
-    """Pass 2 over the pieces without a manifest; ``stop_after``: kill the pool then."""
-    todo = [p for p in pieces if not (out / "parts" / str(p) / "manifest.json").exists()]
+    """Pass 2 over the pieces without a manifest, one Celery task each, on ``processes``
+    fresh workers; ``stop_after``: kill the workers then."""
+    parts = out / "parts"
+    todo = [p for p in planned["pieces"] if not (parts / str(p) / "manifest.json").exists()]
     peaks: dict[int, int] = {}
     chars, done, cpu = 0, 0, 0.0
-    # Fresh processes (spawn), as Celery's pool processes are: a forked child would count
-    # the pages it inherits from this one (the router's fit) in its RSS.
-    context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(max_workers=processes, initializer=one_thread, mp_context=context)
-    # Every process imports torch and loads the tokenizer and router before the clock starts.
-    list(pool.map(warm, [(str(corpus), str(out))] * processes))
+    workers = Workers(out.parent, processes, corpus, out)
     t0 = time.perf_counter()
     try:
-        futures = [pool.submit(write_one, str(corpus), str(out), p) for p in todo]
-        for future in as_completed(futures):
-            r = future.result()
-            chars += r["chars"]
-            cpu += r["cpu_s"]
-            peaks[r["pid"]] = max(peaks.get(r["pid"], 0), r["peak_rss_kib"])
-            done += 1
-            if stop_after is not None and done >= stop_after:
-                for process in list(pool._processes.values()):  # a kill, not a shutdown
-                    process.kill()
-                break
+        spans = planned["spans"]
+        pending = [piece_task.delay(str(corpus), str(out), p, spans[p]) for p in todo]
+        while pending and (stop_after is None or done < stop_after):
+            ready = [r for r in pending if r.ready()]
+            pending = [r for r in pending if not r.ready()]
+            for result in ready:
+                r = result.get()
+                chars += r["chars"]
+                cpu += r["cpu_s"]
+                peaks[r["pid"]] = max(peaks.get(r["pid"], 0), r["peak_rss_kib"])
+                done += 1
+            time.sleep(0.05)
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        workers.kill()
     seconds = time.perf_counter() - t0
     return {
         "chars": chars, "seconds": seconds, "cpu_s": cpu, "pieces": done,
-        "peak_rss_kib": max(peaks.values()), "chars_per_cpu_s": chars / cpu if cpu else 0.0,
+        "peak_rss_kib": max(peaks.values()), "peak_rss_kib_per_process": sorted(peaks.values()),
+        "chars_per_cpu_s": chars / cpu if cpu else 0.0,
     }  # fmt: skip
 
 
@@ -253,7 +335,7 @@ def measure(work: Path, texts: list[str], scale: float) -> dict[str, Any]:
         planned = plan(corpus, work / f"plan-{size}")
         for processes in runs:
             out = copy_plan(work / f"plan-{size}", work / f"out-{size}-{processes}")
-            r = run_pieces(corpus, out, planned["pieces"], processes)
+            r = run_pieces(corpus, out, planned, processes)
             join_s, written_bytes = join(corpus, out, planned["pieces"])
             key = f"{size}_{processes}p"
             figures[key] = {
@@ -265,9 +347,9 @@ def measure(work: Path, texts: list[str], scale: float) -> dict[str, Any]:
         if size == "small":
             out = copy_plan(work / "plan-small", work / "out-small-resume")
             half = len(planned["pieces"]) // 2
-            run_pieces(corpus, out, planned["pieces"], 2, stop_after=half)
+            run_pieces(corpus, out, planned, 2, stop_after=half)
             t0 = time.perf_counter()
-            rest = run_pieces(corpus, out, planned["pieces"], 2)
+            rest = run_pieces(corpus, out, planned, 2)
             join(corpus, out, planned["pieces"])
             figures["resume"] = {
                 "pieces_left": rest["pieces"],

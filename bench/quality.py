@@ -390,6 +390,11 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
     out = {
         "a": diloco, **{f"b-{codec}": cfg for codec, cfg in dipaco.items()},
         "d": RunConfig.model_validate(diloco_p.model_dump()), "e": total, "f": specific,
+        # The same dense model at a third of the lr: a deeper model may want a lower one,
+        # and the baseline gets the better of the two (the same care as DiPaCo, or more).
+        "e-low-lr": total.model_copy(
+            update={"inner": total.inner.model_copy(update={"lr": total.inner.lr / 3})}
+        ),
     }  # fmt: skip
     for k in range(1, args.codec_seeds):  # the codec comparison's further seeds
         for codec, cfg in dipaco.items():
@@ -413,7 +418,7 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
             args.eval_windows, args.threads, args.base_steps, args.batch, args.device,
             eval_every=args.eval_every, reroute_every=args.reroute_every if analyse else 0,
             domains=not args.no_domains,
-            windows_config_json=cfgs["b-fp32"].model_dump_json() if key == "e" else None,
+            windows_config_json=cfgs["b-fp32"].model_dump_json() if key.startswith("e") else None,
         )  # fmt: skip
 
     # The DiPaCo paper's comparisons first, so a run cut short (the JSON is rewritten after
@@ -422,6 +427,7 @@ def make_jobs(args: argparse.Namespace, cfgs: dict[str, RunConfig]) -> list[Job]
         job("b/dipaco-fp32", "b-fp32", None, analyse=True),
         job("d/diloco-p", "d", None),
         job("e/dense-total-steps", "e", "dense-total-steps"),
+        job("e/dense-total-steps-low-lr", "e-low-lr", "dense-total-steps"),
         job("b/dense-steps", "b-fp32", "dense-steps"),
         job("f/dipaco-path-specific", "f", None, analyse=True),
         job("b/dense", "b-fp32", "dense"),
@@ -451,6 +457,7 @@ JOB_CONFIG = {
     "a/diloco": "a", "a/data-parallel": "a", "b/dipaco-fp32": "b-fp32", "b/dense": "b-fp32",
     "c/dipaco-int8": "b-int8", "c/dipaco-int4": "b-int4", "b/data-parallel": "b-fp32",
     "b/dense-steps": "b-fp32", "d/diloco-p": "d", "e/dense-total-steps": "e",
+    "e/dense-total-steps-low-lr": "e-low-lr",
     "f/dipaco-path-specific": "f",
     **{codec_job_names(c, k)[0]: codec_job_names(c, k)[1]
        for k in range(1, 10) for c in ("fp32", "int8", "int4")},
@@ -460,7 +467,7 @@ JOB_CONFIG = {
 def planned_tokens(name: str, config: RunConfig) -> int:
     """The tokens job `name` will train on with `config` (make_jobs's pairing)."""
     per_step = config.inner.micro_batch_size * config.model.seq_len
-    baseline = name.split("/", 1)[1]
+    baseline = name.split("/", 1)[1].removesuffix("-low-lr")
     if baseline in ("dense", "dense-steps", "data-parallel", "dense-total-steps"):
         steps, accum = baseline_steps(config, baseline.replace("-total", ""))
         return steps * accum * per_step
@@ -506,9 +513,10 @@ def fit_budget(
     so the jobs' tokens fit the time left at `rate` tokens/s, all jobs sharing one device."""
     names = [job.name for job in make_jobs(args, cfgs)]
     tokens = sum(planned_tokens(n, cfgs[JOB_CONFIG[n]]) for n in names)
-    if "e/dense-total-steps" in names:  # its own base trains in the job, at its size's cost
-        params = cfgs["e"].num_params() / cfgs["b-fp32"].num_params()
-        tokens += round(args.base_steps * args.batch * cfgs["e"].model.seq_len * params)
+    params = cfgs["e"].num_params() / cfgs["b-fp32"].num_params()
+    for name in names:  # the dense-total jobs' own bases train in the job, at their size's cost
+        if name.startswith("e/"):
+            tokens += round(args.base_steps * args.batch * cfgs["e"].model.seq_len * params)
     sizing: dict[str, Any] = {
         "time_budget_s": args.time_budget, "elapsed_before_jobs_s": elapsed,
         "base_tokens_per_s": rate, "shared_rate": SHARED_RATE, "planned_job_tokens": tokens,
@@ -552,6 +560,10 @@ def summarize(
         "int8_vs_fp32": ("c/dipaco-int8", "b/dipaco-fp32"),
         "int4_vs_fp32": ("c/dipaco-int4", "b/dipaco-fp32"),
     }
+    # The dense model of DiPaCo's total size: the better of its learning rates.
+    sweep = {n: r["perplexity"] for n, r in results.items() if n.startswith("e/")}
+    if sweep:
+        pairs["dipaco_vs_dense_total_equal_steps"] = ("b/dipaco-fp32", min(sweep, key=sweep.get))
     summary = {}
     for key, (ours, reference) in pairs.items():
         if ours not in results or reference not in results:
@@ -564,6 +576,8 @@ def summarize(
             "ratio": results[ours]["perplexity"] / results[reference]["perplexity"],
             "goal": goal_text(key, goals),
         }
+    if "dipaco_vs_dense_total_equal_steps" in summary:
+        summary["dipaco_vs_dense_total_equal_steps"]["lr_sweep"] = sweep
     a, b = results.get("a/diloco"), results.get("b/dipaco-fp32")
     if "diloco_vs_dp" in summary and a is not None:
         summary["diloco_vs_dp"]["bytes_ratio_vs_data_parallel"] = (
@@ -918,8 +932,8 @@ def main(argv: list[str] | None = None) -> int:
     console.log(f"base model: {args.base_steps} steps (cached in {args.work_dir})")
     needed = {JOB_CONFIG[name] for name in args.only} if args.only else set(cfgs)
     throughput = Throughput()
-    # e (the dense model of DiPaCo's total size) trains its own base in its job, in parallel.
-    for key in sorted(needed - {"e"}):
+    # e (the dense model of DiPaCo's total size) trains its own bases in its jobs, in parallel.
+    for key in sorted(k for k in needed if not k.startswith("e")):
         prepare_with_base(
             cfgs[key], budget, args.work_dir, args.base_steps, log=console.log,
             device=args.device, batch_size=args.batch, on_step=throughput,

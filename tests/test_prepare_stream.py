@@ -112,6 +112,28 @@ def test_a_preparation_killed_midway_resumes_with_the_pieces_left_and_the_same_s
     assert store.get_bytes(keys.router_key(again.pk)) == store.get_bytes(keys.router_key(run.pk))
 
 
+@pytest.mark.django_db
+def test_a_large_file_prepares_in_pieces_of_its_row_groups_to_the_same_shards(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    root = corpus_dir(files=2, rows=60)  # row groups of 16 rows: 4 per file
+    dataset = Dataset.objects.create(name=f"d-{uuid.uuid4().hex[:6]}", source=str(root))
+    run = run_on(dataset, "ranges")
+    monkeypatch.setattr(stream, "PIECE_BYTES", 1000)  # each row group is a piece
+    spans: list[Any] = []
+    real = stream.write_piece
+    monkeypatch.setattr(
+        stream, "write_piece", lambda *a, **k: spans.append(k["span"]) or real(*a, **k)
+    )
+    prepare_run(run)
+    run.refresh_from_db()
+    assert run.state == Run.State.READY
+    assert [(s.file, s.groups) for s in spans] == [(f, (g,)) for f in (0, 1) for g in range(4)]
+    expected, scan = prepare_listing(sources_config(), corpus_listing(str(root)), tmp_path)
+    assert len(scan.spans) == 2, "whole files by default"
+    assert shard_hashes(run) == [e[s].sha256 for e in expected.paths for s in ("train", "val")]
+
+
 def heap_peak_kib(corpus: Path, out: Path) -> int:
     """The peak of the Python heap (tracemalloc; numpy's arrays included) while preparing."""
     listing = corpus_listing(str(corpus))

@@ -180,7 +180,7 @@ def test_a_malformed_parquet_and_a_truncated_zst_are_skipped_and_named(tmp_path:
     assert any(b.startswith("broken.parquet: ") for b in bad), bad
     assert any(b.startswith("cut.jsonl.zst: ") for b in bad), bad
     assert len(bad) == 2
-    readable = [listing.files[i].rel for i in scan.pieces]
+    readable = [listing.files[scan.spans[i].file].rel for i in scan.pieces]
     assert "cut.jsonl.zst" not in readable and "broken.parquet" not in readable
     assert len(readable) == 4  # three Parquet files and the whole .zst
     assert scan.stats.skipped["unreadable_file"] == 2
@@ -226,3 +226,24 @@ def test_a_token_budget_keeps_a_seeded_share_of_the_records(tmp_path: Path) -> N
     kept = sum(half[f"{p}/train"][0] for p in range(2))
     assert kept < 0.5 * train
     assert abs(kept - 6000) < 0.3 * 6000
+
+
+def test_a_large_file_is_cut_into_pieces_with_the_shards_of_the_whole_file(tmp_path: Path) -> None:
+    data = records(files=2, rows=120)
+    write_parquet(tmp_path / "parquet", data)  # row groups of 16 rows
+    (tmp_path / "jsonl").mkdir()
+    for f, rows in enumerate(data):
+        (tmp_path / "jsonl" / f"{name(f, len(data))}.jsonl").write_bytes(jsonl_bytes(rows))
+    expected = shards(str(tmp_path / "parquet"), tmp_path / "out-whole")
+    for fmt, ranged in (("parquet", "groups"), ("jsonl", "offset")):
+        listing = corpus_listing(str(tmp_path / fmt))
+        index, scan = prepare_listing(
+            config(), listing, tmp_path / f"out-{fmt}", tokenizer_chars=20_000, piece_bytes=3000
+        )
+        assert len(scan.spans) > 2 * len(listing.files), fmt
+        assert {span.file for span in scan.spans} == {0, 1}
+        assert all(getattr(span, ranged) is not None for span in scan.spans), fmt
+        starts = [span.start for span in scan.spans if span.file == 1]
+        assert starts[0] == 0 and starts == sorted(starts) and len(set(starts)) == len(starts)
+        cut = {f"{p}/{s}": (e[s].tokens, e[s].sha256) for p, e in enumerate(index.paths) for s in e}
+        assert cut == expected, fmt

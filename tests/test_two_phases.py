@@ -489,7 +489,7 @@ def test_real_workers_train_both_phases_with_the_leases_config_alone(
     assert advance_run(run, 0) == PREPARING_PHASE2
     run.refresh_from_db()
     for chunk in range(between.begin(run)):
-        between.embed_chunk(run, chunk)
+        between.route_chunk(run, chunk)
     assert between.finish(run) == "opened"
     starts = MetricPoint.objects.filter(run=run, name="start_val_loss")
     assert sorted(starts.values_list("path__index", "round")) == [(p, 0) for p in range(4)]

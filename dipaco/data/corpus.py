@@ -42,6 +42,7 @@ from dipaco.data.sources import (
     MissingColumn,
     S3Options,
     SourceFile,
+    Span,
     UnreadableFile,
     iter_records,
     list_source,
@@ -362,9 +363,11 @@ def iter_file_documents(
     text_field: str = "text",
     max_chars: int = DEFAULT_MAX_CHARS,
     max_bytes: int = DEFAULT_MAX_BYTES,
+    span: Span | None = None,
 ) -> Iterator[Document]:
-    """The documents of one file of a listing. Raises UnreadableFile (dipaco.data.sources)
-    when the file cannot be read: the caller skips it and reports it by name."""
+    """The documents of one file of a listing (of one piece of it, ``span``). Raises
+    UnreadableFile (dipaco.data.sources) when the file cannot be read: the caller skips
+    it and reports it by name."""
     if file.kind == "text":
         stats.files += 1
         if file.size > max_bytes and file.compression is None:  # refuse before reading
@@ -374,7 +377,7 @@ def iter_file_documents(
         if text is not None:
             yield from _documents_from_text(text, file.rel, stats, max_chars)
         return
-    for row, value in iter_records(listing, file, text_field):
+    for row, value in iter_records(listing, file, text_field, span):
         source = f"{file.name}:{row}"
         stats.files += 1
         if isinstance(value, BadRecord):

@@ -16,6 +16,14 @@ suffixes, then ``:<row>`` (0-based; a JSON Lines row is a non-blank line). So
 holding the same records in the same order name, split and sample them the same way.
 A plain text file keeps its whole relative path as its name (it is one record).
 
+A file larger than a piece (`piece_spans`) is read in several pieces, so one huge file
+still prepares in parallel: a Parquet file by ranges of its row groups, an uncompressed
+JSON Lines file by byte ranges cut at line starts (each piece seeks to its first line).
+A piece's records keep their file's row numbers, so they are named, split and sampled as
+if the file were read whole. A compressed stream (``.gz``, ``.zst``) cannot be entered
+midway, and a saved ``datasets`` file is a stream too: those stay one piece per file
+(such corpora come as many files).
+
 A source is ``stdlib``, a local path (a file, a directory, or a glob such as
 ``/srv/fineweb/*.parquet``) or ``s3://bucket/prefix`` (also with a glob). Credentials for
 S3 come from the caller (`S3Options`; the server passes its settings), never from the
@@ -62,6 +70,26 @@ class SourceFile:
     kind: str  # "text", "jsonl", "parquet" or "arrow"
     compression: str | None
     size: int
+
+
+@dataclass(frozen=True)
+class Span:
+    """One piece of a corpus: records ``start`` to ``stop`` (exclusive; None: to the end) of
+    file ``file`` (its index in the listing), read from byte ``offset`` to ``end`` (an
+    uncompressed JSON Lines file) or from the row groups ``groups`` (Parquet); a whole
+    file when neither is set."""
+
+    file: int
+    start: int = 0
+    stop: int | None = None
+    offset: int | None = None
+    end: int | None = None
+    groups: tuple[int, ...] | None = None
+
+    @classmethod
+    def from_json(cls, raw: dict[str, Any]) -> Span:
+        groups = raw.get("groups")
+        return cls(**{**raw, "groups": None if groups is None else tuple(groups)})
 
 
 @dataclass
@@ -284,15 +312,17 @@ def read_text_file(listing: Listing, file: SourceFile) -> bytes:
         raise UnreadableFile(f"{exc.__class__.__name__}: {str(exc)[:200]}") from exc
 
 
-def iter_records(listing: Listing, file: SourceFile, text_field: str) -> Iterator[tuple[int, Any]]:
-    """(row, value) of every record of a JSONL, Parquet or Arrow file: the text field's
-    value (None when the record lacks it, bytes for an undecodable JSONL line). Raises
-    UnreadableFile when the file cannot be read, MissingColumn when it has no such column."""
+def iter_records(
+    listing: Listing, file: SourceFile, text_field: str, span: Span | None = None
+) -> Iterator[tuple[int, Any]]:
+    """(row, value) of every record of a JSONL, Parquet or Arrow file (of ``span`` only,
+    when given): the text field's value, or a BadRecord. Raises UnreadableFile when the
+    file cannot be read, MissingColumn when it has no such column."""
     try:
         if file.kind == "jsonl":
-            yield from _jsonl_records(listing, file, text_field)
+            yield from _jsonl_records(listing, file, text_field, span)
         else:
-            yield from _columnar_records(listing, file, text_field)
+            yield from _columnar_records(listing, file, text_field, span)
     except (OSError, ValueError, EOFError, zstandard.ZstdError) as exc:
         # pyarrow's ArrowInvalid is a ValueError; a truncated .gz an EOFError.
         raise UnreadableFile(f"{exc.__class__.__name__}: {str(exc)[:200]}") from exc
@@ -312,13 +342,24 @@ class BadRecord:
 
 
 def _jsonl_records(
-    listing: Listing, file: SourceFile, text_field: str
+    listing: Listing, file: SourceFile, text_field: str, span: Span | None
 ) -> Iterator[tuple[int, Any]]:
-    with listing.fs.open_input_stream(file.path, compression=file.compression) as stream:
-        row = 0
+    ranged = span is not None and span.offset is not None
+    if ranged:
+        assert span is not None and span.offset is not None  # for mypy
+        stream = listing.fs.open_input_file(file.path)
+        stream.seek(span.offset)
+        left = None if span.end is None else span.end - span.offset
+    else:
+        stream = listing.fs.open_input_stream(file.path, compression=file.compression)
+        left = None
+    with stream:
+        row = span.start if ranged and span is not None else 0
         pending = b""
         while True:
-            block = stream.read(1 << 20)
+            block = stream.read(1 << 20 if left is None else min(1 << 20, left))
+            if left is not None:
+                left -= len(block)
             lines = (pending + block).split(b"\n")
             pending = lines.pop() if block else b""
             for raw in lines:
@@ -344,7 +385,7 @@ def _json_value(raw: bytes, text_field: str) -> Any:
 
 
 def _columnar_records(
-    listing: Listing, file: SourceFile, text_field: str
+    listing: Listing, file: SourceFile, text_field: str, span: Span | None
 ) -> Iterator[tuple[int, Any]]:
     # pyarrow, as in filesystem.
     import pyarrow.ipc as ipc  # a server-side extra (module docstring)
@@ -356,7 +397,10 @@ def _columnar_records(
         names = reader.schema_arrow.names
         if text_field not in names:
             raise MissingColumn(text_field, names)
-        batches = reader.iter_batches(batch_size=BATCH_ROWS, columns=[text_field])
+        groups = None if span is None or span.groups is None else list(span.groups)
+        batches = reader.iter_batches(
+            batch_size=BATCH_ROWS, columns=[text_field], row_groups=groups
+        )
     else:
         handle = listing.fs.open_input_stream(file.path, compression=file.compression)
         stream = ipc.open_stream(handle)
@@ -364,10 +408,71 @@ def _columnar_records(
         if text_field not in names:
             raise MissingColumn(text_field, names)
         batches = stream
-    row = 0
+    row = 0 if span is None or span.groups is None else span.start
     with handle:
         for batch in batches:
             column = batch.column(batch.schema.get_field_index(text_field))
             for value in column.to_pylist():
                 yield row, value if isinstance(value, str) else BadRecord("not_text")
                 row += 1
+
+
+def piece_spans(listing: Listing, index: int, piece_bytes: int) -> list[Span]:
+    """The pieces of file ``index`` (module docstring): about ``piece_bytes`` each for a
+    larger Parquet or uncompressed JSON Lines file, else the whole file. Reads a Parquet
+    file's footer, or every byte of a JSON Lines file (no JSON parsing) to find its line
+    starts and count its records."""
+    file = listing.files[index]
+    if file.size <= piece_bytes:
+        return [Span(index)]
+    try:
+        if file.kind == "parquet":
+            return _row_group_spans(listing, index, piece_bytes)
+        if file.kind == "jsonl" and file.compression is None:
+            return _line_spans(listing, index, piece_bytes)
+    except (OSError, ValueError) as exc:  # as in iter_records
+        raise UnreadableFile(f"{exc.__class__.__name__}: {str(exc)[:200]}") from exc
+    return [Span(index)]
+
+
+def _row_group_spans(listing: Listing, index: int, piece_bytes: int) -> list[Span]:
+    import pyarrow.parquet as pq  # as in _columnar_records
+
+    with listing.fs.open_input_file(listing.files[index].path) as handle:
+        meta = pq.ParquetFile(handle).metadata
+    spans, groups, start, row, size = [], [], 0, 0, 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        groups.append(g)
+        row += group.num_rows
+        size += group.total_byte_size
+        if size >= piece_bytes or g == meta.num_row_groups - 1:
+            spans.append(Span(index, start, row, groups=tuple(groups)))
+            groups, start, size = [], row, 0
+    return spans or [Span(index)]
+
+
+def _line_spans(listing: Listing, index: int, piece_bytes: int) -> list[Span]:
+    """Byte ranges of about ``piece_bytes``, each starting at a line start, with the row
+    (non-blank line) each starts at, as _jsonl_records counts rows."""
+    spans: list[Span] = []
+    start_row, start_offset, row, offset = 0, 0, 0, 0
+    with listing.fs.open_input_stream(listing.files[index].path, compression=None) as stream:
+        pending = b""
+        while True:
+            block = stream.read(1 << 20)
+            if not block and not pending:
+                break
+            lines = (pending + block).split(b"\n")
+            pending = lines.pop() if block else b""
+            for raw in lines:
+                if offset - start_offset >= piece_bytes:  # a piece ends before this line
+                    spans.append(Span(index, start_row, row, start_offset, offset))
+                    start_row, start_offset = row, offset
+                if raw.strip():
+                    row += 1
+                offset += len(raw) + 1
+            if not block:
+                break
+    spans.append(Span(index, start_row, row, start_offset, None))
+    return spans

@@ -4,7 +4,8 @@ parallel and resume, with the same shards whatever the number of processes.
 Three passes, none holding the corpus:
 
 1. `scan_corpus` reads every file once (no tokenising): counts, the files that read
-   whole (the pieces), the tokenizer's sample and the router's sample. A file that fails
+   whole and their pieces (a file, or a range of a large file's rows: sources.piece_spans),
+   the tokenizer's sample and the router's sample. A file that fails
    midway (a malformed Parquet, a truncated ``.zst``) is skipped whole and named in the
    statistics; its documents enter neither sample (each file's candidates are merged
    only once it has read to its end).
@@ -20,12 +21,13 @@ Three passes, none holding the corpus:
      documents the share of a path with load p has standard error sqrt(p(1-p)/20000), under
      0.4 percentage points); and since the fit sees documents in hash order, not file
      order, its k-means starts differ from the in-memory path's (dipaco.data.prepare).
-2. `write_piece` tokenises, routes and writes one file's documents into its own part of
+2. `write_piece` tokenises, routes and writes one piece's documents into its own part of
    every path's shard (``<p>/<split>.bin`` under the piece's directory), with a manifest.
    A token budget keeps a seeded subset of records (`keep_fraction`, `is_kept`).
-3. `join_parts` concatenates the parts in piece (file) order into the shards and writes
-   the index. Pieces are files in sorted order and a piece's output depends on its file
-   alone, so the shards are byte for byte the same whichever process wrote which part.
+3. `join_parts` concatenates the parts in piece order into the shards and writes the
+   index. Pieces are files in sorted order, a large file's ranges in row order, and a
+   piece's output depends on its records alone, so the shards are byte for byte the same
+   whichever process wrote which part, and whether a file was cut into ranges or not.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ from dipaco.data.corpus import (
     iter_file_documents,
 )
 from dipaco.data.shards import SPLITS, ShardIndex, ShardInfo, ShardWriter, token_dtype
-from dipaco.data.sources import Listing, SourceFile, UnreadableFile
+from dipaco.data.sources import Listing, SourceFile, Span, UnreadableFile, piece_spans
 from dipaco.data.tokenizer import DEFAULT_TRAIN_CHARS, RunTokenizer, train_tokenizer_on
 from dipaco.routing.router import CHARS_PER_PREFIX_TOKEN, Router
 
@@ -57,6 +59,7 @@ if TYPE_CHECKING:
 ROUTER_SAMPLE_DOCS = 20_000  # documents the router fits on (module docstring: the error)
 MAX_DOC_SAMPLE_CHARS = 20_000  # sample_texts' cut of one document
 BATCH_DOCS = 256  # documents tokenised and routed together
+PIECE_BYTES = 64 << 20  # a larger Parquet or plain JSON Lines file is cut into pieces
 
 
 class TokenizerSample:
@@ -127,7 +130,8 @@ class RouterSample:
 
 @dataclass
 class CorpusScan:
-    """What the first pass found: the pieces (indexes of files that read whole)."""
+    """What the first pass found: the pieces (indexes into ``spans``, each a file that
+    read whole or a range of one)."""
 
     pieces: list[int]
     tokenizer_texts: list[str]
@@ -135,6 +139,7 @@ class CorpusScan:
     stats: CorpusStats
     train_chars: int = 0
     val_chars: int = 0
+    spans: list[Span] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,7 @@ def scan_corpus(
     router_docs: int = ROUTER_SAMPLE_DOCS,
     router_seed: int = 0,
     prefix_chars: int = 32 * 64,
+    piece_bytes: int = PIECE_BYTES,
     on_file: Callable[[int, int], None] = lambda done, total: None,
 ) -> CorpusScan:
     """Pass 1 (module docstring). ``on_file(done, total)`` after each file."""
@@ -175,6 +181,7 @@ def scan_corpus(
                 if not val:
                     tok.add(doc.id, doc.text)
                     rout.add(doc.id, doc.text)
+            spans = piece_spans(listing, i, piece_bytes)
         except UnreadableFile as exc:
             stats.bad_file(file.rel, str(exc), exc)
             stats.files += 1
@@ -182,7 +189,8 @@ def scan_corpus(
             stats.merge(local)
             tokenizer.merge(tok)
             router.merge(rout)
-            scan.pieces.append(i)
+            scan.pieces.extend(range(len(scan.spans), len(scan.spans) + len(spans)))
+            scan.spans.extend(spans)
             scan.train_chars += chars[0]
             scan.val_chars += chars[1]
         on_file(i + 1, len(listing.files))
@@ -191,10 +199,14 @@ def scan_corpus(
 
 
 def _documents(
-    listing: Listing, file: SourceFile, stats: CorpusStats, read: ReadOptions
+    listing: Listing,
+    file: SourceFile,
+    stats: CorpusStats,
+    read: ReadOptions,
+    span: Span | None = None,
 ) -> Iterator[Document]:
     return iter_file_documents(
-        listing, file, stats, text_field=read.text_field, max_chars=read.max_chars
+        listing, file, stats, text_field=read.text_field, max_chars=read.max_chars, span=span
     )
 
 
@@ -248,11 +260,43 @@ def write_piece(
     *,
     keep: float = 1.0,
     keep_seed: int = 0,
+    span: Span | None = None,
 ) -> PieceResult:
-    """Pass 2 for one file: its documents tokenised, routed (path 0 without a router) and
-    written under ``out`` (``<path>/<split>.bin``). A file that fails midway leaves empty
-    parts and its error in the result: skipped whole, as the scan skipped it."""
-    file = listing.files[piece]
+    """Pass 2 for one piece (``span``, the scan's; by default file ``piece`` whole): its
+    documents tokenised, routed (path 0 without a router) and written under ``out``
+    (``<path>/<split>.bin``). A piece that fails midway leaves empty parts and its error
+    in the result: skipped whole, as the scan skipped an unreadable file."""
+    span = span if span is not None else Span(piece)
+    file = listing.files[span.file]
+    stats = CorpusStats()
+    result = PieceResult(piece=piece, name=file.rel)
+
+    def documents() -> Iterator[tuple[str, str]]:
+        for doc in _documents(listing, file, stats, read, span):
+            if is_kept(doc.source, keep, keep_seed):
+                val = is_validation(doc.source, read.val_fraction)
+                yield ("val" if val else "train", doc.text)
+
+    try:
+        write_parts(documents(), out, tokenizer, router, result)
+    except UnreadableFile as exc:
+        result.error = str(exc)
+        write_parts(iter(()), out, tokenizer, router, result)
+    result.stats = stats.to_json()
+    return result
+
+
+def write_parts(
+    documents: Iterator[tuple[str, str]],
+    out: Path,
+    tokenizer: RunTokenizer,
+    router: Router | None,
+    result: PieceResult,
+) -> None:
+    """(split, text) pairs tokenised and routed ``BATCH_DOCS`` at a time (path 0 without a
+    router) and appended, in order, to ``out/<path>/<split>.bin``; ``result`` gets the parts
+    and the characters. The preparation's pieces and phase 2's routing (after a dense
+    phase 1) both write this way. What ``documents`` raises aborts every part and goes on."""
     paths = router.num_paths if router is not None else 1
     dtype = token_dtype(tokenizer.vocab_size)
     writers = {
@@ -260,41 +304,33 @@ def write_piece(
         for p in range(paths)
         for split in SPLITS
     }
-    stats = CorpusStats()
-    result = PieceResult(piece=piece, name=file.rel)
+    chars = 0
     try:
-        batch: list[tuple[str, Document]] = []
-        for doc in _documents(listing, file, stats, read):
-            if not is_kept(doc.source, keep, keep_seed):
-                continue
-            batch.append(("val" if is_validation(doc.source, read.val_fraction) else "train", doc))
+        batch: list[tuple[str, str]] = []
+        for pair in documents:
+            batch.append(pair)
             if len(batch) == BATCH_DOCS:
-                result.chars += _write_batch(batch, tokenizer, router, writers)
+                chars += _write_batch(batch, tokenizer, router, writers)
                 batch = []
-        result.chars += _write_batch(batch, tokenizer, router, writers)
-    except UnreadableFile as exc:
-        result.error = str(exc)
+        chars += _write_batch(batch, tokenizer, router, writers)
+    except BaseException:
         for w in writers.values():
             w.abort()
-        writers = {
-            key: ShardWriter(w.path, dtype, tokenizer.separator_id) for key, w in writers.items()
-        }
-        result.chars = 0
+        raise
+    result.chars = chars
     for (p, split), w in writers.items():
         result.parts[f"{p}/{split}"] = w.close(out).__dict__
-    result.stats = stats.to_json()
-    return result
 
 
 def _write_batch(
-    batch: list[tuple[str, Document]],
+    batch: list[tuple[str, str]],
     tokenizer: RunTokenizer,
     router: Router | None,
     writers: dict[tuple[int, str], ShardWriter],
 ) -> int:
     if not batch:
         return 0
-    texts = [doc.text for _, doc in batch]
+    texts = [text for _, text in batch]
     ids = tokenizer.encode_batch_arrays(texts)
     routes = router.route_prefixes(texts, ids) if router is not None else [0] * len(texts)
     for (split, _), path, doc_ids in zip(batch, routes, ids, strict=True):
@@ -358,6 +394,7 @@ def prepare_listing(
     tokenizer_chars: int = DEFAULT_TRAIN_CHARS,
     router_docs: int = ROUTER_SAMPLE_DOCS,
     token_budget: int | None = None,
+    piece_bytes: int = PIECE_BYTES,
 ) -> tuple[ShardIndex, CorpusScan]:
     """All three passes in this process (the server runs pass 2 as Celery tasks, the bench
     in a process pool): tokenizer/, router/, parts/<piece>/ and shards/ under ``out``."""
@@ -368,6 +405,7 @@ def prepare_listing(
     scan = scan_corpus(
         listing, read, tokenizer_chars=tokenizer_chars, router_docs=router_docs,
         router_seed=config.router.seed, prefix_chars=prefix_chars(config),
+        piece_bytes=piece_bytes,
     )  # fmt: skip
     tokenizer = train_tokenizer_on(scan.tokenizer_texts, config.model.vocab_size)
     tokenizer.save(out / "tokenizer")
@@ -376,10 +414,11 @@ def prepare_listing(
         fit_router_on(config, scan.router_texts, tokenizer).save(out / "router")
         router = Router.load(out / "router", tokenizer)  # as every piece task loads it
     keep = keep_fraction(token_budget, scan.train_chars, tokenizer, scan.tokenizer_texts)
-    results = [
-        write_piece(listing, i, out / "parts" / str(i), tokenizer, router, read, keep=keep)
-        for i in scan.pieces
-    ]
+    results = []
+    for i in scan.pieces:
+        part = out / "parts" / str(i)
+        span = scan.spans[i]
+        results.append(write_piece(listing, i, part, tokenizer, router, read, keep=keep, span=span))
 
     def open_part(result: PieceResult, part: str) -> IO[bytes]:
         return open(out / "parts" / str(result.piece) / f"{part}.bin", "rb")

@@ -116,9 +116,11 @@ def documents_key(run_id: int, chunk: int) -> str:
     return validate_key(f"{phase_prefix(run_id, 1)}/documents/{_id(chunk, 'chunk')}.jsonl")
 
 
-def features_key(run_id: int, chunk: int) -> str:
-    """runs/<run>/phase1/features/<i>.safetensors: base-LM features of document chunk i."""
-    return validate_key(f"{phase_prefix(run_id, 1)}/features/{_id(chunk, 'chunk')}.safetensors")
+def routed_key(run_id: int, chunk: int, part: str) -> str:
+    """runs/<run>/phase1/routed/<i>/<part>: document chunk i tokenised and routed after
+    phase 1 (runs.between): ``<path>/<split>.bin`` parts of every phase-2 shard, then
+    ``manifest.json`` once they are all stored."""
+    return validate_key(f"{phase_prefix(run_id, 1)}/routed/{_id(chunk, 'chunk')}/{part}")
 
 
 def tokenizer_key(run_id: int) -> str:

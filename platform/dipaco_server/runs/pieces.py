@@ -1,12 +1,13 @@
 """A run's data prepared in pieces (dipaco.data.stream): bounded memory, parallel, resumable,
 and shared by every run that would prepare the same shards.
 
-`plan` lists the corpus, reads it once (counts, the tokenizer's and the router's samples),
-trains the tokenizer and fits the router; `write_piece` tokenises, routes and writes one
-file's part of every path's shard and uploads it with its manifest as soon as it is done;
-`join` concatenates the parts in file order into the run's shards. runs.tasks runs the
-pieces as a Celery chord (`prepare_piece` tasks, then `finish_preparation`); `prepare_run`
-(runs.prepare) runs the same steps in one process.
+`plan` lists the corpus, reads it once (counts, the tokenizer's and the router's samples,
+the pieces: a file, or a range of a large file's rows), trains the tokenizer and fits the
+router; `write_piece` tokenises, routes and writes one piece's part of every path's shard
+and uploads it with its manifest as soon as it is done; `join` concatenates the parts in
+piece order into the run's shards. runs.tasks runs the pieces as a Celery chord
+(`prepare_piece` tasks, then `finish_preparation`); `prepare_run` (runs.prepare) runs the
+same steps in one process.
 
 Everything lives under ``prepared/<key>/`` in the blob store, where ``key`` hashes every
 input of the shards: the listing (names and sizes), text field, token budget, validation
@@ -16,7 +17,7 @@ fraction, vocabulary size and router settings. So:
   piece whose ``parts/<i>/manifest.json`` exists are kept, and only the rest run (a
   manifest is uploaded after its parts, so a piece killed midway runs again whole);
 - the shards are byte for byte the same whatever the number of workers (a piece's bytes
-  depend on its file alone; the join reads them in file order);
+  depend on its records alone; the join reads them in piece order);
 - a later run with the same inputs copies the finished shards, tokenizer and router.
 """
 
@@ -41,7 +42,7 @@ from dipaco_server.storage import BlobStore, validate_key
 
 logger = logging.getLogger(__name__)
 
-PLAN_VERSION = 1  # bump when a change to dipaco.data.stream changes the shards' bytes
+PLAN_VERSION = 2  # bump when a change to dipaco.data.stream changes the shards' bytes
 
 
 def inputs(run: Run) -> dict[str, Any]:
@@ -84,6 +85,7 @@ def plan(
     run: Run, store: BlobStore, key: str, listing: Any, work: Path, on_stage: Any
 ) -> dict[str, Any]:
     """Scan, tokenizer and router under prepared/<key>/, once: a stored plan is reused."""
+    from dipaco.data import stream  # PIECE_BYTES as it is now (tests set it)
     from dipaco.data.prepare import fit_router_on  # torch, pyarrow: only where a run is prepared
     from dipaco.data.stream import ReadOptions, keep_fraction, prefix_chars, scan_corpus
     from dipaco.data.tokenizer import train_tokenizer_on
@@ -102,7 +104,7 @@ def plan(
 
     scan = scan_corpus(
         listing, read, router_seed=config.router.seed, prefix_chars=prefix_chars(config),
-        on_file=on_file,
+        piece_bytes=stream.PIECE_BYTES, on_file=on_file,
     )  # fmt: skip
     if not scan.pieces or scan.train_chars == 0:
         scan.stats.check_columns(what["source"], what["text_field"])
@@ -132,6 +134,7 @@ def plan(
         "files": [asdict(f) for f in listing.files],
         "root": listing.root,
         "pieces": scan.pieces,
+        "spans": [asdict(span) for span in scan.spans],
         "keep": keep,
         "stats": scan.stats.to_json(),
         "train_chars": scan.train_chars,
@@ -175,9 +178,9 @@ def _tools(store: BlobStore, planned: dict[str, Any], work: Path) -> tuple[Any, 
 def write_piece(
     store: BlobStore, planned: dict[str, Any], piece: int, work_root: Path
 ) -> dict[str, Any]:
-    """One file's part of every shard, uploaded, then its manifest; kept if already there."""
+    """One piece's part of every shard, uploaded, then its manifest; kept if already there."""
     # the corpus readers and the tokenizer: only in the task that writes a piece
-    from dipaco.data.sources import Listing, SourceFile, filesystem
+    from dipaco.data.sources import Listing, SourceFile, Span, filesystem
     from dipaco.data.stream import PieceResult, ReadOptions
     from dipaco.data.stream import write_piece as write
 
@@ -192,8 +195,9 @@ def write_piece(
         listing = Listing(fs=fs, root=planned["root"], files=files)
         read = ReadOptions(planned["text_field"], planned["val_fraction"])
         out = work / "part"
+        span = Span.from_json(planned["spans"][piece])
         result: PieceResult = write(
-            listing, piece, out, tokenizer, router, read, keep=planned["keep"]
+            listing, piece, out, tokenizer, router, read, keep=planned["keep"], span=span
         )
         for part, info in result.parts.items():
             if info["tokens"]:
@@ -218,7 +222,7 @@ def record_pieces(run: Run, store: BlobStore, planned: dict[str, Any]) -> None:
 
 
 def join(run: Run, store: BlobStore, planned: dict[str, Any], work: Path) -> Any:
-    """The run's shards, index, tokenizer and router: the parts joined in file order (or
+    """The run's shards, index, tokenizer and router: the parts joined in piece order (or
     copied from the run that joined them first). Returns the ShardIndex."""
     from dipaco.data.shards import ShardIndex  # torch, pyarrow: only where a run is prepared
     from dipaco.data.stream import PieceResult, join_parts

@@ -7,10 +7,10 @@ unreachable) is retried with backoff first. `evaluate` is what finish_round runs
 each round; send it yourself to re-score a round (it skips paths already scored).
 
 Between the phases of a run with ``phase1`` (runs.between), finish_round sends
-`prepare_phase2`, which writes the base model and runs a chord of `embed_chunk` tasks, one
-per document chunk, then `finish_phase2` (router, shards, modules, first DiPaCo round). If
-one fails for good, ``Run.error`` says so; sending prepare_phase2 again resumes (every step
-is idempotent).
+`prepare_phase2`, which writes the base model and fits the router on a sample, then runs
+a chord of `route_chunk` tasks, one per document chunk not yet routed, then
+`finish_phase2` (shards, modules, first DiPaCo round). If one fails for good,
+``Run.error`` says so; sending prepare_phase2 again resumes (every step is idempotent).
 """
 
 from __future__ import annotations
@@ -47,8 +47,9 @@ def _fail_run(run_id: int, error: str) -> None:
 @shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_run")
 def prepare_run(self: Task, run_id: int, max_files: int | None = None) -> str:
     """Plan (corpus scan, tokenizer, router), then a chord of `prepare_piece` tasks, one per
-    file not yet prepared, then `finish_preparation` (join, modules): the run ends ready,
-    or failed with why. Sending it again resumes with the pieces left (runs.pieces)."""
+    piece (a file, or a range of a large one) not yet prepared, then `finish_preparation`
+    (join, modules): the run ends ready, or failed with why. Sending it again resumes with
+    the pieces left (runs.pieces)."""
     from dipaco_server.runs import pieces  # pyarrow and torch: not at the Celery app's start
 
     run = Run.objects.get(pk=run_id)
@@ -80,7 +81,7 @@ def prepare_run(self: Task, run_id: int, max_files: int | None = None) -> str:
     **RETRY,
 )
 def prepare_piece(self: Task, run_id: int, key: str, piece: int) -> int:
-    """One file tokenised, routed and uploaded as its part of every shard (runs.pieces)."""
+    """One piece tokenised, routed and uploaded as its part of every shard (runs.pieces)."""
     from dipaco_server.runs import pieces  # as in prepare_run
 
     run = Run.objects.get(pk=run_id)
@@ -148,34 +149,39 @@ def evaluate(self: Task, run_id: int, t: int) -> list[dict[str, object]]:
 
 @shared_task(bind=True, name="dipaco_server.runs.tasks.prepare_phase2", **RETRY)
 def prepare_phase2(self: Task, run_id: int) -> int:
-    """After phase 1: the base model, then one embed_chunk per chunk, then finish_phase2."""
-    from dipaco_server.runs.between import begin  # torch, as in evaluate above
+    """After phase 1: the base model and the router, then one route_chunk per chunk not yet
+    routed, then finish_phase2. Returns the number of chunks sent."""
+    from dipaco_server.runs.between import begin, pending  # torch, as in evaluate above
 
     run = Run.objects.get(pk=run_id)
     if run.state in TERMINAL:
         return 0
-    chunks = begin(run)
+    begin(run)
+    todo = pending(run, get_blob_store())
     options = same_queue(self)
-    embed = [embed_chunk.si(run_id, i).set(**options) for i in range(chunks)]
     done = finish_phase2.si(run_id).set(**options)
-    chord(embed)(done.on_error(fail_phase2.si(run_id).set(**options)))
-    logger.info("run %s: preparing phase 2, %d chunks to embed", run_id, chunks)
-    return chunks
+    if not todo:
+        done.apply_async()
+        return 0
+    route = [route_chunk.si(run_id, i).set(**options) for i in todo]
+    chord(route)(done.on_error(fail_phase2.si(run_id).set(**options)))
+    logger.info("run %s: preparing phase 2, %d chunks to route", run_id, len(todo))
+    return len(todo)
 
 
 @shared_task(
     bind=True,
-    name="dipaco_server.runs.tasks.embed_chunk",
+    name="dipaco_server.runs.tasks.route_chunk",
     acks_late=True,
     reject_on_worker_lost=True,
     **RETRY,
 )
-def embed_chunk(self: Task, run_id: int, chunk: int) -> int:
-    """Base-LM features of one chunk of documents (runs.between.embed_chunk)."""
-    from dipaco_server.runs.between import embed_chunk as embed  # torch, as above
+def route_chunk(self: Task, run_id: int, chunk: int) -> int:
+    """One chunk of documents tokenised, routed and stored (runs.between.route_chunk)."""
+    from dipaco_server.runs.between import route_chunk as route  # torch, as above
 
     run = Run.objects.get(pk=run_id)
-    return 0 if run.state in TERMINAL else embed(run, chunk)
+    return 0 if run.state in TERMINAL else route(run, chunk)
 
 
 @shared_task(bind=True, name="dipaco_server.runs.tasks.finish_phase2", **RETRY)

@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 from django.db import transaction
+from django.db.models import Q
 from django.utils import timezone
 from torch import Tensor
 
@@ -73,9 +74,9 @@ from dipaco_server.rounds.verification.context import (
     replica_past,
 )
 from dipaco_server.rounds.verification.credit import settle
-from dipaco_server.rounds.verification.scorer import Scorer
-from dipaco_server.rounds.verification.settlement import first_round_verdicts
-from dipaco_server.rounds.verification.unit_score import delta_bases
+from dipaco_server.rounds.verification.first_round import UNSETTLED, WAITING
+from dipaco_server.rounds.verification.scorer import Scorer, delta_bases
+from dipaco_server.rounds.verification.settlement import carried, first_round_verdicts
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
@@ -133,6 +134,16 @@ class StepResult:
     timings: dict[str, float] = field(default_factory=dict)
     whole_unit: int = 0  # a whole unit's tokens: credit's measure of work
     replicas: list[tuple[int, str]] = field(default_factory=list)  # (worker, counter it moves)
+    waited: bool = False  # an undecided first round: every Δ kept for the next step
+
+    def kept_reason(self, verdict: Verdict) -> str:
+        """Why a waiting step kept `verdict`'s Δ (first_round.KEPT)."""
+        if verdict.reason.startswith(UNSETTLED):
+            return f"{verdict.reason}; kept for the next round's step"
+        return (
+            f"{WAITING}: the module's first step waits for the next round's "
+            "evidence on a tie among other units; kept for that step"
+        )
 
     @property
     def accepted_median_norm(self) -> float | None:
@@ -156,6 +167,7 @@ def compute_step(
     scorer: ScoreFn | None = None,
     comm: CommConfig | None = None,
     first_round: Mapping[int, str] | None = None,
+    can_wait: bool = False,
 ) -> StepResult:
     """Verify, aggregate and step in `work`; the outputs stay there for the caller.
 
@@ -167,6 +179,9 @@ def compute_step(
     the base version; `scorer`: proof of useful work (rounds.verification.rules). With `comm` whose
     ``download_codec`` is not fp32, the step is published as an encoded update and the
     weights are the base plus exactly its decoded values (rounds.outer.publish.encode_update).
+    `can_wait`: a next round of the phase exists, so an undecided first round
+    (first_round.UNSETTLED) makes the step wait (`StepResult.waited`) instead of stepping
+    without the held Δs.
     """
     clock = time.perf_counter()
     with stages.timed("checks"):
@@ -176,6 +191,12 @@ def compute_step(
         )  # fmt: skip
     result = StepResult(verdicts, replicas=replicas)
     result.timings["verify"] = time.perf_counter() - clock
+    if can_wait and any(v.reason.startswith(UNSETTLED) for v in verdicts):
+        for v in verdicts:
+            v.release()
+        result.waited = True
+        result.seconds = time.perf_counter() - clock
+        return result
     norms = [v.norm for v in result.verdicts if v.norm is not None]
     result.median_norm = statistics.median(norms) if norms else None
     accepted = aggregated(result.verdicts)
@@ -244,13 +265,14 @@ def step_module(
             "outer step runs after it (close_round waits for that)"
         )
     store = store or get_blob_store()
-    pending = Contribution.objects.filter(
-        module=module, unit__round=round_, status=Contribution.Status.PENDING
+    # The round's Δs, and those a waiting first step kept from earlier rounds (settlement.carried).
+    pending = Contribution.objects.filter(module=module).filter(
+        Q(unit__round=round_, status=Contribution.Status.PENDING) | carried(run_id, t)
     )
     # Path by path, then replica, as dipaco simulate adds them: a float sum depends on its
     # order, and completion order (pk) depends on which worker finished first.
     ordered = pending.select_related("lease", "unit__path").order_by(
-        "unit__path__index", "unit__replica", "pk"
+        "unit__round__t", "unit__path__index", "unit__replica", "pk"
     )
     rows = list(ordered)
     whole_unit = unit_tokens(config)
@@ -287,6 +309,7 @@ def step_module(
                 store, uploads, base, spec, outer, work, round_index=round_index,
                 trained_start=trained_start, history=history, momentum=momentum,
                 scorer=scorer, comm=config.comm, first_round=settled,
+                can_wait=round_index + 1 < config.rounds,
             )  # fmt: skip
         result.whole_unit = whole_unit
         with stages.timed("publishing"):
@@ -337,8 +360,9 @@ def _commit(
     """Blobs, version, contributions and the OuterStep row: all visible at once, or none."""
     run_id, module_id, t = module.run_id, module.module_id, round_.t
     now = timezone.now()
-    accepted = [v for v in result.verdicts if v.accepted]
-    rejected = [v for v in result.verdicts if not v.accepted]
+    settled = [] if result.waited else result.verdicts  # a waiting step settles none
+    accepted = [v for v in settled if v.accepted]
+    rejected = [v for v in settled if not v.accepted]
     done = OuterStep.objects.filter(round=round_, module=module).first()
     if done is not None:  # a duplicate delivery that finished first: nothing to write
         return _report(done, module_id, t, replayed=True)
@@ -366,10 +390,15 @@ def _commit(
             )
         for verdict in result.verdicts:
             status = "accepted" if verdict.accepted else "rejected"
-            Contribution.objects.filter(
+            pending = Contribution.objects.filter(
                 pk=verdict.upload.contribution_id, status=Contribution.Status.PENDING
-            ).update(status=status, reason=verdict.reason, verified_at=now)
-        settle(result.verdicts, result.replicas, result.whole_unit)
+            )
+            if result.waited:  # kept pending, with why, for the next round's step
+                pending.update(reason=result.kept_reason(verdict))
+            else:
+                pending.update(status=status, reason=verdict.reason, verified_at=now)
+        if not result.waited:
+            settle(result.verdicts, result.replicas, result.whole_unit)
         step = OuterStep.objects.create(
             round=round_,
             module=module,
@@ -395,7 +424,8 @@ def _commit(
         )
     if version is None:
         kept = base.version if base is not None else module.current_version
-        logger.warning("%s: no accepted contribution; it keeps version %s", where, kept)
+        why = "its Δs kept for the next round's" if result.waited else "no accepted contribution"
+        logger.warning("%s: %s; it keeps version %s", where, why, kept)
     return _report(step, module_id, t, replayed=False)
 
 

@@ -63,9 +63,15 @@ def replayed(run_id: int, t: int, rows: Sequence[Contribution]) -> set[int]:
     told, and the first to complete is not always the honest one (bench/attacks.py
     measured an honest worker refused that way), so they are left to the other checks.
     """
-    earlier = Contribution.objects.filter(
-        unit__round__run_id=run_id, unit__round__t__lt=t, sha256__in={c.sha256 for c in rows}
-    ).values_list("sha256", flat=True)
+    earlier = (
+        Contribution.objects.filter(
+            unit__round__run_id=run_id, unit__round__t__lt=t, sha256__in={c.sha256 for c in rows}
+        )
+        .exclude(
+            pk__in=[c.pk for c in rows]
+        )  # a Δ kept from an earlier round is no replay of itself
+        .values_list("sha256", flat=True)
+    )
     seen = set(earlier)
     return {c.pk for c in rows if c.sha256 in seen}
 

@@ -33,10 +33,14 @@ The evidence, in order (`settle`):
    windows are no such measure there: on one path the flipped Δ lowered the held-out loss
    more than the honest one (9.02 -> 7.92 against -> 8.16), so the unit's own windows are
    used, as rules.gain_rate does.
-5. Nothing decides: both sides' units are held out of the step (`UNSETTLED`), neither
-   accepted nor counted against their workers' trust. The module steps with the Δs that
-   were not disputed, if any; the held-out Δs are not carried into the next round's step
-   (their work is lost, not aggregated on a tie).
+5. Nothing decides: both sides' units are held (`UNSETTLED`), neither accepted nor
+   counted against their workers' trust, and every module with a held Δ waits: its step
+   settles none of its Δs, keeps its version, and keeps them all (`WAITING` for those not
+   disputed) for the next round's step, whose settlement sees them with that round's
+   units (more units, copies, gains: evidence). A Δ kept is relative to the version the
+   module still has, so it aggregates with the next round's as if trained then. In a
+   phase's last round there is no next step: the held units are left out and the module
+   steps with the rest (outer.step).
 
 Pure functions without Django: bench/attacks.py runs the same rule.
 """
@@ -51,7 +55,9 @@ from dipaco_server.rounds.verification import rules
 
 TIE_SHARE = 0.8
 AGAINST = "first_round_against"  # refused: the evidence found its side wrong
-UNSETTLED = "first_round_unsettled"  # held out: nothing decided (weak: no trust lost)
+UNSETTLED = "first_round_unsettled"  # held: nothing decided (weak: no trust lost)
+WAITING = "first_round_waiting"  # not disputed, kept with its module's held Δs
+KEPT = (UNSETTLED, WAITING)  # the codes of a pending Δ kept for the next round's step
 
 
 @dataclass(frozen=True)

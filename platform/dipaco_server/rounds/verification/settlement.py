@@ -1,6 +1,7 @@
 """The first round's settlement over whole units (first_round), read from the database and
 the store once per round and kept on the round (`Round.first_round`), so that every
-module's first step applies the same verdict to its Δs."""
+module's first step applies the same verdict to its Δs. The units a waiting step kept
+from earlier rounds (`carried`) are settled again with the round's own."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from django.db.models import Q
 
 from dipaco import codecs
 from dipaco.codecs import CodecError
@@ -38,7 +40,7 @@ def first_round_verdicts(
     stored = Round.objects.filter(pk=round_.pk).values_list("first_round", flat=True).first()
     if not isinstance(stored, dict):
         rows = list(
-            Contribution.objects.filter(unit__round=round_)
+            Contribution.objects.filter(Q(unit__round=round_) | carried(round_.run_id, round_.t))
             .select_related("module", "unit__path", "lease__worker")
             .order_by("lease_id", "module_id")
         )
@@ -50,6 +52,17 @@ def first_round_verdicts(
             logger.info("round %s's first steps: %s", round_.pk, verdicts)
         stored = Round.objects.filter(pk=round_.pk).values_list("first_round", flat=True).get()
     return {int(k): str(v) for k, v in (stored or {}).items()}
+
+
+def carried(run_id: int, t: int) -> Q:
+    """The Δs of earlier rounds that a waiting first step kept for round t's step
+    (first_round.KEPT: still pending, their reason says why): round t's settlement and its
+    modules' steps take them with the round's own."""
+    kept = Q(reason__startswith=first_round.UNSETTLED) | Q(reason__startswith=first_round.WAITING)
+    return (
+        Q(unit__round__run_id=run_id, unit__round__t__lt=t, status=Contribution.Status.PENDING)
+        & kept
+    )
 
 
 def _settle(
