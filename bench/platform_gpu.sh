@@ -1,0 +1,103 @@
+#!/usr/bin/env bash
+# The whole platform on one GPU machine, in one short lease: an embedded `dipaco server`
+# (SQLite, filesystem broker, local blobs; Celery on the CPU cores, its evaluation and
+# scoring on the GPU), one `dipaco-worker --device cuda`, and a run of 150M paths
+# (RunConfig.paper_150m() on a 2-level grid of 2 x 1 modules: 2 paths), 3 rounds of units
+# of 60 s of training at 64 x 1,024 tokens a step, outer.overlap delayed. Figures in
+# docs/figures/platform_gpu.json (bench/platform_gpu.py and bench/platform_gpu_figures.py
+# say what each one is and how it is measured).
+#
+#   bench/platform_gpu.sh                  # on the GPU machine, from the repository root
+#   DEVICE=cpu bench/platform_gpu.sh       # the dry run: tiny preset, CPU, /tmp output
+#
+# What the GPU machine needs: a CUDA build of torch with transformers and tokenizers (its
+# image has them), and the rest as wheels in .whl/ (an ignored folder, carried there),
+# installed into /tmp/site first; then this checkout itself is installed there (--no-deps,
+# for its entry points: `dipaco server` is found through them) while the code is imported
+# from the checkout (PYTHONPATH). Nothing is fetched at run time. The wheels, downloaded
+# here once (after `echo /.whl/ >> .git/info/exclude`), at the versions `make setup`
+# installs, for the machine's Python 3.12:
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#     --platform manylinux1_x86_64 -d .whl \
+#     django asgiref sqlparse django-ninja dj-database-url gunicorn celery kombu amqp vine \
+#     billiard click-didyoumean click-plugins click-repl prompt-toolkit wcwidth tzlocal \
+#     redis boto3 botocore s3transfer jmespath psycopg psycopg-binary psycopg-pool \
+#     pydantic pydantic-core annotated-types typing-inspection tenacity zstandard setuptools
+# (pin each to `.venv/bin/pip freeze`'s version; about 30 MB; setuptools builds the
+# checkout's metadata without an index).
+#
+# Time: the script fits BUDGET seconds (480: 8 minutes of a 15-minute lease, setup
+# included). 6 units x 60 s is 360 s of training; the rest is the corpus (MAX_CHARS of
+# this Python's site-packages, bench/corpus_jsonl.py), the server's start, the
+# probe (compiling the path once and timing it, beside the server's start: it sizes H to
+# 60 s of training, and fills torch's compile cache for the worker), the run's preparation
+# (tokenizer, router, shards, modules), the worker's start and its first fetch and step,
+# and the gaps between rounds. A run not finished by then is stopped, and its figures
+# written with "ended" saying so.
+#
+# Settings (environment; the dry run's defaults after the semicolons): DEVICE (cuda; cpu),
+# PRESET (150m; tiny), ROUNDS (3), PATHS (2), BATCH (sequences a step: 64; 4), UNIT_S (a
+# unit's training seconds: 60; 4), PROBE_STEPS (30; 8), BUDGET (480; 900), MAX_CHARS (the
+# corpus: 60000000; 2000000), OVERLAP (delayed), TASKS (Celery tasks at once: half the
+# cores), WORKER_THREADS (the worker's own default; 1), JSON (docs/figures/platform_gpu.json;
+# /tmp/platform_gpu_cpu.json: a CPU figure never goes where the GPU one does), WORK
+# (/tmp/platform-gpu: corpus, server data and logs), LOGS (a folder: the run's logs go
+# there as platform_gpu_logs.tgz), PYTHON (python3).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+started=$(date +%s.%N)
+device=${DEVICE:-cuda}
+if [ "$device" = cpu ]; then
+    preset=${PRESET:-tiny} batch=${BATCH:-4} unit_s=${UNIT_S:-4} probe_steps=${PROBE_STEPS:-8}
+    budget=${BUDGET:-900} max_chars=${MAX_CHARS:-2000000} threads=${WORKER_THREADS:-1}
+    out=${JSON:-/tmp/platform_gpu_cpu.json}
+else
+    preset=${PRESET:-150m} batch=${BATCH:-64} unit_s=${UNIT_S:-60} probe_steps=${PROBE_STEPS:-30}
+    budget=${BUDGET:-480} max_chars=${MAX_CHARS:-60000000} threads=${WORKER_THREADS:-}
+    out=${JSON:-docs/figures/platform_gpu.json}
+fi
+work=${WORK:-/tmp/platform-gpu}
+py=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+if [ -d .whl ] && compgen -G ".whl/*.whl" >/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
+# The checkout's packages first, then its metadata (entry points) where it has none.
+export PYTHONPATH=$PWD:$PWD/platform:$PWD/web${PYTHONPATH:+:$PYTHONPATH}
+if ! "$py" -c 'import importlib.metadata as m; m.version("dipaco")' 2>/dev/null; then
+    "$py" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+        --no-cache-dir --upgrade --target /tmp/site .
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+"$py" -c 'import torch, transformers, django, celery; print(f"torch {torch.__version__}, "
+    f"transformers {transformers.__version__}, django {django.__version__}, "
+    f"celery {celery.__version__}, cuda {torch.cuda.is_available()}")'
+if [ "$device" != cpu ]; then
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+fi
+
+mkdir -p "$work"
+corpus=$work/corpus-$max_chars.jsonl
+if [[ ! -s $corpus ]]; then
+    site=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+    "$py" bench/corpus_jsonl.py "$site" --max-chars "$max_chars" --out "$corpus"
+fi
+echo "setup and corpus: $(date +%s.%N | awk -v s="$started" '{printf "%.0f", $1 - s}') s"
+
+status=0
+"$py" bench/platform_gpu.py --device "$device" --preset "$preset" --rounds "${ROUNDS:-3}" \
+    --paths "${PATHS:-2}" --batch "$batch" --unit-seconds "$unit_s" \
+    --probe-steps "$probe_steps" --overlap "${OVERLAP:-delayed}" --corpus "$corpus" \
+    --budget "$budget" --started-at "$started" --work-dir "$work" --json "$out" \
+    ${TASKS:+--task-concurrency "$TASKS"} ${threads:+--worker-threads "$threads"} || status=$?
+if [ -n "${LOGS:-}" ]; then
+    mkdir -p "$LOGS"
+    run=$(ls -td "$work"/run-* | head -1)
+    tar czf "$LOGS/platform_gpu_logs.tgz" -C "$run" logs
+fi
+echo "total: $(date +%s.%N | awk -v s="$started" '{printf "%.0f", $1 - s}') s (budget $budget s); $out"
+exit "$status"

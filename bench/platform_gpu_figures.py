@@ -1,0 +1,242 @@
+"""bench/platform_gpu.py's measurements: memory while the run goes, and the figures of the
+JSON from what the worker printed and the server's API served (pure functions: tests give
+them canned inputs)."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import threading
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from dipaco.config import RunConfig
+from dipaco.flops import flops_per_token, peak_flops
+
+SAMPLE_S = 0.5
+
+# --- memory: the server's process tree, the GPU --------------------------------------------
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and its descendants, from /proc (Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry.name))
+    found, queue = [], [root]
+    while queue:
+        pid = queue.pop()
+        found.append(pid)
+        queue.extend(children.get(pid, []))
+    return found
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        pages = int(Path(f"/proc/{pid}/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def gpu_memory() -> tuple[int | None, dict[int, int]]:
+    """(device memory used, used memory by pid) in bytes, from nvidia-smi; (None, {})
+    where there is none."""
+    try:
+        device = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+        apps = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return None, {}
+    used = sum(int(x) for x in device.split() if x.strip().isdigit()) * 2**20
+    by_pid = {}
+    for line in apps.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) == 2 and parts[0].isdigit() and parts[1].isdigit():
+            by_pid[int(parts[0])] = int(parts[1]) * 2**20
+    return used, by_pid
+
+
+class MemorySampler(threading.Thread):
+    """Peaks of the server tree's summed RSS, the worker's RSS and GPU memory (device,
+    server processes, worker), every SAMPLE_S seconds until stopped."""
+
+    def __init__(self, server_pid: int, gpu: bool) -> None:
+        super().__init__(name="memory-sampler", daemon=True)
+        self.server_pid, self.gpu = server_pid, gpu
+        self.worker_pid: int | None = None
+        self.peaks: dict[str, int | None] = {
+            "server_rss_bytes": 0, "server_processes": 0, "worker_rss_bytes": 0,
+            "gpu_bytes": None, "gpu_server_bytes": None, "gpu_worker_bytes": None,
+        }  # fmt: skip
+        self.done = threading.Event()
+
+    def _peak(self, key: str, value: int | None) -> None:
+        if value is not None:
+            self.peaks[key] = max(self.peaks[key] or 0, value)
+
+    def run(self) -> None:
+        while not self.done.wait(SAMPLE_S):
+            server = process_tree(self.server_pid)
+            self._peak("server_rss_bytes", sum(rss_bytes(p) for p in server))
+            self._peak("server_processes", len(server))
+            worker = process_tree(self.worker_pid) if self.worker_pid else []
+            self._peak("worker_rss_bytes", sum(rss_bytes(p) for p in worker))
+            if self.gpu:
+                used, by_pid = gpu_memory()
+                self._peak("gpu_bytes", used)
+                self._peak("gpu_server_bytes", sum(by_pid.get(p, 0) for p in server))
+                self._peak("gpu_worker_bytes", sum(by_pid.get(p, 0) for p in worker))
+
+    def stop(self) -> dict[str, int | None]:
+        self.done.set()
+        self.join(timeout=30)
+        return dict(self.peaks)
+
+
+# --- the figures ------------------------------------------------------------------------------
+
+
+def stamp(value: str) -> float:
+    return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+
+
+def worker_figures(
+    events: list[dict[str, Any]], step_tokens: int, flops_token: float, peak: float | None
+) -> dict[str, Any]:
+    """Utilisation and MFU from the worker's JSON events (`dipaco-worker --json-logs`).
+
+    A unit's first step event comes after its first step, whose seconds (step tokens over
+    that event's tokens/s) hold the compile on the worker's first unit. The window is
+    from the first unit's first step event to the last unit's last (its final step):
+    **utilisation** = the units' training seconds (``train_seconds`` of each completion)
+    less the first unit's first step, over that window; **mfu** = the tokens trained in
+    it over it, as a share of the device's peak; **unit_mfu** = the median over units of
+    their own tokens/s (the worker's figure for a unit; the first one's without its first
+    step). Everything before the window
+    (server start, preparation, enrolment, the first fetch, compiling) is the
+    "before_first_step" seconds, reported apart.
+    """
+    steps = [e for e in events if e.get("event") == "step"]
+    done = [e for e in events if e.get("event") == "completed"]
+    if not steps or not done:
+        return {"units": len(done), "utilisation": None, "mfu": None, "unit_mfu": None}
+    first = steps[0]
+    first_step_s = step_tokens * int(first.get("step", 1)) / float(first["tokens_per_second"])
+    window = stamp(steps[-1]["time"]) - stamp(first["time"])
+    train = sum(float(e["train_seconds"]) for e in done)
+    tokens = sum(float(e["train_seconds"]) * float(e["tokens_per_second"]) for e in done)
+    first_tokens = step_tokens * int(first.get("step", 1))
+    trained_in_window = tokens - first_tokens
+    # each unit's own tokens/s; the first unit's without its first step (the compile)
+    speeds = [float(e["tokens_per_second"]) for e in done]
+    head = float(done[0]["train_seconds"]) - first_step_s
+    if head > 0:
+        speeds[0] = (float(done[0]["train_seconds"]) * speeds[0] - first_tokens) / head
+    unit_speed = statistics.median(speeds)
+
+    def share(tokens_per_s: float) -> float | None:
+        return None if peak is None else tokens_per_s * flops_token / peak
+
+    mfu = share(trained_in_window / window) if window > 0 else None
+    unit_mfu = share(unit_speed)
+    return {
+        "units": len(done),
+        "train_seconds": train,
+        "window_seconds": window,
+        "first_step_seconds": first_step_s,
+        "utilisation": (train - first_step_s) / window if window > 0 else None,
+        "tokens": tokens,
+        "tokens_per_second": trained_in_window / window if window > 0 else None,
+        "unit_tokens_per_second": unit_speed,
+        "mfu": mfu,
+        "unit_mfu": unit_mfu,
+        "mfu_vs_unit": mfu / unit_mfu if mfu is not None and unit_mfu else None,
+        "unit_seconds": [float(e["train_seconds"]) for e in done],
+        "unit_steps": [int(float(e.get("steps", 0))) for e in done],
+    }
+
+
+def round_figures(
+    rounds: list[dict[str, Any]], losses: list[dict[str, Any]], traffic: list[dict[str, int]]
+) -> list[dict[str, Any]]:
+    """Each round (oldest first): its wall seconds, every stage's wall and summed task
+    seconds (GET /runs/{id}/rounds), the validation loss after it (mean over paths and
+    per path, GET /runs/{id}/metrics?name=val_loss) and the bytes it moved."""
+    by_round: dict[int, dict[int, float]] = {}
+    for point in losses:
+        if point.get("round") is not None and point.get("path") is not None:
+            by_round.setdefault(int(point["round"]), {})[int(point["path"])] = point["value"]
+    moved = {r["round"]: r for r in traffic}
+    out = []
+    for r in sorted(rounds, key=lambda r: r["t"]):
+        t = r["t"]
+        closed = r.get("closed_at")
+        paths = by_round.get(t, {})
+        out.append({
+            "round": t,
+            "state": r.get("state"),
+            "wall_seconds": stamp(closed) - stamp(r["opened_at"]) if closed else None,
+            "stages": {s["stage"]: {"wall_seconds": s["wall_seconds"], "seconds": s["seconds"],
+                                    "tasks": s["tasks"]} for s in r.get("stages", [])},
+            "val_loss": sum(paths.values()) / len(paths) if paths else None,
+            "val_loss_by_path": [paths[p] for p in sorted(paths)],
+            "upload_bytes": moved.get(t, {}).get("upload", 0),
+            "download_bytes": moved.get(t, {}).get("download", 0),
+        })  # fmt: skip
+    return out
+
+
+def summarise(
+    events: list[dict[str, Any]],
+    rounds: list[dict[str, Any]],
+    losses: list[dict[str, Any]],
+    traffic: list[dict[str, int]],
+    config: RunConfig,
+    device: str,
+) -> dict[str, Any]:
+    """The JSON's figures: "device", "params", "utilisation", "mfu" (worker_figures),
+    "rounds" (round_figures) and the bytes moved each way in all."""
+    step_tokens = config.inner.batch_size * config.model.seq_len
+    peak = peak_flops(device)
+    worker = worker_figures(events, step_tokens, flops_per_token(config.model), peak)
+    return {
+        "device": device,
+        "params": config.num_params(),
+        "utilisation": worker["utilisation"],
+        "mfu": worker["mfu"],
+        "unit_mfu": worker["unit_mfu"],
+        "rounds": round_figures(rounds, losses, traffic),
+        "upload_bytes": sum(r["upload"] for r in traffic),
+        "download_bytes": sum(r["download"] for r in traffic),
+        "worker": worker,
+        "peak_flops": peak,
+        "step_tokens": step_tokens,
+    }
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    events = []
+    for line in path.read_text("utf-8", errors="replace").splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict):
+            events.append(event)
+    return events
