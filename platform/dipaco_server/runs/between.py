@@ -71,7 +71,7 @@ from dipaco.inference import export_state
 from dipaco.modular import init_modules_from_base, module_spec
 from dipaco.modules_file import read_module
 from dipaco.routing.router import Router
-from dipaco_server.runs import keys, phases
+from dipaco_server.runs import keys, phases, pieces
 from dipaco_server.runs.checkpoint import base_model, load_base_state, write_base_model
 from dipaco_server.runs.device import autocast, server_device
 from dipaco_server.runs.evaluate import evaluate_start_or_log
@@ -136,8 +136,6 @@ def begin(run: Run, *, store: BlobStore | None = None) -> int:
 def chunk_key(store: BlobStore, run_id: int, chunk: int) -> str:
     """Where chunk ``chunk``'s documents are: piece ``chunk`` of the run's preparation
     (runs.pieces.documents_key), or the chunk an older preparation wrote whole."""
-    from dipaco_server.runs import pieces  # pieces imports runs.prepare, as this module does
-
     pointer = keys.documents_index_key(run_id)
     if not store.exists(pointer):
         return keys.documents_key(run_id, chunk)
