@@ -18,11 +18,14 @@ import pytest
 import torch
 
 from dipaco import codecs
+from dipaco.config import OuterConfig
 from dipaco.data.windows import ShardSource
 from dipaco_server.rounds.models import Contribution
 from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
 from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.rounds.verification import persistence
+from dipaco_server.rounds.verification.checks import compare_replicas
+from dipaco_server.rounds.verification.uploads import Upload, Verdict
 from dipaco_server.runs.models import Run
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers import probation
@@ -145,3 +148,38 @@ def test_repetition_needs_two_partners_a_real_difference_and_a_repeated_directio
     assert torch.allclose(stored, now.double(), rtol=1e-6)
     with pytest.raises(ValueError, match="float32 values"):
         persistence.from_bytes(b"\0" * 12)
+
+
+def verdict(tmp_path: Path, pk: int, worker: int, delta: torch.Tensor, **upload: Any) -> Any:
+    """A verdict of the step whose Δ (one tensor "w") is already decoded to its raw copy."""
+    raw = tmp_path / f"{pk}.f32"
+    raw.write_bytes(delta.float().contiguous().view(torch.uint8).numpy().tobytes())
+    sha = hashlib.sha256(raw.read_bytes()).hexdigest()
+    up = Upload(pk, worker, f"k{pk}", 0, sha, 1, unit_id=1, **upload)
+    return Verdict(up, norm=float(delta.norm()), raw=raw)
+
+
+def test_a_copy_far_from_a_lazy_one_goes_to_the_evidence_not_the_repetition_rule(
+    tmp_path: Path,
+) -> None:
+    """An honest original whose earlier differences as the check copy (cold minus warm,
+    against two partners) point along its Δ, paired with a lazy check copy (0.1 x): its
+    difference is 0.9 x its Δ, which repeats them. The two disagree anyway (norms 10 x
+    apart), so the evidence settles them (none here: neither refused), never the
+    repetition alone; a close copy whose difference repeats them is still refused."""
+    spec = {"w": ((4096,), torch.float32)}
+    direction = torch.randn(4096, generator=torch.Generator().manual_seed(1))
+    cold_minus_warm = [
+        persistence.to_bytes(
+            persistence.difference_sketch({"w": k * direction}, {"w": 0 * direction}, spec)[0]
+        )
+        for k in (0.4, 0.5)
+    ]
+    past = ((20, True, cold_minus_warm[0]), (21, True, cold_minus_warm[1]))
+    cfg = OuterConfig()
+    for partner, refused in ((0.1, False), (0.7, True)):
+        honest = verdict(tmp_path, 1, 7, direction, replica_past=past)
+        other = verdict(tmp_path, 2, 8, partner * direction, check_of=1)
+        compare_replicas([honest, other], spec, cfg)
+        assert honest.accepted != refused, honest.reason
+        assert other.accepted

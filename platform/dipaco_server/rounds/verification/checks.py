@@ -244,7 +244,11 @@ def compare_replicas(
         a, b = original.decoded(spec), check.decoded(spec)
         repeats = _repeated(pair, a, b, spec)
         flagged = [i for i, why in enumerate(repeats) if why]
-        if len(flagged) == 1:  # only that worker's copies keep adding one direction
+        # Only that worker's copies keep adding one direction, and the two are close enough
+        # to pass as agreeing (what the rule is for). Copies that disagree anyway go to
+        # the evidence: against a lazy or zero copy, an honest copy's difference is its own
+        # Δ in either role, which can look like its earlier cold-minus-warm differences.
+        if len(flagged) == 1 and rules.replicas_agree(a, b, cfg)[0]:
             outcome = rules.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
         else:
             outcome = rules.settle_replicas(
