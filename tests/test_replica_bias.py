@@ -183,3 +183,5 @@ def test_a_copy_far_from_a_lazy_one_goes_to_the_evidence_not_the_repetition_rule
         compare_replicas([honest, other], spec, cfg)
         assert honest.accepted != refused, honest.reason
         assert other.accepted
+        # a difference from a far-off copy is no evidence in later rounds; a close one is
+        assert (honest.sketch is None) == (partner == 0.1)

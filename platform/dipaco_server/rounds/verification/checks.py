@@ -248,7 +248,8 @@ def compare_replicas(
         # to pass as agreeing (what the rule is for). Copies that disagree anyway go to
         # the evidence: against a lazy or zero copy, an honest copy's difference is its own
         # Δ in either role, which can look like its earlier cold-minus-warm differences.
-        if len(flagged) == 1 and rules.replicas_agree(a, b, cfg)[0]:
+        close = rules.replicas_agree(a, b, cfg)[0]
+        if len(flagged) == 1 and close:
             outcome = rules.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
         else:
             outcome = rules.settle_replicas(
@@ -273,7 +274,9 @@ def compare_replicas(
                 check.upload.worker_id,
                 original.upload.worker_id,
             )
-        elif outcome.kind == "disagree" and outcome.loser is not None:
+        if not close:  # a difference from a far-off copy is that copy's error, not evidence
+            original.sketch = check.sketch = original.partner = check.partner = None
+        if outcome.kind == "disagree" and outcome.loser is not None:
             loser = pair[outcome.loser]
             moves.append((loser.upload.worker_id, "replicas_disagreed"))
             loser.reject(
