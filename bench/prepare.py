@@ -276,9 +276,9 @@ def run_pieces(
         spans = planned["spans"]
         pending = [piece_task.delay(str(corpus), str(out), p, spans[p]) for p in todo]
         while pending and (stop_after is None or done < stop_after):
-            ready = [r for r in pending if r.ready()]
-            pending = [r for r in pending if not r.ready()]
-            for result in ready:
+            states = [(r, r.ready()) for r in pending]  # once each: a result readied
+            pending = [r for r, ready in states if not ready]  # meanwhile waits a turn
+            for result in (r for r, ready in states if ready):
                 r = result.get()
                 chars += r["chars"]
                 cpu += r["cpu_s"]
@@ -339,7 +339,7 @@ def measure(work: Path, texts: list[str], scale: float) -> dict[str, Any]:
             join_s, written_bytes = join(corpus, out, planned["pieces"])
             key = f"{size}_{processes}p"
             figures[key] = {
-                **{k: v for k, v in planned.items() if k != "pieces"}, **r, "join_s": join_s, "bytes_written": written_bytes,
+                **{k: v for k, v in planned.items() if k not in ("pieces", "spans")}, **r, "join_s": join_s, "bytes_written": written_bytes,
                 "chars_per_s_per_process": r["chars"] / r["seconds"] / processes,
             }  # fmt: skip
             print(key, json.dumps(figures[key]), "load", os.getloadavg(), flush=True)
