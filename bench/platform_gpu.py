@@ -277,7 +277,7 @@ def follow(
         if worker.poll() not in (None, 0):
             return f"dipaco-worker exited with {worker.returncode}"
         if time.time() - clock.started > deadline:
-            return f"the run was not finished {deadline:.0f} s after the start"
+            return f"stopped: the run was not finished {deadline:.0f} s after the start"
         time.sleep(POLL_S)
     waited = time.monotonic() + EVAL_WAIT_S
     while time.monotonic() < waited:
@@ -323,7 +323,8 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
         worker = start_worker(args, server.url, enrollment, root, environ)
         sampler.worker_pid = worker.pid
         clock.mark("worker_started")
-        found["ended"] = follow(admin, run_id, config.rounds, worker, args.budget, clock)
+        stop = args.stop_after or args.budget + 80
+        found["ended"] = follow(admin, run_id, config.rounds, worker, stop, clock)
         clock.say(f"run {run_id}: {found['ended']}")
         found["rounds"] = admin.call("GET", f"/runs/{run_id}/rounds")
         found["losses"] = admin.metrics(run_id, "val_loss")
@@ -418,7 +419,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--task-concurrency", type=int, default=max(2, (os.cpu_count() or 2) // 2),
         help="Celery tasks at once (%(default)s: half the cores)")  # fmt: skip
     add("--worker-threads", type=int, help="the worker's torch threads (default: its own)")
-    add("--budget", type=float, default=480.0, help="seconds from --started-at (%(default)s)")
+    add("--budget", type=float, default=480.0,
+        help="the goal: seconds from --started-at to the end (%(default)s)")  # fmt: skip
+    add("--stop-after", type=float,
+        help="stop a run not finished this long after --started-at (default: budget + 80)")  # fmt: skip
     add("--started-at", type=float, help="when the whole script began (epoch; default: now)")
     add("--work-dir", type=Path, default=Path("/tmp/platform-gpu"), help="data and logs")
     add("--json", type=Path, required=True, help="where the figures go")
