@@ -334,11 +334,12 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
         config, found["probe"] = sized_config(args, probe_run, root / "probe.json", clock)
         found["config"] = config
         clock.mark("sized")
-        found["run_id"] = run_id = prepare(admin, config, args.corpus, clock, "run")
-        admin.move(run_id, "start")
+        # The worker starts (imports, enrols, asks for work) while the run makes its modules.
         worker = start_worker(args, server.url, enrollment, root, environ)
         sampler.worker_pid = worker.pid
         clock.mark("worker_started")
+        found["run_id"] = run_id = prepare(admin, config, args.corpus, clock, "run")
+        admin.move(run_id, "start")
         stop = args.stop_after or args.budget + 80
         found["ended"] = follow(admin, run_id, config.rounds, worker, stop, clock)
         clock.say(f"run {run_id}: {found['ended']}")
