@@ -42,7 +42,8 @@
 # PRESET (150m; tiny), ROUNDS (3), PATHS (2), BATCH (sequences a step: 64; 4), UNIT_S (a
 # unit's training seconds: 60; 4), PROBE_STEPS (30; 8), BUDGET (480; 900), STOP_AFTER
 # (BUDGET + 80), MAX_CHARS (the corpus: 60000000; 2000000), OVERLAP (delayed), TASKS
-# (Celery tasks at once: half the cores), WORKER_THREADS (the worker's own default; 1),
+# (Celery tasks at once: half the cores), SERVER_DEVICE (DIPACO_SERVER_DEVICE: DEVICE; cpu
+# keeps the server's forward passes off the GPU), WORKER_THREADS (the worker's own; 1),
 # JSON (docs/figures/platform_gpu.json; /tmp/platform_gpu_cpu.json: a CPU figure never
 # goes where the GPU one does), WORK (/tmp/platform-gpu: corpus, server data and logs),
 # LOGS (a folder: the run's logs go there as platform_gpu_logs.tgz), PYTHON (python3).
@@ -96,6 +97,7 @@ status=0
     --probe-steps "$probe_steps" --overlap "${OVERLAP:-delayed}" --corpus "$corpus" \
     --budget "$budget" --started-at "$started" --work-dir "$work" --json "$out" \
     ${STOP_AFTER:+--stop-after "$STOP_AFTER"} ${TASKS:+--task-concurrency "$TASKS"} \
+    ${SERVER_DEVICE:+--server-device "$SERVER_DEVICE"} \
     ${threads:+--worker-threads "$threads"} || status=$?
 if [ -n "${LOGS:-}" ]; then
     mkdir -p "$LOGS"
