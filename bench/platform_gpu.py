@@ -465,7 +465,10 @@ def main(argv: list[str] | None = None) -> int:
     figures = report(args, found, root, clock)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    share = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+
+    def share(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
     print(f"{found['ended']}: utilisation {share(figures['utilisation'])}, MFU "
           f"{share(figures['mfu'])} (units' {share(figures['unit_mfu'])}), "
           f"{figures['seconds']:.0f} s of {args.budget:.0f}; wrote {args.json}")  # fmt: skip
