@@ -22,9 +22,10 @@ SAMPLE = 24  # documents the router fits on: far fewer than the corpus's
 
 
 @pytest.fixture(autouse=True)
-def small_chunks(monkeypatch: pytest.MonkeyPatch, settings: Any, tmp_path: Path) -> Iterator[None]:
+def local_store_small_sample(
+    monkeypatch: pytest.MonkeyPatch, settings: Any, tmp_path: Path
+) -> Iterator[None]:
     settings.DIPACO_BLOB_STORE = {"backend": "local", "root": tmp_path / "blobs"}
-    monkeypatch.setattr(prepare, "MIN_CHUNK_DOCS", 16)  # several chunks from a few hundred
     monkeypatch.setattr(between, "ROUTER_SAMPLE_DOCS", SAMPLE)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -42,12 +43,11 @@ def after_phase1() -> Run:
     return run
 
 
-def documents(run: Run) -> list[dict[str, str]]:
+def documents(run: Run, work: Path) -> list[tuple[str, str]]:
+    """(split, text) of every document kept for phase 2, chunk by chunk (a piece each)."""
     store = get_blob_store()
     return [
-        json.loads(line)
-        for i in range(run.phase_chunks)
-        for line in store.get_bytes(keys.documents_key(run.pk, i)).decode().splitlines()
+        doc for i in range(run.phase_chunks) for doc in between.documents(store, run.pk, i, work)
     ]
 
 
@@ -74,8 +74,8 @@ def test_the_router_fits_on_the_sample_and_every_document_is_routed(
 
     monkeypatch.setattr(Router, "fit", classmethod(spy))
     run = after_phase1()
-    docs = documents(run)
-    train = [d["text"] for d in docs if d["split"] == "train"]
+    docs = documents(run, tmp_path)
+    train = [text for split, text in docs if split == "train"]
     assert run.phase_chunks >= 4 and len(train) > 4 * SAMPLE
 
     chunks = between.begin(run)

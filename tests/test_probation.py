@@ -69,11 +69,40 @@ def test_a_check_copy_is_drawn_at_random_away_from_the_last_partner() -> None:
     assert picks == {10, 12}
     assert probation.pick_check([(11, 2)], 2, rng) == 11  # the only one on offer
     assert probation.pick_check([], None, rng) is None
+
+
+def evidence(*pairs: tuple[int, bool], queued: int = 0) -> probation.Evidence:
+    return probation.Evidence(frozenset(pairs), queued)
+
+
+def test_a_newcomer_is_replicated_only_while_a_copy_can_bring_what_it_lacks() -> None:
+    needs = lambda *pairs, queued=0: probation.replicate_newcomer(  # noqa: E731
+        evidence(*pairs, queued=queued), 3
+    )
+    assert needs()
+    assert needs((1, False))  # two partners short; its one check copy brings one
+    assert not needs((1, False), (2, False))  # its check copy to come brings the third
+    assert needs((1, False), (2, True))  # both roles: only its originals bring more
+    assert needs((1, True), (2, True), (3, True))  # never compared as the original
+    assert not needs((1, True), (2, True), queued=1)  # its copy waiting brings both
+    assert not needs((1, False), (2, True), (3, False))
+
+
+def test_a_check_copy_goes_to_a_new_partner_an_established_one_first() -> None:
+    offered = [(10, 1), (11, 2), (12, 5)]  # (unit, its original's worker); 5 is established
+    newcomers = {1, 2}
+    pool = lambda standing, ev: probation.check_pool(offered, newcomers, standing, ev, 3)  # noqa: E731
     newcomer = probation.Standing(probation=True)
-    assert probation.prefer_check(newcomer, False)
-    assert probation.prefer_check(probation.Standing(operator_trusted=True), False)
-    assert not probation.prefer_check(probation.Standing(), False)
-    assert probation.prefer_check(probation.Standing(), True)  # a newcomer's unit waits
+    assert pool(newcomer, evidence()) == [(12, 5)]
+    assert pool(newcomer, evidence((5, False))) == [(10, 1), (11, 2)]
+    # every worker on offer a partner already: a check copy only for the role it lacks
+    assert pool(newcomer, evidence((1, False), (2, False), (5, False))) == [(12, 5)]
+    assert pool(newcomer, evidence((1, True), (2, True), (5, True))) == []
+    # a newcomer whose pairings suffice, and an established worker: newcomers' new partners
+    assert pool(newcomer, evidence((3, False), (4, True), (6, False))) == [(10, 1), (11, 2)]
+    assert pool(newcomer, evidence((1, False), (4, True), (6, False))) == [(11, 2)]
+    assert pool(probation.Standing(), evidence((1, True))) == [(11, 2)]
+    assert pool(probation.Standing(operator_trusted=True), evidence()) == [(10, 1), (11, 2)]
 
 
 # --- on the real services ----------------------------------------------------------------------
@@ -129,6 +158,55 @@ def test_a_new_worker_is_replicated_in_both_roles_until_trusted_and_honest_ones_
     assert not WorkUnit.objects.filter(
         round_id=established.round_id, replica__gte=CHECK_OFFSET
     ).exists()
+
+
+def wave_round(run: Run, workers: list[Worker], sources: dict[int, ShardSource], t: int) -> int:
+    """Round t as concurrent workers meet it: in waves, each worker asks once (in an order
+    that turns each wave), then every granted unit is trained and handed in; until a wave
+    is granted nothing. Then the round's step. Returns the check copies trained."""
+    checks, wave = 0, 0
+    while True:
+        order = workers[wave % len(workers) :] + workers[: wave % len(workers)]
+        granted = [(w, grant_lease(w)) for w in order]
+        granted = [(w, g) for w, g in granted if g is not None]
+        if not granted:
+            break
+        for w, g in granted:
+            assert g.unit.round.t == t
+            checks += g.unit.replica >= CHECK_OFFSET
+            deltas = added(honest_deltas(run, g.unit, sources), 600 + 10 * t + w.pk % 10, 0.3)
+            hand_in(w, g, deltas, TOKENS * run.run_config.model.seq_len)
+        wave += 1
+    step_round(run, t, ALL_MODULES)
+    return checks
+
+
+@pytest.mark.django_db
+def test_four_newcomers_leave_probation_in_two_rounds_with_six_copies(
+    tmp_path: Path, settings: Any
+) -> None:
+    """Four honest newcomers on the 2x2 grid, three partners each: the schedule pairs each
+    with a partner it has not had, in the role it lacks, and replicates only what brings
+    one; every worker leaves probation after two rounds, and later originals are only
+    audited (at rate 0 here)."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
+    sources = with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    copies, on_probation = [], []
+    for t in range(3):
+        copies.append(wave_round(run, workers, sources, t))
+        for w in workers:
+            w.refresh_from_db()
+        on_probation.append(sum(w.probation for w in workers))
+    assert copies == [4, 2, 0]  # the six edges of the complete graph on four workers
+    assert on_probation == [4, 0, 0]
+    for w in workers:
+        assert probation.probation_progress(w.partners) == (3, True, True)
+        assert w.contributions_rejected == 0 and w.trust == 1.0
+    assert not Contribution.objects.filter(unit__round__run=run).exclude(reason="").exists()
 
 
 @pytest.mark.django_db

@@ -228,22 +228,33 @@ def test_a_token_budget_keeps_a_seeded_share_of_the_records(tmp_path: Path) -> N
     assert abs(kept - 6000) < 0.3 * 6000
 
 
-def test_a_large_file_is_cut_into_pieces_with_the_shards_of_the_whole_file(tmp_path: Path) -> None:
+def test_a_large_file_is_cut_into_pieces_with_the_shards_of_the_whole_file(
+    tmp_path: Path, s3_server: S3Server, s3_bucket: str
+) -> None:
     data = records(files=2, rows=120)
     write_parquet(tmp_path / "parquet", data)  # row groups of 16 rows
     (tmp_path / "jsonl").mkdir()
+    client = s3_server.client()
     for f, rows in enumerate(data):
-        (tmp_path / "jsonl" / f"{name(f, len(data))}.jsonl").write_bytes(jsonl_bytes(rows))
+        file = f"{name(f, len(data))}.jsonl"
+        (tmp_path / "jsonl" / file).write_bytes(jsonl_bytes(rows))
+        client.put_object(Bucket=s3_bucket, Key=f"ranges/{file}", Body=jsonl_bytes(rows))
+    s3 = S3Options(s3_server.endpoint_url, s3_server.access_key_id, s3_server.secret_access_key)
     expected = shards(str(tmp_path / "parquet"), tmp_path / "out-whole")
-    for fmt, ranged in (("parquet", "groups"), ("jsonl", "offset")):
-        listing = corpus_listing(str(tmp_path / fmt))
+    cases = {
+        "parquet": (str(tmp_path / "parquet"), "groups"),
+        "jsonl": (str(tmp_path / "jsonl"), "offset"),
+        "s3": (f"s3://{s3_bucket}/ranges", "offset"),  # range reads of the object
+    }
+    for case, (source, ranged) in cases.items():
+        listing = corpus_listing(source, s3=s3)
         index, scan = prepare_listing(
-            config(), listing, tmp_path / f"out-{fmt}", tokenizer_chars=20_000, piece_bytes=3000
+            config(), listing, tmp_path / f"out-{case}", tokenizer_chars=20_000, piece_bytes=3000
         )
-        assert len(scan.spans) > 2 * len(listing.files), fmt
+        assert len(scan.spans) > 2 * len(listing.files), case
         assert {span.file for span in scan.spans} == {0, 1}
-        assert all(getattr(span, ranged) is not None for span in scan.spans), fmt
+        assert all(getattr(span, ranged) is not None for span in scan.spans), case
         starts = [span.start for span in scan.spans if span.file == 1]
         assert starts[0] == 0 and starts == sorted(starts) and len(set(starts)) == len(starts)
         cut = {f"{p}/{s}": (e[s].tokens, e[s].sha256) for p, e in enumerate(index.paths) for s in e}
-        assert cut == expected, fmt
+        assert cut == expected, case

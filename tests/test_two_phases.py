@@ -223,7 +223,7 @@ def test_a_two_phase_run_trains_a_dense_model_then_starts_every_module_from_it(
     store.download_to(keys.tokenizer_key(run.pk), tokenizer_file)
     tokenizer = RunTokenizer.load(tokenizer_file)
     shards = {p: store.get_bytes(keys.data_key(run.pk, p, "train")) for p in range(4)}
-    documents = store.get_bytes(keys.documents_key(run.pk, 0)).decode().splitlines()
+    documents = store.get_bytes(between.chunk_key(store, run.pk, 0)).decode().splitlines()
     texts = [row["text"] for row in map(json.loads, documents) if row["split"] == "train"]
     routed = set()
     for text in texts[:: max(1, len(texts) // 12)][:12]:

@@ -261,27 +261,39 @@ def write_piece(
     keep: float = 1.0,
     keep_seed: int = 0,
     span: Span | None = None,
+    documents_out: Path | None = None,
 ) -> PieceResult:
     """Pass 2 for one piece (``span``, the scan's; by default file ``piece`` whole): its
     documents tokenised, routed (path 0 without a router) and written under ``out``
-    (``<path>/<split>.bin``). A piece that fails midway leaves empty parts and its error
-    in the result: skipped whole, as the scan skipped an unreadable file."""
+    (``<path>/<split>.bin``), and with ``documents_out`` also as JSON Lines of
+    ``{"split", "text"}`` there. A piece that fails midway leaves empty parts (and no
+    documents) and its error in the result: skipped whole, as the scan skipped an
+    unreadable file."""
     span = span if span is not None else Span(piece)
     file = listing.files[span.file]
     stats = CorpusStats()
     result = PieceResult(piece=piece, name=file.rel)
+    sink = open(documents_out, "w", encoding="utf-8") if documents_out is not None else None  # noqa: SIM115 (closed below)
 
     def documents() -> Iterator[tuple[str, str]]:
         for doc in _documents(listing, file, stats, read, span):
             if is_kept(doc.source, keep, keep_seed):
-                val = is_validation(doc.source, read.val_fraction)
-                yield ("val" if val else "train", doc.text)
+                split = "val" if is_validation(doc.source, read.val_fraction) else "train"
+                if sink is not None:
+                    sink.write(json.dumps({"split": split, "text": doc.text}) + "\n")
+                yield split, doc.text
 
     try:
         write_parts(documents(), out, tokenizer, router, result)
     except UnreadableFile as exc:
         result.error = str(exc)
         write_parts(iter(()), out, tokenizer, router, result)
+        if sink is not None:
+            sink.seek(0)
+            sink.truncate()
+    finally:
+        if sink is not None:
+            sink.close()
     result.stats = stats.to_json()
     return result
 

@@ -12,10 +12,10 @@ dashboard ("preparing phase 2: 3/8 chunks routed"):
    base-LM features (the mean last hidden state over the first ``router.prefix_tokens``
    tokens) are computed for the fit and nothing else; the router is saved where phase 2
    and inference read it (``router.safetensors``);
-2. `route_chunk` (one task per document chunk prepare wrote, ``runs/<run>/phase1/
-   documents/<i>.jsonl``, in a chord): the chunk's documents streamed, tokenised,
-   featurised and routed ``BATCH_DOCS`` at a time, and appended to the chunk's part of
-   every path's shard (``runs/<run>/phase1/routed/<i>/<p>/<split>.bin``, then its
+2. `route_chunk` (one task per chunk of documents, in a chord; chunk i is piece i of the
+   run's preparation, whose documents it kept, runs.pieces.documents_key): the chunk's
+   documents streamed, tokenised, featurised and routed ``BATCH_DOCS`` at a time, and
+   appended to the chunk's part of every path's shard (``runs/<run>/phase1/routed/<i>/<p>/<split>.bin``, then its
    ``manifest.json``);
 3. `finish`: the parts joined in chunk order into the per-path shards
    (``data/<p>/{train,val}.bin``), version 0 of every phase-2 module copied from the
@@ -71,7 +71,7 @@ from dipaco.inference import export_state
 from dipaco.modular import init_modules_from_base, module_spec
 from dipaco.modules_file import read_module
 from dipaco.routing.router import Router
-from dipaco_server.runs import keys, phases
+from dipaco_server.runs import keys, phases, pieces
 from dipaco_server.runs.checkpoint import base_model, load_base_state, write_base_model
 from dipaco_server.runs.device import autocast, server_device
 from dipaco_server.runs.evaluate import evaluate_start_or_log
@@ -133,11 +133,21 @@ def begin(run: Run, *, store: BlobStore | None = None) -> int:
     return run.phase_chunks
 
 
-def _documents(store: BlobStore, run_id: int, chunk: int, work: Path) -> Iterator[tuple[str, str]]:
-    """(split, text) of every document of one chunk, in the order prepare wrote them,
+def chunk_key(store: BlobStore, run_id: int, chunk: int) -> str:
+    """Where chunk ``chunk``'s documents are: piece ``chunk`` of the run's preparation
+    (runs.pieces.documents_key), or the chunk an older preparation wrote whole."""
+    pointer = keys.documents_index_key(run_id)
+    if not store.exists(pointer):
+        return keys.documents_key(run_id, chunk)
+    where = json.loads(store.get_bytes(pointer))
+    return pieces.documents_key(where["prepared"], where["pieces"][chunk])
+
+
+def documents(store: BlobStore, run_id: int, chunk: int, work: Path) -> Iterator[tuple[str, str]]:
+    """(split, text) of every document of one chunk, in the order preparation wrote them,
     read one line at a time from the downloaded chunk."""
     file = work / f"documents-{chunk}.jsonl"
-    store.download_to(keys.documents_key(run_id, chunk), file)
+    store.download_to(chunk_key(store, run_id, chunk), file)
     try:
         with open(file, encoding="utf-8") as lines:
             for line in lines:
@@ -156,7 +166,7 @@ def router_sample(run: Run, store: BlobStore, work: Path, size: int | None = Non
         ROUTER_SAMPLE_DOCS if size is None else size, config.router.seed, prefix_chars(config)
     )
     for chunk in range(run.phase_chunks):
-        for line, (split, text) in enumerate(_documents(store, run.pk, chunk, work)):
+        for line, (split, text) in enumerate(documents(store, run.pk, chunk, work)):
             if split == "train":
                 sample.add(f"{chunk}/{line}", text)
     return sample.texts()
@@ -218,10 +228,10 @@ def route_chunk(run: Run, chunk: int, *, store: BlobStore | None = None) -> int:
                 model, device = _base(run, store, work)
                 store.download_to(keys.router_key(run.pk), work / "router.safetensors")
                 router = Router.load(work / "router.safetensors", tokenizer, model=model)
-            result = PieceResult(piece=chunk, name=keys.documents_key(run.pk, chunk))
+            result = PieceResult(piece=chunk, name=chunk_key(store, run.pk, chunk))
             out = work / "part"
             with autocast(device):
-                write_parts(_documents(store, run.pk, chunk, work), out, tokenizer, router, result)
+                write_parts(documents(store, run.pk, chunk, work), out, tokenizer, router, result)
             for part, info in result.parts.items():
                 if info["tokens"]:
                     store.put_file(

@@ -116,6 +116,13 @@ def documents_key(run_id: int, chunk: int) -> str:
     return validate_key(f"{phase_prefix(run_id, 1)}/documents/{_id(chunk, 'chunk')}.jsonl")
 
 
+def documents_index_key(run_id: int) -> str:
+    """runs/<run>/phase1/documents.json: where the documents of a run with a dense phase 1
+    are kept for routing after it (runs.pieces.documents_key: its preparation's key and
+    pieces); chunk i is piece i."""
+    return validate_key(f"{phase_prefix(run_id, 1)}/documents.json")
+
+
 def routed_key(run_id: int, chunk: int, part: str) -> str:
     """runs/<run>/phase1/routed/<i>/<part>: document chunk i tokenised and routed after
     phase 1 (runs.between): ``<path>/<split>.bin`` parts of every phase-2 shard, then

@@ -34,7 +34,7 @@ from typing import IO, Any
 
 from django.db import transaction
 
-from dipaco_server.runs import keys
+from dipaco_server.runs import keys, phases
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.sources import s3_options
 from dipaco_server.runs.stages import report_progress, upload_shards
@@ -46,9 +46,12 @@ PLAN_VERSION = 2  # bump when a change to dipaco.data.stream changes the shards'
 
 
 def inputs(run: Run) -> dict[str, Any]:
-    """What a run's shards depend on, before the corpus is listed."""
+    """What a run's shards depend on, before the corpus is listed. A run with a dense
+    phase 1 is prepared as one path, without a router, and keeps each piece's documents
+    (``parts/<i>/documents.jsonl``) for the routing after phase 1 (runs.between)."""
     config = run.run_config
     dataset = run.dataset
+    dense = config.phase1 is not None
     return {
         "version": PLAN_VERSION,
         "source": dataset.source if dataset is not None else config.data.corpus,
@@ -56,7 +59,8 @@ def inputs(run: Run) -> dict[str, Any]:
         "token_budget": dataset.token_budget if dataset is not None else None,
         "val_fraction": config.data.val_fraction,
         "vocab_size": config.model.vocab_size,
-        "num_paths": config.num_paths,
+        "num_paths": 1 if dense else config.num_paths,
+        "dense": dense,
         "factors": list(config.layout.modules_per_level),
         "router": config.router.model_dump(mode="json"),
     }
@@ -116,7 +120,7 @@ def plan(
     on_stage("tokenizer", f"{scan.stats.documents} documents; training the tokenizer")
     tokenizer = train_tokenizer_on(scan.tokenizer_texts, config.model.vocab_size)
     store.put_file(f"{root}/tokenizer.json", tokenizer.save(work / "tokenizer") / "tokenizer.json")
-    if config.num_paths > 1:
+    if what["num_paths"] > 1:
         on_stage(
             "router",
             f"fitting a {config.router.method} router on {len(scan.router_texts)} documents",
@@ -130,7 +134,8 @@ def plan(
         "source": what["source"],
         "text_field": what["text_field"],
         "val_fraction": config.data.val_fraction,
-        "num_paths": config.num_paths,
+        "num_paths": what["num_paths"],
+        "dense": what["dense"],
         "files": [asdict(f) for f in listing.files],
         "root": listing.root,
         "pieces": scan.pieces,
@@ -149,6 +154,12 @@ def manifest_key(key: str, piece: int) -> str:
 
 def part_key(key: str, piece: int, part: str) -> str:
     return validate_key(f"{prefix(key)}/parts/{piece}/{part}.bin")
+
+
+def documents_key(key: str, piece: int) -> str:
+    """A dense plan's piece's documents, JSON Lines of {"split", "text"}, kept for the
+    routing after phase 1 (runs.between)."""
+    return validate_key(f"{prefix(key)}/parts/{piece}/documents.jsonl")
 
 
 def pending(store: BlobStore, planned: dict[str, Any]) -> list[int]:
@@ -196,12 +207,16 @@ def write_piece(
         read = ReadOptions(planned["text_field"], planned["val_fraction"])
         out = work / "part"
         span = Span.from_json(planned["spans"][piece])
+        docs = work / "documents.jsonl" if planned["dense"] else None
         result: PieceResult = write(
-            listing, piece, out, tokenizer, router, read, keep=planned["keep"], span=span
-        )
+            listing, piece, out, tokenizer, router, read, keep=planned["keep"], span=span,
+            documents_out=docs,
+        )  # fmt: skip
         for part, info in result.parts.items():
             if info["tokens"]:
                 store.put_file(part_key(key, piece, part), out / info["file"])
+        if docs is not None:
+            store.put_file(documents_key(key, piece), docs)
         store.put_bytes(manifest_key(key, piece), result.to_json().encode())
         return dict(json.loads(result.to_json()))
     finally:
@@ -242,7 +257,13 @@ def join(run: Run, store: BlobStore, planned: dict[str, Any], work: Path) -> Any
     store.put_file(keys.tokenizer_key(run.pk), work / "tok" / "tokenizer.json")
     if planned["num_paths"] > 1:
         store.put_file(keys.router_key(run.pk), work / "router" / "router.safetensors")
-    upload_shards(run, store, index, shard_dir, 2)
+    if planned["dense"]:  # phase 1's one shard; its documents wait for phase 2's router
+        upload_shards(run, store, index, shard_dir, phases.DENSE)
+        pointer = {"prepared": key, "pieces": planned["pieces"]}
+        store.put_bytes(keys.documents_index_key(run.pk), json.dumps(pointer).encode())
+        Run.objects.filter(pk=run.pk).update(phase_chunks=len(planned["pieces"]))
+    else:
+        upload_shards(run, store, index, shard_dir, phases.PATHS)
     stats = planned["stats"]
     for result in results:
         if result.error:

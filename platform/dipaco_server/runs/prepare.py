@@ -17,7 +17,7 @@ version 0 of a module that already has one is kept.
 
 With ``phase1`` (docs/design.md §1, runs.phases) the router waits for the dense model: the data is
 one shard of every document and the modules are phase 1's, under ``runs/<run>/phase1/``,
-and the documents are also kept in chunks there for runs.between. With an uploaded dense
+and each piece's documents are kept for runs.between. With an uploaded dense
 checkpoint (runs.checkpoint) the modules start from it, its tokenizer (when uploaded)
 replaces training one, and a "base-lm" router reads its features.
 
@@ -32,10 +32,9 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -62,8 +61,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 RUN_STAGES = ("corpus", "tokenizer", "router", "shards", "modules")
-# Documents per embedding task after phase 1: at most MAX_CHUNKS tasks, none tiny.
-MIN_CHUNK_DOCS, MAX_CHUNKS = 256, 64
 DATASET_PROGRESS_EVERY = 1000  # documents between two progress updates of prepare_dataset
 
 
@@ -75,14 +72,14 @@ def data_index_key(run_id: int, phase: int = 2) -> str:
 def prepare_run(run: Run, *, store: BlobStore | None = None, max_files: int | None = None) -> Run:
     """Data, tokenizer, router and version 0 of every module; then the run is ready.
 
-    A run routed by tf-idf (or with one path) is prepared in pieces (runs.pieces): the
-    corpus streams, a killed preparation resumes, and a later run with the same inputs
-    reuses the work; runs.tasks runs the pieces as a Celery chord, this runs them here.
-    With ``phase1`` the data is one shard of every document (plus the documents in chunks,
-    for routing after phase 1) and the modules are the dense phase's (runs.phases); with
-    an uploaded dense checkpoint (runs.checkpoint) it routes with the checkpoint's features
-    when ``router.featurizer`` is "base-lm", and every module starts from its layers; both
-    read the corpus into memory (`prepare_in_memory`).
+    A run is prepared in pieces (runs.pieces): the corpus streams, a killed preparation
+    resumes, and a later run with the same inputs reuses the work; runs.tasks runs the
+    pieces as a Celery chord, this runs them here. With ``phase1`` the data is one shard of
+    every document (each piece's documents are kept, for routing after phase 1) and the
+    modules are the dense phase's (runs.phases). With an uploaded dense checkpoint
+    (runs.checkpoint) it routes with the checkpoint's features when ``router.featurizer``
+    is "base-lm", and every module starts from its layers; that reads the corpus into
+    memory (`prepare_in_memory`).
     `max_files` reads only the first files of the corpus (sorted), for demos and tests.
     """
     from dipaco_server.runs import pieces  # pieces imports this module
@@ -112,7 +109,7 @@ def begin_run(
         return None
     store = store or get_blob_store()
     config = run.run_config
-    if config.phase1 is not None or store.exists(keys.base_model_key(run.pk)):
+    if config.phase1 is None and store.exists(keys.base_model_key(run.pk)):
         prepare_in_memory(run, store=store, max_files=max_files)
         return None
     _check_router_has_base(config, False)
@@ -136,8 +133,8 @@ def begin_run(
 
 
 def finish_run(run: Run, key: str, *, store: BlobStore | None = None) -> Run:
-    """After every piece: the shards joined and uploaded, version 0 of every module; ready."""
-    from dipaco.modular import init_modules  # torch (module docstring)
+    """After every piece: the shards joined and uploaded, version 0 of every module (the
+    dense phase's with ``phase1``); ready."""
     from dipaco_server.runs import pieces  # pieces imports this module
 
     run.refresh_from_db()
@@ -154,7 +151,9 @@ def finish_run(run: Run, key: str, *, store: BlobStore | None = None) -> Run:
     try:
         pieces.join(run, store, planned, work)
         report_progress(run, "modules", 5, steps, "initialising modules as version 0")
-        init_module_versions(run, store, work, init_modules(run.run_config), phases.PATHS)
+        config = run.run_config
+        phase = phases.PATHS if config.phase1 is None else phases.DENSE
+        init_module_versions(run, store, work, _initial_modules(config, None), phase)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     transition(run, Run.State.READY)
@@ -165,8 +164,8 @@ def finish_run(run: Run, key: str, *, store: BlobStore | None = None) -> Run:
 def prepare_in_memory(
     run: Run, *, store: BlobStore | None = None, max_files: int | None = None
 ) -> Run:
-    """prepare_run for a run with ``phase1`` or an uploaded checkpoint: the corpus is read
-    into memory (phase 2's routing, runs.between, reads its documents back whole)."""
+    """prepare_run for a run with an uploaded checkpoint: the corpus is read into memory
+    (its tokenizer, when uploaded, and its features, for a "base-lm" router)."""
     # torch and the tokenizers: seconds to import, in the task that prepares only (every
     # process that loads the URLs loads this module).
     from dipaco.data.corpus import load_corpus
@@ -175,12 +174,10 @@ def prepare_in_memory(
 
     store = store or get_blob_store()
     config = run.run_config
-    paths = config.num_paths
-    dense = config.phase1 is not None
     # torch: runs.checkpoint imports it (seconds); the URLs load this module (rounds.protocol.api).
     from dipaco_server.runs.checkpoint import base_model, load_base_state
 
-    has_base = not dense and store.exists(keys.base_model_key(run.pk))
+    has_base = store.exists(keys.base_model_key(run.pk))
     _check_router_has_base(config, has_base)
     corpus = run.dataset.source if run.dataset is not None else config.data.corpus
     check_source(corpus)  # the roots may have changed since the run was created
@@ -207,24 +204,19 @@ def prepare_in_memory(
         def on_stage(stage: str, detail: str) -> None:
             if stage == "tokenizer":
                 detail = f"{counts}; {detail}"
-            elif stage == "router" and dense:
-                detail = "phase 1 first: its model will route"
             report_progress(run, stage, stage_step[stage], steps, detail)
 
         prepared = prepare_documents(
             config, split.train, split.val, work, tokenizer=given,
             model=base_model(base_state, config) if lm and base_state is not None else None,
-            num_paths=1 if dense else paths, on_stage=on_stage,
+            on_stage=on_stage,
         )  # fmt: skip
         store.put_file(keys.tokenizer_key(run.pk), prepared.tokenizer_dir / "tokenizer.json")
         if prepared.router_file is not None:
             store.put_file(keys.router_key(run.pk), prepared.router_file)
-        phase = phases.DENSE if dense else phases.PATHS
-        upload_shards(run, store, prepared.shards, prepared.shard_dir, phase)
-        if dense:
-            write_document_chunks(run, store, split.train, split.val, work)
+        upload_shards(run, store, prepared.shards, prepared.shard_dir, phases.PATHS)
         report_progress(run, "modules", 5, steps, "initialising modules as version 0")
-        init_module_versions(run, store, work, _initial_modules(config, base_state), phase)
+        init_module_versions(run, store, work, _initial_modules(config, base_state), phases.PATHS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     transition(run, Run.State.READY)
@@ -263,25 +255,6 @@ def work_root() -> Path:
     root = Path(settings.DIPACO_DATA_DIR) / "tmp"
     root.mkdir(parents=True, exist_ok=True)
     return root
-
-
-def write_document_chunks(
-    run: Run, store: BlobStore, train: Sequence[Any], val: Sequence[Any], work: Path
-) -> int:
-    """The corpus split as JSONL chunks (runs.keys.documents_key), for the router fitted
-    after phase 1: each chunk is embedded by its own task. Returns the number of chunks."""
-    docs = [("train", d.text) for d in train] + [("val", d.text) for d in val]
-    size = max(MIN_CHUNK_DOCS, math.ceil(len(docs) / MAX_CHUNKS))
-    chunks = max(1, math.ceil(len(docs) / size))
-    for i in range(chunks):
-        file = work / f"documents-{i}.jsonl"
-        with open(file, "w", encoding="utf-8") as out:
-            for split, text in docs[i * size : (i + 1) * size]:
-                out.write(json.dumps({"split": split, "text": text}) + "\n")
-        store.put_file(keys.documents_key(run.pk, i), file)
-        file.unlink()
-    Run.objects.filter(pk=run.pk).update(phase_chunks=chunks)
-    return chunks
 
 
 def init_module_versions(

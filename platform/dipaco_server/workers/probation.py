@@ -4,10 +4,16 @@ BOINC's adaptive replication (Anderson, "BOINC: a platform for volunteer computi
 §5.2): a host's results are replicated until enough of them validated, then only at random.
 Here:
 
-- **probation**: a worker registered through an enrollment token starts on it. Every unit
-  it takes is also issued as a check copy (its copy the original), and while a check copy is
-  queued it is offered one before an original (its copy the check): it is compared in both
-  roles. Checks of its units go to established workers first, else to other new ones.
+- **probation**: a worker registered through an enrollment token starts on it. Its units
+  are also issued as check copies (its copy the original) while what it has, agreed or being
+  compared in an open round (`Evidence`), still lacks partners or the original's role
+  (`replicate_newcomer`); it takes a queued check copy before an original (its copy the
+  check) when that copy's original is a partner it has not had yet, or when it still lacks
+  the check copy's role (`check_pool`): compared in both roles, with a new partner each
+  time, so that it leaves probation as soon as the grid allows (four newcomers, three
+  partners each: six comparisons, the edges of the complete graph, in two rounds) and no
+  copy is trained that adds nothing. Checks of its units go to established workers first,
+  else to other new ones.
 - **leaving probation** (`leaves_probation`): its copies agreed with those of `PARTNERS`
   distinct workers, at least once in each role. Passing one-Δ checks earns nothing: a
   fixed-direction bias passes them all (rounds.verification.persistence), and one partner
@@ -20,8 +26,10 @@ Here:
 - **the operator's machines**: a worker registered with an enrollment token marked
   trusted is never on probation, never audited, and its copies referee a module's first
   step, where nothing else is known yet (rounds.verification.first_round).
-- **partners vary** (`prefer_check`): a check copy is chosen at random among those a
-  worker may take, and not from the worker it was last paired with while another is queued.
+- **partners vary** (`check_pool`, `pick_check`): a newcomer's check copy goes to a worker
+  it has not been paired with (an established one takes a newcomer's check only then, and
+  before its own work); among those, one is drawn at random, not from the worker last
+  paired with while another is queued.
 
 No Django here: bench/attacks.py and bench/attacks_live.py run the same rules.
 """
@@ -91,12 +99,64 @@ def probation_progress(partners: Sequence[Sequence[int]]) -> tuple[int, bool, bo
     return len({w for w, _ in pairs}), False in roles, True in roles
 
 
-def prefer_check(standing: Standing, checks_of_newcomers: bool) -> bool:
-    """Whether a worker asking for work takes a queued check copy before an original: a
-    worker on probation (to be compared as the check copy) and the operator's machines
-    (referees) always; an established worker when a newcomer's unit waits for a check
-    (newcomers are checked by established workers where any exist)."""
-    return standing.probation or standing.operator_trusted or checks_of_newcomers
+@dataclass(frozen=True)
+class Evidence:
+    """A worker's probation so far: (partner, whether it was the check copy) for each
+    agreement recorded (Worker.partners) and each pairing of an open round still being
+    trained or compared (counted as if it will agree: one that does not leaves the worker
+    short, and the next round replicates again); `queued`: its originals whose check copy
+    no worker has taken yet (each will bring a partner and the original's role)."""
+
+    pairs: frozenset[tuple[int, bool]] = frozenset()
+    queued: int = 0
+
+    @classmethod
+    def recorded(cls, partners: Sequence[Sequence[int]]) -> Evidence:
+        return cls(frozenset((int(p[0]), bool(p[1])) for p in partners if len(p) == 2))
+
+    def partners(self) -> set[int]:
+        return {worker for worker, _ in self.pairs}
+
+    def lacks(self, needed: int) -> tuple[bool, bool, bool]:
+        """(more partners, the original's role, the check copy's role) still needed."""
+        roles = {as_check for _, as_check in self.pairs}
+        return (
+            len(self.partners()) + self.queued < needed,
+            False not in roles and self.queued == 0,
+            True not in roles,
+        )
+
+
+def replicate_newcomer(evidence: Evidence, needed: int) -> bool:
+    """Whether a newcomer's original, just granted, is also issued as a check copy: while
+    it lacks the original's role, or more partners than the check copy it still has to
+    train will bring (a copy beyond that costs a unit of work and proves nothing new)."""
+    _, original, check = evidence.lacks(needed)
+    missing = needed - len(evidence.partners()) - evidence.queued
+    return original or missing > (1 if check else 0)
+
+
+def check_pool(
+    offered: Sequence[tuple[int, int]],
+    newcomers: set[int],
+    standing: Standing,
+    evidence: Evidence,
+    needed: int,
+) -> list[tuple[int, int]]:
+    """The queued check copies ((unit, its original's worker)) a worker asking for work
+    takes one of before any original; [] for none. A newcomer that still lacks partners or
+    the check role: those whose original's worker is a new partner (an established one's
+    first), or any while it lacks the role; the operator's machines (referees): newcomers'
+    first, else any; anyone else (established, or a newcomer whose pairings in flight
+    suffice): a newcomer's whose partner it has not been."""
+    new = [c for c in offered if c[1] not in evidence.partners()]
+    if standing.operator_trusted:
+        return [c for c in offered if c[1] in newcomers] or list(offered)
+    more, _, check = evidence.lacks(needed)
+    if standing.probation and (more or check):
+        pool = new or (list(offered) if check else [])
+        return [c for c in pool if c[1] not in newcomers] or pool
+    return [c for c in new if c[1] in newcomers]
 
 
 def pick_check(

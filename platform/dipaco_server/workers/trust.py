@@ -13,7 +13,7 @@ setting means now:
 - DIPACO_MIN_TRUST: below it the worker gets no more work (403 worker_distrusted) until
   staff reset its trust;
 - DIPACO_TRUST_PENALTY / DIPACO_TRUST_REWARD: as above; one refusal (0.7) raises a
-  trusted worker's audit rate from 0.1 to 0.64 with the defaults;
+  trusted worker's audit rate from 0.05 to 0.62 with the defaults;
 - DIPACO_PROBATION_PARTNERS: distinct partners a newcomer's copies must agree with
   (default workers.probation.PARTNERS; 0: no probation, every new worker established).
 
@@ -38,8 +38,10 @@ from dipaco_server.workers.errors import WorkerDistrusted
 from dipaco_server.workers.models import Worker
 
 DEFAULTS: dict[str, float] = {
-    # Share of a trusted worker's units also issued to a second worker and compared.
-    "DIPACO_REPLICATION_RATE": 0.1,
+    # Share of a trusted worker's units also issued to a second worker and compared: 0.05
+    # keeps check copies at <= 0.10 of the work once probation is over, and a run's total
+    # at <= 0.20 with four newcomers over 8 rounds (six probation copies, docs/reliability.md).
+    "DIPACO_REPLICATION_RATE": 0.05,
     # Below this trust every unit the worker takes is replicated.
     "DIPACO_TRUST_REPLICATE_ALL": 0.5,
     # Below this trust the worker gets no more leases.

@@ -257,8 +257,14 @@ def compare_replicas(
                 repeated="; ".join(repeats) if flagged else "",
             )
         del a, b
-        if outcome.kind == "agree":
-            moves += [(v.upload.worker_id, "replicas_agreed") for v in pair]
+        if outcome.kind in ("agree", "identical"):
+            # Identical copies move no counter (one Δ twice confirms neither against the
+            # other checks), but they are probation's evidence: both computed the same
+            # bytes from the same inputs (deterministic CPUs, both cold), which a worker
+            # that trains otherwise cannot match; a colluding partner proves nothing
+            # either way, hence several distinct partners (workers.probation).
+            if outcome.kind == "agree":
+                moves += [(v.upload.worker_id, "replicas_agreed") for v in pair]
             original.agreed_with, check.agreed_with = (
                 check.upload.worker_id,
                 original.upload.worker_id,

@@ -11,11 +11,14 @@ aggregated unless its original was refused: the outer step compares it with the
 original's (rounds.verification.rules.settle_replicas, a tolerance for nondeterminism) and a
 disagreement refuses only the copy its evidence finds worse (rounds.verification).
 
-Who trains a check copy (`preferred_check`, workers.probation): a worker on probation and
-the operator's trusted machines take a queued check copy before an original; an
-established worker takes one only when its original is a newcomer's (newcomers are
-checked by established workers where any exist); the copy is drawn at random, avoiding
-the worker the asker was last paired with.
+Who trains a check copy (`preferred_check`, workers.probation.check_pool): a worker on
+probation takes a queued check copy before an original when it gives it a partner it has
+not had (or the check role it lacks), the operator's trusted machines always; an
+established worker takes one only when its original is a newcomer's that it has not been
+paired with (newcomers are checked by established workers where any exist); the copy is
+drawn at random, avoiding the worker the asker was last paired with. A newcomer's
+probation evidence (`evidence`) counts the pairings of open rounds too, so a round gives
+it what it lacks and no more.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 from django.db import connection
 from django.db.models import Exists, F, OuterRef, Q
 
-from dipaco_server.rounds.models import Lease, WorkUnit
+from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 
@@ -42,8 +45,15 @@ def is_check(unit: WorkUnit) -> bool:
 
 
 def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
-    """Queue a check copy of `unit`, just granted to `worker`, if its trust says so."""
-    if is_check(unit) or not trust.should_replicate(worker):
+    """Queue a check copy of `unit`, just granted to `worker`, if its standing says so: on
+    probation while its evidence lacks partners or the original's role (or it lost trust),
+    else at its audit rate (workers.probation)."""
+    if is_check(unit):
+        return None
+    if worker.probation and not worker.operator_trusted and worker.trust >= 1.0:
+        if not probation.replicate_newcomer(evidence(worker), trust.partners_needed()):
+            return None
+    elif not trust.should_replicate(worker):
         return None
     copy, created = WorkUnit.objects.get_or_create(
         round_id=unit.round_id,
@@ -105,15 +115,10 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
             "pk", flat=True
         )
     )
-    checks_of_newcomers = [c for c in offered if c[1] in newcomers]
-    if not probation.prefer_check(standing, bool(checks_of_newcomers)):
+    known = evidence(worker) if worker.probation else probation.Evidence.recorded(_agreed(worker))
+    pool = probation.check_pool(offered, newcomers, standing, known, trust.partners_needed())
+    if not pool:
         return None
-    if standing.probation:  # checked against established workers where any exist
-        pool = [c for c in offered if c[1] not in newcomers] or offered
-    elif standing.operator_trusted:
-        pool = checks_of_newcomers or offered
-    else:
-        pool = checks_of_newcomers
     partners = worker.partners if isinstance(worker.partners, list) else []
     last = int(partners[-1][0]) if partners and len(partners[-1]) == 2 else None
     chosen = probation.pick_check(pool, last, _rng)
@@ -121,6 +126,46 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     if connection.features.has_select_for_update_skip_locked:
         units = units.select_for_update(skip_locked=True)
     return units.first()
+
+
+def _agreed(worker: Worker) -> list[list[int]]:
+    return [p for p in (worker.partners or []) if isinstance(p, list | tuple) and len(p) == 2]
+
+
+_LIVE = (Lease.State.ACTIVE, Lease.State.COMPLETED)
+
+
+def evidence(worker: Worker) -> probation.Evidence:
+    """`worker`'s probation evidence: its recorded agreements, and its pairings in rounds
+    not closed yet (a check copy it trains or trained against the original's worker; an
+    original of its against whoever trains its check copy, or queued)."""
+    pairs = set(probation.Evidence.recorded(_agreed(worker)).pairs)
+    live = Lease.objects.filter(worker=worker, state__in=_LIVE).exclude(
+        unit__round__state=Round.State.CLOSED
+    )
+    where = ("unit__round_id", "unit__path_id", "unit__data_position", "unit__replica")
+    queued = 0
+    for round_id, path_id, position, replica in live.values_list(*where):
+        if replica >= CHECK_OFFSET:
+            original = _original_worker(round_id, path_id, position)
+            if original:
+                pairs.add((original, True))
+            continue
+        copy = WorkUnit.objects.filter(
+            round_id=round_id, path_id=path_id, replica=CHECK_OFFSET + replica
+        ).first()
+        if copy is None:
+            continue
+        checker = (
+            Lease.objects.filter(unit=copy, state__in=_LIVE)
+            .values_list("worker_id", flat=True)
+            .first()
+        )
+        if checker:
+            pairs.add((int(checker), False))
+        elif copy.state == WorkUnit.State.QUEUED:
+            queued += 1
+    return probation.Evidence(frozenset(pairs), queued)
 
 
 def _original_worker(round_id: int, path_id: int, data_position: int) -> int:
