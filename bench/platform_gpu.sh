@@ -15,18 +15,15 @@
 # installed into /tmp/site first; then this checkout itself is installed there (--no-deps,
 # for its entry points: `dipaco server` is found through them) while the code is imported
 # from the checkout (PYTHONPATH). Nothing is fetched at run time. The wheels, downloaded
-# here once (after `echo /.whl/ >> .git/info/exclude`), at the versions `make setup`
-# installs, for the machine's Python 3.12:
-#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
-#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-#     --platform manylinux1_x86_64 -d .whl \
-#     django asgiref sqlparse django-ninja dj-database-url gunicorn celery kombu amqp vine \
-#     billiard click-didyoumean click-plugins click-repl prompt-toolkit wcwidth tzlocal \
-#     redis boto3 botocore s3transfer jmespath psycopg psycopg-binary psycopg-pool \
-#     pydantic pydantic-core annotated-types typing-inspection tenacity zstandard setuptools
-# (pin each to `.venv/bin/pip freeze`'s version; about 30 MB; setuptools builds the
-# checkout's metadata without an index).
+# here once (after `echo /.whl/ >> .git/info/exclude`) for the machine's Python 3.12, at
+# the versions `make setup` installed (about 43 MB; setuptools builds the checkout's
+# metadata without an index):
+#   PYTHON=.venv/bin/python bench/platform_gpu.sh wheels     # into .whl/ (WHEELS: another)
+# which is `pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation
+# cp --platform manylinux_2_28_x86_64 (and _2_27, _2_17, 2014, 1) -d .whl` of WHEELS_NEEDED
+# below, each pinned to the version PYTHON has (WHEELS_PYTHON: another Python than 3.12).
+# The same path, rehearsed on the CPU: a fresh venv with only torch, transformers and
+# their needs, the wheels for its Python in .whl/, then DEVICE=cpu PYTHON=that venv's.
 #
 # Time: the goal is BUDGET seconds (480: 8 minutes of a 15-minute lease, setup included).
 # 6 units x 60 s is 360 s of training; the rest is the corpus (MAX_CHARS of this Python's
@@ -49,6 +46,26 @@
 # LOGS (a folder: the run's logs go there as platform_gpu_logs.tgz), PYTHON (python3).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+WHEELS_NEEDED="django asgiref sqlparse django-ninja dj-database-url gunicorn celery kombu amqp
+    vine billiard click-didyoumean click-plugins click-repl prompt-toolkit wcwidth tzlocal redis
+    boto3 botocore s3transfer jmespath psycopg psycopg-binary psycopg-pool pydantic
+    pydantic-core annotated-types typing-inspection tenacity zstandard setuptools"
+if [ "${1:-}" = wheels ]; then
+    pins=()
+    for name in $WHEELS_NEEDED; do
+        pins+=("$name==$("${PYTHON:-python3}" -c 'import importlib.metadata as m, sys
+print(m.version(sys.argv[1]))' "$name")")
+    done
+    platforms=()
+    for tag in manylinux_2_28 manylinux_2_27 manylinux_2_17 manylinux2014 manylinux1; do
+        platforms+=(--platform "${tag}_x86_64")
+    done
+    "${PYTHON:-python3}" -m pip download -q --no-deps --only-binary=:all: --implementation cp \
+        --python-version "${WHEELS_PYTHON:-3.12}" "${platforms[@]}" -d "${WHEELS:-.whl}" \
+        "${pins[@]}"
+    ls "${WHEELS:-.whl}"/*.whl | wc -l
+    exit 0
+fi
 started=$(date +%s.%N)
 device=${DEVICE:-cuda}
 if [ "$device" = cpu ]; then
