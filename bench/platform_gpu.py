@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -192,7 +193,7 @@ def start_probe(args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes] 
                args.preset, "--batch", str(args.batch), "--paths", str(args.paths),
                "--probe-steps", str(args.probe_steps), "--corpus", str(args.corpus),
                "--json", str(out)]  # fmt: skip
-    with (out.parent / "probe.log").open("ab") as log:
+    with (out.parent / "logs" / "probe.log").open("ab") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -206,7 +207,7 @@ def sized_config(
     steps = args.steps
     if probe_run is not None:
         if probe_run.wait() != 0:
-            raise RuntimeError(f"the probe failed; see {out.parent / 'probe.log'}")
+            raise RuntimeError(f"the probe failed; see {out.parent / 'logs' / 'probe.log'}")
         found = json.loads(out.read_text())
         steps = sized_steps(found["tokens_per_second"], shape, args.unit_seconds)
         clock.say(
@@ -346,6 +347,9 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
         found["rounds"] = admin.call("GET", f"/runs/{run_id}/rounds")
         found["losses"] = admin.metrics(run_id, "val_loss")
         found["traffic"] = platform_bytes(root / "server", run_id)
+    except Exception as exc:  # the figures so far are written all the same, with the error
+        traceback.print_exc()
+        found["ended"] = f"failed: {type(exc).__name__}: {exc}"
     finally:
         if worker is not None and worker.poll() is None:
             worker.terminate()
@@ -384,7 +388,11 @@ def phases(marks: dict[str, float]) -> dict[str, float | None]:
 
 
 def report(args: argparse.Namespace, found: dict[str, Any], root: Path, clock: Clock) -> dict:
-    config: RunConfig = found["config"]
+    # without a sized config (the run failed before it), the unsized one: its shape alone
+    unsized = {"rounds": args.rounds, "paths": args.paths, "steps": 1, "batch": args.batch}
+    config: RunConfig = found.get("config") or run_config(
+        args.preset, overlap=args.overlap, corpus=str(args.corpus), **unsized
+    )
     events = read_events(root / "logs" / "worker.jsonl")
     name = device_name(args.device)
     summary = summarise(events, found.get("rounds", []), found.get("losses", []),
