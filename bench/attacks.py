@@ -64,6 +64,7 @@ from dipaco import codecs
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.windows import path_seed, unit_start, unit_windows
 from dipaco.evaluate import routed_mean, stream_windows
+from dipaco.flops import score_windows
 from dipaco.inner import InnerState, train_path
 from dipaco.model import build_model
 from dipaco.modular import init_modules_from_base, module_ids, module_spec, modules_of_path
@@ -172,7 +173,7 @@ class Run:
         seq = cfg.model.seq_len
         self.windows = data.val_windows(seq, args.eval_windows)
         self.sources = [data.train_source(p, seq, path_seed(cfg, p)) for p in range(cfg.num_paths)]
-        self.heldout = [stream_windows(data.val_tokens(p), seq)[-cfg.outer.score_windows :]
+        self.heldout = [stream_windows(data.val_tokens(p), seq)[-score_windows(cfg) :]
                         for p in range(cfg.num_paths)]  # fmt: skip
         self.modules: Modules = init_modules_from_base(cfg, base)
         self.previous: Modules = {m: dict(t) for m, t in self.modules.items()}  # stale base
@@ -298,7 +299,7 @@ class Run:
                 continue
             if all(delta_norm(d) == 0 for d in deltas.values()):
                 continue  # the zero check refuses it before scoring
-            train_w = self.sources[u.path].batch(unit_start(cfg, t, 0), cfg.outer.score_windows,
+            train_w = self.sources[u.path].batch(unit_start(cfg, t, 0), score_windows(cfg),
                                                  cfg.model.seq_len)  # fmt: skip
             u.score = rules.score_delta(cfg, u.path, self.model, base, deltas, train_w,
                                          self.heldout[u.path], before=cache.get(u.path))  # fmt: skip

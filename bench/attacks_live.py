@@ -25,6 +25,8 @@ attacker(s) (Worker.tokens_processed; the tokens its completed units claimed), a
 `accepted` / `rejected` (the attackers' Δs) and `honest_rejected` (the honest workers'
 rejected Δs), `reasons` (rejected Δs by side and code); `first_round_seconds`: round 0's
 wall time (open to the next round's open).
+With `--json` the file is rewritten after each run, so a bench stopped early leaves what it
+measured (`missing`: the runs asked for and not done; each attack's `seeds`).
 From the clean runs: `replication_share`, tokens trained on check copies over all tokens
 trained, and `steady_replication_share`, the same over the rounds that opened after every
 worker had left probation (null when some never did); `clean.first_round_seconds`.
@@ -335,29 +337,48 @@ def main(argv: list[str] | None = None) -> int:
                 done[(seed, label)] = result
                 print(f"seed {seed} {label:10s} " + json.dumps(result), flush=True)
                 shutil.rmtree(root / f"{seed}-{label}", ignore_errors=True)
+                if args.json:  # what is done so far, should the bench be stopped early
+                    write(args.json, summary(done, args), started, argv)
     except Exception:
         print(f"a run failed; its logs are kept in {root}", file=sys.stderr)
         raise
     shutil.rmtree(root, ignore_errors=True)
-    out = summary(done, args)
+    out = write(args.json, summary(done, args), started, argv)
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def write(
+    path: Path | None, out: dict[str, Any], started: float, argv: list[str] | None
+) -> dict[str, Any]:
     out["seconds"] = round(time.perf_counter() - started, 1)
     out["command"] = "bench/attacks_live.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    print(json.dumps(out, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-    return 0
+    if path:
+        path.write_text(json.dumps(out, indent=2) + "\n")
+    return out
 
 
 def summary(
     done: dict[tuple[int, str], dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
-    seeds = args.seeds
-    clean = [done[(s, "clean")] for s in seeds]
+    """The figures of the runs done: each attack over the seeds whose clean run and its
+    run are done (`missing`: the runs asked for that are not, when the bench stopped early)."""
+    seeds = [s for s in args.seeds if (s, "clean") in done]
+    clean_of = {s: done[(s, "clean")] for s in seeds}
+    clean = list(clean_of.values())
     out: dict[str, Any] = {"seeds": seeds, "rounds": args.rounds, "inner_steps": args.inner_steps,
                            "workers": args.workers, "attacks": {}}  # fmt: skip
+    asked = [(s, n) for s in args.seeds for n in ["clean", *(args.attack or ATTACKS)]]
+    if any(key not in done for key in asked):
+        out["missing"] = [f"seed {s} {n}" for s, n in asked if (s, n) not in done]
     for name in args.attack or ATTACKS:
-        rows = [done[(s, name)] for s in seeds]
+        with_seed = [s for s in seeds if (s, name) in done]
+        if not with_seed:
+            continue
+        rows = [done[(s, name)] for s in with_seed]
+        clean = [clean_of[s] for s in with_seed]
         out["attacks"][name] = {
+            "seeds": with_seed,
             "ratio": spread([r["loss"] / c["loss"] for r, c in zip(rows, clean, strict=True)]),
             **{
                 k: [r[k] for r in rows]
@@ -373,6 +394,9 @@ def summary(
                 )
             },
         }
+    clean = list(clean_of.values())
+    if not clean:
+        return out
     out["clean"] = {
         "loss": spread([c["loss"] for c in clean]),
         **{

@@ -2,8 +2,9 @@
 to for a 16x16 grid trained by 64 volunteers on a 16-core CPU-only server.
 
     .venv/bin/python bench/server_round.py --preset tiny --units 4 --json out.json
-    .venv/bin/python bench/server_round.py --preset 150m --units 4 --cut-windows 512 \\
-        --eval-windows 4 --json out.json        # adds its preset to out.json
+    .venv/bin/python bench/server_round.py --preset 150m --units 4 --cut-windows 256 \\
+        --eval-windows 1 --score-units 1 --json out.json   # adds its preset to out.json
+    .venv/bin/python bench/server_round.py --project-only --json out.json
 
 Each of --units units (one per path, round-robin) gets a synthetic Δ per module of its path
 (1e-3 x N(0, 1), encoded with the run's upload codec) in a local blob store (a temporary
@@ -14,25 +15,28 @@ share of the cores):
 - **data_cutting**: `rounds.protocol.unit_data.cut_unit` (ranged reads of the shard) of
   --cut-windows windows per unit (a whole unit is `unit_windows` windows: the per-window
   cost scales it in the projection);
+- **score_load** and **scoring**: a unit's proof of useful work as its `score_unit` task
+  does it when the unit completes: the model built, the path's modules and the unit's Δs
+  read (score_load), then `verification.rules.score_delta` on the windows
+  `outer.score_flops` buys (`dipaco.flops.score_windows`); --score-units and
+  --score-windows measure fewer, scaled linearly (`scoring_measured`);
 - **fetch_decode**: each upload fetched and decoded (`verification.uploads.fetch`,
   `codecs.decode`); **checks**: `compute_step`'s verify pass minus fetch_decode;
-- **scoring**: proof of useful work (`verification.rules.score_delta`: the path's base
-  losses and the Δ's, on `outer.score_windows` train and held-out windows read by ranges);
-  --score-units and --score-windows measure fewer, scaled linearly (`scoring_measured`);
 - **aggregate** and **outer_step** (Nesterov, streamed): the rest of `compute_step`;
 - **publishing**: the new version's weights (and momentum) put in the store;
 - **evaluation**: `mean_loss` on --eval-windows validation windows of each path (a round
-  scores `sample_size` windows: the per-window cost scales it in the projection).
+  scores `sample_size` windows, `eval.flops` at the preset: the per-window cost scales it).
 
 The JSON keeps "presets": {name: {stage: seconds, ..., "peak_rss_bytes"}} (one run per
 preset, merged into an existing --json file) and "projection" from the largest preset
 run: a 16x16 grid (256 units, one replica a path), 64 volunteers, units of
-`units.target_seconds`, a 16-core server. Each module's outer step is one task (a level
-module's scores its 16 units; the shared module's has 256 Δs), evaluation one task, each
-unit's cutting one task; they are list-scheduled (longest first) on the cores.
-`critical_seconds` is the steps' span (the next round waits for it without
-`outer.overlap`), `round_seconds` the training (units / volunteers x target) plus it,
-`server_seconds` the span of all the round's server work, `fraction` their ratio.
+`units.target_seconds`, a 16-core server (`projection` says how it schedules the tasks).
+`server_seconds` is the server work that extends the round (the last scoring's end past
+the last completion, then the module steps' span), `round_seconds` the training
+(units / volunteers x target) plus it, `fraction` their ratio; `occupancy` is all the
+round's server CPU-seconds (scoring, steps, evaluation, data cutting) over cores x
+round_seconds. `fraction_lockstep`: the same with each wave of 64 units completing at
+once; `fraction_scoring_in_steps`: the design before, each level-0 step scoring its units.
 """
 
 from __future__ import annotations
@@ -96,13 +100,14 @@ def measure(config: RunConfig, args: argparse.Namespace, root: Path) -> dict[str
     # The server's modules load after django.setup() (main), the library's with them.
     from dipaco.data.windows import unit_windows
     from dipaco.evaluate import sample_size
+    from dipaco.flops import score_windows as budget_score_windows
     from dipaco.model import build_model
 
     clock = Clock()
-    store, modules, bases, uploads, deltas = _uploads(config, args, root, clock)
+    store, bases, uploads = _uploads(config, args, root, clock)
     torch.set_num_threads(1)
     model = build_model(config.model, config.seed)
-    score_units, score_windows, scale = _score(config, args, store, modules, deltas, model, clock)
+    score_units, score_windows, scale = _score(config, args, store, uploads, bases, clock)
     per_module = _steps(config, store, uploads, bases, root, clock)
     eval_windows = _evaluate(config, args, store, model, clock)
     return {
@@ -114,7 +119,7 @@ def measure(config: RunConfig, args: argparse.Namespace, root: Path) -> dict[str
         "unit_windows": unit_windows(config),
         "eval_windows": eval_windows,
         "sample_windows": sample_size(config),
-        "score_windows": config.outer.score_windows,
+        "score_windows": budget_score_windows(config),
         "scoring_measured": {"units": score_units, "windows": score_windows, "scale": scale},
         "modules": {m: {k: round(v, 4) for k, v in s.items()} for m, s in per_module.items()},
     }
@@ -122,7 +127,7 @@ def measure(config: RunConfig, args: argparse.Namespace, root: Path) -> dict[str
 
 def _uploads(
     config: RunConfig, args: argparse.Namespace, root: Path, clock: Clock
-) -> tuple[Any, Any, dict[str, Any], dict[str, list[Any]], dict[int, Any]]:
+) -> tuple[Any, dict[str, Any], dict[str, list[Any]]]:
     """The store with the shards, version 0 of every module and each unit's Δ uploads."""
     # The server's modules load after django.setup() (main), the library's with them.
     from dipaco import codecs
@@ -150,59 +155,74 @@ def _uploads(
         bases[module_id] = BaseVersion(0, f"base/{module_id}", sha, "")
         file.unlink()
     uploads: dict[str, list[Any]] = defaultdict(list)
-    deltas: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
     counts: dict[str, int] = defaultdict(int)
     for u in range(args.units):
         p = u % paths
         clock.time("data_cutting", cut_unit, store, keys.data_key(1, p, "train"), "<u2", T,
                    path_seed(config, p), u * args.cut_windows, args.cut_windows)  # fmt: skip
-        deltas[u] = {}
-        for module_id in modules_of_path(config, p):
-            g = torch.Generator().manual_seed(u * 1000 + len(deltas[u]))
+        for i, module_id in enumerate(modules_of_path(config, p)):
+            g = torch.Generator().manual_seed(u * 1000 + i)
             delta = {n: torch.randn(t.shape, generator=g) * 1e-3 for n, t in modules[module_id].items()}  # fmt: skip
             data = codecs.encode(delta, comm.codec, block_size=comm.block_size, compression=comm.compression)  # fmt: skip
             key = f"deltas/{u}/{module_id}"
             store.put_bytes(key, data)
-            uploads[module_id].append(Upload(len(counts), u, key, len(data), hashlib.sha256(data).hexdigest(), unit_tokens(config), p, position=u * 8))  # fmt: skip
+            uploads[module_id].append(Upload(len(counts), u, key, len(data), hashlib.sha256(data).hexdigest(), unit_tokens(config), p, unit_id=u, position=u * 8))  # fmt: skip
             counts[module_id] += 1
-            deltas[u][module_id] = delta
-    return store, modules, bases, uploads, deltas
+    return store, bases, uploads
 
 
 def _score(
     config: RunConfig,
     args: argparse.Namespace,
     store: Any,
-    modules: Any,
-    deltas: dict[int, Any],
-    model: Any,
+    uploads: dict[str, list[Any]],
+    bases: dict[str, Any],
     clock: Clock,
 ) -> tuple[int, int, float]:
-    """Proof of useful work, as the Scorer reads its windows: --score-units units on
-    --score-windows windows each, scaled to every unit and outer.score_windows (its cost
-    is forward passes over 4 x score_windows windows: base and Δ, train and held-out)."""
+    """Proof of useful work as a unit's scoring task does it when the unit completes: the
+    model built, its path's modules and the unit's Δs read from the store (`score_load`),
+    then `score_delta` on --score-windows windows (`scoring`: forward passes over 4 x that
+    many windows), for --score-units units, scaled to every unit and to the windows
+    `outer.score_flops` buys at the preset (dipaco.flops.score_windows)."""
     # The server's modules load after django.setup() (main), the library's with them.
+    from dipaco import codecs
     from dipaco.data.ranged import store_shard
     from dipaco.data.windows import ShardSource, path_seed
-    from dipaco.modular import modules_of_path
+    from dipaco.flops import score_windows as budget
+    from dipaco.model import build_model
+    from dipaco.modular import module_spec, modules_of_path
+    from dipaco.modules_file import read_module
     from dipaco_server.rounds.verification.rules import score_delta
+    from dipaco_server.rounds.verification.uploads import fetch
     from dipaco_server.runs import keys
 
-    T, paths = config.model.seq_len, config.layout.num_paths
+    T, paths, work = config.model.seq_len, config.layout.num_paths, Path(tempfile.mkdtemp())
     score_units = min(args.score_units or args.units, args.units)
-    score_windows = args.score_windows or config.outer.score_windows
+    windows = args.score_windows or budget(config)
     for u in range(score_units):
         p = u % paths
         start = time.perf_counter()
-        train = ShardSource(store_shard(store, keys.data_key(1, p, "train"), "<u2"), T, path_seed(config, p)).batch(u * 8, score_windows, T)  # fmt: skip
+        model = build_model(config.model, config.seed)
+        modules, deltas = {}, {}
+        for m in modules_of_path(config, p):
+            store.download_to(bases[m].key, work / "base")
+            modules[m] = read_module(work / "base", module_spec(config, m), bases[m].sha256)
+            up = next(x for x in uploads[m] if x.unit_id == u)
+            file, _ = fetch(store, up, work)
+            deltas[m] = codecs.decode(file, module_spec(config, m), verify_checksum=False)
+            file.unlink()
+        loaded = time.perf_counter()
+        clock.stages["score_load"] += loaded - start
+        train = ShardSource(store_shard(store, keys.data_key(1, p, "train"), "<u2"), T, path_seed(config, p)).batch(u * 8, windows, T)  # fmt: skip
         val = store_shard(store, keys.data_key(1, p, "val"), "<u2")
-        held = torch.from_numpy(val.read_windows([i * T for i in range(score_windows)], T + 1))  # fmt: skip
-        path_modules = {m: modules[m] for m in modules_of_path(config, p)}
-        score_delta(config, p, model, path_modules, deltas[u], train, held)
-        clock.stages["scoring"] += time.perf_counter() - start
-    scale = args.units / score_units * config.outer.score_windows / score_windows
+        held = torch.from_numpy(val.read_windows([i * T for i in range(windows)], T + 1))
+        score_delta(config, p, model, modules, deltas, train, held)
+        clock.stages["scoring"] += time.perf_counter() - loaded
+    shutil.rmtree(work)
+    scale = args.units / score_units * budget(config) / windows
     clock.stages["scoring"] *= scale
-    return score_units, score_windows, scale
+    clock.stages["score_load"] *= args.units / score_units
+    return score_units, windows, scale
 
 
 def _steps(
@@ -281,8 +301,25 @@ def lpt(tasks: list[float], cores: int) -> float:
     return max(loads)
 
 
+def fifo(arrivals: list[float], task: float, cores: int) -> float:
+    """When the last of tasks of `task` seconds arriving at `arrivals` ends on `cores`."""
+    free = [0.0] * cores
+    end = 0.0
+    for at in sorted(arrivals):
+        start = max(at, heapq.heappop(free))
+        heapq.heappush(free, start + task)
+        end = max(end, start + task)
+    return end
+
+
 def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
-    """The round of a 16x16 grid from the measured per-Δ, per-unit and per-window costs."""
+    """The round of a 16x16 grid from the measured per-Δ, per-unit and per-window costs.
+
+    Each unit's scoring task starts when the unit completes (completions spread evenly
+    over the training), so only the last one's, or a backlog's, end extends the round;
+    the module steps (recorded scores reused) follow on the cores; evaluation runs while
+    the next round trains and data cutting while workers start their units: neither
+    extends the round, both count in the cores' occupancy."""
     mods = figures["modules"]
 
     def per_delta(kind: str) -> float:
@@ -296,32 +333,43 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         return sum(r[stage] for r in rows) / len(rows)
 
     levels, choices = GRID
-    deltas_per_level_module = UNITS // choices
-    score_unit = figures["scoring"] / figures["units"]
-    level = per_delta("level") * deltas_per_level_module
+    level = per_delta("level") * (UNITS // choices)
     level += per_module("level", "outer_step") + per_module("level", "publishing")
-    steps = [level + deltas_per_level_module * score_unit] * choices  # level 0 scores them
-    steps += [level] * choices * (levels - 1)
-    steps.append(
-        per_delta("shared") * UNITS
-        + per_module("shared", "outer_step")
-        + per_module("shared", "publishing")
-    )
-    cut_unit = figures["data_cutting"] / figures["units"] / figures["cut_windows_per_unit"]
-    cutting = [cut_unit * figures["unit_windows"]] * UNITS
-    evaluation = figures["evaluation"] / figures["eval_windows"] * figures["sample_windows"]
+    shared = per_delta("shared") * UNITS
+    shared += per_module("shared", "outer_step") + per_module("shared", "publishing")
+    steps = [level] * choices * levels + [shared]
+    score_task = (figures["scoring"] + figures.get("score_load", 0.0)) / figures["units"]
     training = math.ceil(UNITS / VOLUNTEERS) * config.units.target_seconds
-    critical = lpt(steps, CORES)
-    server = lpt([*steps, evaluation, *cutting], CORES)
+    arrivals = [training * (i + 1) / UNITS for i in range(UNITS)]
+    scoring_tail = fifo(arrivals, score_task, CORES) - training
+    span = lpt(steps, CORES)
+    critical = scoring_tail + span
+    # The design before, for comparison: each level-0 step scores its 16 units inline.
+    inline = lpt([level + UNITS // choices * figures["scoring"] / figures["units"]] * choices + steps[choices:], CORES)  # fmt: skip
+    # The worst case: volunteers in lockstep, each wave of units completing at once.
+    waves = [config.units.target_seconds * (i // VOLUNTEERS + 1) for i in range(UNITS)]
+    lockstep = fifo(waves, score_task, CORES) - training + span
+    cut_unit = figures["data_cutting"] / figures["units"] / figures["cut_windows_per_unit"]
+    cutting = cut_unit * figures["unit_windows"] * UNITS
+    evaluation = figures["evaluation"] / figures["eval_windows"] * figures["sample_windows"]
+    round_seconds = training + critical
+    cpu = sum(steps) + score_task * UNITS + evaluation + cutting
     return {
         "grid": f"{levels}x{choices}", "units": UNITS, "volunteers": VOLUNTEERS,
         "cores": CORES, "unit_seconds": config.units.target_seconds,
-        "training_seconds": training, "critical_seconds": round(critical, 1),
-        "round_seconds": round(training + critical, 1), "server_seconds": round(server, 1),
-        "fraction": round(server / (training + critical), 4),
-        "cpu_seconds": round(sum(steps) + evaluation + sum(cutting), 1),
-        "evaluation_seconds": round(evaluation, 1),
-        "cutting_seconds": round(sum(cutting), 1), "steps_seconds": round(sum(steps), 1),
+        "training_seconds": training, "scoring_tail_seconds": round(scoring_tail, 1),
+        "steps_span_seconds": round(span, 1), "server_seconds": round(critical, 1),
+        "round_seconds": round(round_seconds, 1),
+        "fraction": round(critical / round_seconds, 4),
+        "fraction_lockstep": round(lockstep / (training + lockstep), 4),
+        "fraction_scoring_in_steps": round(inline / (training + inline), 4),
+        "cpu_seconds": round(cpu, 1),
+        "occupancy": round(cpu / (CORES * round_seconds), 4),
+        "occupancy_without_cutting": round((cpu - cutting) / (CORES * round_seconds), 4),
+        "score_task_seconds": round(score_task, 2),
+        "scoring_seconds": round(score_task * UNITS, 1),
+        "evaluation_seconds": round(evaluation, 1), "cutting_seconds": round(cutting, 1),
+        "steps_seconds": round(sum(steps), 1), "shared_step_seconds": round(shared, 1),
     }  # fmt: skip
 
 
@@ -334,18 +382,20 @@ def main() -> None:
     parser.add_argument("--score-units", type=int, help="units scored (default: every unit)")
     parser.add_argument("--score-windows", type=int, help="(default: outer.score_windows)")
     parser.add_argument("--json", type=Path, help="merge this preset's figures into it")
+    parser.add_argument(
+        "--project-only", action="store_true", help="measure nothing: --json's projection anew"
+    )
     args = parser.parse_args()
-    config = preset(args.preset)
-    root = Path(tempfile.mkdtemp(prefix="server-round-"))
-    try:
-        setup_django(root / "data")
-        figures = measure(config, args, root)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
     out: dict[str, Any] = {"presets": {}}
     if args.json is not None and args.json.exists():
         out = json.loads(args.json.read_text())
-    out["presets"][args.preset] = figures
+    if not args.project_only:
+        root = Path(tempfile.mkdtemp(prefix="server-round-"))
+        try:
+            setup_django(root / "data")
+            out["presets"][args.preset] = measure(preset(args.preset), args, root)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
     largest = max(out["presets"], key=lambda name: out["presets"][name]["params"])
     out["projection"] = projection(out["presets"][largest], preset(largest))
     out["projection"]["preset"] = largest

@@ -23,7 +23,8 @@ has a standard deviation of 1.01 nats at a mean of 6.48 (0.156 of it), so the me
 windows has a relative standard error of 0.156 / sqrt(n): 2.8% at the former 32 windows per
 path, 0.49% at 1024, within 1% of the whole text's loss at two standard errors (95%); two
 independent samples of 1024 agree within 1% at 1.4 standard errors (85%). 2048 would buy
-1.0 standard error more at twice the evaluation time.
+1.0 standard error more at twice the evaluation time. A larger model gets fewer windows
+when ``eval.flops`` buys fewer (dipaco.flops: 291 of 1,024 tokens at the 150M preset).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
+
+from dipaco.flops import budget_windows
 
 if TYPE_CHECKING:
     from torch import Tensor, nn
@@ -103,8 +106,10 @@ def stream_windows(stream: Tensor, seq_len: int) -> Tensor:
 
 def sample_size(config: Any) -> int:
     """Windows in a run's validation sample: SAMPLE_WINDOWS, or more when the run's
-    ``eval.batches x eval.batch_size`` asks for more."""
-    return max(SAMPLE_WINDOWS, config.eval.batches * config.eval.batch_size)
+    ``eval.batches x eval.batch_size`` asks for more, or fewer when ``eval.flops`` buys
+    fewer at its model's size (dipaco.flops)."""
+    most = max(SAMPLE_WINDOWS, config.eval.batches * config.eval.batch_size)
+    return budget_windows(config.eval.flops, config.model, most)
 
 
 def window_count(tokens: int, seq_len: int) -> int:

@@ -193,4 +193,7 @@ def test_the_completion_that_fills_round_t_opens_round_t_plus_1_before_it_answer
     lease = api.take_lease(client, token)
     assert lease["round"] == 1 and set(lease["base_versions"].values()) == {0}
     sent = [task for task, _ in api.sent_tasks()]
-    assert sent == ["dipaco_server.rounds.tasks.close_round"], sent
+    # Each completion sent its unit's scoring (rounds.verification.unit_score), the last
+    # one the round's close after it.
+    scoring = ["dipaco_server.rounds.tasks.score_unit"] * run.paths.count()
+    assert sent == [*scoring, "dipaco_server.rounds.tasks.close_round"], sent

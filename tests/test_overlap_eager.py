@@ -32,10 +32,10 @@ from dipaco_server.rounds.lifecycle.close import mark_round_closed, mark_round_c
 from dipaco_server.rounds.lifecycle.open import open_round, start_run
 from dipaco_server.rounds.lifecycle.tasks import start_closing
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round
-from dipaco_server.rounds.outer.step import _delta_bases
 from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
 from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.rounds.protocol.rebase import rebase_plan, rebase_targets
+from dipaco_server.rounds.verification.scorer import delta_bases
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import ContributionInvalid
 from dipaco_server.runs.models import Run
@@ -300,7 +300,7 @@ def test_an_eager_units_delta_is_relative_to_round_ts_versions_and_lands_on_them
     rows = list(Contribution.objects.filter(lease=granted.lease).select_related("lease", "unit"))
     assert {c.base_version for c in rows} == {1}
     # Proof of useful work scores it on the versions it is relative to (rounds.outer.step).
-    assert _delta_bases(rows)[granted.lease.pk] == (("0.0", 1), ("shared", 1))
+    assert delta_bases(rows)[granted.lease.pk] == (("0.0", 1), ("shared", 1))
 
     assert send(on_s3, "close_round", run.pk, 1).get(timeout=30) in CLOSING
     wait_for(lambda: Round.objects.filter(run=run, t=1, state="closed").exists(), on_s3)

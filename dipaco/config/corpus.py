@@ -56,6 +56,16 @@ class EvalConfig(Section):
 
     batches: int = Field(default=4, ge=1, le=1024, description="Validation batches per path.")
     batch_size: int = Field(default=8, ge=1, le=4096, description="Windows per validation batch.")
+    flops: float = Field(
+        # 291 windows of the 150M path (3.43e11 FLOPs each); the tiny and capacity presets'
+        # whole 1,024-window sample costs under a twentieth of it.
+        default=1e14,
+        ge=1e6,
+        le=1e21,
+        description="Forward FLOPs a round's evaluation may cost: the sample's windows "
+        "follow for the run's model, at least 1, at most the 1,024-window sample "
+        "(dipaco.flops).",
+    )
     patience: int | None = Field(
         default=None,
         ge=1,

@@ -187,7 +187,18 @@ class OuterConfig(Section):
         default=8,
         ge=1,
         le=1024,  # each window is a forward pass of the outer step per Δ
-        description="Windows of training and of held-out data a Δ is scored on.",
+        description="Windows of training and of held-out data a Δ is scored on, at most "
+        "(score_flops decides how many at the run's model size).",
+    )
+    score_flops: float = Field(
+        # 1 window of the 150M path (4 passes of 1,024 tokens: 1.37e12); the tiny and
+        # capacity presets' whole score_windows cost under a tenth of it.
+        default=1.5e12,
+        ge=1e6,
+        le=1e21,
+        description="Forward FLOPs one unit's proof of useful work may cost (the path's "
+        "base losses and the Δ's, on training and held-out windows): the windows follow "
+        "for the run's model, at least 1, at most score_windows (dipaco.flops).",
     )
     score_min_gain: float = Field(
         default=0.01,

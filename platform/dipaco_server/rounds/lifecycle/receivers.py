@@ -18,7 +18,7 @@ from dipaco_server.rounds.lifecycle.tasks import start_closing
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
 from dipaco_server.rounds.signals import lease_completed
 from dipaco_server.runs.models import Run
-from dipaco_server.runs.phases import overlaps
+from dipaco_server.runs.phases import overlaps, round_config
 from dipaco_server.runs.signals import round_due, run_ended
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,23 @@ def end_leases(sender: Any, *, run: Run, now: datetime, **_: Any) -> None:
     )
     if released:
         logger.info("run %s ended: released its %d active lease(s)", run.pk, released)
+
+
+@receiver(lease_completed, dispatch_uid="dipaco_server.rounds.score_completed_unit")
+def score_completed_unit(
+    sender: Any, *, round_: Round, lease: Lease | None = None, **_: Any
+) -> None:
+    """Send score_unit for the completed lease (rounds.verification.unit_score), before
+    close_if_ready may send the round's close: the unit's proof of useful work runs while
+    the round trains, and its outer steps find it recorded. A run that does not score, and
+    a task that cannot be sent, leave it to the steps (they score what is not recorded)."""
+    config = round_config(round_.run.run_config, round_.t)[1]
+    if lease is None or not (config.outer.verify and config.outer.score):
+        return
+    try:
+        celery_app.send_task("dipaco_server.rounds.tasks.score_unit", args=[lease.pk])
+    except (KombuError, OSError) as exc:
+        logger.warning("lease %s: score_unit not sent (%s); its steps score it", lease.pk, exc)
 
 
 @receiver(lease_completed, dispatch_uid="dipaco_server.rounds.close_if_ready")

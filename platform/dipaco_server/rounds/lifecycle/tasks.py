@@ -3,6 +3,9 @@
     close_round(run, t)  ──chord──▶  outer_step(run, m, t) for every module m
                                      ──▶ finish_round(run, t): evaluate, open t + 1 or finish
 
+Before that, each completion sends score_unit(lease): its unit's proof of useful work,
+computed while the round trains and recorded for the steps (rounds.verification.unit_score).
+
 With ``outer.overlap`` "delayed" (or "eager"), close_round opens round t + 1 as it moves round t to
 closing (`start_closing`), and finish_round(run, t) sends close_round(run, t + 1), which
 could not close before round t published (Round.previous_published).
@@ -228,6 +231,18 @@ def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, obj
     from dipaco_server.rounds.outer.step import step_module
 
     return step_module(run_id, module_id, t)
+
+
+@shared_task(
+    name="dipaco_server.rounds.tasks.score_unit", acks_late=True, reject_on_worker_lost=True
+)
+def score_unit(lease_id: int) -> str:
+    """A completed unit's proof of useful work, recorded for its round's outer steps
+    (rounds.verification.unit_score). Not retried: a step whose unit has no recorded score
+    scores it itself."""
+    from dipaco_server.rounds.verification.unit_score import score_completed  # torch, as above
+
+    return score_completed(lease_id)
 
 
 @shared_task(bind=True, name="dipaco_server.rounds.tasks.finish_round", **RETRY)

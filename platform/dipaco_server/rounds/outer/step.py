@@ -75,7 +75,7 @@ from dipaco_server.rounds.verification.context import (
 )
 from dipaco_server.rounds.verification.credit import settle
 from dipaco_server.rounds.verification.first_round import UNSETTLED, WAITING
-from dipaco_server.rounds.verification.scorer import Scorer
+from dipaco_server.rounds.verification.scorer import Scorer, delta_bases
 from dipaco_server.rounds.verification.settlement import carried, first_round_verdicts
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict
 from dipaco_server.runs import keys
@@ -323,18 +323,6 @@ def step_module(
     return report
 
 
-def _delta_bases(rows: Sequence[Contribution]) -> dict[int, tuple[tuple[str, int], ...]]:
-    """Lease -> the versions its unit's Δ is relative to, every module of its path: the
-    unit's base versions, with each contribution's recorded `base_version` over them."""
-    bases = {c.lease_id: dict(c.unit.base_versions) for c in rows}
-    recorded = Contribution.objects.filter(
-        lease_id__in=list(bases), base_version__isnull=False
-    ).values_list("lease_id", "module__module_id", "base_version")
-    for lease_id, module_id, version in recorded:
-        bases[lease_id][module_id] = version
-    return {lease: tuple(sorted(versions.items())) for lease, versions in bases.items()}
-
-
 def _base_version(round_: Round, module: Module) -> BaseVersion | None:
     """The version every unit of the round that trains `module` started from."""
     units = WorkUnit.objects.filter(round=round_).values_list("base_versions", flat=True)
@@ -494,7 +482,7 @@ def _uploads(
     less.
     """
     whole_unit = unit_tokens(config)
-    delta_bases = _delta_bases(rows)
+    bases = delta_bases(rows)
     replays = replayed(run_id, t, rows)
     checks = check_copies(rows)
     pasts = replica_past(module, rows, checks)  # what paired workers' copies differed by
@@ -518,7 +506,7 @@ def _uploads(
                 partial=c.tokens < allowed,
                 work=min(1.0, min(c.tokens, allowed) / whole_unit),
                 sized=min(1.0, allowed / whole_unit),
-                delta_base=delta_bases[c.lease_id],
+                delta_base=bases[c.lease_id],
                 replica_past=pasts.get(c.lease.worker_id, ()),
             )
         )

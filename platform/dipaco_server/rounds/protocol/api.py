@@ -414,7 +414,7 @@ def complete_lease(
             record_metric(unit.round.run, name, value, path=unit.path, round=unit.round.t)
         round_ = unit.round
         # The round's life (rounds.lifecycle.receivers) decides whether it may close now.
-        transaction.on_commit(lambda: lease_completed.send(Lease, round_=round_))
+        transaction.on_commit(lambda: lease_completed.send(Lease, round_=round_, lease=lease))
     return {
         "lease_id": lease.pk,
         "state": Lease.State.COMPLETED,

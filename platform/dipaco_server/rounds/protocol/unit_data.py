@@ -27,7 +27,16 @@ from dipaco_server.storage import BlobStore
 from dipaco_server.storage.keys import validate_key
 
 _digests: dict[str, tuple[str, int]] = {}  # key -> (sha256, size) of cut blobs
-_lock = threading.Lock()
+# One lock per unit blob: two requests for one unit cut it once, while other units are cut
+# beside it (at a 150M path a cut is a unit's ~256,000 windows: one lock for all serialised
+# a round's first grants).
+_locks: dict[str, threading.Lock] = {}
+_guard = threading.Lock()
+
+
+def _lock(key: str) -> threading.Lock:
+    with _guard:
+        return _locks.setdefault(key, threading.Lock())
 
 
 @dataclass(frozen=True)
@@ -63,7 +72,7 @@ def unit_data(
 ) -> UnitData:
     """The unit's window blob (cut and uploaded the first time): key, digest and size."""
     key = unit_data_key(run_id, phase, path, shard_sha256, first, count)
-    with _lock:
+    with _lock(key):
         known = _digests.get(key)
         if known is None:
             if store.exists(key):

@@ -31,7 +31,11 @@ class ContributionVerdictOut(Schema):
     module_id: str
     lease_id: int
     status: str = Field(description="pending, accepted or rejected.")
-    reason: str = Field(description='Why it was rejected: "<code>: <message>"; empty otherwise.')
+    reason: str = Field(
+        description="Why it was rejected, or why a pending one waits for the next round's "
+        'step (first_round_unsettled, first_round_waiting): "<code>: <message>"; empty '
+        "otherwise."
+    )
     reason_code: str = Field(description="The reason's code alone (e.g. no_training_gain).")
     tokens: int
     created_at: datetime

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from dipaco.data.ranged import store_shard
 from dipaco.data.shards import ShardIndex
 from dipaco.data.windows import ShardSource
 from dipaco.evaluate import window_count
+from dipaco.flops import score_windows
 from dipaco.model import build_model
 from dipaco.modular import module_spec, modules_of_path
 from dipaco.modules_file import read_module
@@ -34,10 +35,23 @@ logger = logging.getLogger(__name__)
 _PathKey = tuple[int, tuple[tuple[str, int], ...]]  # (path, the versions its Δ is relative to)
 
 
+def delta_bases(rows: Sequence[Contribution]) -> dict[int, tuple[tuple[str, int], ...]]:
+    """Lease -> the versions its unit's Δ is relative to, every module of its path: the
+    unit's base versions, with each contribution's recorded `base_version` over them."""
+    bases = {c.lease_id: dict(c.unit.base_versions) for c in rows}
+    recorded = Contribution.objects.filter(
+        lease_id__in=list(bases), base_version__isnull=False
+    ).values_list("lease_id", "module__module_id", "base_version")
+    for lease_id, module_id, version in recorded:
+        bases[lease_id][module_id] = version
+    return {lease: tuple(sorted(versions.items())) for lease, versions in bases.items()}
+
+
 class Scorer:
     """Proof of useful work for one module's step (rounds.verification.rules.score_delta): each Δ
-    applied alone to its path's base weights, on ``outer.score_windows`` windows of its
-    unit's own training data and as many held-out windows of the path's validation shard.
+    applied alone to its path's base weights, on `score_windows(config)` windows of its
+    unit's own training data (``outer.score_flops`` at the run's model size) and as many
+    held-out windows of the path's validation shard.
 
     A path's base modules, shards and base losses are loaded once per step, on first use;
     each further Δ costs two forward passes. The score is the unit's, not the module's: the
@@ -187,11 +201,11 @@ class Scorer:
         if self.dtype is None:
             self.store.download_to(data_index_key(run_id, phase), self.work / "index.json")
             self.dtype = ShardIndex.load(self.work).dtype
-        # The last score_windows windows of the validation shard, read by ranges.
+        # The last score_windows(config) windows of the validation shard, read by ranges.
         val = store_shard(self.store, keys.data_key(run_id, p, "val", phase), self.dtype)
         T = self.config.model.seq_len
         count = window_count(len(val), T)
-        picks = range(max(0, count - self.config.outer.score_windows), count)
+        picks = range(max(0, count - score_windows(self.config)), count)
         if not picks:
             raise ValueError(f"path {p} has no held-out window to score on")
         heldout = torch.from_numpy(val.read_windows([i * T for i in picks], T + 1))
@@ -202,6 +216,6 @@ class Scorer:
             run_id, phase = self.module.run_id, self.module.phase
             shard = store_shard(self.store, keys.data_key(run_id, p, "train", phase), self.dtype)
             self.train[p] = ShardSource.for_path(shard, self.config, p)
-        count = self.config.outer.score_windows
+        count = score_windows(self.config)
         batch: Tensor = self.train[p].batch(position, count, self.config.model.seq_len)
         return batch

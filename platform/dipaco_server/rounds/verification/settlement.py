@@ -20,7 +20,7 @@ from dipaco.data.windows import unit_tokens
 from dipaco_server.rounds.models import Contribution, Round
 from dipaco_server.rounds.verification import first_round, rules
 from dipaco_server.rounds.verification.replication import CHECK_OFFSET
-from dipaco_server.rounds.verification.scorer import Scorer
+from dipaco_server.rounds.verification.scorer import Scorer, delta_bases
 from dipaco_server.rounds.verification.uploads import Upload, fetch
 from dipaco_server.storage import BlobStore
 
@@ -113,6 +113,9 @@ def _facts(
 ) -> dict[int, first_round.UnitFacts]:
     """Each lease's worker, whether it referees, and its unit's gain per unit of work."""
     whole = unit_tokens(config)
+    # The versions each unit's Δ is relative to, as the steps score it: a score recorded
+    # when the unit completed (rounds.verification.unit_score) or by a step is reused.
+    bases = delta_bases(rows)
     out: dict[int, first_round.UnitFacts] = {}
     for c in rows:
         if c.lease_id in out:
@@ -121,7 +124,7 @@ def _facts(
         if scorer is not None:
             upload = Upload(c.pk, c.lease.worker_id, c.blob_key, c.size, c.sha256, c.tokens,
                             c.unit.path.index, unit_id=c.unit_id, lease_id=c.lease_id,
-                            position=c.unit.data_position)  # fmt: skip
+                            position=c.unit.data_position, delta_base=bases[c.lease_id])  # fmt: skip
             try:
                 score = scorer.whole_unit(upload)
             except CodecError:
