@@ -12,11 +12,14 @@ bench/platform_gpu.sh runs it (its header says how, and what the GPU machine nee
    device for ``--probe-steps`` steps of random tokens: its first step's seconds are the
    compile, its later steps the speed that sizes H, so that a unit of H steps trains
    ``--unit-seconds`` (compiling there also fills torch's compile cache for the worker).
+   While it runs, the server prepares the data (tokenizer, router, shards) for a run of
+   the same data settings, then cancelled: the sized run reuses them (the server keys
+   prepared data by its inputs, H not among them).
 2. The run: `RunConfig.paper_150m()` (or tiny) on a 2-level grid of ``--paths`` x 1 modules,
    ``--rounds`` rounds of H steps at ``--batch`` sequences a step, ``outer.overlap``
    ``--overlap``; every unit is H steps (units.target_seconds and calibration_seconds
    are set past any unit, so the calibration and sizing never cut one). Created and
-   prepared through the admin API (the server's own preparation, timed).
+   prepared through the admin API (the server's own preparation, each stage timed).
 3. One ``dipaco-worker --device DEVICE --json-logs`` does every unit; the run is followed
    until it finishes and the last round's validation losses are in.
 
@@ -37,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -189,7 +193,7 @@ def start_probe(args: argparse.Namespace, out: Path) -> subprocess.Popen[bytes] 
                args.preset, "--batch", str(args.batch), "--paths", str(args.paths),
                "--probe-steps", str(args.probe_steps), "--corpus", str(args.corpus),
                "--json", str(out)]  # fmt: skip
-    with (out.parent / "probe.log").open("ab") as log:
+    with (out.parent / "logs" / "probe.log").open("ab") as log:
         return subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -203,7 +207,7 @@ def sized_config(
     steps = args.steps
     if probe_run is not None:
         if probe_run.wait() != 0:
-            raise RuntimeError(f"the probe failed; see {out.parent / 'probe.log'}")
+            raise RuntimeError(f"the probe failed; see {out.parent / 'logs' / 'probe.log'}")
         found = json.loads(out.read_text())
         steps = sized_steps(found["tokens_per_second"], shape, args.unit_seconds)
         clock.say(
@@ -216,28 +220,38 @@ def sized_config(
     return config, found
 
 
-def prepare(admin: AdminClient, config: RunConfig, corpus: Path, clock: Clock) -> int:
-    """Create and start the run; back once it is ready (its stages' start times marked)."""
+def prepare(admin: AdminClient, config: RunConfig, corpus: Path, clock: Clock, label: str) -> int:
+    """Create the run and prepare it; back once it is ready (the start of each of its
+    stages marked on the clock as <label>_<stage>)."""
     dataset = admin.dataset(f"corpus-{corpus.stem}", str(corpus))
     run = admin.create_run(config.name, config.model_dump(mode="json"), dataset["id"])
     run_id = int(run["id"])
-    clock.mark("preparation_started")
+    clock.mark(f"{label}_preparation_started")
     admin.move(run_id, "start")
     deadline = time.monotonic() + 1800
     while True:
         status = admin.run(run_id)
         stage = (status.get("progress") or {}).get("stage")
-        if stage and f"prepare_{stage}" not in clock.marks:
-            clock.mark(f"prepare_{stage}")
+        if stage and f"{label}_{stage}" not in clock.marks:
+            clock.mark(f"{label}_{stage}")
         if status["state"] == "ready":
             break
         if status["state"] not in ("draft", "preparing") or time.monotonic() > deadline:
             raise RuntimeError(f"run {run_id} is {status['state']}: {status.get('error')}")
         time.sleep(POLL_S / 2)
-    seconds = clock.mark("ready") - clock.marks["preparation_started"]
-    clock.say(f"run {run_id} prepared in {seconds:.0f} s")
-    admin.move(run_id, "start")
+    seconds = clock.mark(f"{label}_ready") - clock.marks[f"{label}_preparation_started"]
+    clock.say(f"run {run_id} ({label}) prepared in {seconds:.0f} s")
     return run_id
+
+
+def prepare_data(args: argparse.Namespace, admin: AdminClient, clock: Clock) -> None:
+    """The data (tokenizer, router, shards), prepared while the probe runs, by a run of the
+    same data settings that is then cancelled: the sized run's preparation reuses them
+    (the server keys prepared data by its inputs, not by H)."""
+    config = run_config(args.preset, rounds=args.rounds, paths=args.paths, steps=1,
+                        batch=args.batch, overlap=args.overlap, corpus=str(args.corpus))  # fmt: skip
+    config = config.model_copy(update={"name": "platform-gpu-data"})
+    admin.move(prepare(admin, config, args.corpus, clock, "data"), "cancel")
 
 
 def start_worker(
@@ -277,7 +291,7 @@ def follow(
         if worker.poll() not in (None, 0):
             return f"dipaco-worker exited with {worker.returncode}"
         if time.time() - clock.started > deadline:
-            return f"the run was not finished {deadline:.0f} s after the start"
+            return f"stopped: the run was not finished {deadline:.0f} s after the start"
         time.sleep(POLL_S)
     waited = time.monotonic() + EVAL_WAIT_S
     while time.monotonic() < waited:
@@ -316,18 +330,26 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
         sampler.start()
         api_token, enrollment = mint_tokens(environ, "platform_gpu bench", 1)
         admin = AdminClient(server.url, api_token)
+        if probe_run is not None:
+            prepare_data(args, admin, clock)
         config, found["probe"] = sized_config(args, probe_run, root / "probe.json", clock)
         found["config"] = config
         clock.mark("sized")
-        found["run_id"] = run_id = prepare(admin, config, args.corpus, clock)
+        # The worker starts (imports, enrols, asks for work) while the run makes its modules.
         worker = start_worker(args, server.url, enrollment, root, environ)
         sampler.worker_pid = worker.pid
         clock.mark("worker_started")
-        found["ended"] = follow(admin, run_id, config.rounds, worker, args.budget, clock)
+        found["run_id"] = run_id = prepare(admin, config, args.corpus, clock, "run")
+        admin.move(run_id, "start")
+        stop = args.stop_after or args.budget + 80
+        found["ended"] = follow(admin, run_id, config.rounds, worker, stop, clock)
         clock.say(f"run {run_id}: {found['ended']}")
         found["rounds"] = admin.call("GET", f"/runs/{run_id}/rounds")
         found["losses"] = admin.metrics(run_id, "val_loss")
         found["traffic"] = platform_bytes(root / "server", run_id)
+    except Exception as exc:  # the figures so far are written all the same, with the error
+        traceback.print_exc()
+        found["ended"] = f"failed: {type(exc).__name__}: {exc}"
     finally:
         if worker is not None and worker.poll() is None:
             worker.terminate()
@@ -345,9 +367,10 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
 
 def phases(marks: dict[str, float]) -> dict[str, float | None]:
     """Where the script's seconds went, from its timeline: setup (wheels, corpus, Python's
-    start), the server's start (beside the probe, which also compiles), the run's
-    preparation, the worker's start to its first step's end (enrolment, fetch, compile),
-    the training window, and after it (the last hand-in, outer step, evaluation)."""
+    start), the server's start (beside the probe, which also compiles), the data's
+    preparation (beside the probe too), the sized run's (reusing the data), the worker's
+    start to its first step's end (enrolment, fetch, compile), the training window, and
+    after it (the last hand-in, outer step, evaluation)."""
 
     def span(start: str, end: str) -> float | None:
         return round(marks[end] - marks[start], 2) if start in marks and end in marks else None
@@ -356,7 +379,8 @@ def phases(marks: dict[str, float]) -> dict[str, float | None]:
         "setup_seconds": marks.get("begun"),
         "server_start_seconds": span("begun", "server_ready"),
         "sizing_seconds": span("begun", "sized"),
-        "preparation_seconds": span("preparation_started", "ready"),
+        "data_preparation_seconds": span("data_preparation_started", "data_ready"),
+        "preparation_seconds": span("run_preparation_started", "run_ready"),
         "to_first_step_seconds": span("worker_started", "first_step"),
         "training_window_seconds": span("first_step", "last_step"),
         "after_last_step_seconds": span("last_step", "evaluated"),
@@ -364,7 +388,11 @@ def phases(marks: dict[str, float]) -> dict[str, float | None]:
 
 
 def report(args: argparse.Namespace, found: dict[str, Any], root: Path, clock: Clock) -> dict:
-    config: RunConfig = found["config"]
+    # without a sized config (the run failed before it), the unsized one: its shape alone
+    unsized = {"rounds": args.rounds, "paths": args.paths, "steps": 1, "batch": args.batch}
+    config: RunConfig = found.get("config") or run_config(
+        args.preset, overlap=args.overlap, corpus=str(args.corpus), **unsized
+    )
     events = read_events(root / "logs" / "worker.jsonl")
     name = device_name(args.device)
     summary = summarise(events, found.get("rounds", []), found.get("losses", []),
@@ -418,7 +446,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--task-concurrency", type=int, default=max(2, (os.cpu_count() or 2) // 2),
         help="Celery tasks at once (%(default)s: half the cores)")  # fmt: skip
     add("--worker-threads", type=int, help="the worker's torch threads (default: its own)")
-    add("--budget", type=float, default=480.0, help="seconds from --started-at (%(default)s)")
+    add("--budget", type=float, default=480.0,
+        help="the goal: seconds from --started-at to the end (%(default)s)")  # fmt: skip
+    add("--stop-after", type=float,
+        help="stop a run not finished this long after --started-at (default: budget + 80)")  # fmt: skip
     add("--started-at", type=float, help="when the whole script began (epoch; default: now)")
     add("--work-dir", type=Path, default=Path("/tmp/platform-gpu"), help="data and logs")
     add("--json", type=Path, required=True, help="where the figures go")
@@ -442,7 +473,10 @@ def main(argv: list[str] | None = None) -> int:
     figures = report(args, found, root, clock)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(figures, indent=2) + "\n")
-    share = lambda x: "n/a" if x is None else f"{x:.3f}"  # noqa: E731
+
+    def share(x: float | None) -> str:
+        return "n/a" if x is None else f"{x:.3f}"
+
     print(f"{found['ended']}: utilisation {share(figures['utilisation'])}, MFU "
           f"{share(figures['mfu'])} (units' {share(figures['unit_mfu'])}), "
           f"{figures['seconds']:.0f} s of {args.budget:.0f}; wrote {args.json}")  # fmt: skip

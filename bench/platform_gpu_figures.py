@@ -231,7 +231,9 @@ def summarise(
 
 
 def read_events(path: Path) -> list[dict[str, Any]]:
-    events = []
+    events: list[dict[str, Any]] = []
+    if not path.is_file():  # no worker started
+        return events
     for line in path.read_text("utf-8", errors="replace").splitlines():
         try:
             event = json.loads(line)

@@ -25,8 +25,8 @@ one thread (torch, Rayon, OpenMP), then pass 3 (the join). It reports:
   without a manifest, as a resent ``prepare_run`` does), then the join.
 
 The workers are real ``celery worker`` processes (``--concurrency 1``, prefork, one task
-prefetched) on kombu's filesystem broker in the scratch directory, the embedded default's
-broker, consuming one task per piece that runs what a ``prepare_piece`` task runs
+prefetched) on the embedded default's broker (kombu's filesystem transport) in the
+scratch directory, consuming one task per piece that runs what a ``prepare_piece`` task runs
 (dipaco.data.stream.write_piece), without the database and the blob store (their cost is
 one upload per part, measured by bench/control_plane.py). The machine's load average is
 printed with the figures: on a shared machine the 2-process speedup is pessimistic.
@@ -181,20 +181,19 @@ def write_one(corpus: str, out: str, piece: int, span: dict[str, Any]) -> dict[s
 
 
 def configure(folder: Path) -> Celery:
-    """The app on kombu's filesystem transport in ``folder`` (dipaco_server.env's embedded
-    broker, without Django): tasks acknowledged late, one prefetched per process."""
-    queue, control, results = folder / "queue", folder / "control", folder / "results"
-    for path in (queue, control, results):
-        path.mkdir(parents=True, exist_ok=True)
+    """The app on the embedded default's broker in ``folder`` (dipaco_server.env: kombu's
+    filesystem transport, messages renamed into place), without Django: tasks acknowledged
+    late, one prefetched per process."""
+    # The server package, for its transport; imported after the app exists, so Celery's
+    # Django fix-up (decided when an app is made) stays off.
+    from dipaco_server.env import celery_transport
+
     app.conf.update(
-        broker_url="filesystem://localhost//",
-        result_backend=f"file://{results}",
-        broker_transport_options={
-            "data_folder_in": str(queue), "data_folder_out": str(queue),
-            "control_folder": str(control), "polling_interval": 0.1,
-        },
-        task_acks_late=True, worker_prefetch_multiplier=1, worker_hijack_root_logger=False,
-    )  # fmt: skip
+        **celery_transport(folder, None),
+        task_acks_late=True,
+        worker_prefetch_multiplier=1,
+        worker_hijack_root_logger=False,
+    )
     return app
 
 
@@ -223,7 +222,7 @@ class Workers:
         folder = work / "celery"  # one broker for the bench: the app connects once
         if app.conf.broker_url is None:
             configure(folder)
-        for message in (folder / "queue").iterdir():  # what killed workers left: purged
+        for message in (folder / "broker" / "queue").iterdir():  # what killed workers left
             message.unlink()
         environ = {**os.environ, BROKER_ENV: str(folder)}
         environ["PYTHONPATH"] = os.pathsep.join([str(ROOT / "bench"), str(ROOT)])
@@ -276,9 +275,9 @@ def run_pieces(
         spans = planned["spans"]
         pending = [piece_task.delay(str(corpus), str(out), p, spans[p]) for p in todo]
         while pending and (stop_after is None or done < stop_after):
-            ready = [r for r in pending if r.ready()]
-            pending = [r for r in pending if not r.ready()]
-            for result in ready:
+            states = [(r, r.ready()) for r in pending]  # once each: a result readied
+            pending = [r for r, ready in states if not ready]  # meanwhile waits a turn
+            for result in (r for r, ready in states if ready):
                 r = result.get()
                 chars += r["chars"]
                 cpu += r["cpu_s"]
@@ -339,7 +338,7 @@ def measure(work: Path, texts: list[str], scale: float) -> dict[str, Any]:
             join_s, written_bytes = join(corpus, out, planned["pieces"])
             key = f"{size}_{processes}p"
             figures[key] = {
-                **{k: v for k, v in planned.items() if k != "pieces"}, **r, "join_s": join_s, "bytes_written": written_bytes,
+                **{k: v for k, v in planned.items() if k not in ("pieces", "spans")}, **r, "join_s": join_s, "bytes_written": written_bytes,
                 "chars_per_s_per_process": r["chars"] / r["seconds"] / processes,
             }  # fmt: skip
             print(key, json.dumps(figures[key]), "load", os.getloadavg(), flush=True)

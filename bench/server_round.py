@@ -35,7 +35,8 @@ run: a 16x16 grid (256 units, one replica a path), 64 volunteers, units of
 the last completion, then the module steps' span), `round_seconds` the training
 (units / volunteers x target) plus it, `fraction` their ratio; `occupancy` is all the
 round's server CPU-seconds (scoring, steps, evaluation, data cutting) over cores x
-round_seconds.
+round_seconds. `fraction_lockstep`: the same with each wave of 64 units completing at
+once; `fraction_scoring_in_steps`: the design before, each level-0 step scoring its units.
 """
 
 from __future__ import annotations
@@ -343,6 +344,11 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     scoring_tail = fifo(arrivals, score_task, CORES) - training
     span = lpt(steps, CORES)
     critical = scoring_tail + span
+    # The design before, for comparison: each level-0 step scores its 16 units inline.
+    inline = lpt([level + UNITS // choices * figures["scoring"] / figures["units"]] * choices + steps[choices:], CORES)  # fmt: skip
+    # The worst case: volunteers in lockstep, each wave of units completing at once.
+    waves = [config.units.target_seconds * (i // VOLUNTEERS + 1) for i in range(UNITS)]
+    lockstep = fifo(waves, score_task, CORES) - training + span
     cut_unit = figures["data_cutting"] / figures["units"] / figures["cut_windows_per_unit"]
     cutting = cut_unit * figures["unit_windows"] * UNITS
     evaluation = figures["evaluation"] / figures["eval_windows"] * figures["sample_windows"]
@@ -355,6 +361,8 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         "steps_span_seconds": round(span, 1), "server_seconds": round(critical, 1),
         "round_seconds": round(round_seconds, 1),
         "fraction": round(critical / round_seconds, 4),
+        "fraction_lockstep": round(lockstep / (training + lockstep), 4),
+        "fraction_scoring_in_steps": round(inline / (training + inline), 4),
         "cpu_seconds": round(cpu, 1),
         "occupancy": round(cpu / (CORES * round_seconds), 4),
         "occupancy_without_cutting": round((cpu - cutting) / (CORES * round_seconds), 4),

@@ -6,6 +6,7 @@ import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from queue import Empty
 
 import pytest
 
@@ -129,3 +130,41 @@ def test_each_pool_process_gets_its_share_of_the_cores_unless_the_operator_chose
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     share_cores_between_pool_processes(SimpleNamespace(concurrency=cpus * 4))
     assert os.environ["OMP_NUM_THREADS"] == "3", "the operator's own value is kept"
+
+
+def test_the_embedded_broker_never_shows_a_half_written_message(tmp_path: Path) -> None:
+    """kombu's filesystem transport wrote a message in place: a worker listing the folder
+    mid-write moved an empty file, failed to decode it and stopped consuming (a demo's
+    server died that way). A consumer polling during a write finds nothing, then all of it."""
+    from kombu import Connection
+
+    from dipaco_server.broker import Channel
+
+    transport = celery_transport(tmp_path, None)
+    options = transport["broker_transport_options"]
+    seen: list[object] = []
+    with (
+        Connection(transport["broker_url"], transport=transport["broker_transport"],
+                   transport_options=options) as producer,
+        Connection(transport["broker_url"], transport=transport["broker_transport"],
+                   transport_options=options) as consumer,
+    ):  # fmt: skip
+        queue = consumer.SimpleQueue("whole")
+        reader = queue.consumer.channel
+        assert isinstance(reader, Channel)
+        channel = producer.default_channel
+        write = channel._write
+
+        def write_in_two_halves(path: str, data: bytes) -> None:
+            write(path, data[: len(data) // 2])
+            try:  # the consumer polls between the halves
+                seen.append(reader._get("whole"))
+            except Empty:
+                seen.append(None)
+            write(path, data)
+
+        channel._write = write_in_two_halves
+        producer.SimpleQueue("whole").put({"n": 1, "text": "x" * 4096})
+        assert seen == [None]
+        assert queue.get(timeout=5).payload == {"n": 1, "text": "x" * 4096}
+        queue.close()

@@ -174,3 +174,12 @@ def test_the_run_is_two_150m_paths_at_a_batch_of_64_by_1024() -> None:
     tiny = bench.run_config("tiny", rounds=3, paths=3, steps=5, batch=4, overlap="none",
                             corpus="/tmp/c.jsonl")  # fmt: skip
     assert tiny.num_paths == 3 and tiny.model.seq_len == RunConfig.tiny().model.seq_len
+
+
+def test_worker_events_are_its_json_objects(figures: ModuleType, tmp_path: Path) -> None:
+    assert figures.read_events(tmp_path / "never-started.jsonl") == []
+    log = tmp_path / "worker.jsonl"
+    log.write_text(
+        '{"event": "lease"}\nTraceback (most recent call last):\n[1, 2]\n{"event": "idle"}\n'
+    )
+    assert [e["event"] for e in figures.read_events(log)] == ["lease", "idle"]

@@ -243,10 +243,14 @@ def test_three_workers_run_the_full_protocol_concurrently(
     assert set(pairs) == expected and set(pairs.values()) == {1}
     for row in live:
         assert s3_store.size(row.blob_key) == row.size  # the bytes the worker PUT are in S3
-    # The last completion hands the round to the outer step through Redis; two
-    # completions finishing together may both send it (close_round runs once).
+    # Each completion queues its unit's scoring, and the last hands the round to the outer
+    # step, through Redis; two completions finishing together may both send the close
+    # (close_round runs once).
     sent = redis_queue.sent()
-    assert sent and set(sent) == {("dipaco_server.rounds.tasks.close_round", f"[{run.pk}, 0]")}
+    scored = sorted(args for name, args in sent if name == "dipaco_server.rounds.tasks.score_unit")
+    assert scored == sorted(f"[{pk}]" for pk in leases.values_list("pk", flat=True))
+    closes = {task for task in sent if task[0] != "dipaco_server.rounds.tasks.score_unit"}
+    assert closes == {("dipaco_server.rounds.tasks.close_round", f"[{run.pk}, 0]")}
 
 
 @pytest.mark.django_db(transaction=True)
