@@ -246,10 +246,10 @@ def route_chunk(run: Run, chunk: int, *, store: BlobStore | None = None) -> int:
 
 
 def _routed(run: Run, store: BlobStore) -> list[int]:
-    """The chunks whose part is stored (their manifest exists)."""
-    return [
-        i for i in range(run.phase_chunks) if store.exists(keys.routed_key(run.pk, i, MANIFEST))
-    ]
+    """The chunks whose part is stored (their manifest exists), from one listing of the
+    routed parts, not a request per chunk (every routed chunk counts them, under a lock)."""
+    stored = set(store.list(keys.routed_prefix(run.pk)))
+    return [i for i in range(run.phase_chunks) if keys.routed_key(run.pk, i, MANIFEST) in stored]
 
 
 def pending(run: Run, store: BlobStore) -> list[int]:

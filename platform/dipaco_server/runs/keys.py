@@ -127,7 +127,12 @@ def routed_key(run_id: int, chunk: int, part: str) -> str:
     """runs/<run>/phase1/routed/<i>/<part>: document chunk i tokenised and routed after
     phase 1 (runs.between): ``<path>/<split>.bin`` parts of every phase-2 shard, then
     ``manifest.json`` once they are all stored."""
-    return validate_key(f"{phase_prefix(run_id, 1)}/routed/{_id(chunk, 'chunk')}/{part}")
+    return validate_key(f"{routed_prefix(run_id)}{_id(chunk, 'chunk')}/{part}")
+
+
+def routed_prefix(run_id: int) -> str:
+    """runs/<run>/phase1/routed/: the listing prefix of every chunk's routed parts."""
+    return f"{phase_prefix(run_id, 1)}/routed/"
 
 
 def tokenizer_key(run_id: int) -> str:

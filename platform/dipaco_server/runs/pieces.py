@@ -163,8 +163,10 @@ def documents_key(key: str, piece: int) -> str:
 
 
 def pending(store: BlobStore, planned: dict[str, Any]) -> list[int]:
-    """Pieces without a manifest: those a resumed preparation still runs."""
-    return [i for i in planned["pieces"] if not store.exists(manifest_key(planned["key"], i))]
+    """Pieces without a manifest: those a resumed preparation still runs (one listing, not
+    a request per piece: every finished piece counts them, under the run row's lock)."""
+    stored = set(store.list(f"{prefix(planned['key'])}/parts/"))
+    return [i for i in planned["pieces"] if manifest_key(planned["key"], i) not in stored]
 
 
 def _tools(store: BlobStore, planned: dict[str, Any], work: Path) -> tuple[Any, Any]:
