@@ -32,7 +32,8 @@ the next worker, so worker 1 checks worker 0's unit); a lazy worker sending 0.1 
 for the whole unit's tokens; a fixed-direction bias (the same unit vector every round, at
 0.5 x the Δ's norm; every unit replicated, by another worker each round: a copy's
 difference from the other copy, held against what its worker's copies differed by against
-other workers in the other role before, refuses it once it repeats, rounds.verification.persistence); a sign flip whose
+other workers before, refuses it once it repeats, rounds.verification.persistence; both
+copies of a replicated unit train cold, as on the platform); a sign flip whose
 completion claims one token fewer than trained.
 
 Over 500 lines: the server's step is mirrored here check by check (`Run`), in the server's
@@ -209,8 +210,10 @@ class Run:
             trained_path = (p + 1) % cfg.num_paths
         if evil == "stale_base":
             start_from = self.previous
-        # A check copy goes to a worker without AdamW moments for the path (cold).
-        state = None if check else self.states.get((worker, trained_path))
+        # Both copies of a replicated unit train from fresh AdamW moments (the lease's
+        # `cold`, rounds.verification.replication.replicated); others continue warm ones.
+        cold = check or self.attack in REPLICATED
+        state = None if cold else self.states.get((worker, trained_path))
         clock = time.perf_counter()
         result = train_path(
             cfg, trained_path, start_from, self.sources[trained_path], round_index=t,
@@ -419,8 +422,8 @@ class Run:
 
     def repeated(self, pair: tuple[Entry, Entry], module_id: str) -> list[str]:
         """rounds.verification.checks._repeated: per copy, whether its difference repeats
-        what its worker's copies in the module differed by against other workers, in the
-        other role; each keeps its side of it."""
+        what its worker's copies in the module differed by against other workers; each
+        keeps its side of it."""
         if pair[0].unit.encoded[module_id] == pair[1].unit.encoded[module_id]:
             return ["", ""]
         a, b = (e.delta for e in pair)
@@ -430,8 +433,8 @@ class Run:
         for e, other, signed in ((*pair, sketch), (pair[1], pair[0], -sketch)):
             past = self.replica_past[(e.unit.worker, module_id)]
             sides.append((e.unit.worker, signed,
-                          [(partner, s) for partner, check, s in past  # others, other role
-                           if partner != other.unit.worker and check != (e is pair[1])]))  # fmt: skip
+                          [(partner, s) for partner, _, s in past  # against other workers
+                           if partner != other.unit.worker]))  # fmt: skip
             kept.append((past, other.unit.worker, e is pair[1], signed))
         for entry in kept:  # as stored, seen from the next round's step on
             self.replica_new.append(entry)

@@ -23,7 +23,8 @@ Reported per attack, each per seed: `ratio` (final routed validation loss ÷ the
 run's of that seed; mean and spread), `credited_tokens` and `claimed_tokens` of the
 attacker(s) (Worker.tokens_processed; the tokens its completed units claimed), and
 `accepted` / `rejected` (the attackers' Δs) and `honest_rejected` (the honest workers'
-rejected Δs), `reasons` (rejected Δs by side and code); `first_round_seconds`: round 0's
+rejected Δs), `reasons` (rejected Δs by side and code), `honest_refusals` (each honest
+refusal in full: round, worker, role, module, reason); `first_round_seconds`: round 0's
 wall time (open to the next round's open).
 With `--json` the file is rewritten after each run, so a bench stopped early leaves what it
 measured (`missing`: the runs asked for and not done; each attack's `seeds`).
@@ -243,6 +244,12 @@ def figures(
             "SELECT l.worker_id, c.reason FROM rounds_contribution c JOIN rounds_lease l "
             "ON l.id = c.lease_id WHERE c.status = 'rejected'"
         ).fetchall()
+        honest_why = db.execute(
+            "SELECT r.t, l.worker_id, u.replica, m.module_id, c.reason FROM rounds_contribution c "
+            "JOIN rounds_lease l ON l.id = c.lease_id JOIN rounds_workunit u ON u.id = l.unit_id "
+            "JOIN rounds_round r ON r.id = u.round_id JOIN runs_module m ON m.id = c.module_id "
+            "WHERE c.status = 'rejected' ORDER BY r.t"
+        ).fetchall()
         # A completed lease's claim: the smallest token count among its contributions.
         leases = db.execute(
             "SELECT l.worker_id, u.replica, r.t, MIN(c.tokens) FROM rounds_lease l "
@@ -272,6 +279,13 @@ def figures(
         "rejected": counts.get((True, "rejected"), 0),
         "honest_rejected": counts.get((False, "rejected"), 0),
         "reasons": reasons,
+        # Each honest worker's refusal in full: what a reader of the figure asks next.
+        "honest_refusals": [
+            f"round {t} worker {w} {'check copy' if replica >= CHECK_OFFSET else 'original'} "
+            f"{module}: {reason}"
+            for t, w, replica, module, reason in honest_why
+            if w not in attacker_ids
+        ],
         "replication_share": sum(check) / max(1, sum(t for *_, t in leases)),
         "steady_replication_share": (
             sum(t for r, t in steady if r >= CHECK_OFFSET) / sum(t for _, t in steady)
@@ -317,9 +331,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--eval-windows", type=int, default=128)
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--work-dir", type=Path, default=None)
+    parser.add_argument(
+        "--keep", action="store_true", help="keep each run's server folder (database, logs)"
+    )
+    parser.add_argument(
+        "--no-clean",
+        action="store_true",
+        help="skip the clean runs: the attack runs' counts and refusals only, no ratios",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
-    names: list[str | None] = [None, *(args.attack or ATTACKS)]
+    names: list[str | None] = [*([] if args.no_clean else [None]), *(args.attack or ATTACKS)]
     done: dict[tuple[int, str], dict[str, Any]] = {}
     root = Path(tempfile.mkdtemp(prefix="attacks-live-", dir=args.work_dir))
     try:  # a failed run's folder stays for its logs
@@ -336,13 +358,17 @@ def main(argv: list[str] | None = None) -> int:
                 result["seconds"] = round(time.perf_counter() - clock, 1)
                 done[(seed, label)] = result
                 print(f"seed {seed} {label:10s} " + json.dumps(result), flush=True)
-                shutil.rmtree(root / f"{seed}-{label}", ignore_errors=True)
+                if not args.keep:
+                    shutil.rmtree(root / f"{seed}-{label}", ignore_errors=True)
                 if args.json:  # what is done so far, should the bench be stopped early
                     write(args.json, summary(done, args), started, argv)
     except Exception:
         print(f"a run failed; its logs are kept in {root}", file=sys.stderr)
         raise
-    shutil.rmtree(root, ignore_errors=True)
+    if args.keep:
+        print(f"the runs' folders are kept in {root}", file=sys.stderr)
+    else:
+        shutil.rmtree(root, ignore_errors=True)
     out = write(args.json, summary(done, args), started, argv)
     print(json.dumps(out, indent=2))
     return 0
@@ -380,6 +406,12 @@ def summary(
         out["attacks"][name] = {
             "seeds": with_seed,
             "ratio": spread([r["loss"] / c["loss"] for r, c in zip(rows, clean, strict=True)]),
+            # credited ÷ claimed over the seeds (the bias goal's figure)
+            "credited_share": round(
+                sum(r["credited_tokens"] for r in rows)
+                / max(1, sum(r["claimed_tokens"] for r in rows)),
+                4,
+            ),
             **{
                 k: [r[k] for r in rows]
                 for k in (
@@ -389,6 +421,8 @@ def summary(
                     "accepted",
                     "rejected",
                     "reasons",
+                    "honest_refusals",
+                    "stopped_as_distrusted",
                     "first_round_seconds",
                     "seconds",
                 )
@@ -404,6 +438,7 @@ def summary(
             for k in (
                 "honest_rejected",
                 "reasons",
+                "honest_refusals",
                 "first_round_seconds",
                 "probation_over_round",
                 "seconds",

@@ -19,10 +19,10 @@ from dipaco.data.windows import ShardSource
 from dipaco.inner import train_path
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.protocol.grant import grant_lease
-from dipaco_server.rounds.verification import first_round
+from dipaco_server.rounds.verification import first_round, replication
 from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Run
-from dipaco_server.workers import probation
+from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 from tests.test_outer_tasks import DILOCO, GRID, running_run
@@ -146,18 +146,103 @@ def test_a_new_worker_is_replicated_in_both_roles_until_trusted_and_honest_ones_
         check = train(run, workers[second], sources, device(101 + 2 * t))
         assert check.replica == CHECK_OFFSET + original.replica  # the check copy, first
         assert check.data_position == original.data_position
+        # both copies train from fresh moments (the lease's `cold`): they compare alike
+        assert replication.replicated(original) and replication.replicated(check)
         step_round(run, t)
+        if t == 0:  # credit is held while on probation, not granted
+            held = Worker.objects.get(pk=workers[0].pk)
+            assert held.probation and (held.held_units, held.units_completed) == (1, 0)
+            assert held.held_tokens > 0 and held.tokens_processed == 0
     for w in workers:
         w.refresh_from_db()
         assert not w.probation, (w.name, w.partners)
         assert w.contributions_rejected == 0 and w.trust == 1.0
         assert w.audits == 1  # its one original, replicated
         assert w.units_completed == 2  # the check copy it trained is credited too
+        assert w.held_units == w.held_tokens == 0  # granted when probation ended
     assert not Contribution.objects.filter(unit__round__run=run).exclude(reason="").exists()
     established = train(run, workers[0], sources, device(200))
     assert not WorkUnit.objects.filter(
         round_id=established.round_id, replica__gte=CHECK_OFFSET
     ).exists()
+    assert not replication.replicated(established)  # its warm moments, as usual
+
+
+@pytest.mark.django_db
+def test_a_check_copy_goes_neither_to_the_same_partner_again_nor_to_one_that_cannot_finish_it(
+    tmp_path: Path, settings: Any
+) -> None:
+    """A check copy is a copy only when trained whole from the same start: one cut to the
+    round's deadline stays queued. And a newcomer is not paired with its partner again
+    while another worker can bring it a new one."""
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    settings.DIPACO_WORKER_MAX_LEASES = 4
+    run = running_run(GRID, replicas=1, rounds=2, inner=INNER, data={"val_fraction": 0.2})
+    with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    a, b, c = (register_worker(token, name, {})[0] for name in ("a", "b", "c"))
+    original = grant_lease(a)
+    assert original is not None and original.unit.replica < CHECK_OFFSET
+    copy = WorkUnit.objects.get(round_id=original.unit.round_id, replica__gte=CHECK_OFFSET)
+    # b is slow, and the round's deadline near: the copy would be cut, so b trains an original
+    Worker.objects.filter(pk=b.pk).update(measured_speed=1.0)
+    Round.objects.filter(pk=copy.round_id).update(deadline=timezone.now() + timedelta(seconds=5))
+    late = grant_lease(Worker.objects.get(pk=b.pk))
+    assert late is not None and late.unit.replica < CHECK_OFFSET
+    assert WorkUnit.objects.get(pk=copy.pk).state == WorkUnit.State.QUEUED
+    Round.objects.filter(pk=copy.round_id).update(deadline=None)  # time enough: it is b's
+    checked = grant_lease(Worker.objects.get(pk=b.pk))
+    assert checked is not None and checked.unit.pk == copy.pk
+    # b's first original was replicated too; a checked nobody yet and lacks the check role,
+    # but b is its partner already: a takes an original, and c, a new partner, b's copy
+    b_copy = WorkUnit.objects.get(
+        round_id=late.unit.round_id, path_id=late.unit.path_id, replica__gte=CHECK_OFFSET
+    )
+    assert replication.repeats_partner(a, b_copy) and not replication.repeats_partner(c, b_copy)
+    again = grant_lease(a)
+    assert again is not None and again.unit.pk != b_copy.pk
+    taken = grant_lease(c)  # b's copy or a's second one: c is new to both
+    assert taken is not None and taken.unit.replica >= CHECK_OFFSET
+
+
+@pytest.mark.django_db
+def test_credit_held_on_probation_is_granted_when_it_ends_and_forfeited_when_a_copy_loses(
+    settings: Any,
+) -> None:
+    settings.DIPACO_PROBATION_PARTNERS = 2
+    token = create_enrollment_token(max_uses=None)[1]
+    worker = register_worker(token, "newcomer", {})[0]
+
+    def counts() -> tuple[bool, int, int, int, int]:
+        w = Worker.objects.get(pk=worker.pk)
+        return w.probation, w.held_units, w.held_tokens, w.units_completed, w.tokens_processed
+
+    trust.grant_credit(worker.pk, 100)
+    assert counts() == (True, 1, 100, 0, 0)
+    trust.record_agreement(worker.pk, 7, False)
+    trust.restart_probation([worker.pk])  # one of its copies lost a comparison
+    assert counts() == (True, 0, 0, 0, 0)  # forfeited, and its agreements with it
+    assert Worker.objects.get(pk=worker.pk).partners == []
+    trust.grant_credit(worker.pk, 50)
+    trust.record_agreement(worker.pk, 7, False)
+    trust.record_agreement(worker.pk, 8, True)  # two partners, both roles: probation ends
+    assert counts() == (False, 0, 0, 1, 50)
+    trust.grant_credit(worker.pk, 30)
+    assert counts() == (False, 0, 0, 2, 80)  # established: credited at once
+    trust.restart_probation([worker.pk])  # an established worker's copy lost: probation again
+    assert counts() == (True, 0, 0, 2, 80)  # what was granted stays granted
+    operator = register_worker(create_enrollment_token(trusted=True)[1], "operator-box", {})[0]
+    trust.restart_probation([operator.pk])
+    assert not Worker.objects.get(pk=operator.pk).probation  # the operator's word stands
+    settings.DIPACO_PROBATION_PARTNERS = 0  # no probation at all
+    other = register_worker(token, "another", {})[0]
+    trust.restart_probation([other.pk])
+    assert not Worker.objects.get(pk=other.pk).probation
 
 
 def wave_round(run: Run, workers: list[Worker], sources: dict[int, ShardSource], t: int) -> int:
@@ -253,9 +338,10 @@ def test_honest_copies_differing_by_warm_and_cold_moments_are_never_refused(
     tmp_path: Path, settings: Any
 ) -> None:
     """Four honest newcomers over eight rounds, every pair and both roles: originals from
-    warm moments, check copies cold, another device each. Their differences repeat for the
-    worker that holds the moments (with the opposite sign in the other role), which the
-    persistence rule must not take for a bias however often it sees them."""
+    warm moments (an agent that ignores the lease's `cold`, as agents did before it), check
+    copies cold, another device each. Their differences repeat for the worker that holds
+    the moments (with the opposite sign in the other role), which the persistence rule
+    must not take for a bias however often it sees them."""
     settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
     rounds = ((0, 1), (1, 2), (2, 3), (3, 0), (0, 2), (1, 3), (2, 0), (3, 1))
     run = running_run(

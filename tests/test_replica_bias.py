@@ -81,8 +81,8 @@ def statuses(worker: Worker) -> list[tuple[int, str, str]]:
 # Who trains each round's unit, then its check copy. Every worker is new, so on probation
 # (workers.probation): each unit gets a check copy, and the next worker to ask is handed it.
 # The biased worker is checked as the check copy by honest-a and honest-b, then trains an
-# original that honest-c checks: two earlier differences against two distinct partners in
-# the other role, enough evidence (persistence.enough); honest-c then checks honest-a.
+# original that honest-c checks: two earlier differences against two distinct partners,
+# enough evidence (persistence.enough); honest-c then checks honest-a.
 PAIRS = (("honest-a", "biased"), ("honest-b", "biased"), ("biased", "honest-c"),
          ("honest-c", "honest-a"))  # fmt: skip
 
@@ -122,7 +122,12 @@ def test_a_biased_newcomer_with_honest_partners_is_refused_within_its_probation(
         worker = Worker.objects.get(pk=workers[name].pk)
         assert worker.trust == 1.0 and worker.contributions_rejected == 0
         assert worker.replicas_disagreed == 0
-    assert Worker.objects.get(pk=workers["biased"].pk).contributions_rejected == 2
+    biased_row = Worker.objects.get(pk=workers["biased"].pk)
+    assert biased_row.contributions_rejected == 2
+    # Its accepted check copies of rounds 0 and 1 were held, then forfeited with its
+    # agreements: it starts probation over, and was credited nothing.
+    assert (biased_row.units_completed, biased_row.tokens_processed) == (0, 0)
+    assert (biased_row.held_units, biased_row.held_tokens, biased_row.partners) == (0, 0, [])
     # Each compared copy keeps its side of the difference and the other copy's worker.
     for c in Contribution.objects.filter(unit__round__run=run):
         assert c.replica_sketch is not None and len(c.replica_sketch) == 4 * persistence.SKETCH

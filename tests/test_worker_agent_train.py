@@ -326,3 +326,25 @@ def test_the_agent_grows_the_micro_batch_to_its_budget_but_not_back_after_a_fall
     with pytest.raises(OutOfMemory, match="--memory-cap"):
         unit_split(config, LeaseRecord(server="http://server", lease={}), 1024, "cpu",
                    compiled=False)  # fmt: skip
+
+
+def test_a_unit_another_worker_also_trains_starts_from_fresh_moments(
+    tmp_path: Path, config: RunConfig
+) -> None:
+    """The lease's `cold`: a replicated unit's two copies both start cold, so they differ by
+    what differs between the machines, not by one worker's warm moments; every other unit
+    of the path continues them."""
+    from types import SimpleNamespace
+
+    from worker_agent.agent import Agent
+
+    states = InnerStates(tmp_path / "inner")
+    first, _ = train_unit(unit(config, window_file(tmp_path, config)),
+                          device=torch.device("cpu"), work_dir=tmp_path / "a")  # fmt: skip
+    assert first.state is not None
+    states.save(1, 0, first.state)
+    agent = SimpleNamespace(inner_states=states)
+    warm = Agent._inner_state(agent, SimpleNamespace(cold=False, run_id=1, path=0), config)  # type: ignore[arg-type]
+    assert warm is not None and warm.adam
+    cold = Agent._inner_state(agent, SimpleNamespace(cold=True, run_id=1, path=0), config)  # type: ignore[arg-type]
+    assert cold is None

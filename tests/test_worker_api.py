@@ -222,6 +222,28 @@ def holder(client: Client, store: BlobStore) -> Holder:
     return Holder(client, store, run, token, take_lease(client, token))
 
 
+def test_a_replicated_units_two_copies_are_both_leased_cold(
+    client: Client, store: BlobStore, settings: Any
+) -> None:
+    """A newcomer's unit is replicated (workers.probation), so its lease and its check
+    copy's lease both say `cold`: both train from fresh AdamW moments and compare alike. An
+    established worker's unreplicated unit continues its warm ones."""
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    settings.DIPACO_PROBATION_PARTNERS = 3
+    running_run(store)
+    _, newcomer = new_worker("newcomer")
+    original = take_lease(client, newcomer)
+    assert original["cold"] is True and original["replica"] < 1_000_000
+    _, checker = new_worker("checker")
+    check = take_lease(client, checker)
+    assert check["replica"] >= 1_000_000 and check["unit_id"] != original["unit_id"]
+    assert check["cold"] is True
+    established, token = new_worker("established")
+    Worker.objects.filter(pk=established.pk).update(probation=False)
+    plain = take_lease(client, token)
+    assert plain["cold"] is False and plain["replica"] < 1_000_000
+
+
 # --- the full cycle over real HTTP ---------------------------------------------------------------
 
 

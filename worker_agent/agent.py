@@ -62,6 +62,7 @@ from dipaco.inner import (
     DEFAULT_CHECKPOINT_INTERVAL_S,
     DoesNotFit,
     InnerResult,
+    InnerState,
     ResidentTrainer,
     UnitHooks,
     UnitWork,
@@ -376,7 +377,7 @@ class Agent:
         unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules, source,
                         grant.data.start_position)  # fmt: skip
         result, inner = self.trainer.train(
-            unit, work_dir=work, state=self.inner_states.load(grant.run_id, grant.path, config),
+            unit, work_dir=work, state=self._inner_state(grant, config),
             inner=inner, stop_at=unit_stop_at(grant, record), hooks=hooks,
             checkpoint_every=self.options.checkpoint_every,
             checkpoint_interval_s=self.options.checkpoint_interval_s,
@@ -390,6 +391,13 @@ class Agent:
         self.state.save(record)
         salvaged = stops.reason if not result.completed else ""
         return TrainedUnit(grant, config, result, work, salvaged, rebaser, inner.micro_batch_size)
+
+    def _inner_state(self, grant: LeaseGrant, config: RunConfig) -> InnerState | None:
+        """The path's warm state, or none for a unit another worker trains too (`cold`):
+        the two copies are compared, so both start from fresh moments."""
+        if grant.cold:
+            return None
+        return self.inner_states.load(grant.run_id, grant.path, config)
 
     def _start_hand_in(self, trained: TrainedUnit, manifest: Manifest) -> None:
         """Hand the trained unit's Δ in on its own thread while the next unit trains."""

@@ -129,6 +129,7 @@ class LeaseGrant:
     seconds_limit: float | None = None  # a calibration unit: stop after this long
     round_deadline: str | None = None  # ISO 8601: upload what is trained by then
     hard_deadline: str | None = None  # ISO 8601: heartbeats never extend the lease past it
+    cold: bool = False  # train from fresh AdamW moments: another worker trains a copy too
     # outer.overlap eager (worker_agent.rebase)
     rebase: Annotated[RebasePlan | None, BeforeValidator(_or_none)] = None
 

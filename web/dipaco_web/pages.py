@@ -131,6 +131,7 @@ def _standing(worker: Worker) -> dict[str, Any]:
         "roles": (as_original, as_check),
         "audits": worker.audits,
         "rate": trust.replication_rate(worker),
+        "held_tokens": worker.held_tokens,
     }
 
 

@@ -186,6 +186,11 @@ class Contribution(models.Model):
     replica_partner = models.ForeignKey(
         Worker, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # The other copy's worker when the two copies agreed (or were identical): with every
+    # Δ of its unit accepted and agreeing with the same worker, probation's evidence.
+    agreed_with = models.ForeignKey(
+        Worker, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
+    )
 
     class Meta:
         constraints = (

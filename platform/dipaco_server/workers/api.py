@@ -91,6 +91,11 @@ class WorkerOut(Schema):
     probation_partners_needed: int
     operator_trusted: bool = Field(description="Registered with a token marked trusted.")
     audits: int = Field(description="Units of its also issued as a check copy.")
+    held_units: int = Field(
+        description="Accepted units credited once it leaves probation (forfeited if one of "
+        "its copies loses a comparison first)."
+    )
+    held_tokens: int = Field(description="Their tokens, held the same way.")
     replication_rate: float = Field(description="The share of its units replicated now.")
 
     @staticmethod

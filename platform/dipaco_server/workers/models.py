@@ -76,6 +76,11 @@ class Worker(models.Model):
     # [worker id, 1 if this worker's copy was the check copy else 0] per pair whose copies
     # agreed, newest last, at most probation.KEEP_PARTNERS: its evidence for leaving probation.
     partners = models.JSONField(default=list, blank=True)
+    # Credit held while on probation (BOINC grants credit once a result validates): the
+    # units and tokens of its accepted work, moved to units_completed and tokens_processed
+    # when it leaves probation, forfeited when one of its copies loses a comparison.
+    held_units = models.PositiveIntegerField(default=0)
+    held_tokens = models.PositiveBigIntegerField(default=0)
 
     def __str__(self) -> str:
         return f"worker {self.pk} ({self.name})"

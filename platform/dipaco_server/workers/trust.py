@@ -129,8 +129,36 @@ def record_agreement(worker_id: int, partner_id: int, as_check: bool) -> None:
     fields = ["partners"]
     if row.probation and probation.leaves_probation(row.partners, partners_needed()):
         row.probation = False
-        fields.append("probation")
+        row.units_completed += row.held_units  # the credit it held is granted now
+        row.tokens_processed += row.held_tokens
+        row.held_units = row.held_tokens = 0
+        fields += ["probation", "units_completed", "tokens_processed", "held_units", "held_tokens"]
     row.save(update_fields=fields)
+
+
+def grant_credit(worker_id: int, tokens: int) -> None:
+    """Credit one accepted unit of `tokens` tokens: held while the worker is on probation
+    (granted when it leaves, forfeited if one of its copies loses a comparison first)."""
+    on_probation = Worker.objects.filter(pk=worker_id, probation=True)
+    if on_probation.update(held_units=F("held_units") + 1, held_tokens=F("held_tokens") + tokens):
+        return
+    Worker.objects.filter(pk=worker_id).update(
+        units_completed=F("units_completed") + 1,
+        tokens_processed=F("tokens_processed") + tokens,
+    )
+
+
+def restart_probation(worker_ids: Iterable[int]) -> None:
+    """Workers one of whose copies lost a comparison with another worker's: on probation
+    again with no agreements and no held credit, so that only agreement with several
+    partners after it earns trust back (the operator's machines excepted; with
+    DIPACO_PROBATION_PARTNERS = 0 there is no probation)."""
+    ids = set(worker_ids)
+    if not ids or partners_needed() == 0:
+        return
+    Worker.objects.filter(pk__in=ids, operator_trusted=False).update(
+        probation=True, partners=[], held_units=0, held_tokens=0
+    )
 
 
 def penalise(worker_ids: Iterable[int], times: int = 1) -> None:

@@ -114,10 +114,10 @@ def grant_lease(
             if unit is not None and comeback is not None:
                 resumed_steps = comeback[1]
             else:
-                unit = _next_queued_unit(groups, warm_paths, locked)
+                unit = _next_queued_unit(groups, warm_paths, locked, policy, now)
             if unit is None and not fresh:  # the cached groups ran dry: count again
                 groups, fresh = cached_groups(refresh=True)
-                unit = _next_queued_unit(groups, warm_paths, locked)
+                unit = _next_queued_unit(groups, warm_paths, locked, policy, now)
             if unit is None:
                 return None
             claimed = _claim(unit, groups, now)
@@ -318,8 +318,36 @@ def _anything_queued() -> bool:
     ).exists()
 
 
+def _useless_check(
+    unit: WorkUnit, worker: Worker, policy: SchedulerPolicy | None, now: datetime | None
+) -> bool:
+    """Whether `unit` is a check copy `worker` should not take: one that pairs it with the
+    same partner again (replication.repeats_partner), or one it could not train whole before
+    the round's deadline. A cut copy (rounds.protocol.sizing) is no copy of its original:
+    fewer steps from the same start make another Δ, which the comparison then refused in
+    the original's place (bench/attacks_live.py: a 6-step copy against a 25-step original,
+    norms 3.9 x apart), so it stays queued (dropped when the round closes)."""
+    if not replication.is_check(unit):
+        return False
+    if replication.repeats_partner(worker, unit):
+        return True
+    if policy is None or now is None:
+        return False
+    unit = WorkUnit.objects.select_related("round__run", "path").get(pk=unit.pk)
+    config = phase_config(unit.round.run.run_config, unit.path.phase)
+    size = size_unit(
+        config, worker.measured_speed, round_deadline=unit.round.deadline, now=now,
+        stop_margin_s=heartbeat_interval_s(policy),
+    )  # fmt: skip
+    return size.steps < config.inner.steps
+
+
 def _next_queued_unit(
-    groups: list[dict[str, Any]], warm_paths: dict[int, int], worker: Worker | None = None
+    groups: list[dict[str, Any]],
+    warm_paths: dict[int, int],
+    worker: Worker | None = None,
+    policy: SchedulerPolicy | None = None,
+    now: datetime | None = None,
 ) -> WorkUnit | None:
     """The queued unit to grant next, in the order of docs/design.md §4.2, or None.
 
@@ -334,7 +362,7 @@ def _next_queued_unit(
         worker is not None
     ):  # probation and referees: a check copy first (rounds.verification.replication)
         check = replication.preferred_check(worker, groups)
-        if check is not None:
+        if check is not None and not _useless_check(check, worker, policy, now):
             return check
     ranked = sorted(
         groups,
@@ -354,6 +382,8 @@ def _next_queued_unit(
         if connection.features.has_select_for_update_skip_locked:
             candidates = candidates.select_for_update(skip_locked=True)
         unit = candidates.first()
+        if unit is not None and worker is not None and _useless_check(unit, worker, policy, now):
+            continue  # a check copy it should leave queued
         if unit is not None:
             return unit
     return None

@@ -59,6 +59,12 @@ class LeaseOut(Schema):
     round: int = Field(description="Outer round t.")
     unit_id: int
     replica: int
+    cold: bool = Field(
+        default=False,
+        description="Train from fresh AdamW moments, not the path's warm ones: another "
+        "worker trains the same unit too (a check copy, or this original's), and two "
+        "copies compare only when both start alike.",
+    )
     path: int = Field(description="The path index.")
     modules: list[str] = Field(description="Module ids of the path, in assembly order.")
     base_versions: dict[str, int] = Field(description="Module version each module starts from.")

@@ -9,7 +9,7 @@
    momentum, proof of useful work (`scorer.Scorer`).
 3. **replication** (`compare_replicas`): a check copy's Δ against its original's, a
    disagreement settled by evidence; a copy that differs in the direction its worker's
-   copies differed from other workers' before, in the other role, is refused however close
+   copies differed from other workers' before is refused however close
    the pair is
    (rounds.verification.persistence: a fixed-direction bias); `aggregated` puts a check copy in the
    place of a refused original.
@@ -236,6 +236,12 @@ def compare_replicas(
         original = by_id.get(check.upload.check_of) if check.upload.check_of else None
         if original is None or not (check.accepted and original.accepted):
             continue
+        if check.upload.sized != original.upload.sized:
+            # The server sized one lease below the other (a round's deadline, a calibration,
+            # rounds.protocol.sizing): fewer steps from the same start make another Δ, not a
+            # copy (the grant no longer hands out such a check copy; one already trained is
+            # left to the other checks).
+            continue
         if check.upload.delta_base != original.upload.delta_base:
             # outer.overlap eager: one rebased onto round t - 1's versions, the other could
             # not in time (rounds.protocol.rebase). Relative to other versions, they are not comparable.
@@ -247,7 +253,7 @@ def compare_replicas(
         # Only that worker's copies keep adding one direction, and the two are close enough
         # to pass as agreeing (what the rule is for). Copies that disagree anyway go to
         # the evidence: against a lazy or zero copy, an honest copy's difference is its own
-        # Δ in either role, which can look like its earlier cold-minus-warm differences.
+        # Δ, which is no evidence about the honest worker.
         close = rules.replicas_agree(a, b, cfg)[0]
         if len(flagged) == 1 and close:
             outcome = rules.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
@@ -288,7 +294,7 @@ def compare_replicas(
 
 def _repeated(pair: tuple[Verdict, Verdict], a: Tensors, b: Tensors, spec: Spec) -> list[str]:
     """Per copy, whether its difference from the other repeats what its worker's copies
-    kept adding against other workers, in the other role (persistence.repeated); each copy
+    kept adding against other workers (persistence.repeated); each copy
     keeps its side of the difference (`Verdict.sketch`, `Verdict.partner`). Identical bytes are no
     difference: nothing to keep."""
     if pair[0].upload.sha256 == pair[1].upload.sha256:
@@ -297,11 +303,10 @@ def _repeated(pair: tuple[Verdict, Verdict], a: Tensors, b: Tensors, spec: Spec)
     sides = []
     for verdict, other, signed in ((pair[0], pair[1], sketch), (pair[1], pair[0], -sketch)):
         verdict.sketch, verdict.partner = persistence.to_bytes(signed), other.upload.worker_id
-        role = verdict.upload.check_of is not None
-        past = [  # against other workers, in the other role (original or check copy)
+        past = [  # against other workers (both copies train cold: either role)
             (partner, persistence.from_bytes(data))
-            for partner, was_check, data in verdict.upload.replica_past
-            if partner != other.upload.worker_id and was_check != role
+            for partner, _, data in verdict.upload.replica_past
+            if partner != other.upload.worker_id
         ]
         sides.append((verdict.upload.worker_id, signed, past))
     smaller = min(float(v.norm or 0.0) for v in pair)

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from django.db.models import F
 
 from dipaco_server.rounds.models import Contribution, WorkUnit
 from dipaco_server.rounds.verification import first_round, rules
+from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.rounds.verification.uploads import Verdict
 from dipaco_server.workers import trust
 from dipaco_server.workers.models import Worker
@@ -35,7 +37,8 @@ def count(verdicts: Sequence[Verdict], counter: str) -> None:
 
 def credit(unit_ids: set[int], whole_unit: int) -> None:
     """Credit each unit whose contributions are now all settled and all accepted: one
-    unit, and its claimed tokens x its useful fraction (rounds.verification.rules.useful_fraction:
+    unit, and its claimed tokens x its useful fraction (held while its worker is on
+    probation, workers.trust.grant_credit) (rounds.verification.rules.useful_fraction:
     its scored gain per token against the round's other accepted units'), to the worker
     that completed it (issues 19, 34: credit follows verified useful work, not claims).
     Inside the step's transaction; the unit rows are locked in pk order, so of two
@@ -47,25 +50,28 @@ def credit(unit_ids: set[int], whole_unit: int) -> None:
         return
     list(WorkUnit.objects.select_for_update().filter(pk__in=unit_ids).order_by("pk"))
     rows = Contribution.objects.filter(unit_id__in=unit_ids).values_list(
-        "unit_id", "status", "tokens", "lease__worker_id", "lease_id", "unit__round_id"
-    )
-    by_unit: dict[int, list[tuple[str, int, int, int, int]]] = {}
+        "unit_id", "status", "tokens", "lease__worker_id", "lease_id", "unit__round_id",
+        "agreed_with_id", "unit__replica",
+    )  # fmt: skip
+    by_unit: dict[int, list[tuple[Any, ...]]] = {}
     for unit_id, *row in rows:
-        by_unit.setdefault(unit_id, []).append(tuple(row))  # type: ignore[arg-type]
+        by_unit.setdefault(unit_id, []).append(tuple(row))
     scores = _round_scores({r[4] for rows_ in by_unit.values() for r in rows_}, whole_unit)
     for contributions in by_unit.values():
         if any(c[0] != Contribution.Status.ACCEPTED for c in contributions):
             continue  # a Δ still pending (another module's step credits it) or rejected
         tokens, worker_id = min(c[1] for c in contributions), contributions[0][2]
         lease_id, round_id = contributions[0][3], contributions[0][4]
+        # Probation's evidence is the whole unit: every Δ of it accepted and agreeing with
+        # the same worker's copy (one module agreeing while another is refused is none).
+        partners = {c[5] for c in contributions}
+        if len(partners) == 1 and None not in partners and worker_id not in partners:
+            trust.record_agreement(worker_id, partners.pop(), contributions[0][6] >= CHECK_OFFSET)
         own = scores.get(round_id, {})
         peers = [scored for lease, scored in own.items() if lease != lease_id]
         score, work = own.get(lease_id, (None, min(1.0, tokens / whole_unit)))
         earned = round(tokens * rules.useful_fraction(score, work, peers))
-        Worker.objects.filter(pk=worker_id).update(
-            units_completed=F("units_completed") + 1,
-            tokens_processed=F("tokens_processed") + earned,
-        )
+        trust.grant_credit(worker_id, earned)
 
 
 def _round_scores(
@@ -102,6 +108,10 @@ def settle(
             Contribution.objects.filter(pk=v.upload.contribution_id).update(
                 replica_sketch=v.sketch, replica_partner_id=v.partner
             )
+        if v.accepted and v.agreed_with is not None:
+            Contribution.objects.filter(pk=v.upload.contribution_id).update(
+                agreed_with_id=v.agreed_with
+            )
     accepted = [v for v in verdicts if v.accepted]
     rejected = [v for v in verdicts if not v.accepted]
     count(accepted, "contributions_accepted")
@@ -112,7 +122,10 @@ def settle(
     for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed"
         Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + 1})
     trust.reward(v.upload.worker_id for v in accepted)
-    for v in accepted:  # agreement with another worker's copy: evidence for probation
-        if v.agreed_with is not None and v.agreed_with != v.upload.worker_id:
-            trust.record_agreement(v.upload.worker_id, v.agreed_with, v.upload.check_of is not None)
+    # A copy that lost a comparison with another worker's: its worker starts probation
+    # over (BOINC resets a host's count of valid results on an invalid one) and forfeits
+    # the credit it held.
+    trust.restart_probation(
+        v.upload.worker_id for v in rejected if v.reason.startswith(f"{rules.REPLICA}:")
+    )
     credit({v.upload.unit_id for v in verdicts}, whole_unit)

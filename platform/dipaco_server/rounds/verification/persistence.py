@@ -9,29 +9,29 @@ their path (warm AdamW moments), so their deviations repeat round over round as 
 0.14-0.65 honest, 0.27-0.66 for the biased worker; in a module with two contributors the two
 deviations are exact opposites).
 
-A check copy tells them apart: two workers train the same unit (same path, windows, base),
-so their Δs differ only by what differs between the two machines, while a bias is the same
-vector whatever the unit, whoever checks it and whichever copy the worker trains. Each
-compared pair's difference is kept, as a seeded count sketch (`SKETCH` values), on both
-copies' contributions, signed from each side, with the other copy's worker and its role.
-When a worker's difference points where its earlier differences in the module pointed as
-the *other* copy (original against check copy) and against *other* workers (cosine with
-their mean direction at least `REPEAT_COSINE`), and is not float rounding (at least
-`MIN_DIFFERENCE` x the smaller Δ's norm), its copy is refused however close the two copies
-are. When both copies repeat, the pair is a disagreement settled by evidence as any other
+A check copy tells them apart: two workers train the same unit (same path, windows, base,
+and both from fresh AdamW moments: the lease's `cold`, rounds.verification.replication), so
+their Δs differ only by what differs between the two machines (nothing at all on two CPUs),
+while a bias is the same vector whatever the unit, whoever checks it and whichever copy the
+worker trains. Each compared pair's difference is kept, as a seeded count sketch (`SKETCH`
+values), on both copies' contributions, signed from each side, with the other copy's
+worker. When a worker's difference points where its earlier differences in the module
+against *other* workers pointed (cosine with their mean direction at least
+`REPEAT_COSINE`), and is not float rounding (at least `MIN_DIFFERENCE` x the smaller Δ's
+norm), its copy is refused however close the two copies are. When both copies repeat, the
+pair is a disagreement settled by evidence as any other
 (rounds.verification.rules.settle_replicas).
 
-Why those two restrictions: an honest worker paired with a biased one sees the bias
-mirrored, so a partner's differences are no evidence about the worker; and an honest
-original differs from a cold check copy by its warm AdamW moments, which repeat round over
-round for the worker that holds them, but with the opposite sign when that worker is the
-check copy. Measured in bench/attacks.py's 2x2 run (every unit checked by another worker each
-round, seeds 0 and 2, four rounds, rule off): honest pairs differ by 1.3-1.5 x the Δ's norm;
-against any of the worker's earlier differences an honest one repeats with cosine up to
-0.43 (originals), against those of its other role at most 0.094 (52 cases), where the biased
-worker's reach 0.11-0.66 (20 cases, 13 >= 0.2). Proof of useful work cannot settle a pair
-instead: a random direction at half the Δ's norm moved a unit's gain less than honest noise
-did (tests/test_replica_bias.py: 0.4552 biased, 0.4521 honest).
+Why other workers only: an honest worker paired with a biased one sees the bias mirrored,
+so a partner's differences are no evidence about the worker. Why both copies train cold:
+an original continuing its worker's warm moments differs from a cold copy by those
+moments, which repeat round over round for the worker that holds them (the rule once had
+to look only at differences in the other role, original against check copy, to stay clear
+of them: measured in bench/attacks.py's 2x2 run, an honest worker's repeats reached cosine
+0.43 within a role), and it made honest pairs differ by 3.1-9.6 x in norm (eight live
+rounds, bench/attacks_live.py). Proof of useful work cannot settle a pair instead: a
+random direction at half the Δ's norm moved a unit's gain less than honest noise did
+(tests/test_replica_bias.py: 0.4552 biased, 0.4521 honest).
 
 How much evidence (`MIN_PAST`, `MIN_PARTNERS`): at least two earlier differences, against
 at least two distinct partners. One earlier copy is not evidence: a single difference
@@ -45,7 +45,7 @@ away, as its cosine with a random part falls with the number of partners.
 rounds.verification.checks applies it (compare_replicas); pure functions without Django,
 so bench/attacks.py runs the same rule. The sketch's seed is fixed: a worker that knows it
 could hide a bias in the sketch's null space (the difference's norm is exact). A worker
-that is never checked, or only ever in one role or by one partner, gives no evidence.
+that is never checked, or only ever by one partner, gives no evidence.
 """
 
 from __future__ import annotations

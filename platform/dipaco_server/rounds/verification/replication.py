@@ -74,6 +74,19 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     return copy if created else None
 
 
+def replicated(unit: WorkUnit) -> bool:
+    """Whether two workers train `unit`: a check copy, or an original with one. Both copies
+    train from fresh AdamW moments (the lease's `cold`), so they differ only by what
+    differs between two machines: an original continuing its worker's warm moments was
+    measured 3.1-9.6 x the norm of an honest cold copy (bench/attacks_live.py), which no
+    tolerance tells from a scaled Δ."""
+    if is_check(unit):
+        return True
+    return WorkUnit.objects.filter(
+        round_id=unit.round_id, path_id=unit.path_id, replica=CHECK_OFFSET + unit.replica
+    ).exists()
+
+
 def not_own_check(worker: Worker) -> Q:
     """Excludes the check copies of units `worker` holds or held (same round, path and
     windows): two workers, never one twice."""
@@ -126,6 +139,25 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     if connection.features.has_select_for_update_skip_locked:
         units = units.select_for_update(skip_locked=True)
     return units.first()
+
+
+def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
+    """Whether `unit` is a check copy that would pair `worker` again with the original's
+    worker, its partner already (an agreement, or a pairing of an open round), while either
+    is on probation. Such a copy brings no evidence: probation counts distinct partners, and
+    the repetition rule (rounds.verification.persistence) ignores the partner's own
+    differences. Left for another worker (or dropped when the round closes): two newcomers
+    that paired up in round 0 took each other's copies again in round 1 and a biased one
+    met no third partner in time (bench/attacks_live.py, seed 0)."""
+    if not is_check(unit):
+        return False
+    original = _original_worker(unit.round_id, unit.path_id, unit.data_position)
+    if not original:
+        return False
+    if not worker.probation and not Worker.objects.filter(pk=original, probation=True).exists():
+        return False
+    known = evidence(worker).partners() if worker.probation else {p[0] for p in _agreed(worker)}
+    return original in known
 
 
 def _agreed(worker: Worker) -> list[list[int]]:
