@@ -149,6 +149,8 @@ class Unit:
     encoded: dict[str, bytes] = field(default_factory=dict)  # module -> its upload
     score: rules.Score | None = None
     rejected: bool = False
+    waiting: int = 0  # modules whose first step waits with this unit's Δ kept
+    credited: bool = False
 
 
 @dataclass
@@ -193,6 +195,10 @@ class Run:
             list
         )  # (worker, module) -> (partner, was the check copy, its difference sketch)
         self.replica_new: list[tuple[list[tuple[int, bool, Tensor]], int, bool, Tensor]] = []
+        # rounds.verification.first_round: a module whose first step waits keeps its Δs for
+        # the next round's step (module -> the units kept); unit indices run across rounds
+        self.carried: dict[str, list[Unit]] = defaultdict(list)
+        self.issued = 0
         self.rng = torch.Generator().manual_seed(cfg.seed + 7)
         self.bias = {  # a fixed unit direction per module, the same every round
             m: _unit_vector(module_spec(cfg, m), cfg.seed + 11) for m in module_ids(cfg)
@@ -248,10 +254,10 @@ class Run:
 
     def round(self, t: int) -> None:
         cfg = self.cfg
-        units = []
+        units: list[Unit] = []
         for p in range(cfg.num_paths):
             encoded, tokens = self.train(t, p, p, check=False)
-            units.append(Unit(len(units), p, p, tokens, encoded=encoded))
+            units.append(Unit(self.issued + len(units), p, p, tokens, encoded=encoded))
         if self.attack in REPLICATED:  # replication forced on: every unit checked
             for original in list(units[: cfg.num_paths]):
                 # `colluders`: the next worker; otherwise each round another (checks go to
@@ -260,8 +266,10 @@ class Run:
                 checker = (original.worker + shift) % cfg.num_paths
                 encoded, tokens = self.train(t, checker, original.path, check=True)
                 units.append(
-                    Unit(len(units), checker, original.path, tokens, original.index, encoded)
-                )
+                    Unit(self.issued + len(units), checker, original.path, tokens,
+                         original.index, encoded)
+                )  # fmt: skip
+        self.issued += len(units)
         for u in units:
             self.claimed[u.worker] += u.tokens
         self.previous = {m: dict(v) for m, v in self.modules.items()}
@@ -274,17 +282,21 @@ class Run:
         live = [u for u in units if not u.rejected]
         round_base = {m: dict(v) for m, v in self.modules.items()}  # what the units started from
         self.score_units(live, t, round_base)
+        kept = list({id(u): u for us in self.carried.values() for u in us}.values())
         self.first_verdicts = {}
         if cfg.outer.verify and not any(self.history.values()):  # the modules' first step
-            self.first_verdicts = self.first_round(live)
+            self.first_verdicts = self.first_round(live + kept)
         lr = outer_lr(cfg.outer, t)
         seen_now: set[str] = set()
         for module_id in module_ids(cfg):
-            entries = [Entry(u) for u in live if module_id in u.encoded]
+            carried = self.carried.pop(module_id, [])
+            for u in carried:
+                u.waiting -= 1
+            entries = [Entry(u) for u in [*live, *carried] if module_id in u.encoded]
             if entries:
-                self.step_module(module_id, entries, lr, seen_now)
+                self.step_module(module_id, entries, lr, seen_now, can_wait=t < cfg.rounds - 1)
         self.seen |= seen_now
-        self.credit(units)
+        self.credit(units + kept)
 
     def score_units(self, units: list[Unit], t: int, base: Modules) -> None:
         """Proof of useful work per unit, its whole Δ (rounds.verification.scorer)."""
@@ -313,7 +325,12 @@ class Run:
         return min(1.0, u.tokens / self.cap)
 
     def step_module(
-        self, module_id: str, entries: list[Entry], lr: float, seen_now: set[str]
+        self,
+        module_id: str,
+        entries: list[Entry],
+        lr: float,
+        seen_now: set[str],
+        can_wait: bool = False,
     ) -> None:
         cfg, outer = self.cfg, self.cfg.outer
         spec = module_spec(cfg, module_id)
@@ -354,6 +371,14 @@ class Run:
                     if not e.reason and e.unit.index in self.first_verdicts:
                         e.reason = self.first_verdicts[e.unit.index]
                 self.peer_check(entries)
+                if can_wait and any(e.reason.startswith(first_round.UNSETTLED) for e in entries):
+                    # rounds.outer.step: the step waits, its version kept, every Δ kept
+                    for e in entries:
+                        e.reason = ""
+                        e.unit.waiting += 1
+                        self.carried[module_id].append(e.unit)
+                    self.verify_seconds += time.process_time() - clock
+                    return
         self.verify_seconds += time.process_time() - clock
         chosen = [e for e in entries if not e.reason and self.aggregated(e, entries)]
         for e in entries:
@@ -402,9 +427,13 @@ class Run:
                 continue
             pair = (original, check)
             assert original.delta is not None and check.delta is not None
+            kept_from = len(self.replica_new)
             repeats = self.repeated(pair, module_id)
             flagged = [i for i, why in enumerate(repeats) if why]
-            if len(flagged) == 1:
+            close = rules.replicas_agree(original.delta, check.delta, self.cfg.outer)[0]
+            if not close:  # a difference from a far-off copy is that copy's error, not evidence
+                del self.replica_new[kept_from:]
+            if len(flagged) == 1 and close:
                 outcome = rules.ReplicaOutcome("disagree", flagged[0], repeats[flagged[0]])
             else:
                 outcome = rules.settle_replicas(
@@ -481,9 +510,11 @@ class Run:
             entries[i].reason = why
 
     def credit(self, units: list[Unit]) -> None:
-        """rounds.verification.credit: whole units only, x their useful fraction."""
-        accepted = [u for u in units if not u.rejected]
+        """rounds.verification.credit: whole units only, x their useful fraction, once every
+        Δ of the unit is settled (none kept by a waiting step)."""
+        accepted = [u for u in units if not u.rejected and not u.waiting and not u.credited]
         for u in accepted:
+            u.credited = True
             peers = [(o.score, self.work(o)) for o in accepted if o is not u and o.score]
             fraction = rules.useful_fraction(u.score, self.work(u), peers)
             self.credited[u.worker] += round(u.tokens * fraction)

@@ -173,8 +173,8 @@ def test_a_check_copy_goes_neither_to_the_same_partner_again_nor_to_one_that_can
     tmp_path: Path, settings: Any
 ) -> None:
     """A check copy is a copy only when trained whole from the same start: one cut to the
-    round's deadline stays queued. And a newcomer is not paired with its partner again
-    while another worker can bring it a new one."""
+    round's deadline stays queued. And a newcomer is not paired again with a partner in the
+    roles they already had with each other: that brings neither a partner nor a role."""
     from datetime import timedelta
 
     from django.utils import timezone
@@ -198,15 +198,26 @@ def test_a_check_copy_goes_neither_to_the_same_partner_again_nor_to_one_that_can
     Round.objects.filter(pk=copy.round_id).update(deadline=None)  # time enough: it is b's
     checked = grant_lease(Worker.objects.get(pk=b.pk))
     assert checked is not None and checked.unit.pk == copy.pk
-    # b's first original was replicated too; a checked nobody yet and lacks the check role,
-    # but b is its partner already: a takes an original, and c, a new partner, b's copy
+    # b's first original was replicated too: a checking it brings a the check role and b
+    # the original's, so a takes it, though b is its partner already
     b_copy = WorkUnit.objects.get(
         round_id=late.unit.round_id, path_id=late.unit.path_id, replica__gte=CHECK_OFFSET
     )
-    assert replication.repeats_partner(a, b_copy) and not replication.repeats_partner(c, b_copy)
-    again = grant_lease(a)
-    assert again is not None and again.unit.pk != b_copy.pk
-    taken = grant_lease(c)  # b's copy or a's second one: c is new to both
+    assert not replication.repeats_partner(a, b_copy)
+    mutual = grant_lease(a)
+    assert mutual is not None and mutual.unit.pk == b_copy.pk
+    # a's next original is replicated (it lacks partners); b checking it again would bring
+    # neither a thing: it is left for c, a new partner to both
+    second = grant_lease(a)
+    assert second is not None and second.unit.replica < CHECK_OFFSET
+    a_copy = WorkUnit.objects.get(
+        round_id=second.unit.round_id, path_id=second.unit.path_id, replica__gte=CHECK_OFFSET
+    )
+    assert replication.repeats_partner(Worker.objects.get(pk=b.pk), a_copy)
+    assert not replication.repeats_partner(c, a_copy)
+    other = grant_lease(Worker.objects.get(pk=b.pk))
+    assert other is None or other.unit.pk != a_copy.pk
+    taken = grant_lease(c)
     assert taken is not None and taken.unit.replica >= CHECK_OFFSET
 
 

@@ -143,21 +143,23 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
 
 def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
     """Whether `unit` is a check copy that would pair `worker` again with the original's
-    worker, its partner already (an agreement, or a pairing of an open round), while either
-    is on probation. Such a copy brings no evidence: probation counts distinct partners, and
-    the repetition rule (rounds.verification.persistence) ignores the partner's own
-    differences. Left for another worker (or dropped when the round closes): two newcomers
-    that paired up in round 0 took each other's copies again in round 1 and a biased one
-    met no third partner in time (bench/attacks_live.py, seed 0)."""
+    worker in the roles they already had with each other, while either is on probation: it
+    brings neither of them a partner or a role (probation counts distinct partners in both
+    roles, and the repetition rule, rounds.verification.persistence, ignores a partner's own
+    differences). Left for another worker, or dropped when the round closes: two newcomers
+    that had checked each other in round 0 did so again in round 1, and a biased one met no
+    third partner in time (bench/attacks_live.py, seed 0)."""
     if not is_check(unit):
         return False
     original = _original_worker(unit.round_id, unit.path_id, unit.data_position)
     if not original:
         return False
-    if not worker.probation and not Worker.objects.filter(pk=original, probation=True).exists():
+    other = Worker.objects.filter(pk=original).first()
+    if other is None or not (worker.probation or other.probation):
         return False
-    known = evidence(worker).partners() if worker.probation else {p[0] for p in _agreed(worker)}
-    return original in known
+    mine = evidence(worker) if worker.probation else probation.Evidence.recorded(_agreed(worker))
+    theirs = evidence(other) if other.probation else probation.Evidence.recorded(_agreed(other))
+    return (original, True) in mine.pairs and (worker.pk, False) in theirs.pairs
 
 
 def _agreed(worker: Worker) -> list[list[int]]:
