@@ -222,6 +222,36 @@ def test_a_check_copy_goes_neither_to_the_same_partner_again_nor_to_one_that_can
 
 
 @pytest.mark.django_db
+def test_probation_asks_no_more_partners_than_there_are_workers_to_agree_with(
+    tmp_path: Path, settings: Any
+) -> None:
+    """Three partners among four workers; once one is stopped (trust below
+    DIPACO_MIN_TRUST), a newcomer that agreed with both others, in both roles, leaves
+    probation at its next grant, its held credit granted, its unit no longer replicated."""
+    settings.DIPACO_PROBATION_PARTNERS = 3
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    run = running_run(GRID, replicas=1, rounds=2, inner=INNER, data={"val_fraction": 0.2})
+    with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    a, b, c, bad = (register_worker(token, name, {})[0] for name in ("a", "b", "c", "bad"))
+    assert replication.partners_needed_now(a) == 3
+    Worker.objects.filter(pk=a.pk).update(
+        partners=[[b.pk, 0], [c.pk, 1]], held_units=2, held_tokens=500
+    )
+    granted = grant_lease(Worker.objects.get(pk=a.pk))  # still three to find: replicated
+    assert granted is not None and replication.replicated(granted.unit)
+    Worker.objects.filter(pk=bad.pk).update(trust=0.1)  # stopped: it gets no more work
+    assert replication.partners_needed_now(Worker.objects.get(pk=a.pk)) == 2
+    settings.DIPACO_WORKER_MAX_LEASES = 2
+    again = grant_lease(Worker.objects.get(pk=a.pk))
+    assert again is not None and again.unit.replica < CHECK_OFFSET
+    assert not replication.replicated(again.unit)
+    row = Worker.objects.get(pk=a.pk)
+    assert not row.probation
+    assert (row.units_completed, row.tokens_processed, row.held_units) == (2, 500, 0)
+
+
+@pytest.mark.django_db
 def test_credit_held_on_probation_is_granted_when_it_ends_and_forfeited_when_a_copy_loses(
     settings: Any,
 ) -> None:

@@ -119,15 +119,31 @@ def should_replicate(worker: Worker, rng: random.Random | None = None) -> bool:
     return rate >= 1.0 or (rng or random).random() < rate
 
 
-def record_agreement(worker_id: int, partner_id: int, as_check: bool) -> None:
+def record_agreement(
+    worker_id: int, partner_id: int, as_check: bool, needed: int | None = None
+) -> None:
     """A replica pair of `worker_id` agreed with `partner_id`'s copy: keep it as evidence,
-    and end the worker's probation once the evidence suffices (workers.probation)."""
+    and end the worker's probation once the evidence suffices (workers.probation; `needed`
+    partners, default `partners_needed`)."""
     row = Worker.objects.select_for_update().filter(pk=worker_id).first()
     if row is None:
         return
     row.partners = probation.agreed(row.partners, partner_id, as_check)
-    fields = ["partners"]
-    if row.probation and probation.leaves_probation(row.partners, partners_needed()):
+    _save_standing(row, ["partners"], partners_needed() if needed is None else needed)
+
+
+def end_probation_if_due(worker_id: int, needed: int) -> bool:
+    """End the worker's probation if its recorded agreements suffice for `needed` partners
+    (fewer workers to be partners than when it came); whether it ended."""
+    row = Worker.objects.select_for_update().filter(pk=worker_id, probation=True).first()
+    if row is None or not probation.leaves_probation(row.partners, needed):
+        return False
+    _save_standing(row, [], needed)
+    return True
+
+
+def _save_standing(row: Worker, fields: list[str], needed: int) -> None:
+    if row.probation and probation.leaves_probation(row.partners, needed):
         row.probation = False
         row.units_completed += row.held_units  # the credit it held is granted now
         row.tokens_processed += row.held_tokens

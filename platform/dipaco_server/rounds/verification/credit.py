@@ -10,7 +10,7 @@ from typing import Any
 from django.db.models import F
 
 from dipaco_server.rounds.models import Contribution, WorkUnit
-from dipaco_server.rounds.verification import first_round, rules
+from dipaco_server.rounds.verification import first_round, replication, rules
 from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.rounds.verification.uploads import Verdict
 from dipaco_server.workers import trust
@@ -66,7 +66,13 @@ def credit(unit_ids: set[int], whole_unit: int) -> None:
         # the same worker's copy (one module agreeing while another is refused is none).
         partners = {c[5] for c in contributions}
         if len(partners) == 1 and None not in partners and worker_id not in partners:
-            trust.record_agreement(worker_id, partners.pop(), contributions[0][6] >= CHECK_OFFSET)
+            worker = Worker.objects.get(pk=worker_id)
+            trust.record_agreement(
+                worker_id,
+                partners.pop(),
+                contributions[0][6] >= CHECK_OFFSET,
+                replication.partners_needed_now(worker),
+            )
         own = scores.get(round_id, {})
         peers = [scored for lease, scored in own.items() if lease != lease_id]
         score, work = own.get(lease_id, (None, min(1.0, tokens / whole_unit)))

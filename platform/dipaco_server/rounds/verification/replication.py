@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import logging
 import random
+from datetime import timedelta
 from typing import Any
 
 from django.db import connection
 from django.db.models import Exists, F, OuterRef, Q
+from django.utils import timezone
 
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
+from dipaco_server.rounds.policy import current_policy
 from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 
@@ -44,14 +47,42 @@ def is_check(unit: WorkUnit) -> bool:
     return unit.replica >= CHECK_OFFSET
 
 
+def partners_needed_now(worker: Worker) -> int:
+    """The distinct partners that end `worker`'s probation: DIPACO_PROBATION_PARTNERS, but
+    never more than the other workers that can be partners now (heard from within a lease
+    timeout, not revoked, trusted enough to get work), and at least 1. Live, with one
+    attacker among four workers, the three honest ones agreed with each other in both roles
+    and could never find a third partner once the attacker was stopped: every unit of theirs
+    stayed replicated and their credit held for the rest of the run (bench/attacks_live.py,
+    seed 0). 0: probation is off."""
+    needed = trust.partners_needed()
+    if needed == 0:
+        return 0
+    since = timezone.now() - timedelta(seconds=current_policy().lease_timeout_s)
+    others = (
+        Worker.objects.filter(
+            last_seen__gte=since, revoked=False, trust__gte=trust.setting("DIPACO_MIN_TRUST")
+        )
+        .exclude(pk=worker.pk)
+        .count()
+    )
+    return max(1, min(needed, others))
+
+
 def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     """Queue a check copy of `unit`, just granted to `worker`, if its standing says so: on
     probation while its evidence lacks partners or the original's role (or it lost trust),
-    else at its audit rate (workers.probation)."""
+    else at its audit rate (workers.probation). A newcomer whose agreements suffice now
+    (fewer workers to be partners than when it came: `partners_needed_now`) leaves
+    probation here."""
     if is_check(unit):
         return None
+    if worker.probation and not worker.operator_trusted:
+        needed = partners_needed_now(worker)
+        if trust.end_probation_if_due(worker.pk, needed):
+            worker.refresh_from_db()
     if worker.probation and not worker.operator_trusted and worker.trust >= 1.0:
-        if not probation.replicate_newcomer(evidence(worker), trust.partners_needed()):
+        if not probation.replicate_newcomer(evidence(worker), partners_needed_now(worker)):
             return None
     elif not trust.should_replicate(worker):
         return None
@@ -129,7 +160,7 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
         )
     )
     known = evidence(worker) if worker.probation else probation.Evidence.recorded(_agreed(worker))
-    pool = probation.check_pool(offered, newcomers, standing, known, trust.partners_needed())
+    pool = probation.check_pool(offered, newcomers, standing, known, partners_needed_now(worker))
     if not pool:
         return None
     partners = worker.partners if isinstance(worker.partners, list) else []
