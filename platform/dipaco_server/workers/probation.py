@@ -15,9 +15,14 @@ Here:
   copy is trained that adds nothing. Checks of its units go to established workers first,
   else to other new ones.
 - **leaving probation** (`leaves_probation`): its copies agreed with those of `PARTNERS`
-  distinct workers, at least once in each role. Passing one-Δ checks earns nothing: a
+  distinct workers (never more than there are others to agree with:
+  rounds.verification.replication.partners_needed_now), at least once in each role, each
+  agreement a whole unit whose every Δ was accepted. Passing one-Δ checks earns nothing: a
   fixed-direction bias passes them all (rounds.verification.persistence), and one partner
   could be a colluder, so agreement must come from several.
+- **credit waits for trust** (workers.trust.grant_credit): a newcomer's accepted units are
+  credited when it leaves probation; a copy of its that loses a comparison forfeits them
+  and starts its probation over (workers.trust.restart_probation).
 - **audits** (`replication_rate`): an established worker's units are replicated at
   DIPACO_REPLICATION_RATE while its trust is 1; each refusal multiplies trust by
   DIPACO_TRUST_PENALTY and the rate rises with the lost trust, linearly up to every unit

@@ -32,7 +32,7 @@ from django.db import connection
 from django.db.models import Exists, F, OuterRef, Q
 from django.utils import timezone
 
-from dipaco_server.rounds.models import Lease, Round, WorkUnit
+from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
@@ -202,11 +202,17 @@ _LIVE = (Lease.State.ACTIVE, Lease.State.COMPLETED)
 
 def evidence(worker: Worker) -> probation.Evidence:
     """`worker`'s probation evidence: its recorded agreements, and its pairings in rounds
-    not closed yet (a check copy it trains or trained against the original's worker; an
+    not closed or not settled yet (a check copy it trains or trained against the original's worker; an
     original of its against whoever trains its check copy, or queued)."""
     pairs = set(probation.Evidence.recorded(_agreed(worker)).pairs)
-    live = Lease.objects.filter(worker=worker, state__in=_LIVE).exclude(
-        unit__round__state=Round.State.CLOSED
+    # A closed round whose step has not settled the lease's Δs yet counts too: under
+    # outer.overlap the next round opens first, and its grants must not replicate again
+    # what the last round's pairings already bring (live: every unit of round 1 was).
+    unsettled = Exists(
+        Contribution.objects.filter(lease=OuterRef("pk"), status=Contribution.Status.PENDING)
+    )
+    live = Lease.objects.filter(worker=worker, state__in=_LIVE).filter(
+        ~Q(unit__round__state=Round.State.CLOSED) | Q(unsettled)
     )
     where = ("unit__round_id", "unit__path_id", "unit__data_position", "unit__replica")
     queued = 0
