@@ -173,10 +173,10 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
 
 
 def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
-    """Whether `unit` is a check copy that would pair `worker` again with the original's
-    worker in the roles they already had with each other, while either is on probation: it
-    brings neither of them a partner or a role (probation counts distinct partners in both
-    roles, and the repetition rule, rounds.verification.persistence, ignores a partner's own
+    """Whether `unit` is a check copy that would pair `worker` with the original's worker
+    while either is on probation and bring neither of them anything: a partner it has not
+    had, or a role it lacks (probation counts distinct partners in both roles, and the
+    repetition rule, rounds.verification.persistence, ignores a partner's own
     differences). Left for another worker, or dropped when the round closes: two newcomers
     that had checked each other in round 0 did so again in round 1, and a biased one met no
     third partner in time (bench/attacks_live.py, seed 0)."""
@@ -187,10 +187,16 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
         return False
     other = Worker.objects.filter(pk=original).first()
     if other is None or not (worker.probation or other.probation):
-        return False
-    mine = evidence(worker) if worker.probation else probation.Evidence.recorded(_agreed(worker))
-    theirs = evidence(other) if other.probation else probation.Evidence.recorded(_agreed(other))
-    return (original, True) in mine.pairs and (worker.pk, False) in theirs.pairs
+        return False  # an audit between established workers
+
+    def brings(side: Worker, partner: int, as_check: bool) -> bool:
+        if not side.probation:
+            return False
+        known = evidence(side)
+        roles = {role for _, role in known.pairs}
+        return partner not in known.partners() or as_check not in roles
+
+    return not (brings(worker, original, True) or brings(other, worker.pk, False))
 
 
 def _agreed(worker: Worker) -> list[list[int]]:
