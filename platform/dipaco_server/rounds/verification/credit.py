@@ -37,10 +37,10 @@ def count(verdicts: Sequence[Verdict], counter: str) -> None:
 
 def credit(unit_ids: set[int], whole_unit: int) -> None:
     """Credit each unit whose contributions are now all settled and all accepted: one
-    unit, and its claimed tokens x its useful fraction (held while its worker is on
-    probation, workers.trust.grant_credit) (rounds.verification.rules.useful_fraction:
+    unit, and its claimed tokens x its useful fraction (rounds.verification.rules.useful_fraction:
     its scored gain per token against the round's other accepted units'), to the worker
-    that completed it (issues 19, 34: credit follows verified useful work, not claims).
+    that completed it, held while that worker is on probation (workers.trust.grant_credit);
+    a unit that agreed with another worker's copy is probation's evidence (issues 19, 34: credit follows verified useful work, not claims).
     Inside the step's transaction; the unit rows are locked in pk order, so of two
     modules' steps settling one unit's last contributions concurrently, the second waits,
     then sees the first's, and exactly one of them credits it. `whole_unit`: a whole
