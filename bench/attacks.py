@@ -371,22 +371,12 @@ class Run:
                     if not e.reason and e.unit.index in self.first_verdicts:
                         e.reason = self.first_verdicts[e.unit.index]
                 self.peer_check(entries)
-                if can_wait and any(e.reason.startswith(first_round.UNSETTLED) for e in entries):
-                    # rounds.outer.step: the step waits, its version kept, every Δ kept
-                    for e in entries:
-                        e.reason = ""
-                        e.unit.waiting += 1
-                        self.carried[module_id].append(e.unit)
+                if can_wait and self.waits(module_id, entries):
                     self.verify_seconds += time.process_time() - clock
                     return
         self.verify_seconds += time.process_time() - clock
         chosen = [e for e in entries if not e.reason and self.aggregated(e, entries)]
-        for e in entries:
-            if e.reason:
-                e.unit.rejected = True
-                who = "" if e.unit.worker in self.bad else "honest "
-                self.honest_rejected += 1 if who else 0
-                self.reasons[who + e.reason.split(":")[0]] += 1
+        self.count_refusals(entries)
         if self.args.verbose:
             for e in entries:
                 s = e.unit.score
@@ -410,6 +400,25 @@ class Run:
         self.modules[module_id], self.momentum[module_id] = outer_step(
             self.modules[module_id], grad, self.momentum.get(module_id), outer, lr=lr
         )
+
+    def waits(self, module_id: str, entries: list[Entry]) -> bool:
+        """rounds.outer.step: an undecided first round makes the step wait, its version
+        kept and every Δ kept for the next round's step."""
+        if not any(e.reason.startswith(first_round.UNSETTLED) for e in entries):
+            return False
+        for e in entries:
+            e.reason = ""
+            e.unit.waiting += 1
+            self.carried[module_id].append(e.unit)
+        return True
+
+    def count_refusals(self, entries: list[Entry]) -> None:
+        for e in entries:
+            if e.reason:
+                e.unit.rejected = True
+                who = "" if e.unit.worker in self.bad else "honest "
+                self.honest_rejected += 1 if who else 0
+                self.reasons[who + e.reason.split(":")[0]] += 1
 
     def aggregated(self, e: Entry, entries: list[Entry]) -> bool:
         """rounds.verification.aggregated: a check copy only in place of a refused original."""
