@@ -234,14 +234,14 @@ def test_probation_asks_no_more_partners_than_there_are_workers_to_agree_with(
     with_data(run, tmp_path)
     token = create_enrollment_token(max_uses=None)[1]
     a, b, c, bad = (register_worker(token, name, {})[0] for name in ("a", "b", "c", "bad"))
-    assert replication.partners_needed_now(a) == 3
+    assert replication.partners_needed_now(a.pk) == 3
     Worker.objects.filter(pk=a.pk).update(
         partners=[[b.pk, 0], [c.pk, 1]], held_units=2, held_tokens=500
     )
     granted = grant_lease(Worker.objects.get(pk=a.pk))  # still three to find: replicated
     assert granted is not None and replication.replicated(granted.unit)
     Worker.objects.filter(pk=bad.pk).update(trust=0.1)  # stopped: it gets no more work
-    assert replication.partners_needed_now(Worker.objects.get(pk=a.pk)) == 2
+    assert replication.partners_needed_now(a.pk) == 2
     settings.DIPACO_WORKER_MAX_LEASES = 2
     again = grant_lease(Worker.objects.get(pk=a.pk))
     assert again is not None and again.unit.replica < CHECK_OFFSET

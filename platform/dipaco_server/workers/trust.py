@@ -136,10 +136,10 @@ def end_probation_if_due(worker_id: int, needed: int) -> bool:
     """End the worker's probation if its recorded agreements suffice for `needed` partners
     (fewer workers to be partners than when it came); whether it ended."""
     row = Worker.objects.select_for_update().filter(pk=worker_id, probation=True).first()
-    if row is None or not probation.leaves_probation(row.partners, needed):
+    if row is None:
         return False
     _save_standing(row, [], needed)
-    return True
+    return not row.probation
 
 
 def _save_standing(row: Worker, fields: list[str], needed: int) -> None:

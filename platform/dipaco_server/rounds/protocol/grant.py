@@ -318,9 +318,7 @@ def _anything_queued() -> bool:
     ).exists()
 
 
-def _useless_check(
-    unit: WorkUnit, worker: Worker, policy: SchedulerPolicy | None, now: datetime | None
-) -> bool:
+def _useless_check(unit: WorkUnit, worker: Worker, policy: SchedulerPolicy, now: datetime) -> bool:
     """Whether `unit` is a check copy `worker` should not take: one that pairs it with the
     same partner again (replication.repeats_partner), or one it could not train whole before
     the round's deadline. A cut copy (rounds.protocol.sizing) is no copy of its original:
@@ -331,8 +329,6 @@ def _useless_check(
         return False
     if replication.repeats_partner(worker, unit):
         return True
-    if policy is None or now is None:
-        return False
     unit = WorkUnit.objects.select_related("round__run", "path").get(pk=unit.pk)
     config = phase_config(unit.round.run.run_config, unit.path.phase)
     size = size_unit(
@@ -345,9 +341,9 @@ def _useless_check(
 def _next_queued_unit(
     groups: list[dict[str, Any]],
     warm_paths: dict[int, int],
-    worker: Worker | None = None,
-    policy: SchedulerPolicy | None = None,
-    now: datetime | None = None,
+    worker: Worker,
+    policy: SchedulerPolicy,
+    now: datetime,
 ) -> WorkUnit | None:
     """The queued unit to grant next, in the order of docs/design.md §4.2, or None.
 
@@ -358,12 +354,10 @@ def _next_queued_unit(
     LIMIT). A correlated per-unit coverage subquery made a grant cost O(queued units²):
     3.3 s with 5,000 units queued in one path.
     """
-    if (
-        worker is not None
-    ):  # probation and referees: a check copy first (rounds.verification.replication)
-        check = replication.preferred_check(worker, groups)
-        if check is not None and not _useless_check(check, worker, policy, now):
-            return check
+    # probation and referees: a check copy first (rounds.verification.replication)
+    check = replication.preferred_check(worker, groups)
+    if check is not None and not _useless_check(check, worker, policy, now):
+        return check
     ranked = sorted(
         groups,
         key=lambda g: (
@@ -377,12 +371,11 @@ def _next_queued_unit(
         candidates = WorkUnit.objects.filter(
             state=WorkUnit.State.QUEUED, round_id=group["round_id"], path_id=group["path_id"]
         ).order_by("replica")  # unique within a (round, path): the partial index's order
-        if worker is not None:  # never the check copy of a unit it trained
-            candidates = candidates.filter(replication.not_own_check(worker))
+        candidates = candidates.filter(replication.not_own_check(worker))  # never its own
         if connection.features.has_select_for_update_skip_locked:
             candidates = candidates.select_for_update(skip_locked=True)
         unit = candidates.first()
-        if unit is not None and worker is not None and _useless_check(unit, worker, policy, now):
+        if unit is not None and _useless_check(unit, worker, policy, now):
             continue  # a check copy it should leave queued
         if unit is not None:
             return unit

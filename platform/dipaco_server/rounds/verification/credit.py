@@ -40,7 +40,8 @@ def credit(unit_ids: set[int], whole_unit: int) -> None:
     unit, and its claimed tokens x its useful fraction (rounds.verification.rules.useful_fraction:
     its scored gain per token against the round's other accepted units'), to the worker
     that completed it, held while that worker is on probation (workers.trust.grant_credit);
-    a unit that agreed with another worker's copy is probation's evidence (issues 19, 34: credit follows verified useful work, not claims).
+    a unit that agreed with another worker's copy is probation's evidence (issues 19, 34:
+    credit follows verified useful work, not claims).
     Inside the step's transaction; the unit rows are locked in pk order, so of two
     modules' steps settling one unit's last contributions concurrently, the second waits,
     then sees the first's, and exactly one of them credits it. `whole_unit`: a whole
@@ -66,12 +67,11 @@ def credit(unit_ids: set[int], whole_unit: int) -> None:
         # the same worker's copy (one module agreeing while another is refused is none).
         partners = {c[5] for c in contributions}
         if len(partners) == 1 and None not in partners and worker_id not in partners:
-            worker = Worker.objects.get(pk=worker_id)
             trust.record_agreement(
                 worker_id,
                 partners.pop(),
                 contributions[0][6] >= CHECK_OFFSET,
-                replication.partners_needed_now(worker),
+                replication.partners_needed_now(worker_id),
             )
         own = scores.get(round_id, {})
         peers = [scored for lease, scored in own.items() if lease != lease_id]

@@ -47,8 +47,8 @@ def is_check(unit: WorkUnit) -> bool:
     return unit.replica >= CHECK_OFFSET
 
 
-def partners_needed_now(worker: Worker) -> int:
-    """The distinct partners that end `worker`'s probation: DIPACO_PROBATION_PARTNERS, but
+def partners_needed_now(worker_id: int) -> int:
+    """The distinct partners that end the worker's probation: DIPACO_PROBATION_PARTNERS, but
     never more than the other workers that can be partners now (heard from within a lease
     timeout, not revoked, trusted enough to get work), and at least 1. Live, with one
     attacker among four workers, the three honest ones agreed with each other in both roles
@@ -63,7 +63,7 @@ def partners_needed_now(worker: Worker) -> int:
         Worker.objects.filter(
             last_seen__gte=since, revoked=False, trust__gte=trust.setting("DIPACO_MIN_TRUST")
         )
-        .exclude(pk=worker.pk)
+        .exclude(pk=worker_id)
         .count()
     )
     return max(1, min(needed, others))
@@ -77,12 +77,14 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     probation here."""
     if is_check(unit):
         return None
-    if worker.probation and not worker.operator_trusted:
-        needed = partners_needed_now(worker)
+    newcomer, needed = worker.probation and not worker.operator_trusted, 0
+    if newcomer:
+        needed = partners_needed_now(worker.pk)
         if trust.end_probation_if_due(worker.pk, needed):
             worker.refresh_from_db()
-    if worker.probation and not worker.operator_trusted and worker.trust >= 1.0:
-        if not probation.replicate_newcomer(evidence(worker), partners_needed_now(worker)):
+            newcomer = False
+    if newcomer and worker.trust >= 1.0:
+        if not probation.replicate_newcomer(evidence(worker), needed):
             return None
     elif not trust.should_replicate(worker):
         return None
@@ -160,7 +162,7 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
         )
     )
     known = evidence(worker) if worker.probation else probation.Evidence.recorded(_agreed(worker))
-    pool = probation.check_pool(offered, newcomers, standing, known, partners_needed_now(worker))
+    pool = probation.check_pool(offered, newcomers, standing, known, partners_needed_now(worker.pk))
     if not pool:
         return None
     partners = worker.partners if isinstance(worker.partners, list) else []
