@@ -31,6 +31,13 @@ measured (`missing`: the runs asked for and not done; each attack's `seeds`).
 From the clean runs: `replication_share`, tokens trained on check copies over all tokens
 trained, and `steady_replication_share`, the same over the rounds that opened after every
 worker had left probation (null when some never did); `clean.first_round_seconds`.
+
+The honest-only baseline (`--honest-only`, default `colluders`): a stopped attacker takes its
+share of the work with it, and the honest workers left train every path of every round
+alone. Per seed a clean run with only that many workers (`clean-<n>w`, losses under
+`clean_honest_only`) measures what the lost workers cost by themselves, and the attack's
+`ratio_vs_honest_only` what is left for the attack: live, at seed 2, two honest workers
+alone ended 1.3% above four, and the two colluders' run 1.0% above the two alone.
 """
 
 from __future__ import annotations
@@ -127,9 +134,16 @@ def attackers(attack: str | None) -> set[int]:
 
 
 def one_run(
-    config: RunConfig, attack: str | None, corpus: Path, root: Path, args: argparse.Namespace
+    config: RunConfig,
+    attack: str | None,
+    corpus: Path,
+    root: Path,
+    args: argparse.Namespace,
+    workers_count: int | None = None,
 ) -> dict[str, Any]:
-    """One run on a fresh embedded server; its figures (`figures`)."""
+    """One run on a fresh embedded server, `workers_count` workers (default --workers); its
+    figures (`figures`)."""
+    count = args.workers if workers_count is None else workers_count
     data_dir = root / "server"
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -146,7 +160,7 @@ def one_run(
     try:
         server.start()
         server.wait_until_healthy()
-        api_token, enrollment = mint_tokens(environ, "attacks_live bench", args.workers)
+        api_token, enrollment = mint_tokens(environ, "attacks_live bench", count)
         admin = AdminClient(url, api_token)
         dataset = admin.dataset(f"corpus-{corpus.stem}", str(corpus))
         run_id = int(
@@ -157,7 +171,7 @@ def one_run(
         wait_for_state(admin, run_id, "ready", ("draft", "preparing"), deadline)
         admin.move(run_id, "start")
         bad = attackers(attack)
-        for i in range(args.workers):
+        for i in range(count):
             env = dict(environ)
             if i in bad:
                 path = f"{patch}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(patch)
@@ -339,9 +353,19 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="skip the clean runs: the attack runs' counts and refusals only, no ratios",
     )
+    parser.add_argument(
+        "--honest-only",
+        action="append",
+        choices=ATTACKS,
+        help="also run a clean run with only the honest workers of this attack (the workers "
+        "left once its attackers are stopped) and report the attack's ratio to it too "
+        "(`ratio_vs_honest_only`); default: colluders, where half the workers are stopped",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     names: list[str | None] = [*([] if args.no_clean else [None]), *(args.attack or ATTACKS)]
+    if not args.no_clean:  # the honest-only clean runs, one per worker count
+        names += [f"clean-{n}w" for n in honest_counts(args)]
     done: dict[tuple[int, str], dict[str, Any]] = {}
     root = Path(tempfile.mkdtemp(prefix="attacks-live-", dir=args.work_dir))
     try:  # a failed run's folder stays for its logs
@@ -354,7 +378,11 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 label = name or "clean"
                 clock = time.perf_counter()
-                result = one_run(config, name, corpus, root / f"{seed}-{label}", args)
+                if label.startswith("clean-"):  # clean-<n>w: n honest workers, no attack
+                    count = int(label[len("clean-") : -1])
+                    result = one_run(config, None, corpus, root / f"{seed}-{label}", args, count)
+                else:
+                    result = one_run(config, name, corpus, root / f"{seed}-{label}", args)
                 result["seconds"] = round(time.perf_counter() - clock, 1)
                 done[(seed, label)] = result
                 print(f"seed {seed} {label:10s} " + json.dumps(result), flush=True)
@@ -374,6 +402,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def honest_counts(args: argparse.Namespace) -> list[int]:
+    """The worker counts of the honest-only clean runs (`--honest-only`), ascending."""
+    chosen = ["colluders"] if args.honest_only is None else args.honest_only
+    asked = set(args.attack or ATTACKS)
+    return sorted({args.workers - len(attackers(a)) for a in chosen if a in asked})
+
+
 def write(
     path: Path | None, out: dict[str, Any], started: float, argv: list[str] | None
 ) -> dict[str, Any]:
@@ -382,6 +417,27 @@ def write(
     if path:
         path.write_text(json.dumps(out, indent=2) + "\n")
     return out
+
+
+def honest_only_ratio(
+    done: dict[tuple[int, str], dict[str, Any]],
+    name: str,
+    seeds: list[int],
+    args: argparse.Namespace,
+) -> dict[str, Any]:
+    """The attack's loss ÷ the clean run's with only its honest workers (`--honest-only`),
+    over the seeds where both are done; {} where none is."""
+    count = args.workers - len(attackers(name))
+    label = f"clean-{count}w"
+    if count not in honest_counts(args):
+        return {}
+    pairs = [(done[(s, name)], done[(s, label)]) for s in seeds if (s, label) in done]
+    if not pairs:
+        return {}
+    return {
+        "honest_only_workers": count,
+        "ratio_vs_honest_only": spread([r["loss"] / c["loss"] for r, c in pairs]),
+    }
 
 
 def summary(
@@ -394,7 +450,8 @@ def summary(
     clean = list(clean_of.values())
     out: dict[str, Any] = {"seeds": seeds, "rounds": args.rounds, "inner_steps": args.inner_steps,
                            "workers": args.workers, "attacks": {}}  # fmt: skip
-    asked = [(s, n) for s in args.seeds for n in ["clean", *(args.attack or ATTACKS)]]
+    labels = ["clean", *(args.attack or ATTACKS), *(f"clean-{n}w" for n in honest_counts(args))]
+    asked = [(s, n) for s in args.seeds for n in labels]
     if any(key not in done for key in asked):
         out["missing"] = [f"seed {s} {n}" for s, n in asked if (s, n) not in done]
     for name in args.attack or ATTACKS:
@@ -406,6 +463,7 @@ def summary(
         out["attacks"][name] = {
             "seeds": with_seed,
             "ratio": spread([r["loss"] / c["loss"] for r, c in zip(rows, clean, strict=True)]),
+            **honest_only_ratio(done, name, with_seed, args),
             # credited ÷ claimed over the seeds (the bias goal's figure)
             "credited_share": round(
                 sum(r["credited_tokens"] for r in rows)
@@ -447,6 +505,13 @@ def summary(
             )
         },
     }
+    honest_only = {
+        label: spread([done[(s, label)]["loss"] for s in seeds if (s, label) in done])
+        for label in (f"clean-{n}w" for n in honest_counts(args))
+        if any((s, label) in done for s in seeds)
+    }
+    if honest_only:  # the loss of the clean runs with fewer workers, by label
+        out["clean_honest_only"] = honest_only
     out["replication_share"] = round(statistics.mean(c["replication_share"] for c in clean), 4)
     steady = [c["steady_replication_share"] for c in clean]
     out["steady_replication_share"] = (

@@ -83,11 +83,14 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
         if trust.end_probation_if_due(worker.pk, needed):
             worker.refresh_from_db()
             newcomer = False
+    why = "probation" if worker.probation else "audit"
     if newcomer and worker.trust >= 1.0:
         if not probation.replicate_newcomer(evidence(worker), needed):
             return None
     elif not trust.should_replicate(worker):
-        return None
+        if newcomer or not newcomer_lacks_a_check(unit.round_id):
+            return None
+        why = "a newcomer's check role"
     copy, created = WorkUnit.objects.get_or_create(
         round_id=unit.round_id,
         path_id=unit.path_id,
@@ -102,9 +105,42 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
         Worker.objects.filter(pk=worker.pk).update(audits=F("audits") + 1)
         logger.info(
             "unit %s of worker %s replicated as unit %s (%s)",
-            unit.pk, worker.pk, copy.pk, "probation" if worker.probation else "audit",
+            unit.pk, worker.pk, copy.pk, why,
         )  # fmt: skip
     return copy if created else None
+
+
+def newcomer_lacks_a_check(round_id: int) -> bool:
+    """Whether an established worker's original, just granted in round `round_id`, should
+    also be issued as a check copy for a lone newcomer to train: exactly one newcomer can
+    get work (heard from within a lease timeout, not revoked, trusted enough, not the
+    operator's), it still lacks the check copy's role, and no check copy it could take is
+    queued in the round. Probation needs both roles, and an established worker's units are
+    otherwise replicated only at DIPACO_REPLICATION_RATE (the operator's machines never):
+    a lone newcomer among them got the check role only when an audit happened to queue a
+    copy, and among the operator's machines alone never, its units replicated and its
+    credit held all the while. Two newcomers or more take each other's copies
+    (workers.probation.replicate_newcomer queues them), so nothing is added for them."""
+    since = timezone.now() - timedelta(seconds=current_policy().lease_timeout_s)
+    newcomers = list(
+        Worker.objects.filter(
+            probation=True,
+            operator_trusted=False,
+            revoked=False,
+            last_seen__gte=since,
+            trust__gte=trust.setting("DIPACO_MIN_TRUST"),
+        )[:2]
+    )
+    if len(newcomers) != 1:
+        return False
+    lone = newcomers[0]
+    if not evidence(lone).lacks(partners_needed_now(lone.pk))[2]:
+        return False
+    queued = WorkUnit.objects.filter(
+        round_id=round_id, state=WorkUnit.State.QUEUED, replica__gte=CHECK_OFFSET
+    ).values_list("path_id", "data_position")[:CHECK_CANDIDATES]
+    # its own original's copy is not one it may take (not_own_check)
+    return all(_original_worker(round_id, path, at) == lone.pk for path, at in queued)
 
 
 def replicated(unit: WorkUnit) -> bool:
@@ -179,7 +215,9 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
     while either is on probation and bring neither of them anything: a partner it has not
     had, or a role it lacks (probation counts distinct partners in both roles, and the
     repetition rule, rounds.verification.persistence, ignores a partner's own
-    differences). Left for another worker, or dropped when the round closes: two newcomers
+    differences). A copy of an operator's machine's unit, never audited, exists only for a
+    newcomer's check role (`newcomer_lacks_a_check`): it brings nothing to anyone else.
+    Left for another worker, or dropped when the round closes: two newcomers
     that had checked each other in round 0 did so again in round 1, and a biased one met no
     third partner in time (bench/attacks_live.py, seed 0)."""
     if not is_check(unit):
@@ -188,6 +226,8 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
     if not original:
         return False
     other = Worker.objects.filter(pk=original).first()
+    if other is not None and other.operator_trusted and not worker.probation:
+        return True  # the operator's unit is copied only for a newcomer's check role
     if other is None or not (worker.probation or other.probation):
         return False  # an audit between established workers
 
