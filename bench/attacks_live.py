@@ -20,7 +20,7 @@ and 1 for `colluders`): a `sitecustomize` module on its PYTHONPATH wraps the age
   the Δ's norm.
 
 Reported per attack, each per seed: `ratio` (final routed validation loss ÷ the clean
-run's of that seed; mean and spread), `credited_tokens` and `claimed_tokens` of the
+run's of that seed, the mean of its two with `--repeat-clean`; mean and spread), `credited_tokens` and `claimed_tokens` of the
 attacker(s) (Worker.tokens_processed; the tokens its completed units claimed), and
 `accepted` / `rejected` (the attackers' Δs) and `honest_rejected` (the honest workers'
 rejected Δs), `reasons` (rejected Δs by side and code), `honest_refusals` (each honest
@@ -32,12 +32,15 @@ From the clean runs: `replication_share`, tokens trained on check copies over al
 trained, and `steady_replication_share`, the same over the rounds that opened after every
 worker had left probation (null when some never did); `clean.first_round_seconds`.
 
-The honest-only baseline (`--honest-only`, default `colluders`): a stopped attacker takes its
-share of the work with it, and the honest workers left train every path of every round
-alone. Per seed a clean run with only that many workers (`clean-<n>w`, losses under
-`clean_honest_only`) measures what the lost workers cost by themselves, and the attack's
-`ratio_vs_honest_only` what is left for the attack: live, at seed 2, two honest workers
-alone ended 1.3% above four, and the two colluders' run 1.0% above the two alone.
+Two controls, since one run's loss moves with its schedule (which worker trains which path,
+which units are replicated and so train cold):
+- `--repeat-clean`: a second clean run per seed (`clean-repeat`); `clean_repeat_ratio`, the
+  second ÷ the first, is the noise floor every ratio sits on.
+- the honest-only baseline (`--honest-only`, default `colluders`): a stopped attacker takes
+  its share of the work with it, and the honest workers left train every path of every
+  round alone. Per seed a clean run with only that many workers (`clean-<n>w`, losses under
+  `clean_honest_only`) measures what losing them costs by itself, and the attack's
+  `ratio_vs_honest_only` what is left for the attack.
 """
 
 from __future__ import annotations
@@ -280,8 +283,8 @@ def figures(
         reasons[key] = reasons.get(key, 0) + 1
     counts: dict[tuple[bool, str], int] = {}
     for worker_id, status, n in per_worker:
-        key = (worker_id in attacker_ids, status)
-        counts[key] = counts.get(key, 0) + n
+        side = (worker_id in attacker_ids, status)
+        counts[side] = counts.get(side, 0) + n
     check = [t for _, replica, _, t in leases if replica >= CHECK_OFFSET]
     steady = [(replica, t) for _, replica, rnd, t in leases
               if probation_over is not None and rnd >= probation_over]  # fmt: skip
@@ -361,11 +364,17 @@ def main(argv: list[str] | None = None) -> int:
         "left once its attackers are stopped) and report the attack's ratio to it too "
         "(`ratio_vs_honest_only`); default: colluders, where half the workers are stopped",
     )
+    parser.add_argument(
+        "--repeat-clean",
+        action="store_true",
+        help="run each seed's clean run twice: the attacks' ratios are to the mean of the "
+        "two, and `clean_repeat_ratio` (the second ÷ the first) is the bench's noise floor",
+    )
     args = parser.parse_args(argv)
     started = time.perf_counter()
     names: list[str | None] = [*([] if args.no_clean else [None]), *(args.attack or ATTACKS)]
-    if not args.no_clean:  # the honest-only clean runs, one per worker count
-        names += [f"clean-{n}w" for n in honest_counts(args)]
+    if not args.no_clean:  # the repeat, then the honest-only clean runs (one per count)
+        names += [*(["clean-repeat"] if args.repeat_clean else []), *honest_labels(args)]
     done: dict[tuple[int, str], dict[str, Any]] = {}
     root = Path(tempfile.mkdtemp(prefix="attacks-live-", dir=args.work_dir))
     try:  # a failed run's folder stays for its logs
@@ -378,8 +387,8 @@ def main(argv: list[str] | None = None) -> int:
             for name in names:
                 label = name or "clean"
                 clock = time.perf_counter()
-                if label.startswith("clean-"):  # clean-<n>w: n honest workers, no attack
-                    count = int(label[len("clean-") : -1])
+                if label.startswith("clean-"):  # clean-repeat, or clean-<n>w: n workers
+                    count = int(label[6:-1]) if label.endswith("w") else args.workers
                     result = one_run(config, None, corpus, root / f"{seed}-{label}", args, count)
                 else:
                     result = one_run(config, name, corpus, root / f"{seed}-{label}", args)
@@ -407,6 +416,17 @@ def honest_counts(args: argparse.Namespace) -> list[int]:
     chosen = ["colluders"] if args.honest_only is None else args.honest_only
     asked = set(args.attack or ATTACKS)
     return sorted({args.workers - len(attackers(a)) for a in chosen if a in asked})
+
+
+def honest_labels(args: argparse.Namespace) -> list[str]:
+    return [f"clean-{n}w" for n in honest_counts(args)]
+
+
+def clean_loss(done: dict[tuple[int, str], dict[str, Any]], seed: int) -> float:
+    """The seed's clean loss: the mean of its clean runs (two with --repeat-clean)."""
+    return statistics.mean(
+        done[(seed, label)]["loss"] for label in ("clean", "clean-repeat") if (seed, label) in done
+    )
 
 
 def write(
@@ -440,6 +460,28 @@ def honest_only_ratio(
     }
 
 
+def controls(
+    done: dict[tuple[int, str], dict[str, Any]], seeds: list[int], args: argparse.Namespace
+) -> dict[str, Any]:
+    """The honest-only clean runs' losses (`clean_honest_only`, by label) and the repeated
+    clean runs' (`clean_repeat_loss`, `clean_repeat_ratio`), where any was run."""
+    out: dict[str, Any] = {}
+    honest_only = {
+        label: spread([done[(s, label)]["loss"] for s in seeds if (s, label) in done])
+        for label in honest_labels(args)
+        if any((s, label) in done for s in seeds)
+    }
+    if honest_only:  # the loss of the clean runs with fewer workers, by label
+        out["clean_honest_only"] = honest_only
+    repeated = [s for s in seeds if (s, "clean-repeat") in done]
+    if repeated:  # one seed's clean run against itself: the noise floor of every ratio
+        out["clean_repeat_loss"] = spread([done[(s, "clean-repeat")]["loss"] for s in repeated])
+        out["clean_repeat_ratio"] = spread(
+            [done[(s, "clean-repeat")]["loss"] / done[(s, "clean")]["loss"] for s in repeated]
+        )
+    return out
+
+
 def summary(
     done: dict[tuple[int, str], dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -447,10 +489,10 @@ def summary(
     run are done (`missing`: the runs asked for that are not, when the bench stopped early)."""
     seeds = [s for s in args.seeds if (s, "clean") in done]
     clean_of = {s: done[(s, "clean")] for s in seeds}
-    clean = list(clean_of.values())
     out: dict[str, Any] = {"seeds": seeds, "rounds": args.rounds, "inner_steps": args.inner_steps,
                            "workers": args.workers, "attacks": {}}  # fmt: skip
-    labels = ["clean", *(args.attack or ATTACKS), *(f"clean-{n}w" for n in honest_counts(args))]
+    repeat = ["clean-repeat"] if args.repeat_clean else []
+    labels = ["clean", *(args.attack or ATTACKS), *repeat, *honest_labels(args)]
     asked = [(s, n) for s in args.seeds for n in labels]
     if any(key not in done for key in asked):
         out["missing"] = [f"seed {s} {n}" for s, n in asked if (s, n) not in done]
@@ -459,10 +501,9 @@ def summary(
         if not with_seed:
             continue
         rows = [done[(s, name)] for s in with_seed]
-        clean = [clean_of[s] for s in with_seed]
         out["attacks"][name] = {
             "seeds": with_seed,
-            "ratio": spread([r["loss"] / c["loss"] for r, c in zip(rows, clean, strict=True)]),
+            "ratio": spread([done[(s, name)]["loss"] / clean_loss(done, s) for s in with_seed]),
             **honest_only_ratio(done, name, with_seed, args),
             # credited ÷ claimed over the seeds (the bias goal's figure)
             "credited_share": round(
@@ -505,13 +546,7 @@ def summary(
             )
         },
     }
-    honest_only = {
-        label: spread([done[(s, label)]["loss"] for s in seeds if (s, label) in done])
-        for label in (f"clean-{n}w" for n in honest_counts(args))
-        if any((s, label) in done for s in seeds)
-    }
-    if honest_only:  # the loss of the clean runs with fewer workers, by label
-        out["clean_honest_only"] = honest_only
+    out.update(controls(done, seeds, args))
     out["replication_share"] = round(statistics.mean(c["replication_share"] for c in clean), 4)
     steady = [c["steady_replication_share"] for c in clean]
     out["steady_replication_share"] = (
