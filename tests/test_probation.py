@@ -115,6 +115,11 @@ def device(seed: int) -> Attack:
     return lambda deltas: added(deltas, seed, 0.3)
 
 
+def same(deltas: Any) -> Any:
+    """Two CPUs train a unit from fresh moments to the same bytes."""
+    return deltas
+
+
 def train(run: Run, worker: Worker, sources: dict[int, ShardSource], attack: Attack) -> WorkUnit:
     """`worker` asks for work, trains what it is given, uploads and completes."""
     granted = grant_lease(worker)
@@ -132,7 +137,9 @@ def test_a_new_worker_is_replicated_in_both_roles_until_trusted_and_honest_ones_
     """Three newcomers, two partners needed: each round one trains the unit and another,
     asking next, is handed its check copy before anything else. After agreeing with both
     others, once in each role, a worker leaves probation, its next unit is not replicated
-    (audit rate 0 here), and no honest copy was ever refused."""
+    (audit rate 0 here), and no honest copy was ever refused. With two partners needed the
+    repetition rule, which needs differences against two workers besides the current
+    partner, cannot judge, so no judged agreement is asked for (replication.judge_for)."""
     settings.DIPACO_PROBATION_PARTNERS = 2
     settings.DIPACO_REPLICATION_RATE = 0.0
     run = running_run(DILOCO, replicas=1, rounds=4, inner=INNER, data={"val_fraction": 0.2})
@@ -230,11 +237,17 @@ def test_probation_asks_no_more_partners_than_there_are_workers_to_agree_with(
     probation at its next grant, its held credit granted, its unit no longer replicated."""
     settings.DIPACO_PROBATION_PARTNERS = 3
     settings.DIPACO_REPLICATION_RATE = 0.0
-    run = running_run(GRID, replicas=1, rounds=2, inner=INNER, data={"val_fraction": 0.2})
-    with_data(run, tmp_path)
+    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
+    sources = with_data(run, tmp_path)
     token = create_enrollment_token(max_uses=None)[1]
     a, b, c, bad = (register_worker(token, name, {})[0] for name in ("a", "b", "c", "bad"))
     assert replication.partners_needed_now(a.pk) == 3
+    # round 0: b checks a's unit, the same bytes (a conclusive agreement); the rest idle
+    train(run, a, sources, same)
+    train(run, b, sources, same)
+    step_round(run, 0, ALL_MODULES)
+    assert replication.judged_agreement(a.pk)
+    assert Worker.objects.get(pk=a.pk).partners == [[b.pk, 0]]
     Worker.objects.filter(pk=a.pk).update(
         partners=[[b.pk, 0], [c.pk, 1]], held_units=2, held_tokens=500
     )

@@ -17,9 +17,12 @@ Here:
 - **leaving probation** (`leaves_probation`): its copies agreed with those of `PARTNERS`
   distinct workers (never more than there are others to agree with:
   rounds.verification.replication.partners_needed_now), at least once in each role, each
-  agreement a whole unit whose every Δ was accepted. Passing one-Δ checks earns nothing: a
-  fixed-direction bias passes them all (rounds.verification.persistence), and one partner
-  could be a colluder, so agreement must come from several.
+  agreement a whole unit whose every Δ was accepted, and one of them conclusive where three
+  partners or more are needed (rounds.verification.replication.judged_agreement: the same
+  bytes as its partner's, or a difference the repetition rule judged with its evidence).
+  Passing one-Δ checks earns nothing: a fixed-direction bias passes them all
+  (rounds.verification.persistence), and one partner could be a colluder, so agreement
+  must come from several.
 - **credit waits for trust** (workers.trust.grant_credit): a newcomer's accepted units are
   credited when it leaves probation; a copy of its that loses a comparison forfeits them
   and starts its probation over (workers.trust.restart_probation).

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
@@ -120,30 +120,40 @@ def should_replicate(worker: Worker, rng: random.Random | None = None) -> bool:
 
 
 def record_agreement(
-    worker_id: int, partner_id: int, as_check: bool, needed: int | None = None
+    worker_id: int,
+    partner_id: int,
+    as_check: bool,
+    needed: int | None = None,
+    judged: Callable[[int], bool] | None = None,
 ) -> None:
     """A replica pair of `worker_id` agreed with `partner_id`'s copy: keep it as evidence,
     and end the worker's probation once the evidence suffices (workers.probation; `needed`
-    partners, default `partners_needed`)."""
+    partners, default `partners_needed`; `judged`: whether the repetition rule has judged
+    one of the worker's agreements, rounds.verification.replication.judged_agreement)."""
     row = Worker.objects.select_for_update().filter(pk=worker_id).first()
     if row is None:
         return
     row.partners = probation.agreed(row.partners, partner_id, as_check)
-    _save_standing(row, ["partners"], partners_needed() if needed is None else needed)
+    _save_standing(row, ["partners"], partners_needed() if needed is None else needed, judged)
 
 
-def end_probation_if_due(worker_id: int, needed: int) -> bool:
+def end_probation_if_due(
+    worker_id: int, needed: int, judged: Callable[[int], bool] | None = None
+) -> bool:
     """End the worker's probation if its recorded agreements suffice for `needed` partners
     (fewer workers to be partners than when it came); whether it ended."""
     row = Worker.objects.select_for_update().filter(pk=worker_id, probation=True).first()
     if row is None:
         return False
-    _save_standing(row, [], needed)
+    _save_standing(row, [], needed, judged)
     return not row.probation
 
 
-def _save_standing(row: Worker, fields: list[str], needed: int) -> None:
-    if row.probation and probation.leaves_probation(row.partners, needed):
+def _save_standing(
+    row: Worker, fields: list[str], needed: int, judged: Callable[[int], bool] | None = None
+) -> None:
+    leaves = row.probation and probation.leaves_probation(row.partners, needed)
+    if leaves and (judged is None or judged(row.pk)):
         row.probation = False
         row.units_completed += row.held_units  # the credit it held is granted now
         row.tokens_processed += row.held_tokens

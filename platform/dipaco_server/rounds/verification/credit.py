@@ -67,11 +67,13 @@ def credit(unit_ids: set[int], whole_unit: int) -> None:
         # the same worker's copy (one module agreeing while another is refused is none).
         partners = {c[5] for c in contributions}
         if len(partners) == 1 and None not in partners and worker_id not in partners:
+            needed = replication.partners_needed_now(worker_id)
             trust.record_agreement(
                 worker_id,
                 partners.pop(),
                 contributions[0][6] >= CHECK_OFFSET,
-                replication.partners_needed_now(worker_id),
+                needed,
+                replication.judge_for(needed),
             )
         own = scores.get(round_id, {})
         peers = [scored for lease, scored in own.items() if lease != lease_id]

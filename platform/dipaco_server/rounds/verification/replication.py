@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -80,12 +81,16 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     newcomer, needed = worker.probation and not worker.operator_trusted, 0
     if newcomer:
         needed = partners_needed_now(worker.pk)
-        if trust.end_probation_if_due(worker.pk, needed):
+        if trust.end_probation_if_due(worker.pk, needed, judge_for(needed)):
             worker.refresh_from_db()
             newcomer = False
     why = "probation" if worker.probation else "audit"
     if newcomer and worker.trust >= 1.0:
-        if not probation.replicate_newcomer(evidence(worker), needed):
+        # partners and roles enough, but no agreement judged yet: another comparison
+        unjudged = judge_for(needed) is not None and probation.leaves_probation(
+            worker.partners or [], needed
+        )
+        if not (probation.replicate_newcomer(evidence(worker), needed) or unjudged):
             return None
     elif not trust.should_replicate(worker):
         if newcomer or not newcomer_lacks_a_check(unit.round_id):
@@ -141,6 +146,61 @@ def newcomer_lacks_a_check(round_id: int) -> bool:
     ).values_list("path_id", "data_position")[:CHECK_CANDIDATES]
     # its own original's copy is not one it may take (not_own_check)
     return all(_original_worker(round_id, path, at) == lone.pk for path, at in queued)
+
+
+def judge_for(needed: int) -> Callable[[int], bool] | None:
+    """`judged_agreement` where probation needs it: with `needed` partners above
+    persistence.MIN_PARTNERS. With fewer workers to pair with, the repetition rule can never
+    judge (it needs differences against two workers besides the current partner), and a
+    newcomer on another device than its partners would never leave probation."""
+    from dipaco_server.rounds.verification import persistence  # torch: not on the URL path
+
+    return judged_agreement if needed > persistence.MIN_PARTNERS else None
+
+
+def judged_agreement(worker_id: int) -> bool:
+    """Whether one of the worker's agreements is conclusive: its copy and its partner's were
+    the same bytes, or their difference was judged by the repetition rule with the evidence
+    it needs (rounds.verification.persistence.enough: the worker's differences in the module
+    from earlier rounds, against other workers than this partner). A newcomer leaves
+    probation only then (workers.trust): before it, a quiet bias agrees with every partner.
+    Live, a biased newcomer's two first comparisons were both against one worker, so the
+    rule could not judge its next ones; it agreed with three partners in both roles, left
+    probation with its credit, and was refused by the rule only in later audits
+    (bench/attacks_live.py, seed 1: 95,464 of its 153,600 tokens credited)."""
+    from dipaco_server.rounds.verification import persistence  # torch: not on the URL path
+
+    agreed = Contribution.objects.filter(
+        lease__worker_id=worker_id,
+        status=Contribution.Status.ACCEPTED,
+        agreed_with__isnull=False,
+    ).values_list("pk", "module_id", "sha256", "replica_partner_id", "unit__round_id",
+                  "unit__round__t", "unit__path_id", "unit__data_position")  # fmt: skip
+    for pk, module_id, sha256, partner, round_id, t, path_id, position in agreed[:64]:
+        same = Contribution.objects.filter(
+            module_id=module_id,
+            unit__round_id=round_id,
+            unit__path_id=path_id,
+            unit__data_position=position,
+            sha256=sha256,
+        ).exclude(pk=pk)
+        if same.exists():
+            return True
+        earlier = (
+            Contribution.objects.filter(
+                module_id=module_id,
+                lease__worker_id=worker_id,
+                replica_sketch__isnull=False,
+                unit__round__t__lt=t,
+            )
+            .exclude(replica_partner_id=partner)
+            .order_by("-pk")
+            .values_list("replica_partner_id", flat=True)[: persistence.PAST]
+        )
+        past = list(earlier)
+        if len(past) >= persistence.MIN_PAST and len(set(past)) >= persistence.MIN_PARTNERS:
+            return True
+    return False
 
 
 def replicated(unit: WorkUnit) -> bool:

@@ -1,0 +1,54 @@
+"""Probation ends on agreements the repetition rule could judge
+(rounds.verification.replication.judged_agreement), on the real services."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dipaco_server.rounds.models import Contribution
+from dipaco_server.rounds.protocol.grant import grant_lease
+from dipaco_server.rounds.verification import replication
+from dipaco_server.workers import probation
+from dipaco_server.workers.models import Worker
+from dipaco_server.workers.services import create_enrollment_token, register_worker
+from tests.test_outer_tasks import GRID, running_run
+from tests.test_probation import wave_round
+from tests.test_untrusted import INNER, with_data
+
+
+@pytest.mark.django_db
+def test_agreements_the_repetition_rule_could_not_judge_do_not_end_probation(
+    tmp_path: Path, settings: Any
+) -> None:
+    """Four newcomers, copies that differ as two devices' do. As live at seed 1, one
+    newcomer's round-0 comparisons were all against one worker: its round-1 agreements
+    bring it three partners in both roles, but the rule had no differences against two
+    other workers to judge them by, so it stays on probation, its credit held and its next
+    unit replicated, while the other three, judged, leave."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
+    sources = with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    wave_round(run, workers, sources, 0)
+    a = workers[0]
+    compared = Contribution.objects.filter(
+        lease__worker=a, unit__round__t=0, replica_sketch__isnull=False
+    )
+    first = compared.values_list("replica_partner_id", flat=True).first()
+    assert first is not None
+    compared.update(replica_partner_id=first)  # every difference against one worker
+    wave_round(run, workers, sources, 1)
+    a = Worker.objects.get(pk=a.pk)
+    assert probation.leaves_probation(a.partners, probation.PARTNERS)  # partners and roles
+    assert not replication.judged_agreement(a.pk)
+    assert a.probation and a.held_units > 0 and a.tokens_processed == 0
+    for other in workers[1:]:
+        other = Worker.objects.get(pk=other.pk)
+        assert replication.judged_agreement(other.pk) and not other.probation
+    granted = grant_lease(a)
+    assert granted is not None and replication.replicated(granted.unit)
