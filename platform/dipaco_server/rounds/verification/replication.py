@@ -197,8 +197,7 @@ def judged_agreement(worker_id: int) -> bool:
             .order_by("-pk")
             .values_list("replica_partner_id", flat=True)[: persistence.PAST]
         )
-        past = list(earlier)
-        if len(past) >= persistence.MIN_PAST and len(set(past)) >= persistence.MIN_PARTNERS:
+        if persistence.enough([(other, None) for other in earlier]):  # the rule's own test
             return True
     return False
 
