@@ -376,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_clean:  # the repeat, then the honest-only clean runs (one per count)
         names += [*(["clean-repeat"] if args.repeat_clean else []), *honest_labels(args)]
     done: dict[tuple[int, str], dict[str, Any]] = {}
+    if args.work_dir is not None:  # a folder that does not exist yet is made, not refused
+        Path(args.work_dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="attacks-live-", dir=args.work_dir))
     try:  # a failed run's folder stays for its logs
         corpus = corpus_file("stdlib", root / "corpus", args.corpus_chars)

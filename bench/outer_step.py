@@ -235,6 +235,8 @@ def main() -> None:
     parser.add_argument("--json", dest="json_path", help="also write the figures to this file")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.dir is not None:  # a folder that does not exist yet is made, not refused
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="dipaco-bench-outer-", dir=args.dir))
     try:
         setup_django(root / "data")
