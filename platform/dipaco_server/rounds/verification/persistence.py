@@ -110,9 +110,10 @@ def repeat_cosine(now: Tensor, past: Sequence[Tensor]) -> float | None:
     return float(now @ mean) / scale if scale > 0 else None
 
 
-def enough(past: Sequence[tuple[int, Tensor]]) -> bool:
+def enough(past: Sequence[tuple[int, object]]) -> bool:
     """Whether earlier differences ((partner, sketch) each) are evidence: MIN_PAST of them,
-    against MIN_PARTNERS distinct partners."""
+    against MIN_PARTNERS distinct partners. Only the partners are read, so a caller that
+    has not loaded the sketches passes None for them (replication.judged_agreement)."""
     return len(past) >= MIN_PAST and len({partner for partner, _ in past}) >= MIN_PARTNERS
 
 
