@@ -205,27 +205,39 @@ def test_a_check_copy_goes_neither_to_the_same_partner_again_nor_to_one_that_can
     Round.objects.filter(pk=copy.round_id).update(deadline=None)  # time enough: it is b's
     checked = grant_lease(Worker.objects.get(pk=b.pk))
     assert checked is not None and checked.unit.pk == copy.pk
-    # b's first original was replicated too: a checking it brings a the check role and b
-    # the original's, so a takes it, though b is its partner already
+    # b's first original was replicated too: a checking it would bring a the check role and
+    # b the original's, though b is its partner already (a 2-cycle, one comparison wasted)
     b_copy = WorkUnit.objects.get(
         round_id=late.unit.round_id, path_id=late.unit.path_id, replica__gte=CHECK_OFFSET
     )
     assert not replication.repeats_partner(a, b_copy)
-    mutual = grant_lease(a)
-    assert mutual is not None and mutual.unit.pk == b_copy.pk
-    # a's next original is replicated (it lacks partners); b checking it again would bring
-    # neither a thing: it is left for c, a new partner to both
+    # so while an original waits, a takes the original, and b's copy waits for a new partner
     second = grant_lease(a)
     assert second is not None and second.unit.replica < CHECK_OFFSET
-    a_copy = WorkUnit.objects.get(
-        round_id=second.unit.round_id, path_id=second.unit.path_id, replica__gte=CHECK_OFFSET
+    assert WorkUnit.objects.get(pk=b_copy.pk).state == WorkUnit.State.QUEUED
+    # a copy of a's original (queued here as an audit would queue it): b checking it again
+    # would bring neither a thing, so it is left for c, a new partner to both
+    a_copy = WorkUnit.objects.create(
+        round_id=second.unit.round_id,
+        path_id=second.unit.path_id,
+        replica=CHECK_OFFSET + second.unit.replica,
+        data_position=second.unit.data_position,
+        data_windows=second.unit.data_windows,
+        base_versions=second.unit.base_versions,
     )
     assert replication.repeats_partner(Worker.objects.get(pk=b.pk), a_copy)
     assert not replication.repeats_partner(c, a_copy)
     other = grant_lease(Worker.objects.get(pk=b.pk))
     assert other is None or other.unit.pk != a_copy.pk
+    assert not WorkUnit.objects.filter(
+        round_id=a_copy.round_id, state=WorkUnit.State.QUEUED, replica__lt=CHECK_OFFSET
+    ).exists()  # b took the last original
     taken = grant_lease(c)
-    assert taken is not None and taken.unit.replica >= CHECK_OFFSET
+    assert taken is not None and taken.unit.pk in (a_copy.pk, b_copy.pk)
+    # no original waits now: a, still lacking the check role, takes b's copy if c left it
+    mutual = grant_lease(a)
+    if taken.unit.pk == a_copy.pk:
+        assert mutual is not None and mutual.unit.pk == b_copy.pk
 
 
 @pytest.mark.django_db

@@ -9,8 +9,8 @@ Here:
   compared in an open round (`Evidence`), still lacks partners or the original's role
   (`replicate_newcomer`); it takes a queued check copy before an original (its copy the
   check) when that copy's original is a partner it has not had yet, or when it still lacks
-  the check copy's role (`check_pool`): compared in both roles, with a new partner each
-  time, so that it leaves probation as soon as the grid allows (four newcomers, three
+  the check copy's role (`check_pool`; then not another newcomer's it was paired with
+  while an original waits): compared in both roles, with a new partner each time, so that it leaves probation as soon as the grid allows (four newcomers, three
   partners each: six comparisons, the edges of the complete graph, in two rounds) and no
   copy is trained that adds nothing. Checks of its units go to established workers first,
   else to other new ones.
@@ -150,19 +150,31 @@ def check_pool(
     standing: Standing,
     evidence: Evidence,
     needed: int,
+    originals_waiting: bool = False,
 ) -> list[tuple[int, int]]:
     """The queued check copies ((unit, its original's worker)) a worker asking for work
     takes one of before any original; [] for none. A newcomer that still lacks partners or
     the check role: those whose original's worker is a new partner (an established one's
-    first), or any while it lacks the role; the operator's machines (referees): newcomers'
-    first, else any; anyone else (established, or a newcomer whose pairings in flight
-    suffice): a newcomer's whose partner it has not been."""
+    first), or any while it lacks the role, except another newcomer's it has been paired
+    with while an original is waiting (`originals_waiting`); the operator's machines
+    (referees): newcomers' first, else any; anyone else (established, or a newcomer whose
+    pairings in flight suffice): a newcomer's whose partner it has not been.
+
+    Why the exception: a copy that pairs two newcomers again brings one of them a role and
+    neither a partner, so one more copy is needed later for the partner. Live, round 0 of
+    four newcomers: one checked a second, then the second, back from its own check copy
+    and given its original, had that original's copy taken by the first as the only copy
+    queued: the complete graph's six comparisons took seven copies (bench/attacks_live.py,
+    seed 0). Taking the waiting original instead leaves the copy to a newcomer it would
+    pair for the first time, and the role comes from the copies still to be queued (or
+    from this one, once no original is left)."""
     new = [c for c in offered if c[1] not in evidence.partners()]
     if standing.operator_trusted:
         return [c for c in offered if c[1] in newcomers] or list(offered)
     more, _, check = evidence.lacks(needed)
     if standing.probation and (more or check):
-        pool = new or (list(offered) if check else [])
+        again = [c for c in offered if not (originals_waiting and c[1] in newcomers)]
+        pool = new or (again if check else [])
         return [c for c in pool if c[1] not in newcomers] or pool
     return [c for c in new if c[1] in newcomers]
 

@@ -257,7 +257,14 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
         )
     )
     known = evidence(worker) if worker.probation else probation.Evidence.recorded(_agreed(worker))
-    pool = probation.check_pool(offered, newcomers, standing, known, partners_needed_now(worker.pk))
+    waiting = (
+        worker.probation
+        and WorkUnit.objects.filter(
+            state=WorkUnit.State.QUEUED, round_id__in=rounds, replica__lt=CHECK_OFFSET
+        ).exists()
+    )
+    needed = partners_needed_now(worker.pk)
+    pool = probation.check_pool(offered, newcomers, standing, known, needed, waiting)
     if not pool:
         return None
     partners = worker.partners if isinstance(worker.partners, list) else []
@@ -297,7 +304,40 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
         roles = {role for _, role in known.pairs}
         return partner not in known.partners() or as_check not in roles
 
-    return not (brings(worker, original, True) or brings(other, worker.pk, False))
+    if brings(worker, original, True):
+        return False
+    if not brings(other, worker.pk, False):
+        return True
+    # It brings the original's worker its role only, from a partner it has had: a newcomer
+    # that would be a new partner to it, and that still lacks something itself, gets both.
+    # Live-like, round 1 of four newcomers: one whose pairings sufficed took such a copy
+    # while the one lacking the check role and that partner trained its original; one
+    # comparison was spent on a role and a third round needed (tests/test_probation_order).
+    return worker.pk in evidence(other).partners() and _a_newcomer_would_pair(worker, other)
+
+
+def _a_newcomer_would_pair(worker: Worker, other: Worker) -> bool:
+    """Whether a newcomer besides `worker` and `other` that can get work (heard from within
+    a lease timeout, not revoked, trusted enough) has not been paired with `other` and still
+    lacks partners or the check copy's role."""
+    since = timezone.now() - timedelta(seconds=current_policy().lease_timeout_s)
+    paired = evidence(other).partners()
+    candidates = (
+        Worker.objects.filter(
+            probation=True,
+            operator_trusted=False,
+            revoked=False,
+            last_seen__gte=since,
+            trust__gte=trust.setting("DIPACO_MIN_TRUST"),
+        )
+        .exclude(pk__in=[worker.pk, other.pk, *paired])
+        .order_by("pk")[:8]
+    )
+    for candidate in candidates:
+        more, _, check = evidence(candidate).lacks(partners_needed_now(candidate.pk))
+        if more or check:
+            return True
+    return False
 
 
 def _agreed(worker: Worker) -> list[list[int]]:
