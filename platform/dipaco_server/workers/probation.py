@@ -167,11 +167,16 @@ def check_pool(
     queued: the complete graph's six comparisons took seven copies (bench/attacks_live.py,
     seed 0). Taking the waiting original instead leaves the copy to a newcomer it would
     pair for the first time, and the role comes from the copies still to be queued (or
-    from this one, once no original is left)."""
+    from this one, once no original is left). Likewise a newcomer that has the check role
+    and lacks the original's takes a waiting original first: live, in round 1, one such
+    took a copy that brought it a partner only, its next original was replicated again for
+    the role, and that copy paired it with a partner it had (seven copies, seed 2)."""
     new = [c for c in offered if c[1] not in evidence.partners()]
     if standing.operator_trusted:
         return [c for c in offered if c[1] in newcomers] or list(offered)
-    more, _, check = evidence.lacks(needed)
+    more, original, check = evidence.lacks(needed)
+    if standing.probation and original and not check and originals_waiting:
+        return []  # an original first: its copy brings a partner and the role it lacks
     if standing.probation and (more or check):
         again = [c for c in offered if not (originals_waiting and c[1] in newcomers)]
         pool = new or (again if check else [])
