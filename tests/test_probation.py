@@ -180,8 +180,9 @@ def test_a_check_copy_goes_neither_to_the_same_partner_again_nor_to_one_that_can
     tmp_path: Path, settings: Any
 ) -> None:
     """A check copy is a copy only when trained whole from the same start: one cut to the
-    round's deadline stays queued. And a newcomer is not paired again with a partner in the
-    roles they already had with each other: that brings neither a partner nor a role."""
+    round's deadline stays queued. And a newcomer is not paired again with a partner: not
+    in the roles they already had with each other (that brings neither a partner nor a
+    role), nor for a role while a third newcomer would be a new partner."""
     from datetime import timedelta
 
     from django.utils import timezone
@@ -206,11 +207,12 @@ def test_a_check_copy_goes_neither_to_the_same_partner_again_nor_to_one_that_can
     checked = grant_lease(Worker.objects.get(pk=b.pk))
     assert checked is not None and checked.unit.pk == copy.pk
     # b's first original was replicated too: a checking it would bring a the check role and
-    # b the original's, though b is its partner already (a 2-cycle, one comparison wasted)
+    # b the original's, but the two compared already, and c, new to b, lacks both: it is c's
     b_copy = WorkUnit.objects.get(
         round_id=late.unit.round_id, path_id=late.unit.path_id, replica__gte=CHECK_OFFSET
     )
-    assert not replication.repeats_partner(a, b_copy)
+    assert replication.repeats_partner(a, b_copy)
+    assert not replication.repeats_partner(c, b_copy)
     # so while an original waits, a takes the original, and b's copy waits for a new partner
     second = grant_lease(a)
     assert second is not None and second.unit.replica < CHECK_OFFSET
@@ -234,10 +236,9 @@ def test_a_check_copy_goes_neither_to_the_same_partner_again_nor_to_one_that_can
     ).exists()  # b took the last original
     taken = grant_lease(c)
     assert taken is not None and taken.unit.pk in (a_copy.pk, b_copy.pk)
-    # no original waits now: a, still lacking the check role, takes b's copy if c left it
+    # no original waits now, and still a leaves b's copy to c, new to b
     mutual = grant_lease(a)
-    if taken.unit.pk == a_copy.pk:
-        assert mutual is not None and mutual.unit.pk == b_copy.pk
+    assert mutual is None or mutual.unit.pk != b_copy.pk
 
 
 @pytest.mark.django_db

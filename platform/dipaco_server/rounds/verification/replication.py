@@ -285,7 +285,9 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
     newcomer's check role (`newcomer_lacks_a_check`): it brings nothing to anyone else.
     Left for another worker, or dropped when the round closes: two newcomers
     that had checked each other in round 0 did so again in round 1, and a biased one met no
-    third partner in time (bench/attacks_live.py, seed 0)."""
+    third partner in time (bench/attacks_live.py, seed 0). A pair that compared before,
+    bringing a role only, is left likewise while another newcomer would be a new partner
+    to the original's worker (below)."""
     if not is_check(unit):
         return False
     original = _original_worker(unit.round_id, unit.path_id, unit.data_position)
@@ -304,16 +306,18 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
         roles = {role for _, role in known.pairs}
         return partner not in known.partners() or as_check not in roles
 
-    if brings(worker, original, True):
-        return False
-    if not brings(other, worker.pk, False):
+    if not (brings(worker, original, True) or brings(other, worker.pk, False)):
         return True
-    # It brings the original's worker its role only, from a partner it has had: a newcomer
-    # that would be a new partner to it, and that still lacks something itself, gets both.
-    # Live-like, round 1 of four newcomers: one whose pairings sufficed took such a copy
-    # while the one lacking the check role and that partner trained its original; one
-    # comparison was spent on a role and a third round needed (tests/test_probation_order).
-    return worker.pk in evidence(other).partners() and _a_newcomer_would_pair(worker, other)
+    # A pair compared before brings roles only, no partner: it is left for a newcomer that
+    # would be a new partner to the original's worker and still lacks something itself,
+    # which gets both. Live-like, round 1 of four newcomers: one whose pairings sufficed
+    # took such a copy while the one lacking the check role and that partner trained its
+    # original; one comparison was spent on a role and a third round needed
+    # (tests/test_probation_order.py). Live, one lacking the check role took its earlier
+    # partner's copy for it, while a third newcomer new to that partner still lacked one
+    # (seven copies, bench/attacks_live.py seed 0).
+    again = worker.pk in evidence(other).partners() or original in evidence(worker).partners()
+    return again and _a_newcomer_would_pair(worker, other)
 
 
 def _a_newcomer_would_pair(worker: Worker, other: Worker) -> bool:
