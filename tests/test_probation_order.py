@@ -37,6 +37,14 @@ def test_a_newcomer_pairs_with_another_again_only_when_no_original_waits() -> No
     offered = [(11, 2)]
     assert probation.check_pool(offered, {1, 2}, newcomer, checker, 3, True) == []
     assert probation.check_pool(offered, {1, 2}, newcomer, checker, 3, False) == offered
+    # its pairings suffice only through its queued copy, never compared as the original:
+    # 2 can check that copy instead, which brings it the partner and the role at once
+    waiting = probation.Evidence(frozenset({(1, True), (3, True)}), queued=1)
+    assert probation.waits_for_its_check(waiting, 3)
+    assert probation.check_pool(offered, {1, 2}, newcomer, waiting, 3, False) == []
+    compared = probation.Evidence(frozenset({(1, True), (3, False)}), queued=1)
+    assert not probation.waits_for_its_check(compared, 3)
+    assert probation.check_pool(offered, {1, 2}, newcomer, compared, 3, False) == offered
 
 
 @pytest.mark.django_db

@@ -181,7 +181,21 @@ def check_pool(
         again = [c for c in offered if not (originals_waiting and c[1] in newcomers)]
         pool = new or (again if check else [])
         return [c for c in pool if c[1] not in newcomers] or pool
+    if standing.probation and waits_for_its_check(evidence, needed):
+        return []
     return [c for c in new if c[1] in newcomers]
+
+
+def waits_for_its_check(evidence: Evidence, needed: int) -> bool:
+    """Whether a newcomer whose pairings suffice only counting its copies still queued
+    (never compared as the original otherwise) should take no other newcomer's copy for a
+    partner: that newcomer can check its queued copy instead, which brings the partner and
+    the original's role at once. Live, round 1: one such took a new partner's copy, that
+    partner then had no reason to check its own, and the copy went to a worker it had
+    compared with (seven copies, bench/attacks_live.py seed 0)."""
+    more, _, check = evidence.lacks(needed)
+    compared = {as_check for _, as_check in evidence.pairs}
+    return not (more or check) and evidence.queued > 0 and False not in compared
 
 
 def pick_check(

@@ -308,6 +308,12 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
 
     if not (brings(worker, original, True) or brings(other, worker.pk, False)):
         return True
+    if (
+        worker.probation
+        and other.probation
+        and probation.waits_for_its_check(evidence(worker), partners_needed_now(worker.pk))
+    ):
+        return True  # the other newcomer can check its queued copy instead
     # A pair compared before brings roles only, no partner: it is left for a newcomer that
     # would be a new partner to the original's worker and still lacks something itself,
     # which gets both. Live-like, round 1 of four newcomers: one whose pairings sufficed
