@@ -31,6 +31,9 @@ def test_a_newcomer_pairs_with_another_again_only_when_no_original_waits() -> No
     assert pool([(10, 1)], originals_waiting=False) == [(10, 1)]  # the role it lacks
     assert pool([(10, 1), (11, 2)], originals_waiting=True) == [(11, 2)]  # a new partner
     assert pool([(10, 1), (12, 5)], originals_waiting=True) == [(12, 5)]  # 5: established
+    # with the one partner it needs (two workers), the role is all it lacks: the copy now
+    alone = probation.check_pool([(10, 1)], {1, 2}, newcomer, checked_by_1, 1, True)
+    assert alone == [(10, 1)]
     # it has checked and was never the original: a waiting original first, whose copy
     # brings that role with a partner, not a copy that brings a partner only
     checker = probation.Evidence(frozenset({(1, True)}))

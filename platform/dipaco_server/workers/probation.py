@@ -155,8 +155,8 @@ def check_pool(
     """The queued check copies ((unit, its original's worker)) a worker asking for work
     takes one of before any original; [] for none. A newcomer that still lacks partners or
     the check role: those whose original's worker is a new partner (an established one's
-    first), or any while it lacks the role, except another newcomer's it has been paired
-    with while an original is waiting (`originals_waiting`); the operator's machines
+    first), or any while it lacks the role, except, while it lacks partners too, another
+    newcomer's it has been paired with while an original is waiting (`originals_waiting`); the operator's machines
     (referees): newcomers' first, else any; anyone else (established, or a newcomer whose
     pairings in flight suffice): a newcomer's whose partner it has not been.
 
@@ -167,7 +167,9 @@ def check_pool(
     queued: the complete graph's six comparisons took seven copies (bench/attacks_live.py,
     seed 0). Taking the waiting original instead leaves the copy to a newcomer it would
     pair for the first time, and the role comes from the copies still to be queued (or
-    from this one, once no original is left). Likewise a newcomer that has the check role
+    from this one, once no original is left). Only while it lacks partners: with all it
+    needs (two workers: one), the role is all a copy can bring, and declining it left two
+    newcomers on probation for seven rounds, each copy dropped as the round closed. Likewise a newcomer that has the check role
     and lacks the original's takes a waiting original first: live, in round 1, one such
     took a copy that brought it a partner only, its next original was replicated again for
     the role, and that copy paired it with a partner it had (seven copies, seed 2)."""
@@ -178,7 +180,7 @@ def check_pool(
     if standing.probation and original and not check and originals_waiting:
         return []  # an original first: its copy brings a partner and the role it lacks
     if standing.probation and (more or check):
-        again = [c for c in offered if not (originals_waiting and c[1] in newcomers)]
+        again = [c for c in offered if not (more and originals_waiting and c[1] in newcomers)]
         pool = new or (again if check else [])
         return [c for c in pool if c[1] not in newcomers] or pool
     if standing.probation and waits_for_its_check(evidence, needed):
