@@ -10,9 +10,10 @@ Here:
   (`replicate_newcomer`); it takes a queued check copy before an original (its copy the
   check) when that copy's original is a partner it has not had yet, or when it still lacks
   the check copy's role (`check_pool`; then not another newcomer's it was paired with
-  while an original waits): compared in both roles, with a new partner each time, so that it leaves probation as soon as the grid allows (four newcomers, three
-  partners each: six comparisons, the edges of the complete graph, in two rounds) and no
-  copy is trained that adds nothing. Checks of its units go to established workers first,
+  while an original waits): compared in both roles, with a new partner each time, so that
+  it leaves probation as soon as the grid allows (four newcomers, three partners each: six
+  comparisons, the edges of the complete graph, in two rounds) and no copy is trained that
+  adds nothing. Checks of its units go to established workers first,
   else to other new ones.
 - **leaving probation** (`leaves_probation`): its copies agreed with those of `PARTNERS`
   distinct workers (never more than there are others to agree with:
@@ -152,27 +153,29 @@ def check_pool(
     needed: int,
     originals_waiting: bool = False,
 ) -> list[tuple[int, int]]:
-    """The queued check copies ((unit, its original's worker)) a worker asking for work
-    takes one of before any original; [] for none. A newcomer that still lacks partners or
-    the check role: those whose original's worker is a new partner (an established one's
-    first), or any while it lacks the role, except, while it lacks partners too, another
-    newcomer's it has been paired with while an original is waiting (`originals_waiting`); the operator's machines
-    (referees): newcomers' first, else any; anyone else (established, or a newcomer whose
-    pairings in flight suffice): a newcomer's whose partner it has not been.
+    """The queued check copies ((unit, its original's worker)) a worker asking for work takes
+    one of before any original; [] for none. A newcomer that still lacks partners or the
+    check role: those whose original's worker is a new partner (an established one's first),
+    or any while it lacks the role, except, while it lacks partners too, another newcomer's
+    it has been paired with while an original is waiting (`originals_waiting`); the
+    operator's machines (referees): newcomers' first, else any; anyone else (established, or
+    a newcomer whose pairings in flight suffice): a newcomer's whose partner it has not
+    been.
 
     Why the exception: a copy that pairs two newcomers again brings one of them a role and
     neither a partner, so one more copy is needed later for the partner. Live, round 0 of
-    four newcomers: one checked a second, then the second, back from its own check copy
-    and given its original, had that original's copy taken by the first as the only copy
-    queued: the complete graph's six comparisons took seven copies (bench/attacks_live.py,
-    seed 0). Taking the waiting original instead leaves the copy to a newcomer it would
-    pair for the first time, and the role comes from the copies still to be queued (or
-    from this one, once no original is left). Only while it lacks partners: with all it
-    needs (two workers: one), the role is all a copy can bring, and declining it left two
-    newcomers on probation for seven rounds, each copy dropped as the round closed. Likewise a newcomer that has the check role
-    and lacks the original's takes a waiting original first: live, in round 1, one such
-    took a copy that brought it a partner only, its next original was replicated again for
-    the role, and that copy paired it with a partner it had (seven copies, seed 2)."""
+    four newcomers: one checked a second, then the second, back from its own check copy and
+    given its original, had that original's copy taken by the first as the only copy queued:
+    the complete graph's six comparisons took seven copies (bench/attacks_live.py, seed 0).
+    Taking the waiting original instead leaves the copy to a newcomer it would pair for the
+    first time, and the role comes from the copies still to be queued (or from this one,
+    once no original is left). Only while it lacks partners: with all it needs (two workers:
+    one), the role is all a copy can bring, and declining it left two newcomers on probation
+    for seven rounds, each copy dropped as the round closed. Likewise a newcomer that has
+    the check role and lacks the original's takes a waiting original first: live, in round
+    1, one such took a copy that brought it a partner only, its next original was replicated
+    again for the role, and that copy paired it with a partner it had (seven copies, seed
+    2)."""
     new = [c for c in offered if c[1] not in evidence.partners()]
     if standing.operator_trusted:
         return [c for c in offered if c[1] in newcomers] or list(offered)

@@ -30,7 +30,7 @@ from datetime import timedelta
 from typing import Any
 
 from django.db import connection
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import Exists, F, OuterRef, Q, QuerySet
 from django.utils import timezone
 
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
@@ -59,15 +59,20 @@ def partners_needed_now(worker_id: int) -> int:
     needed = trust.partners_needed()
     if needed == 0:
         return 0
+    return max(1, min(needed, can_get_work().exclude(pk=worker_id).count()))
+
+
+def can_get_work() -> QuerySet[Worker]:
+    """Workers heard from within a lease timeout, not revoked, trusted enough to get work."""
     since = timezone.now() - timedelta(seconds=current_policy().lease_timeout_s)
-    others = (
-        Worker.objects.filter(
-            last_seen__gte=since, revoked=False, trust__gte=trust.setting("DIPACO_MIN_TRUST")
-        )
-        .exclude(pk=worker_id)
-        .count()
+    return Worker.objects.filter(
+        last_seen__gte=since, revoked=False, trust__gte=trust.setting("DIPACO_MIN_TRUST")
     )
-    return max(1, min(needed, others))
+
+
+def active_newcomers() -> QuerySet[Worker]:
+    """Workers on probation that can get work (`can_get_work`), not the operator's."""
+    return can_get_work().filter(probation=True, operator_trusted=False)
 
 
 def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
@@ -126,16 +131,7 @@ def newcomer_lacks_a_check(round_id: int) -> bool:
     copy, and among the operator's machines alone never, its units replicated and its
     credit held all the while. Two newcomers or more take each other's copies
     (workers.probation.replicate_newcomer queues them), so nothing is added for them."""
-    since = timezone.now() - timedelta(seconds=current_policy().lease_timeout_s)
-    newcomers = list(
-        Worker.objects.filter(
-            probation=True,
-            operator_trusted=False,
-            revoked=False,
-            last_seen__gte=since,
-            trust__gte=trust.setting("DIPACO_MIN_TRUST"),
-        )[:2]
-    )
+    newcomers = list(active_newcomers()[:2])
     if len(newcomers) != 1:
         return False
     lone = newcomers[0]
@@ -299,19 +295,18 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
     if other is None or not (worker.probation or other.probation):
         return False  # an audit between established workers
 
-    def brings(side: Worker, partner: int, as_check: bool) -> bool:
-        if not side.probation:
-            return False
-        known = evidence(side)
-        roles = {role for _, role in known.pairs}
-        return partner not in known.partners() or as_check not in roles
+    mine, theirs = evidence(worker), evidence(other)  # each read once: several queries
 
-    if not (brings(worker, original, True) or brings(other, worker.pk, False)):
+    def brings(side: Worker, known: probation.Evidence, partner: int, as_check: bool) -> bool:
+        roles = {role for _, role in known.pairs}
+        return side.probation and (partner not in known.partners() or as_check not in roles)
+
+    if not (brings(worker, mine, original, True) or brings(other, theirs, worker.pk, False)):
         return True
     if (
         worker.probation
         and other.probation
-        and probation.waits_for_its_check(evidence(worker), partners_needed_now(worker.pk))
+        and probation.waits_for_its_check(mine, partners_needed_now(worker.pk))
     ):
         return True  # the other newcomer can check its queued copy instead
     # A pair compared before brings roles only, no partner: it is left for a newcomer that
@@ -322,26 +317,17 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
     # (tests/test_probation_order.py). Live, one lacking the check role took its earlier
     # partner's copy for it, while a third newcomer new to that partner still lacked one
     # (seven copies, bench/attacks_live.py seed 0).
-    again = worker.pk in evidence(other).partners() or original in evidence(worker).partners()
-    return again and _a_newcomer_would_pair(worker, other)
+    paired = theirs.partners()
+    again = worker.pk in paired or original in mine.partners()
+    return again and _a_newcomer_would_pair(worker, other, paired)
 
 
-def _a_newcomer_would_pair(worker: Worker, other: Worker) -> bool:
-    """Whether a newcomer besides `worker` and `other` that can get work (heard from within
-    a lease timeout, not revoked, trusted enough) has not been paired with `other` and still
-    lacks partners or the check copy's role."""
-    since = timezone.now() - timedelta(seconds=current_policy().lease_timeout_s)
-    paired = evidence(other).partners()
+def _a_newcomer_would_pair(worker: Worker, other: Worker, paired: set[int]) -> bool:
+    """Whether a newcomer besides `worker` and `other` that can get work
+    (`active_newcomers`) is not among `paired` (`other`'s partners) and still lacks
+    partners or the check copy's role."""
     candidates = (
-        Worker.objects.filter(
-            probation=True,
-            operator_trusted=False,
-            revoked=False,
-            last_seen__gte=since,
-            trust__gte=trust.setting("DIPACO_MIN_TRUST"),
-        )
-        .exclude(pk__in=[worker.pk, other.pk, *paired])
-        .order_by("pk")[:8]
+        active_newcomers().exclude(pk__in=[worker.pk, other.pk, *paired]).order_by("pk")[:8]
     )
     for candidate in candidates:
         more, _, check = evidence(candidate).lacks(partners_needed_now(candidate.pk))
