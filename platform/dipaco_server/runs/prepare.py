@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from django.conf import settings
+from django.db import transaction
 from django.utils import timezone
 
 from dipaco.data.corpus import CorpusStats, iter_corpus
@@ -156,9 +157,16 @@ def finish_run(run: Run, key: str, *, store: BlobStore | None = None) -> Run:
         init_module_versions(run, store, work, _initial_modules(config, None), phase)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    transition(run, Run.State.READY)
-    report_progress(run, "done", steps, steps, "ready to start")
+    _ready(run, steps)
     return run
+
+
+def _ready(run: Run, steps: int) -> None:
+    """READY and the "done" stage in one transaction: a reader never sees a ready run whose
+    progress still names the last stage."""
+    with transaction.atomic():
+        transition(run, Run.State.READY)
+        report_progress(run, "done", steps, steps, "ready to start")
 
 
 def prepare_in_memory(
@@ -219,8 +227,7 @@ def prepare_in_memory(
         init_module_versions(run, store, work, _initial_modules(config, base_state), phases.PATHS)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    transition(run, Run.State.READY)
-    report_progress(run, "done", steps, steps, "ready to start")
+    _ready(run, steps)
     return run
 
 
@@ -295,10 +302,12 @@ def prepare_dataset(dataset: Dataset) -> Dataset:
         )
     dataset.stats = stats.to_json()
     dataset.state = Dataset.State.READY
-    Dataset.objects.filter(pk=dataset.pk).update(
-        stats=dataset.stats, state=dataset.state, updated_at=timezone.now()
-    )
-    report_progress(dataset, "done", 1, 1, f"{stats.documents} documents, {stats.chars} characters")
+    with transaction.atomic():  # READY and "done" seen together, as for a run (_ready)
+        Dataset.objects.filter(pk=dataset.pk).update(
+            stats=dataset.stats, state=dataset.state, updated_at=timezone.now()
+        )
+        done = f"{stats.documents} documents, {stats.chars} characters"
+        report_progress(dataset, "done", 1, 1, done)
     return dataset
 
 
