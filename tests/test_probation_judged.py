@@ -52,3 +52,31 @@ def test_agreements_the_repetition_rule_could_not_judge_do_not_end_probation(
         assert replication.judged_agreement(other.pk) and not other.probation
     granted = grant_lease(a)
     assert granted is not None and replication.replicated(granted.unit)
+    # Every established worker has been a's partner, yet one takes its copy first: a
+    # comparison the rule can judge now. Live at seed 2, none did, each copy was dropped
+    # at close, and the biased newcomer stayed on probation, never refused, to the end.
+    assert replication.awaits_judgement(a)
+    checker = Worker.objects.get(pk=workers[1].pk)
+    assert a.pk in {partner for partner, _ in checker.partners}
+    check = grant_lease(checker)
+    assert check is not None and replication.is_check(check.unit)
+    assert (check.unit.path_id, check.unit.data_position) == (
+        granted.unit.path_id,
+        granted.unit.data_position,
+    )
+
+
+def test_an_established_worker_takes_a_copy_awaiting_judgement_after_a_new_partners() -> None:
+    established = probation.Standing()
+    known = probation.Evidence(frozenset({(1, False), (2, True)}))  # 1 and 2: partners had
+    offered = [(10, 1), (11, 2)]
+    check_pool = probation.check_pool
+    assert check_pool(offered, {1, 2}, established, known, 3) == []
+    assert check_pool(offered, {1, 2}, established, known, 3, unjudged=frozenset({1})) == [(10, 1)]
+    # a newcomer new to it first: that comparison brings a partner and can be judged too
+    offered = [(10, 1), (12, 3)]
+    assert check_pool(offered, {1, 3}, established, known, 3, unjudged=frozenset({1})) == [(12, 3)]
+    # a newcomer asking is not sent to re-check a partner it had for another's judgement
+    newcomer = probation.Standing(probation=True)
+    done = probation.Evidence(frozenset({(1, False), (2, True), (4, False)}))
+    assert check_pool([(10, 1)], {1}, newcomer, done, 3, unjudged=frozenset({1})) == []

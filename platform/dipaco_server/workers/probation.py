@@ -152,6 +152,7 @@ def check_pool(
     evidence: Evidence,
     needed: int,
     originals_waiting: bool = False,
+    unjudged: frozenset[int] = frozenset(),
 ) -> list[tuple[int, int]]:
     """The queued check copies ((unit, its original's worker)) a worker asking for work takes
     one of before any original; [] for none. A newcomer that still lacks partners or the
@@ -175,7 +176,17 @@ def check_pool(
     the check role and lacks the original's takes a waiting original first: live, in round
     1, one such took a copy that brought it a partner only, its next original was replicated
     again for the role, and that copy paired it with a partner it had (seven copies, seed
-    2)."""
+    2).
+
+    `unjudged`: newcomers among the originals' workers that have every partner and role
+    and still wait for a conclusive agreement (rounds.verification.replication
+    .awaits_judgement). An established worker takes their copies too, after any that
+    would be a new partner: a comparison with a partner had before is one the
+    repetition rule can judge. Live, a biased newcomer had its three partners in both
+    roles by round 1, none conclusive; every established worker had been paired with
+    it, so none took its copies, each was dropped as its round closed, and it stayed on
+    probation to the end with its Δs aggregated and no refusal (bench/attacks_live.py,
+    seed 2: 30 accepted, loss 1.019 of clean)."""
     new = [c for c in offered if c[1] not in evidence.partners()]
     if standing.operator_trusted:
         return [c for c in offered if c[1] in newcomers] or list(offered)
@@ -188,7 +199,9 @@ def check_pool(
         return [c for c in pool if c[1] not in newcomers] or pool
     if standing.probation and waits_for_its_check(evidence, needed):
         return []
-    return [c for c in new if c[1] in newcomers]
+    if standing.probation:
+        return [c for c in new if c[1] in newcomers]
+    return [c for c in new if c[1] in newcomers] or [c for c in offered if c[1] in unjudged]
 
 
 def waits_for_its_check(evidence: Evidence, needed: int) -> bool:

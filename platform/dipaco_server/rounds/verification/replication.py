@@ -15,7 +15,8 @@ Who trains a check copy (`preferred_check`, workers.probation.check_pool): a wor
 probation takes a queued check copy before an original when it gives it a partner it has
 not had (or the check role it lacks), the operator's trusted machines always; an
 established worker takes one only when its original is a newcomer's that it has not been
-paired with (newcomers are checked by established workers where any exist); the copy is
+paired with (newcomers are checked by established workers where any exist), or, after
+those, a newcomer's that waits only for a conclusive agreement (`awaits_judgement`); the copy is
 drawn at random, avoiding the worker the asker was last paired with. A newcomer's
 probation evidence (`evidence`) counts the pairings of open rounds too, so a round gives
 it what it lacks and no more.
@@ -92,9 +93,7 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     why = "probation" if worker.probation else "audit"
     if newcomer and worker.trust >= 1.0:
         # partners and roles enough, but no agreement judged yet: another comparison
-        unjudged = judge_for(needed) is not None and probation.leaves_probation(
-            worker.partners or [], needed
-        )
+        unjudged = awaits_judgement(worker, needed)
         if not (probation.replicate_newcomer(evidence(worker), needed) or unjudged):
             return None
     elif not trust.should_replicate(worker):
@@ -142,6 +141,18 @@ def newcomer_lacks_a_check(round_id: int) -> bool:
     ).values_list("path_id", "data_position")[:CHECK_CANDIDATES]
     # its own original's copy is not one it may take (not_own_check)
     return all(_original_worker(round_id, path, at) == lone.pk for path, at in queued)
+
+
+def awaits_judgement(worker: Worker, needed: int | None = None) -> bool:
+    """Whether `worker`, on probation, has agreed with every partner it needs in both
+    roles and waits only for a conclusive agreement (`judged_agreement`): its next
+    comparison, with any partner, is what can end its probation or refuse it."""
+    if not worker.probation or worker.operator_trusted:
+        return False
+    needed = partners_needed_now(worker.pk) if needed is None else needed
+    return judge_for(needed) is not None and probation.leaves_probation(
+        worker.partners or [], needed
+    )
 
 
 def judge_for(needed: int) -> Callable[[int], bool] | None:
@@ -247,11 +258,8 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     if not offered:
         return None
     standing = trust.standing(worker)
-    newcomers = set(
-        Worker.objects.filter(pk__in={w for _, w in offered}, probation=True).values_list(
-            "pk", flat=True
-        )
-    )
+    on_probation = list(Worker.objects.filter(pk__in={w for _, w in offered}, probation=True))
+    newcomers = {w.pk for w in on_probation}
     known = evidence(worker) if worker.probation else probation.Evidence.recorded(_agreed(worker))
     waiting = (
         worker.probation
@@ -260,7 +268,8 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
         ).exists()
     )
     needed = partners_needed_now(worker.pk)
-    pool = probation.check_pool(offered, newcomers, standing, known, needed, waiting)
+    unjudged = frozenset(w.pk for w in on_probation if not worker.probation and awaits_judgement(w))
+    pool = probation.check_pool(offered, newcomers, standing, known, needed, waiting, unjudged)
     if not pool:
         return None
     partners = worker.partners if isinstance(worker.partners, list) else []
@@ -301,6 +310,8 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
         roles = {role for _, role in known.pairs}
         return side.probation and (partner not in known.partners() or as_check not in roles)
 
+    if not worker.probation and awaits_judgement(other):
+        return False  # a comparison the repetition rule can judge (probation.check_pool)
     if not (brings(worker, mine, original, True) or brings(other, theirs, worker.pk, False)):
         return True
     if (
