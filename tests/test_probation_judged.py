@@ -66,7 +66,7 @@ def test_agreements_the_repetition_rule_could_not_judge_do_not_end_probation(
     )
 
 
-def test_an_established_worker_takes_a_copy_awaiting_judgement_after_a_new_partners() -> None:
+def test_an_established_worker_takes_a_copy_awaiting_judgement_after_a_new_partners_copy() -> None:
     established = probation.Standing()
     known = probation.Evidence(frozenset({(1, False), (2, True)}))  # 1 and 2: partners had
     offered = [(10, 1), (11, 2)]

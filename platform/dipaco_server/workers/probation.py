@@ -199,9 +199,10 @@ def check_pool(
         return [c for c in pool if c[1] not in newcomers] or pool
     if standing.probation and waits_for_its_check(evidence, needed):
         return []
+    newcomers_new = [c for c in new if c[1] in newcomers]
     if standing.probation:
-        return [c for c in new if c[1] in newcomers]
-    return [c for c in new if c[1] in newcomers] or [c for c in offered if c[1] in unjudged]
+        return newcomers_new
+    return newcomers_new or [c for c in offered if c[1] in unjudged]
 
 
 def waits_for_its_check(evidence: Evidence, needed: int) -> bool:

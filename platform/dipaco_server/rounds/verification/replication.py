@@ -304,14 +304,14 @@ def repeats_partner(worker: Worker, unit: WorkUnit) -> bool:
     if other is None or not (worker.probation or other.probation):
         return False  # an audit between established workers
 
+    if not worker.probation and awaits_judgement(other):
+        return False  # a comparison the repetition rule can judge (probation.check_pool)
     mine, theirs = evidence(worker), evidence(other)  # each read once: several queries
 
     def brings(side: Worker, known: probation.Evidence, partner: int, as_check: bool) -> bool:
         roles = {role for _, role in known.pairs}
         return side.probation and (partner not in known.partners() or as_check not in roles)
 
-    if not worker.probation and awaits_judgement(other):
-        return False  # a comparison the repetition rule can judge (probation.check_pool)
     if not (brings(worker, mine, original, True) or brings(other, theirs, worker.pk, False)):
         return True
     if (
