@@ -417,7 +417,8 @@ class Run:
             if e.reason:
                 e.unit.rejected = True
                 who = "" if e.unit.worker in self.bad else "honest "
-                self.honest_rejected += 1 if who else 0
+                held = e.reason.startswith(f"{rules.AGREED_NO_GAIN}:")  # not the worker's fault
+                self.honest_rejected += 1 if who and not held else 0
                 self.reasons[who + e.reason.split(":")[0]] += 1
 
     def aggregated(self, e: Entry, entries: list[Entry]) -> bool:
@@ -428,6 +429,7 @@ class Run:
         return original is None or bool(original.reason)
 
     def settle_replicas(self, entries: list[Entry], module_id: str) -> None:
+        self.hold_no_gain(entries, module_id)
         for check in entries:
             if check.unit.check_of is None or check.reason:
                 continue
@@ -457,6 +459,23 @@ class Run:
             past.insert(0, (partner, check, persistence.from_bytes(persistence.to_bytes(signed))))
             del past[persistence.PAST :]
         self.replica_new.clear()
+
+    def hold_no_gain(self, entries: list[Entry], module_id: str) -> None:
+        """rounds.verification.checks._held_pairs: agreeing copies that both bought nothing."""
+        for check in entries:
+            original = next((o for o in entries if o.unit.index == check.unit.check_of), None)
+            if check.unit.check_of is None or original is None:
+                continue
+            pair = (original, check)
+            if original.delta is None or check.delta is None:
+                continue
+            same = original.unit.encoded[module_id] == check.unit.encoded[module_id]
+            held = rules.held_no_gain(
+                (original.reason, check.reason), (original.unit.score, check.unit.score),
+                original.delta, check.delta, self.cfg.outer, identical=same,
+            )  # fmt: skip
+            for e in pair if held else ():
+                e.reason = held
 
     def repeated(self, pair: tuple[Entry, Entry], module_id: str) -> list[str]:
         """rounds.verification.checks._repeated: per copy, whether its difference repeats

@@ -24,7 +24,9 @@ run's of that seed, the mean of its two with `--repeat-clean`; mean and spread),
 attacker(s) (Worker.tokens_processed; the tokens its completed units claimed), and
 `accepted` / `rejected` (the attackers' Δs) and `honest_rejected` (the honest workers'
 rejected Δs), `reasons` (rejected Δs by side and code), `honest_refusals` (each honest
-refusal in full: round, worker, role, module, reason); `first_round_seconds`: round 0's
+refusal in full: round, worker, role, module, reason), `honest_held` (the same for honest
+Δs held, not refused: two agreeing copies that both bought nothing, rules.AGREED_NO_GAIN,
+left out of the step and not counted against their workers, so not in `honest_rejected`); `first_round_seconds`: round 0's
 wall time (open to the next round's open).
 With `--json` the file is rewritten after each run, so a bench stopped early leaves what it
 measured (`missing`: the runs asked for and not done; each attack's `seeds`).
@@ -79,6 +81,7 @@ from dipaco_demo.control import (
     free_port,
 )
 from dipaco_demo.workers import WorkerProcess
+from dipaco_server.rounds.verification import rules
 
 ATTACKS = ["bias_0.5", "sign_flip", "colluders", "lazy_x0.1", "zeros"]
 CHECK_OFFSET = 1_000_000  # rounds' check copies' replica indices start here
@@ -281,6 +284,13 @@ def figures(
     for worker_id, reason in why:
         key = f"{'attacker' if worker_id in attacker_ids else 'honest'} {reason.split(':')[0]}"
         reasons[key] = reasons.get(key, 0) + 1
+    honest_lines = [
+        f"round {t} worker {w} {'check copy' if replica >= CHECK_OFFSET else 'original'} "
+        f"{module}: {reason}"
+        for t, w, replica, module, reason in honest_why
+        if w not in attacker_ids
+    ]
+    honest_held = [line for line in honest_lines if f": {rules.AGREED_NO_GAIN}:" in line]
     counts: dict[tuple[bool, str], int] = {}
     for worker_id, status, n in per_worker:
         side = (worker_id in attacker_ids, status)
@@ -294,15 +304,13 @@ def figures(
         "claimed_tokens": sum(t for w, _, _, t in leases if w in attacker_ids),
         "accepted": counts.get((True, "accepted"), 0),
         "rejected": counts.get((True, "rejected"), 0),
-        "honest_rejected": counts.get((False, "rejected"), 0),
+        # Held Δs (rules.AGREED_NO_GAIN: two agreeing copies that both bought nothing) are
+        # left out of the step but not counted against their workers: listed apart.
+        "honest_rejected": counts.get((False, "rejected"), 0) - len(honest_held),
         "reasons": reasons,
         # Each honest worker's refusal in full: what a reader of the figure asks next.
-        "honest_refusals": [
-            f"round {t} worker {w} {'check copy' if replica >= CHECK_OFFSET else 'original'} "
-            f"{module}: {reason}"
-            for t, w, replica, module, reason in honest_why
-            if w not in attacker_ids
-        ],
+        "honest_refusals": [line for line in honest_lines if line not in honest_held],
+        "honest_held": honest_held,
         "replication_share": sum(check) / max(1, sum(t for *_, t in leases)),
         "steady_replication_share": (
             sum(t for r, t in steady if r >= CHECK_OFFSET) / sum(t for _, t in steady)
@@ -519,6 +527,7 @@ def summary(
                     "credited_tokens",
                     "claimed_tokens",
                     "honest_rejected",
+                    "honest_held",
                     "accepted",
                     "rejected",
                     "reasons",
@@ -538,6 +547,7 @@ def summary(
             k: [c[k] for c in clean]
             for k in (
                 "honest_rejected",
+                "honest_held",
                 "reasons",
                 "honest_refusals",
                 "first_round_seconds",

@@ -214,11 +214,51 @@ def screen_verdicts(
             )
         )
     refused = rules.screen(candidates, history, cfg)
+    refused.update(_held_pairs(verdicts, refused, spec, cfg))
     for v in verdicts:
         reason = refused.get(v.upload.contribution_id)
         if reason:
             code, _, message = reason.partition(": ")
             v.reject(code, message)
+
+
+def _held_pairs(
+    verdicts: Sequence[Verdict], refused: Mapping[int, str], spec: Spec, cfg: OuterConfig
+) -> dict[int, str]:
+    """{contribution: reason} for both copies of each replicated unit that agree and are
+    each refused for no gain alone (rules.held_no_gain): held, not refused. Before the
+    refusals are applied, while both Δs are still on disk."""
+    by_id = {v.upload.contribution_id: v for v in verdicts}
+    held: dict[int, str] = {}
+    for check in verdicts:
+        original = by_id.get(check.upload.check_of) if check.upload.check_of else None
+        if original is None or not comparable(original, check):
+            continue
+        keys = (original.upload.contribution_id, check.upload.contribution_id)
+        reasons = (refused.get(keys[0], ""), refused.get(keys[1], ""))
+        if not all(r.startswith(f"{rules.NO_GAIN}:") for r in reasons):
+            continue
+        identical = original.upload.sha256 == check.upload.sha256
+        a, b = original.decoded(spec), check.decoded(spec)
+        scores = (original.score, check.score)
+        reason = rules.held_no_gain(reasons, scores, a, b, cfg, identical=identical)
+        del a, b
+        if reason:
+            held.update(dict.fromkeys(keys, reason))
+    return held
+
+
+def comparable(original: Verdict, check: Verdict) -> bool:
+    """Whether a check copy's Δ and its original's are one unit's work from one start:
+    the server sized both leases alike (a deadline or a calibration sizes one lease
+    below the other: fewer steps from the same start make another Δ, not a copy; the
+    grant no longer hands out such a check copy), and both are relative to the same
+    versions (outer.overlap eager: one rebased onto round t - 1's versions, the other
+    could not in time, rounds.protocol.rebase)."""
+    return (
+        check.upload.sized == original.upload.sized
+        and check.upload.delta_base == original.upload.delta_base
+    )
 
 
 def compare_replicas(
@@ -236,15 +276,7 @@ def compare_replicas(
         original = by_id.get(check.upload.check_of) if check.upload.check_of else None
         if original is None or not (check.accepted and original.accepted):
             continue
-        if check.upload.sized != original.upload.sized:
-            # The server sized one lease below the other (a round's deadline, a calibration,
-            # rounds.protocol.sizing): fewer steps from the same start make another Δ, not a
-            # copy (the grant no longer hands out such a check copy; one already trained is
-            # left to the other checks).
-            continue
-        if check.upload.delta_base != original.upload.delta_base:
-            # outer.overlap eager: one rebased onto round t - 1's versions, the other could
-            # not in time (rounds.protocol.rebase). Relative to other versions, they are not comparable.
+        if not comparable(original, check):  # left to the other checks
             continue
         pair = (original, check)
         a, b = original.decoded(spec), check.decoded(spec)

@@ -23,6 +23,7 @@ from dipaco_server.workers.models import Worker
 # completion claims: a claim one token short of the unit must not make a rejection free
 # (that would be an attack). A salvaged Δ's claimed share already lowers the gain it must show.
 WEAK_REASONS = frozenset({rules.NO_GAIN, rules.NORM_LOW})
+HELD = (first_round.UNSETTLED, f"{rules.AGREED_NO_GAIN}:")  # refused, not the worker's fault
 
 
 def weak_partial(verdict: Verdict) -> bool:
@@ -124,8 +125,9 @@ def settle(
     rejected = [v for v in verdicts if not v.accepted]
     count(accepted, "contributions_accepted")
     count(rejected, "contributions_rejected")
-    # Held out by an undecided first round (first_round.UNSETTLED): not its worker's fault.
-    held = [v for v in rejected if v.reason.startswith(first_round.UNSETTLED)]
+    # Held out by an undecided first round (first_round.UNSETTLED), or agreeing copies
+    # that both bought nothing (rules.AGREED_NO_GAIN): not its worker's fault.
+    held = [v for v in rejected if v.reason.startswith(HELD)]
     trust.penalise(v.upload.worker_id for v in rejected if not weak_partial(v) and v not in held)
     for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed"
         Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + 1})

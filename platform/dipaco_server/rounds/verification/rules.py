@@ -56,6 +56,9 @@ NO_GAIN = "no_training_gain"
 HELDOUT = "heldout_loss_up"
 REPLICA = "replica_disagrees"
 PEER = "against_peers"
+# Held, not refused: two workers' copies of one unit agree and neither shows a gain
+# (`held_no_gain`). Left out of the step, neither credited nor counted against either worker.
+AGREED_NO_GAIN = "agreed_no_gain"
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,45 @@ def settle_replicas(
             f"other copy's {better_cos:.3f}",
         )
     return ReplicaOutcome("unsettled", why=why)
+
+
+def held_no_gain(
+    reasons: tuple[str, str],
+    scores: tuple[Score | None, Score | None],
+    original: Tensors,
+    check: Tensors,
+    cfg: OuterConfig,
+    *,
+    identical: bool = False,
+) -> str:
+    """Two workers' copies of one unit, each refused for no gain alone: the reason both get
+    instead when they agree (or are one Δ twice) and neither raised the unit's training
+    loss by more than ``score_min_gain`` (a fraction of it), else "".
+
+    Then the unit's windows bought nothing from its base this round, and two workers saw
+    it: 25 honest steps on ordinary Python windows moved its loss from 6.6748 to 6.6901
+    (bench/attacks_live.py, a seed-2 unit: the same numbers in two figures), and both
+    copies were refused and their workers' trust cut for it. A held Δ is never aggregated,
+    so colluders who agree on a useless Δ gain nothing by it: no step, no credit, no
+    probation evidence. The band keeps flips refused: the flip of a Δ that gains g raises
+    the loss by about g or more (to first order, and the loss is convex along the line),
+    so two copies of one flipped useful Δ are refused and cost their workers' trust as
+    before; against the outer momentum a flip is refused for its direction first.
+    `identical`: the two uploads' sha256s match.
+    """
+    if not all(r.startswith(f"{NO_GAIN}:") for r in reasons):
+        return ""
+    for s in scores:
+        if s is None or not s.train_after <= s.train_before * (1 + cfg.score_min_gain):
+            return ""
+    if not identical and not replicas_agree(original, check, cfg)[0]:
+        return ""
+    return (
+        f"{AGREED_NO_GAIN}: held: two workers' copies of its unit agree and neither moves "
+        f"the loss on the unit's training windows by more than {cfg.score_min_gain:.1%} "
+        "(its data bought nothing from this base); left out of the step, neither credited "
+        "nor counted against either worker. Nothing to change"
+    )
 
 
 def _norm(delta: Tensors) -> float:
