@@ -239,6 +239,16 @@ def watch(
         time.sleep(POLL_S)
 
 
+def refusal_lines(rows: list[Any], attacker_ids: set[int]) -> list[str]:
+    """Each honest worker's refused Δ in full: what a reader of the figure asks next."""
+    return [
+        f"round {t} worker {w} {'check copy' if replica >= CHECK_OFFSET else 'original'} "
+        f"{module}: {reason}"
+        for t, w, replica, module, reason in rows
+        if w not in attacker_ids
+    ]
+
+
 def figures(
     data_dir: Path,
     run_id: int,
@@ -284,12 +294,7 @@ def figures(
     for worker_id, reason in why:
         key = f"{'attacker' if worker_id in attacker_ids else 'honest'} {reason.split(':')[0]}"
         reasons[key] = reasons.get(key, 0) + 1
-    honest_lines = [
-        f"round {t} worker {w} {'check copy' if replica >= CHECK_OFFSET else 'original'} "
-        f"{module}: {reason}"
-        for t, w, replica, module, reason in honest_why
-        if w not in attacker_ids
-    ]
+    honest_lines = refusal_lines(honest_why, attacker_ids)
     honest_held = [line for line in honest_lines if f": {rules.AGREED_NO_GAIN}:" in line]
     counts: dict[tuple[bool, str], int] = {}
     for worker_id, status, n in per_worker:
@@ -308,7 +313,6 @@ def figures(
         # left out of the step but not counted against their workers: listed apart.
         "honest_rejected": counts.get((False, "rejected"), 0) - len(honest_held),
         "reasons": reasons,
-        # Each honest worker's refusal in full: what a reader of the figure asks next.
         "honest_refusals": [line for line in honest_lines if line not in honest_held],
         "honest_held": honest_held,
         "replication_share": sum(check) / max(1, sum(t for *_, t in leases)),
