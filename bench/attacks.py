@@ -463,12 +463,12 @@ class Run:
     def hold_no_gain(self, entries: list[Entry], module_id: str) -> None:
         """rounds.verification.checks._held_pairs: agreeing copies that both bought nothing."""
         for check in entries:
+            if check.unit.check_of is None:
+                continue
             original = next((o for o in entries if o.unit.index == check.unit.check_of), None)
-            if check.unit.check_of is None or original is None:
+            if original is None or original.delta is None or check.delta is None:
                 continue
             pair = (original, check)
-            if original.delta is None or check.delta is None:
-                continue
             same = original.unit.encoded[module_id] == check.unit.encoded[module_id]
             held = rules.held_no_gain(
                 (original.reason, check.reason), (original.unit.score, check.unit.score),

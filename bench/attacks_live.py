@@ -294,8 +294,8 @@ def figures(
     for worker_id, reason in why:
         key = f"{'attacker' if worker_id in attacker_ids else 'honest'} {reason.split(':')[0]}"
         reasons[key] = reasons.get(key, 0) + 1
-    honest_lines = refusal_lines(honest_why, attacker_ids)
-    honest_held = [line for line in honest_lines if f": {rules.AGREED_NO_GAIN}:" in line]
+    held = [row for row in honest_why if row[4].startswith(f"{rules.AGREED_NO_GAIN}:")]
+    honest_held = refusal_lines(held, attacker_ids)
     counts: dict[tuple[bool, str], int] = {}
     for worker_id, status, n in per_worker:
         side = (worker_id in attacker_ids, status)
@@ -313,7 +313,9 @@ def figures(
         # left out of the step but not counted against their workers: listed apart.
         "honest_rejected": counts.get((False, "rejected"), 0) - len(honest_held),
         "reasons": reasons,
-        "honest_refusals": [line for line in honest_lines if line not in honest_held],
+        "honest_refusals": refusal_lines(
+            [row for row in honest_why if row not in held], attacker_ids
+        ),
         "honest_held": honest_held,
         "replication_share": sum(check) / max(1, sum(t for *_, t in leases)),
         "steady_replication_share": (

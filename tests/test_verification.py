@@ -133,6 +133,9 @@ def test_two_colluders_uploading_one_flipped_delta_confirm_nothing_and_are_refus
             0,
             0,
         )
+        # Not held (rules.held_no_gain): a flip raises its unit's loss past the band, and
+        # costs its worker's trust, two modules' refusals each.
+        assert worker.trust == pytest.approx(0.7**2)
 
 
 def test_the_same_delta_twice_within_float_rounding_is_identical_not_agreement() -> None:

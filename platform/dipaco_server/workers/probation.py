@@ -46,7 +46,7 @@ No Django here: bench/attacks.py and bench/attacks_live.py run the same rules.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 # Distinct partners whose copies must have agreed with a worker's before it leaves
@@ -152,7 +152,7 @@ def check_pool(
     evidence: Evidence,
     needed: int,
     originals_waiting: bool = False,
-    unjudged: frozenset[int] = frozenset(),
+    unjudged: Callable[[], Collection[int]] = frozenset,
 ) -> list[tuple[int, int]]:
     """The queued check copies ((unit, its original's worker)) a worker asking for work takes
     one of before any original; [] for none. A newcomer that still lacks partners or the
@@ -178,9 +178,10 @@ def check_pool(
     again for the role, and that copy paired it with a partner it had (seven copies, seed
     2).
 
-    `unjudged`: newcomers among the originals' workers that have every partner and role
+    `unjudged()`: newcomers among the originals' workers that have every partner and role
     and still wait for a conclusive agreement (rounds.verification.replication
-    .awaits_judgement). An established worker takes their copies too, after any that
+    .awaits_judgement, a query each: asked only when no newcomer's copy is a new
+    partner). An established worker takes their copies too, after any that
     would be a new partner: a comparison with a partner had before is one the
     repetition rule can judge. Live, a biased newcomer had its three partners in both
     roles by round 1, none conclusive; every established worker had been paired with
@@ -202,7 +203,7 @@ def check_pool(
     newcomers_new = [c for c in new if c[1] in newcomers]
     if standing.probation:
         return newcomers_new
-    return newcomers_new or [c for c in offered if c[1] in unjudged]
+    return newcomers_new or [c for c in offered if c[1] in unjudged()]
 
 
 def waits_for_its_check(evidence: Evidence, needed: int) -> bool:

@@ -268,12 +268,10 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
         ).exists()
     )
     needed = partners_needed_now(worker.pk)
-    # Asked only where check_pool reads it (an established worker offered no copy that
-    # would be a new partner): one count query per newcomer.
-    unjudged: frozenset[int] = frozenset()
-    fresh = any(w in newcomers and w not in known.partners() for _, w in offered)
-    if not (worker.probation or worker.operator_trusted or fresh):
-        unjudged = frozenset(w.pk for w in on_probation if awaits_judgement(w))
+
+    def unjudged() -> set[int]:  # asked by check_pool only where it is read: a query each
+        return {w.pk for w in on_probation if awaits_judgement(w)}
+
     pool = probation.check_pool(offered, newcomers, standing, known, needed, waiting, unjudged)
     if not pool:
         return None
