@@ -348,9 +348,12 @@ def test_redis_and_postgres_restarted_mid_run_are_survived_by_every_process(
     assert health.status_code == 503 and health.json()["broker"]["ok"] is False, health.text
     time.sleep(2)
     stack.redis.start()
+    # A micro unit trains in ~60 ms, too brief to catch in training by polling: wait
+    # for a unit completed after the restart, a worker's second at least.
+    done = {w.name: w.snapshot().units_done for w in pool.workers}
     wait_until(
-        lambda: any(w.snapshot().units_done >= 1 and training(w) for w in pool.workers),
-        "a worker to train its second unit",
+        lambda: any(w.snapshot().units_done > max(done[w.name], 1) for w in pool.workers),
+        "a worker to complete its second unit after Redis restarted",
     )
     stack.postgres.stop()
     health = httpx.get(f"{stack.url}/api/v1/health", timeout=30)
