@@ -122,9 +122,9 @@ def fetcher(tmp_path: Path) -> Any:
 
 
 def manifest(*refs: Any) -> Any:
-    from worker_agent.client import Manifest, ShardRef
+    from worker_agent.client import Manifest, UnitData
 
-    return Manifest(list(refs), ShardRef("", "", "0" * 64, 0, 0, "<u2"))
+    return Manifest(list(refs), UnitData("dipaco-rows-1", "<u2", 8, 0, 0, []))
 
 
 def test_a_worker_holding_v0_rebuilds_v3_from_the_updates_alone_bit_for_bit(

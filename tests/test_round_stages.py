@@ -1,5 +1,5 @@
 """Where a round's time goes (rounds.stages), recorded on a real two-round run: real Δs of
-two workers, the manifest that cuts each unit's data, every module's outer step and the
+two workers, the manifest that signs each unit's row chunks, every module's outer step and the
 evaluation; listed by GET /api/v1/runs/{id}/rounds and drawn on the run page as a stacked
 bar per round."""
 
@@ -64,9 +64,9 @@ def test_a_two_round_run_records_lists_and_draws_each_rounds_stages(
     assert [r["t"] for r in rounds] == [2, 1, 0]
     for r in rounds[1:]:
         names = [s["stage"] for s in r["stages"]]
-        assert names == ["training", "data_cutting", *SERVER_STAGES], names
+        assert names == ["training", "manifest", *SERVER_STAGES], names
         by = {s["stage"]: s for s in r["stages"]}
-        assert by["training"]["tasks"] == 2 and by["data_cutting"]["tasks"] == 2
+        assert by["training"]["tasks"] == 2 and by["manifest"]["tasks"] == 2
         assert by["outer_step"]["tasks"] == 2, "one per module step"
         assert by["evaluation"]["tasks"] == 1
         for s in r["stages"]:
@@ -80,7 +80,7 @@ def test_a_two_round_run_records_lists_and_draws_each_rounds_stages(
     client.force_login(user)
     page = client.get(f"/runs/{run.pk}/").content.decode()
     drawn = re.findall(r'<td class="bar-col stages" data-stages="([^"]*)">', page)
-    assert drawn == ["", " ".join(["training", "data_cutting", *SERVER_STAGES])] * 1 + [
-        " ".join(["training", "data_cutting", *SERVER_STAGES])
+    assert drawn == ["", " ".join(["training", "manifest", *SERVER_STAGES])] * 1 + [
+        " ".join(["training", "manifest", *SERVER_STAGES])
     ], drawn
     assert page.count('class="fill stage-scoring"') == 2

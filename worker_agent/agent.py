@@ -70,10 +70,11 @@ from dipaco.inner import (
 from dipaco.retry import HAND_IN_PAUSE_S, hand_in_patience_s, idle_pause_s
 from worker_agent.client import (
     BlobRef,
+    ChunkRef,
     Client,
     LeaseGrant,
     Manifest,
-    ShardRef,
+    UnitData,
     lease_from_json,
     seconds_until,
 )
@@ -269,9 +270,9 @@ class Agent:
         self.heartbeats.track(grant.lease_id, grant.secret)
         try:
             with self._lease_ends(grant), disk_errors(self.options.data_dir):
-                manifest, modules, shard = self._fetch(grant, config)
+                manifest, modules = self._fetch(grant, config)
                 self._wait_for_same_path(grant)
-                trained = self._train(grant, config, modules, (shard, manifest.data), record, work)
+                trained = self._train(grant, config, modules, manifest.data, record, work)
                 if trained is not None:
                     self._start_hand_in(trained, manifest)
         finally:
@@ -319,9 +320,9 @@ class Agent:
 
     def _fetch(
         self, grant: LeaseGrant, config: RunConfig
-    ) -> tuple[Manifest, dict[str, dict[str, Tensor]], Path]:
-        """The path's modules (encoded updates from the versions it holds, else fp32 files:
-        downloads.py) and the unit's windows of its shard."""
+    ) -> tuple[Manifest, dict[str, dict[str, Tensor]]]:
+        """The manifest and the path's modules (encoded updates from the versions it holds,
+        else fp32 files: downloads.py); the unit's row chunks stream while it trains."""
         held = self.modules.held_versions(grant.run_id, grant.modules)
         manifest = self.client.manifest(grant.lease_id, grant.secret, held)
         modules, fetched = self.modules.fetch(grant.run_id, manifest, config)
@@ -332,11 +333,17 @@ class Agent:
             **{f"download_{k}": v for k, v in asdict(fetched).items()},
         )  # fmt: skip
         data = manifest.data
-        shard = self.cache.fetch(
-            data.url, data.sha256, data.size, what=f"training data of path {grant.path}"
-        )
-        self.reporter.event("fetched", f"fetched {len(modules)} modules and the training data")
-        return manifest, modules, shard
+        self.reporter.event(
+            "fetched", f"fetched {len(modules)} modules; the training data streams from "
+            f"{len(data.chunks)} chunk(s) ({sum(c.size for c in data.chunks):,} B)",
+        )  # fmt: skip
+        return manifest, modules
+
+    def _chunk(self, grant: LeaseGrant, ref: ChunkRef) -> Path:
+        """A row chunk's verified local copy (the unit's source fetches them as it goes)."""
+        with disk_errors(self.options.data_dir):
+            return self.cache.fetch(ref.url, ref.sha256, ref.size,
+                                    what=f"training rows of path {grant.path}")  # fmt: skip
 
     def _wait_for_same_path(self, grant: LeaseGrant) -> None:
         """A unit of the path being handed in trains once that completion is accepted: its
@@ -355,7 +362,7 @@ class Agent:
         grant: LeaseGrant,
         config: RunConfig,
         modules: dict[str, dict[str, Tensor]],
-        data: tuple[Path, ShardRef],
+        data: UnitData,
         record: LeaseRecord,
         work: Path,
     ) -> TrainedUnit | None:
@@ -366,23 +373,26 @@ class Agent:
                            compiled=compiled)  # fmt: skip
         stops = UnitStops(grant, self.stop, self.heartbeats)
         progress = UnitProgress(grant, record, self.state, self.reporter, stops)
-        shard, ref = data
-        source = unit_source(grant, config, shard, ref, step_delay_s=self.options.step_delay_s,
+        source = unit_source(config, data, lambda ref: self._chunk(grant, ref),
+                             step_delay_s=self.options.step_delay_s,
                              accum=inner.grad_accum_steps)  # fmt: skip
         rebaser = None
         if grant.rebase is not None:
-            rebaser = self._rebaser(grant, config, modules, ref, work, stops.must_stop)
+            rebaser = self._rebaser(grant, config, modules, data, work, stops.must_stop)
         hooks = UnitHooks(should_stop=stops.should_stop, on_step=progress.on_step,
                           on_fallback=progress.on_fallback, rebase=rebaser)  # fmt: skip
         unit = UnitWork(config, grant.run_id, grant.path, grant.round, modules, source,
                         grant.data.start_position)  # fmt: skip
-        result, inner = self.trainer.train(
-            unit, work_dir=work, state=self._inner_state(grant, config),
-            inner=inner, stop_at=unit_stop_at(grant, record), hooks=hooks,
-            checkpoint_every=self.options.checkpoint_every,
-            checkpoint_interval_s=self.options.checkpoint_interval_s,
-            finish_write=False,  # the last checkpoint is written while the Δ is handed in
-        )  # fmt: skip
+        try:
+            result, inner = self.trainer.train(
+                unit, work_dir=work, state=self._inner_state(grant, config),
+                inner=inner, stop_at=unit_stop_at(grant, record), hooks=hooks,
+                checkpoint_every=self.options.checkpoint_every,
+                checkpoint_interval_s=self.options.checkpoint_interval_s,
+                finish_write=False,  # the last checkpoint is written while the Δ is handed in
+            )  # fmt: skip
+        finally:
+            source.close()  # a chunk still in flight is dropped
         if not result.completed:
             result.checkpoint_written()  # what a restart resumes: on disk before any release
             if not self._salvageable(grant, config, result, stops.reason):
@@ -415,7 +425,7 @@ class Agent:
         job.start()
         # The next unit's fetch starts from here: keep what this unit used (held modules).
         rebased = trained.rebaser.refs if trained.rebaser is not None else []
-        keep = {ref.sha256 for ref in [*manifest.modules, *rebased]} | {manifest.data.sha256}
+        keep = {ref.sha256 for ref in [*manifest.modules, *rebased]}  # the unit's rows go
         self.cache.prune(keep, self.options.cache_max_bytes)
 
     def _hand_in_unit(self, trained: TrainedUnit, until: float) -> None:
@@ -467,7 +477,7 @@ class Agent:
         grant: LeaseGrant,
         config: RunConfig,
         modules: dict[str, dict[str, Tensor]],
-        data: ShardRef,
+        data: UnitData,
         work: Path,
         must_stop: Callable[[], str | None],
     ) -> Rebaser:

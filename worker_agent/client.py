@@ -169,25 +169,39 @@ class BlobRef:
 
 
 @dataclass(frozen=True)
-class ShardRef:
-    """The unit's training windows (scope "unit": rows of seq_len + 1 tokens from position
-    first_position, dipaco.data.windows.UnitSource), or a server's older answer, the
-    path's whole train shard (scope "path"); kept by sha256."""
+class ChunkRef:
+    """One row chunk of the unit's path and the segment of it the unit reads
+    (dipaco.data.rows.Segment); kept by sha256."""
 
-    url: str
+    chunk: int
     key: str
+    url: str
     sha256: str
     size: int  # bytes
-    tokens: int
+    rows: int
+    start: int
+    count: int
+    perm_seed: int | None = None
+
+
+@dataclass(frozen=True)
+class UnitData:
+    """The unit's training windows: rows of seq_len + 1 tokens from position
+    `first_position`, the chunks' segments in order (dipaco.data.rows.UnitRows)."""
+
+    format: str
     dtype: str
-    scope: str = "path"
-    first_position: int = 0
+    seq_len: int
+    first_position: int
+    windows: int
+    chunks: list[ChunkRef]
+    tokens: int = 0
 
 
 @dataclass(frozen=True)
 class Manifest:
     modules: list[BlobRef]
-    data: ShardRef
+    data: UnitData
 
 
 @dataclass(frozen=True)

@@ -10,23 +10,24 @@ checkpoint, the out-of-memory fallback); what the agent decides around it lives 
   calibration unit's time, the round's deadline near), the first reason kept;
 - `UnitProgress`: what each step and a fallback tell the volunteer and the lease's
   record (the step a restart resumes from);
-- `unit_source`: the unit's windows of its path's shard in the path's seeded order, from
-  its start (as `dipaco simulate` reads them), slowed by --step-delay if asked.
+- `unit_source`: the unit's windows in the path's order, streamed from its row chunks
+  (as `dipaco simulate` reads them), slowed by --step-delay if asked.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 from torch import Tensor
 
 from dipaco.config import InnerConfig, RunConfig
-from dipaco.data.shards import TokenShard
-from dipaco.data.windows import ShardSource, UnitSource
+from dipaco.data.rows import FORMAT, Segment, UnitRows
 from dipaco.inner import DoesNotFit, StepMetrics, fit_micro_batch
-from worker_agent.client import LeaseGrant, ShardRef, seconds_until
+from worker_agent.client import ChunkRef, LeaseGrant, UnitData, seconds_until
 from worker_agent.errors import OutOfMemory
 from worker_agent.heartbeat import HeartbeatThread
 from worker_agent.progress import Reporter
@@ -156,31 +157,48 @@ class SlowSource:
     part of a step, so the speed the agent reports, and the server sizes units by, is the
     slower one."""
 
-    def __init__(self, source: ShardSource | UnitSource, delay_s: float) -> None:
+    def __init__(self, source: UnitRows, delay_s: float) -> None:
         self.source, self.delay_s = source, delay_s
 
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
         time.sleep(self.delay_s)
         return self.source.batch(position, batch_size, seq_len)
 
+    def close(self) -> None:
+        self.source.close()
+
 
 def unit_source(
-    grant: LeaseGrant,
     config: RunConfig,
-    shard: Path,
-    ref: ShardRef,
+    data: UnitData,
+    fetch: Callable[[ChunkRef], Path],
     *,
     step_delay_s: float,
     accum: int,
-) -> ShardSource | UnitSource | SlowSource:
-    """The unit's windows in the path's seeded order, from its start: as dipaco simulate.
-    A server that predates the unit's own windows sends the path's whole shard."""
-    tokens, seq_len = TokenShard(shard, grant.data.dtype), config.model.seq_len
-    source: ShardSource | UnitSource = (
-        UnitSource(tokens, seq_len, ref.first_position)
-        if ref.scope == "unit"
-        else ShardSource(tokens, seq_len, grant.data.seed)
-    )
+) -> UnitRows | SlowSource:
+    """The unit's windows in the path's order, streamed from its row chunks as the trainer
+    reaches them (dipaco.data.rows.UnitRows: the next chunk fetched while one trains, two
+    held at most, none before a resumed unit's position); `fetch` gives a chunk's verified
+    local copy. The same batches as dipaco simulate's ShardSource at those positions."""
+    seq_len = config.model.seq_len
+    if data.format != FORMAT or data.seq_len != seq_len:
+        raise ValueError(
+            f"the server sent training data as {data.format!r} rows of seq_len {data.seq_len}; "
+            f"this agent reads {FORMAT!r} at the run's seq_len {seq_len}: upgrade the agent "
+            "(pip install -U dipaco)"
+        )
+    chunks = data.chunks
+
+    def load(i: int) -> np.ndarray:
+        ref = chunks[i]
+        array = np.fromfile(fetch(ref), dtype=data.dtype)
+        if array.size != ref.rows * (seq_len + 1):
+            raise ValueError(f"chunk {ref.chunk} holds {array.size} tokens, not {ref.rows} rows "
+                             f"of {seq_len + 1}")  # fmt: skip
+        return array.reshape(ref.rows, seq_len + 1)
+
+    segments = [Segment(c.chunk, c.start, c.count, c.perm_seed) for c in chunks]
+    source = UnitRows(segments, [c.rows for c in chunks], load, data.first_position, seq_len)
     if step_delay_s:
         return SlowSource(source, step_delay_s / accum)
     return source

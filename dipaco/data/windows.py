@@ -5,11 +5,13 @@ agent (how it reads them), so a platform run and ``dipaco simulate`` see the sam
 A path's train shard of N tokens holds W = (N - 1) // T non-overlapping windows of T + 1
 tokens (window w: tokens w·T .. w·T + T; its last token is the next window's first, as
 the next-token target). `ShardSource` reads them in the order of a permutation seeded
-with `path_seed` (config.seed + path): position k reads window perm[k mod W], and the
+with `path_seed` (config.seed + path): position k < W reads window perm[k], and the
 inner loop advances the position by one per sequence. Unit (t, r), replica r of outer
 round t, starts at position `unit_start` = (t·R + r)·H·B and reads H·B windows
 (`unit_windows`), so every replica of a round reads different windows, consecutive rounds
-move on through the shard, and a shard shorter than a round wraps into a new pass.
+move on through the shard, and a shard shorter than a round wraps into a new pass, in a
+new order (dipaco.data.rows: the platform stores this order as row chunks, so a unit's
+windows are a few contiguous reads).
 
 Why shuffled, not a contiguous slice: documents are written to a shard one after the
 other, so a contiguous run of H·B windows is a handful of documents (at simulation scale,
@@ -24,7 +26,6 @@ from typing import TYPE_CHECKING
 from dipaco.config import RunConfig
 
 if TYPE_CHECKING:
-    import numpy as np
     from torch import Tensor
 
     from dipaco.data.ranged import RangedShard
@@ -36,7 +37,6 @@ if TYPE_CHECKING:
 __all__ = [
     "RowSource",
     "ShardSource",
-    "UnitSource",
     "path_seed",
     "step_tokens",
     "unit_start",
@@ -98,14 +98,25 @@ class RowSource:
 
 
 class ShardSource:
-    """dipaco.inner's TokenSource over a TokenShard, reading windows in a seeded shuffled order.
+    """dipaco.inner's TokenSource over a TokenShard, reading windows in the path's order.
 
     The inner loop counts its position in windows (it advances by batch_size per
     micro-batch, like InMemoryTokenSource), while TokenShard reads by token offset; this
-    adapter converts. Position k reads window perm[k mod W] of the shard's W windows.
+    adapter converts. Position k < W reads window order[k] of the shard's W windows (pass
+    0, a seeded permutation); later passes follow dipaco.data.rows.RowOrder, chunk by chunk,
+    which is exactly what the platform's row chunks hold (`rows_per_chunk`: theirs; by
+    default one chunk, so every pass is a new permutation of the whole shard).
     """
 
-    def __init__(self, shard: TokenShard | RangedShard, seq_len: int, seed: int) -> None:
+    def __init__(
+        self,
+        shard: TokenShard | RangedShard,
+        seq_len: int,
+        seed: int,
+        rows_per_chunk: int | None = None,
+    ) -> None:
+        from dipaco.data.rows import RowOrder, first_pass
+
         self.shard = shard
         self.seq_len = seq_len
         windows = (len(shard) - 1) // seq_len
@@ -117,13 +128,21 @@ class ShardSource:
         # torch and numpy: the note under the imports
         import torch
 
-        generator = torch.Generator().manual_seed(seed)
-        self.order = torch.randperm(windows, generator=generator)  # (W,)
+        self.order = torch.from_numpy(first_pass(windows, seed))  # (W,) pass 0
+        self.rows = RowOrder(windows, rows_per_chunk or windows, seed)
 
     @classmethod
     def for_path(cls, shard: TokenShard | RangedShard, config: RunConfig, path: int) -> ShardSource:
-        """Path `path`'s training windows under `config` (its seq_len and `path_seed`)."""
-        return cls(shard, config.model.seq_len, path_seed(config, path))
+        """Path `path`'s training windows under `config` (its seq_len, `path_seed` and the
+        row chunks preparation writes for it)."""
+        from dipaco.data.rows import rows_per_chunk
+
+        per_chunk = rows_per_chunk(config, shard.dtype.itemsize)
+        return cls(shard, config.model.seq_len, path_seed(config, path), per_chunk)
+
+    def windows_at(self, position: int, count: int) -> list[int]:
+        """The windows positions position .. position + count - 1 read."""
+        return [int(w) for w in self.order.numpy()[self.rows.file_rows(position, count)]]
 
     def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
         if seq_len != self.seq_len:
@@ -132,44 +151,6 @@ class ShardSource:
         import numpy as np
         import torch
 
-        picks = self.order[(position + torch.arange(batch_size)) % self.order.numel()]  # (B,)
-        rows = self.shard.read_windows([int(w) * seq_len for w in picks], seq_len + 1)
+        picks = self.windows_at(position, batch_size)
+        rows = self.shard.read_windows([w * seq_len for w in picks], seq_len + 1)
         return torch.from_numpy(np.ascontiguousarray(rows))  # (B, T+1)
-
-    def unit_rows(self, first: int, count: int) -> np.ndarray:
-        """The windows at positions first .. first + count - 1, one row each: (count, T+1),
-        in the shard's dtype. What a unit reads, cut once by the server (`UnitSource`)."""
-        # torch and numpy: the note under the imports
-        import torch
-
-        picks = self.order[(first + torch.arange(count)) % self.order.numel()]  # (count,)
-        T = self.seq_len
-        rows = self.shard.read_windows([int(w) * T for w in picks], T + 1)  # (count, T+1)
-        return rows.astype(self.shard.dtype)
-
-
-class UnitSource:
-    """A unit's own windows, as the server cut them with `ShardSource.unit_rows`: a file of
-    rows of T + 1 tokens where row i is the window at position `first` + i. The same
-    batches as the path's ShardSource at those positions, from a file that holds nothing
-    else of the path's shard (a lease's data URL covers only its unit's windows)."""
-
-    def __init__(self, rows: TokenShard, seq_len: int, first: int) -> None:
-        self.rows, self.seq_len, self.first = rows, seq_len, first
-        self.count, rest = divmod(len(rows), seq_len + 1)
-        if self.count < 1 or rest:
-            raise ValueError(
-                f"{rows.path} holds {len(rows)} tokens, not whole windows of {seq_len + 1}; "
-                "the unit's data file is truncated or cut for another seq_len"
-            )
-
-    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
-        if seq_len != self.seq_len:
-            raise ValueError(f"windows cut for seq_len {self.seq_len}, asked for {seq_len}")
-        # torch and numpy: the note under the imports
-        import numpy as np
-        import torch
-
-        picks = (position - self.first + torch.arange(batch_size)) % self.count  # (B,)
-        rows = [self.rows.read_window(int(i) * (seq_len + 1), seq_len + 1) for i in picks]
-        return torch.from_numpy(np.stack(rows))  # (B, T+1)

@@ -81,10 +81,15 @@ class PreparedData:
     def _root(self, index: ShardIndex) -> Path:
         return self.directory / ("shards" if index is self.shards else "all")
 
-    def train_source(self, path: int | None, seq_len: int, seed: int) -> ShardSource:
-        """Training windows of one path, or of every document (path=None), shuffled."""
+    def train_source(
+        self, path: int | None, seq_len: int, seed: int, rows_per_chunk: int | None = None
+    ) -> ShardSource:
+        """Training windows of one path, or of every document (path=None), shuffled;
+        `rows_per_chunk`: the platform's row chunks (dipaco.data.rows), which order passes
+        after the first."""
         index = self.shards if path is not None else self.everything
-        return ShardSource(index.open(self._root(index), path or 0, "train"), seq_len, seed)
+        shard = index.open(self._root(index), path or 0, "train")
+        return ShardSource(shard, seq_len, seed, rows_per_chunk)
 
     def val_tokens(self, path: int) -> Tensor:
         """Path's whole validation stream, (N,) int64 (empty when no document routes there)."""

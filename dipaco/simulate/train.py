@@ -34,6 +34,8 @@ from torch import Tensor, nn
 
 from dipaco import codecs
 from dipaco.config import RunConfig, eager_rebase_step
+from dipaco.data.rows import rows_per_chunk
+from dipaco.data.shards import token_dtype
 from dipaco.data.windows import path_seed, unit_start
 from dipaco.evaluate import PathLoss, ValWindows, evaluate_model, routed_mean
 from dipaco.inner import InnerResult, InnerState, PathTrainer, StepMetrics, path_shift, train_path
@@ -97,7 +99,11 @@ def training_sources(config: RunConfig, data: PreparedData) -> list[ShardSource]
                 f"{config.model.seq_len + 1}; raise the budget (--max-docs) or use fewer paths"
             )
     seq_len = config.model.seq_len
-    return [data.train_source(p, seq_len, path_seed(config, p)) for p in range(config.num_paths)]
+    per_chunk = rows_per_chunk(config, token_dtype(config.model.vocab_size).itemsize)
+    return [
+        data.train_source(p, seq_len, path_seed(config, p), per_chunk)
+        for p in range(config.num_paths)
+    ]
 
 
 def evaluate_paths(

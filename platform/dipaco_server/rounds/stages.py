@@ -8,7 +8,7 @@ stage (concurrent module steps of one round each add theirs). The stages:
 
 - training: the round's opening to its last completion, and the leases' summed seconds
   from grant to completion (derived from the leases, not stored);
-- data_cutting: a unit's windows cut from its path's shard (rounds.unit_data);
+- manifest: a unit's row chunks signed for its worker (rounds.protocol.unit_data: no token read);
 - fetch_decode: each upload fetched, size, digest and content checked, decoded;
 - checks: the rest of the verification (norms, history, direction, replicas, peers);
 - scoring: proof of useful work (rounds.verification.scorer);
@@ -37,7 +37,7 @@ from dipaco_server.rounds.models import Lease, Round, RoundStage
 
 STAGES = (
     "training",
-    "data_cutting",
+    "manifest",
     "fetch_decode",
     "checks",
     "scoring",

@@ -94,6 +94,20 @@ def data_key(run_id: int, path_index: int, split: Literal["train", "val"], phase
     return validate_key(f"{prefix}/data/{_id(path_index, 'path index')}/{split}.bin")
 
 
+def rows_index_key(run_id: int, path_index: int, phase: int = 2) -> str:
+    """<phase prefix>/data/<path>/rows/index.json: the path's row chunks (dipaco.data.rows)."""
+    prefix = phase_prefix(run_id, phase)
+    return validate_key(f"{prefix}/data/{_id(path_index, 'path index')}/rows/index.json")
+
+
+def rows_chunk_key(run_id: int, path_index: int, chunk: int, phase: int = 2) -> str:
+    """<phase prefix>/data/<path>/rows/<chunk>.bin: rows of T + 1 tokens in the order units
+    read them (dipaco.data.rows)."""
+    prefix = phase_prefix(run_id, phase)
+    path, c = _id(path_index, "path index"), _id(chunk, "chunk")
+    return validate_key(f"{prefix}/data/{path}/rows/{c}.bin")
+
+
 def data_index_key(run_id: int, phase: int = 2) -> str:
     """<phase prefix>/data/index.json: the shard index (dtype, tokens and sha256 per file)."""
     return validate_key(f"{phase_prefix(run_id, phase)}/data/index.json")

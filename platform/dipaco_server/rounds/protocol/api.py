@@ -17,7 +17,6 @@ The wire shapes are rounds.protocol.schemas; the logic is in rounds.protocol.lea
 rounds.protocol.grant and rounds.protocol.complete; these views translate.
 """
 
-import json
 import logging
 from typing import Annotated, Any
 
@@ -61,16 +60,15 @@ from dipaco_server.rounds.protocol.schemas import (
     UnitManifestOut,
     UploadUrlsOut,
 )
-from dipaco_server.rounds.protocol.unit_data import unit_data
+from dipaco_server.rounds.protocol.unit_data import unit_rows
 from dipaco_server.rounds.protocol.worker_metrics import worker_metrics
 from dipaco_server.rounds.signals import lease_completed
 from dipaco_server.rounds.verification import replication
-from dipaco_server.runs.errors import DataNotReady, ModulesNotReady, RoundClosed, RunNotActive
+from dipaco_server.runs.errors import ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
-from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.runs.services import record_metric
-from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
+from dipaco_server.storage import BlobStore, get_blob_store
 from dipaco_server.workers.auth import current_worker, worker_auth
 from dipaco_server.workers.services import register_worker
 
@@ -103,19 +101,6 @@ def _lease_state(lease: Lease) -> dict[str, Any]:
 def _token_dtype(vocab_size: int) -> str:
     """dipaco.data.shards.token_dtype as a string, without importing torch into the web process."""
     return "<u2" if vocab_size <= 2**16 else "<u4"
-
-
-def _train_shard_sha256(store: BlobStore, index_key: str, path_index: int) -> str:
-    """A path's train shard digest, from the shard index the data preparation uploaded."""
-    try:
-        index = json.loads(store.get_bytes(index_key))
-        return str(index["paths"][path_index]["train"]["sha256"])
-    except (BlobNotFound, ValueError, LookupError, TypeError) as exc:
-        raise DataNotReady(
-            f"the shard index {index_key} names no train shard of path {path_index} "
-            f"({type(exc).__name__}); prepare the run's data again",
-            path=path_index,
-        ) from exc
 
 
 # --- views ---------------------------------------------------------------------------------
@@ -233,45 +218,23 @@ def manifest(
     ] = None,
 ) -> dict[str, Any]:
     """Presigned GETs for the path's module blobs (at the unit's base versions), or the
-    encoded updates to them from the versions the worker `held`, and the unit's training
-    windows (rounds.protocol.unit_data: only those, not the path's whole shard)."""
+    encoded updates to them from the versions the worker `held`, and the row chunks of the
+    unit's training windows (rounds.protocol.unit_data: only those chunks; no token read)."""
     lease = leasing.authorize_lease(current_worker(request), lease_id, lease_secret)
     unit, store = lease.unit, get_blob_store()
     run = unit.round.run
     modules, sent = _module_blobs(store, unit, dict(unit.base_versions), parse_held(held))
     config = phase_config(run.run_config, unit.path.phase)
-    dtype = _token_dtype(config.model.vocab_size)
-    digest = _train_shard_sha256(store, data_index_key(run.pk, unit.path.phase), unit.path.index)
     stages.reset()
-    cut = unit_data(
-        store,
-        run_id=run.pk,
-        phase=unit.path.phase,
-        path=unit.path.index,
-        shard_sha256=digest,
-        dtype=dtype,
-        seq_len=config.model.seq_len,
-        seed=path_seed(config, unit.path.index),
-        first=unit.data_position,
-        count=unit.data_windows,
-    )
-    stages.flush(unit.round_id)  # the cutting's seconds, when this request cut the data
+    with stages.timed("manifest"):  # the caller flushes it to its round
+        data = unit_rows(store, lease, config, _token_dtype(config.model.vocab_size))
+    stages.flush(unit.round_id)
     Lease.objects.filter(pk=lease.pk).update(download_bytes=sent)
     return {
         "lease_id": lease.pk,
         "expires_in_s": DOWNLOAD_URL_EXPIRES_S,
         "modules": modules,
-        "data": {
-            "key": cut.key,
-            "url": store.presigned_get(cut.key, DOWNLOAD_URL_EXPIRES_S),
-            "sha256": cut.sha256,
-            "size": cut.size,
-            "tokens": cut.tokens,
-            "dtype": dtype,
-            "scope": "unit",
-            "windows": cut.windows,
-            "first_position": cut.first_position,
-        },
+        "data": data,
     }
 
 

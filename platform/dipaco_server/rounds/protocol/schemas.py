@@ -125,20 +125,32 @@ class UnitModuleBlobOut(Schema):
     )
 
 
-class DataBlobOut(Schema):
+class RowChunkOut(Schema):
+    chunk: int = Field(description="The chunk's number in its path's row index.")
     key: str
-    url: str = Field(
-        description="Presigned GET of the unit's windows, nothing else of the path's shard: "
-        "row i (seq_len + 1 tokens) is the window at position first_position + i "
-        "(dipaco.data.windows.UnitSource)."
-    )
-    sha256: str = Field(description="Of the blob's bytes, lowercase hex.")
+    url: str = Field(description="Presigned GET of the whole chunk: `rows` rows of seq_len + 1 "
+                     "tokens (dipaco.data.rows).")  # fmt: skip
+    sha256: str = Field(description="Of the chunk's bytes, lowercase hex: check before use.")
     size: int = Field(description="Bytes.")
-    tokens: int
+    rows: int = Field(description="Rows the chunk holds.")
+    start: int = Field(description="The first of the unit's rows in the chunk's order.")
+    count: int = Field(description="How many of the unit's rows, in order, from `start`.")
+    perm_seed: int | None = Field(
+        description="None: the chunk's rows in their own order; else the order of a later "
+        "pass over the path, dipaco.data.rows.Segment.rows (a seeded permutation numpy "
+        "computes the same everywhere)."
+    )
+
+
+class DataBlobOut(Schema):
+    format: str = Field(description="dipaco.data.rows.FORMAT.")
     dtype: str
-    scope: str = Field(description='"unit": the blob holds this unit\'s windows only.')
-    windows: int = Field(description="Rows of seq_len + 1 tokens in the blob.")
-    first_position: int = Field(description="The position of the blob's first row.")
+    seq_len: int
+    first_position: int = Field(description="The position of the unit's first row.")
+    windows: int = Field(description="Rows the unit reads: its chunks' segments in order.")
+    tokens: int
+    expires_in_s: int = Field(description="How long the chunk URLs last: the lease's life.")
+    chunks: list[RowChunkOut]
 
 
 class UnitManifestOut(Schema):

@@ -1,100 +1,88 @@
-"""A unit's training windows as a blob of its own, so a lease's data URL reads only them.
+"""A unit's training windows in a manifest: presigned GETs of the row chunks they lie in.
 
-A lease used to get a presigned URL of its path's whole train shard: any worker holding
-one lease could read every token of the path. Now the manifest's data URL points at a
-blob cut for the unit: the windows at its positions (WorkUnit.data_position,
-data_windows) of its path's seeded order, one row of seq_len + 1 tokens each
-(dipaco.data.windows.ShardSource.unit_rows), which the worker reads with
-dipaco.data.windows.UnitSource, batch for batch the same tokens as before.
+Preparation writes each path's train split as row chunks in the order units read them
+(dipaco.data.rows, runs.stages.upload_rows): position k of the path's order is a row of
+T + 1 tokens in one chunk, and a unit's positions [first, first + count) are a few
+consecutive chunks. The manifest names them, each with its sha256 and the segment of it
+the unit reads (`start`, `count`, and `perm_seed` where a later pass reads the chunk's rows
+in a new order); the worker streams them (dipaco.data.rows.UnitRows). Nothing here reads a
+token: the path's row index (a few kilobytes of JSON, kept in memory once read) and the
+signing are all the work, so a manifest costs the same at 150M as at tiny. A lease's URLs
+cover its own chunks only: its rows, plus at most the partial chunks at its two ends.
 
-The blob is cut on the first manifest request of a unit whose windows have none yet: its
-windows are read from the path's shard by ranged GETs (dipaco.data.ranged: sorted, near
-ones merged, several in flight), never by downloading the whole shard, which at a 150M
-path is gigabytes for a unit's ~1/100th of it. Its key names the shard's digest, the
-start and the count, so a check copy of the same windows and every later request reuse
-it; its digest is kept in memory once computed.
+A run prepared before row chunks has no row index; its manifests are refused with a
+message to prepare the data again, never served other windows.
 """
 
 from __future__ import annotations
 
-import hashlib
-import threading
-from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
-from dipaco_server.rounds import stages
+from django.utils import timezone
+
+from dipaco.config import RunConfig
+from dipaco.data.rows import FORMAT, rows_per_chunk
+from dipaco.data.windows import path_seed
+from dipaco_server.rounds.models import Lease
 from dipaco_server.runs import keys
+from dipaco_server.runs.errors import DataNotReady
+from dipaco_server.runs.rows import row_index
 from dipaco_server.storage import BlobStore
-from dipaco_server.storage.keys import validate_key
+from dipaco_server.storage.base import MAX_EXPIRES_S
 
-_digests: dict[str, tuple[str, int]] = {}  # key -> (sha256, size) of cut blobs
-# One lock per unit blob: two requests for one unit cut it once, while other units are cut
-# beside it (at a 150M path a cut is a unit's ~256,000 windows: one lock for all serialised
-# a round's first grants).
-_locks: dict[str, threading.Lock] = {}
-_guard = threading.Lock()
+__all__ = ["data_url_expires_s", "unit_rows"]
+
+DATA_URL_MIN_EXPIRES_S = 900
 
 
-def _lock(key: str) -> threading.Lock:
-    with _guard:
-        return _locks.setdefault(key, threading.Lock())
+def data_url_expires_s(hard_deadline: datetime | None, now: datetime | None = None) -> int:
+    """A chunk URL lives until the lease cannot run any longer (its hard deadline), as the
+    worker fetches the last chunk near the unit's end; at least 15 minutes, at most 7 days."""
+    if hard_deadline is None:
+        return DATA_URL_MIN_EXPIRES_S
+    left = (hard_deadline - (now or timezone.now())).total_seconds()
+    return int(min(MAX_EXPIRES_S, max(DATA_URL_MIN_EXPIRES_S, left + DATA_URL_MIN_EXPIRES_S)))
 
 
-@dataclass(frozen=True)
-class UnitData:
-    key: str
-    sha256: str
-    size: int  # bytes
-    tokens: int
-    windows: int
-    first_position: int
-
-
-def unit_data_key(
-    run_id: int, phase: int, path: int, shard_sha256: str, first: int, count: int
-) -> str:
-    """<phase prefix>/data/<path>/units/<shard digest>-<first>-<count>.bin."""
-    prefix = keys.phase_prefix(run_id, phase)
-    return validate_key(f"{prefix}/data/{path}/units/{shard_sha256[:16]}-{first}-{count}.bin")
-
-
-def unit_data(
-    store: BlobStore,
-    *,
-    run_id: int,
-    phase: int,
-    path: int,
-    shard_sha256: str,
-    dtype: str,
-    seq_len: int,
-    seed: int,
-    first: int,
-    count: int,
-) -> UnitData:
-    """The unit's window blob (cut and uploaded the first time): key, digest and size."""
-    key = unit_data_key(run_id, phase, path, shard_sha256, first, count)
-    with _lock(key):
-        known = _digests.get(key)
-        if known is None:
-            if store.exists(key):
-                data = store.get_bytes(key)
-            else:
-                shard = keys.data_key(run_id, path, "train", phase)
-                with stages.timed("data_cutting"):  # the caller flushes it to its round
-                    data = cut_unit(store, shard, dtype, seq_len, seed, first, count)
-                    store.put_bytes(key, data)
-            known = _digests[key] = (hashlib.sha256(data).hexdigest(), len(data))
-    sha256, size = known
-    return UnitData(key, sha256, size, count * (seq_len + 1), count, first)
-
-
-def cut_unit(
-    store: BlobStore, shard: str, dtype: str, seq_len: int, seed: int, first: int, count: int
-) -> bytes:
-    """The rows of windows first .. first + count - 1 of the shard under key `shard` in its
-    seeded order (ShardSource.unit_rows), read by ranges."""
-    # numpy and torch (under ShardSource) load here, not when the API's modules import.
-    from dipaco.data.ranged import store_shard
-    from dipaco.data.windows import ShardSource
-
-    source = ShardSource(store_shard(store, shard, dtype), seq_len, seed)
-    return bytes(source.unit_rows(first, count).tobytes())
+def unit_rows(store: BlobStore, lease: Lease, config: RunConfig, dtype: str) -> dict[str, Any]:
+    """The manifest's "data": the unit's row segments, each with its chunk's presigned GET."""
+    unit = lease.unit
+    run_id, path, phase = unit.round.run_id, unit.path.index, unit.path.phase
+    index = row_index(store, run_id, path, phase)
+    per_chunk = rows_per_chunk(config, int(dtype[-1]))
+    problem = index.matches(config.model.seq_len, path_seed(config, path), per_chunk)
+    if index.dtype != dtype:
+        problem = f"the rows hold {index.dtype} tokens, the run's vocabulary needs {dtype}"
+    if problem:
+        raise DataNotReady(
+            f"path {path}'s row chunks do not fit the run: {problem}; prepare the run's data again",
+            path=path,
+        )
+    expires = data_url_expires_s(lease.hard_deadline)
+    order = index.order
+    chunks = []
+    for segment in order.segments(unit.data_position, unit.data_windows):
+        info = index.chunks[segment.chunk]
+        key = keys.rows_chunk_key(run_id, path, segment.chunk, phase)
+        chunks.append({
+            "chunk": segment.chunk,
+            "key": key,
+            "url": store.presigned_get(key, expires),
+            "sha256": info.sha256,
+            "size": info.bytes,
+            "rows": info.rows,
+            "start": segment.start,
+            "count": segment.count,
+            "perm_seed": segment.perm_seed,
+        })  # fmt: skip
+    return {
+        "format": FORMAT,
+        "dtype": dtype,
+        "seq_len": index.seq_len,
+        "first_position": unit.data_position,
+        "windows": unit.data_windows,
+        "tokens": unit.data_windows * (index.seq_len + 1),
+        "expires_in_s": expires,
+        "chunks": chunks,
+    }

@@ -19,7 +19,7 @@ staff_router = Router(auth=staff_auth)
 
 class StageOut(Schema):
     stage: str = Field(
-        description="training, data_cutting, fetch_decode, checks, scoring, outer_step, "
+        description="training, manifest, fetch_decode, checks, scoring, outer_step, "
         "publishing or evaluation (rounds.stages)."
     )
     started_at: datetime

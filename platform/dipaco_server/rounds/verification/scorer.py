@@ -13,8 +13,8 @@ from torch import Tensor
 
 from dipaco import codecs
 from dipaco.data.ranged import store_shard
+from dipaco.data.rows import StoreRows
 from dipaco.data.shards import ShardIndex
-from dipaco.data.windows import ShardSource
 from dipaco.evaluate import window_count
 from dipaco.flops import score_windows
 from dipaco.model import build_model
@@ -28,6 +28,7 @@ from dipaco_server.runs import keys
 from dipaco_server.runs.device import autocast, server_device
 from dipaco_server.runs.models import Module, ModuleVersion
 from dipaco_server.runs.prepare import data_index_key
+from dipaco_server.runs.rows import row_index
 from dipaco_server.storage import BlobNotFound, BlobStore
 
 logger = logging.getLogger(__name__)
@@ -212,10 +213,16 @@ class Scorer:
         return modules, heldout
 
     def _train_windows(self, p: int, position: int) -> Tensor:
-        if p not in self.train:  # the unit's windows of the train shard, read by ranges
+        """The unit's first scored rows, read from its path's row chunks (the rows the
+        worker trained on: dipaco.data.rows) by a ranged read or two."""
+        if p not in self.train:
             run_id, phase = self.module.run_id, self.module.phase
-            shard = store_shard(self.store, keys.data_key(run_id, p, "train", phase), self.dtype)
-            self.train[p] = ShardSource.for_path(shard, self.config, p)
-        count = score_windows(self.config)
-        batch: Tensor = self.train[p].batch(position, count, self.config.model.seq_len)
-        return batch
+            index = row_index(self.store, run_id, p, phase)
+
+            def read_range(chunk: int, start: int, end: int) -> bytes:
+                key = keys.rows_chunk_key(run_id, p, chunk, phase)
+                return self.store.get_range(key, start, end)
+
+            self.train[p] = StoreRows(index, read_range)
+        rows = self.train[p].read(position, score_windows(self.config))
+        return torch.from_numpy(rows)
