@@ -61,9 +61,14 @@ def test_the_units_of_a_round_read_different_windows_and_the_next_round_moves_on
     assert read == set(range(4 * 3 * per_unit))  # no gap either
 
 
-def test_a_shard_shorter_than_the_units_wraps_into_a_new_pass(tmp_path: Path) -> None:
-    source = ShardSource(shard_of(tmp_path, 5 * SEQ_LEN + 1), SEQ_LEN, seed=1)
-    assert torch.equal(source.batch(5, 2, SEQ_LEN), source.batch(0, 2, SEQ_LEN))
+def test_a_shard_shorter_than_the_units_wraps_into_a_new_pass_in_a_new_order(
+    tmp_path: Path,
+) -> None:
+    source = ShardSource(shard_of(tmp_path, 20 * SEQ_LEN + 1), SEQ_LEN, seed=1)
+    first, second = source.windows_at(0, 20), source.windows_at(20, 20)
+    assert sorted(first) == sorted(second) == list(range(20))
+    assert first != second, "a new pass reads the windows in a new order"
+    assert torch.equal(source.batch(20, 2, SEQ_LEN)[:, 0], torch.tensor(second[:2]) * SEQ_LEN)
 
 
 def test_each_path_has_its_own_order_seeded_from_the_run() -> None:

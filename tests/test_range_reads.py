@@ -1,7 +1,7 @@
-"""The server reads a shard's windows by byte ranges, never the whole shard: cutting a unit's
-data (rounds.protocol.unit_data), scoring a Δ (rounds.verification.scorer) and evaluating a path
-(runs.evaluate) each run here on a blob store that refuses to read a large shard whole (or
-in a range over a quarter of it), and read the same tokens as from a local copy.
+"""The server reads training and validation tokens by byte ranges, never a whole shard or
+chunk: scoring a Δ (rounds.verification.scorer, on the unit's row chunks) and evaluating a
+path (runs.evaluate) each run here on a blob store that refuses to read a large blob whole
+(or in a range over a quarter of it), and read the same tokens as from a local copy.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ import torch
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.ranged import RangedShard, plan_ranges
 from dipaco.data.shards import ShardIndex, ShardInfo, TokenShard
-from dipaco.data.windows import ShardSource, path_seed
+from dipaco.data.windows import ShardSource
 from dipaco.evaluate import mean_loss, sample_shard
 from dipaco.model import build_model
 from dipaco.modular import assemble_path_state, init_modules
 from dipaco.modules_file import write_module
 from dipaco_server.rounds.lifecycle.open import open_round
-from dipaco_server.rounds.protocol.unit_data import unit_data
 from dipaco_server.rounds.verification.scorer import Scorer
 from dipaco_server.runs import keys
 from dipaco_server.runs.evaluate import evaluate_run, run_sample
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.stages import upload_rows
 from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 from dipaco_server.storage.base import PresignedPost
@@ -143,6 +143,9 @@ def large_run(tmp: Path, store: BlobStore) -> tuple[Run, dict[tuple[int, str], n
             ids = rng.integers(0, MODEL["vocab_size"], TOKENS).astype("<u2")
             store.put_bytes(keys.data_key(run.pk, p, split), ids.tobytes())
             shards[(p, split)] = ids
+            if split == "train":
+                ids.tofile(tmp / "train.bin")
+                upload_rows(store, run.run_config, run.pk, p, 2, tmp / "train.bin", "<u2")
         info = ShardInfo(f"{p}/val.bin", TOKENS, 1, "0" * 64)
         infos.append({"train": info, "val": info})
     index = ShardIndex("<u2", MODEL["vocab_size"], 0, 2, "test", infos)
@@ -173,7 +176,7 @@ def test_ranges_merge_near_windows_and_read_the_same_tokens(tmp_path: Path) -> N
         shard.read_windows([4990], 30)
 
 
-def test_unit_data_scoring_and_evaluation_read_a_large_shard_by_ranges(
+def test_scoring_and_evaluation_read_large_shards_by_ranges(
     store: BlobStore, tmp_path: Path
 ) -> None:
     run, shards = large_run(tmp_path, store)
@@ -181,22 +184,17 @@ def test_unit_data_scoring_and_evaluation_read_a_large_shard_by_ranges(
     config = run.run_config
     T = config.model.seq_len
 
-    # Cutting a unit's windows.
-    seed = path_seed(config, 1)
-    cut = unit_data(refusing, run_id=run.pk, phase=2, path=1, shard_sha256="ab" * 32,
-                    dtype="<u2", seq_len=T, seed=seed, first=100, count=64)  # fmt: skip
-    local = ShardSource(local_shard(tmp_path, shards[(1, "train")]), T, seed)
-    assert store.get_bytes(cut.key) == local.unit_rows(100, 64).tobytes()
-    assert refusing.range_bytes < TOKENS * 2 // 100, "the unit's windows, not the shard"
-
     # Scoring: the unit's train windows and the path's last held-out windows.
     round_ = open_round(run, 0)
     module = run.modules.get(module_id="0.0")
     scorer = Scorer(refusing, round_, module, config, tmp_path)
     _, heldout = scorer._path(0)  # as Scorer.__call__: the path (and the shards' dtype) first
+    before = refusing.range_bytes
     train = scorer._train_windows(0, 200)
-    expected = ShardSource(local_shard(tmp_path, shards[(0, "train")]), T, path_seed(config, 0))
+    expected = ShardSource.for_path(local_shard(tmp_path, shards[(0, "train")]), config, 0)
     assert torch.equal(train, expected.batch(200, config.outer.score_windows, T))
+    row_bytes = (T + 1) * 2
+    assert refusing.range_bytes - before <= config.outer.score_windows * row_bytes, "its rows"
     val = shards[(0, "val")].astype(np.int64)
     last = (TOKENS - 1) // T
     rows = [val[i * T : i * T + T + 1] for i in range(last - config.outer.score_windows, last)]

@@ -47,7 +47,8 @@ class CountingStore:
     """The run's store, recording every key whose bytes are read (a manifest's reads)."""
 
     def __init__(self, store: BlobStore) -> None:
-        self.store, self.read: list[str] = store, []
+        self.store = store
+        self.read: list[str] = []
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self.store, name)
@@ -139,7 +140,7 @@ def test_a_run_prepared_before_row_chunks_is_refused_with_a_message_to_prepare_a
     get_blob_store().delete(keys.rows_index_key(run.pk, grant.unit.path.index))
     answer = manifest(client, grant, token)
     assert answer.status_code == 409, answer.content
-    error = answer.json()
+    error = answer.json()["error"]
     assert error["code"] == "data_not_ready"
     assert "prepare the run's data again" in error["message"]
 
@@ -166,7 +167,8 @@ def test_every_pass_over_the_rows_holds_each_window_once_in_a_new_order(tmp_path
         rows = reader.read(p * 53, 53)
         windows = (rows[:, 0] // SEQ_LEN).tolist()  # row of window w starts at token w·T
         assert sorted(windows) == list(range(53)), f"pass {p} is not every window once"
-        assert all(np.array_equal(r, np.arange(w * 8, w * 8 + 9)) for r, w in zip(rows, windows))
+        for row, w in zip(rows, windows, strict=True):
+            assert np.array_equal(row, np.arange(w * SEQ_LEN, w * SEQ_LEN + SEQ_LEN + 1))
         passes.append(windows)
     assert passes[0] != passes[1] != passes[2] != passes[0], "each pass in a new order"
     # A contiguous read is one range per chunk in pass 0.

@@ -38,6 +38,7 @@ from dipaco_server.runs import keys
 from dipaco_server.runs.errors import ContributionInvalid
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.prepare import data_index_key
+from dipaco_server.runs.stages import upload_rows
 from dipaco_server.storage import get_blob_store
 from dipaco_server.workers.errors import WorkerDistrusted
 from dipaco_server.workers.models import Worker
@@ -80,6 +81,8 @@ def with_data(run: Run, work: Path) -> dict[int, ShardSource]:
             file = work / f"{path.index}-{split}.bin"
             data.tofile(file)
             store.put_file(keys.data_key(run.pk, path.index, split), file)
+            if split == "train":
+                upload_rows(store, config, run.pk, path.index, 2, file, "uint16")
             sha = hashlib.sha256(file.read_bytes()).hexdigest()
             entry[split] = ShardInfo(f"{path.index}/{split}.bin", n, 1, sha)
         entries.append(entry)

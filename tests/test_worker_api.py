@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -31,6 +32,7 @@ from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.services import create_run, transition
+from dipaco_server.runs.stages import upload_rows
 from dipaco_server.runs.versions import publish_module_version
 from dipaco_server.storage import BlobStore, get_blob_store
 from dipaco_server.workers.models import Worker
@@ -75,12 +77,15 @@ def running_run(store: BlobStore, name: str = "api-run") -> Run:
 
 
 def put_train_shards(store: BlobStore, run: Run, tokens: int) -> None:
-    """Random train shards of `tokens` tokens for every path, and the shard index (with
-    each one's sha256) that the data preparation uploads next to them."""
+    """Random train shards of `tokens` tokens for every path, their row chunks, and the
+    shard index (with each one's sha256) that the data preparation uploads next to them."""
     rng, vocab, entries = np.random.default_rng(0), run.run_config.model.vocab_size, []
+    work = Path(tempfile.mkdtemp(prefix="shards-"))
     for path in run.paths.order_by("index"):
         data = rng.integers(0, vocab, tokens, dtype=np.uint16).astype("<u2").tobytes()
         store.put_bytes(keys.data_key(run.pk, path.index, "train"), data)
+        (work / "train.bin").write_bytes(data)
+        upload_rows(store, run.run_config, run.pk, path.index, 2, work / "train.bin", "<u2")
         train = ShardInfo(f"{path.index}/train.bin", tokens, 1, hashlib.sha256(data).hexdigest())
         val = ShardInfo(f"{path.index}/val.bin", 0, 0, hashlib.sha256(b"").hexdigest())
         entries.append({"train": train, "val": val})
@@ -279,10 +284,16 @@ def test_a_worker_registers_leases_downloads_uploads_and_completes_over_http(
             name: 1e-3 * torch.randn(t.shape, generator=gen) for name, t in weights.items()
         }
     data = manifest["data"]
-    shard = httpx.get(data["url"], timeout=30)  # the path's whole shard, kept by sha256
-    assert shard.status_code == 200 and len(shard.content) == data["size"]
-    assert hashlib.sha256(shard.content).hexdigest() == data["sha256"]
-    assert len(np.frombuffer(shard.content, dtype=data["dtype"])) == data["tokens"]
+    rows = 0
+    for chunk in data["chunks"]:  # the unit's row chunks, each kept by sha256
+        blob = httpx.get(chunk["url"], timeout=30)
+        assert blob.status_code == 200 and len(blob.content) == chunk["size"]
+        assert hashlib.sha256(blob.content).hexdigest() == chunk["sha256"]
+        assert len(np.frombuffer(blob.content, dtype=data["dtype"])) == chunk["rows"] * (
+            data["seq_len"] + 1
+        )
+        rows += chunk["count"]
+    assert rows == data["windows"] and data["tokens"] == rows * (data["seq_len"] + 1)
     config, unit = run.run_config, WorkUnit.objects.get(pk=lease["unit_id"])
     # Where dipaco simulate starts unit (t, r) of this path, in the same window order.
     assert lease["data"] == {
@@ -542,10 +553,11 @@ def test_a_report_the_completion_service_refuses_is_422(holder: Holder) -> None:
     assert_error(holder.on("complete", missing), 422, "contribution_invalid")
 
 
-def test_a_manifest_without_the_shard_index_says_to_prepare_the_data_again(
+def test_a_manifest_without_the_row_index_says_to_prepare_the_data_again(
     holder: Holder,
 ) -> None:
-    holder.store.delete(keys.data_index_key(holder.run.pk))
+    unit = Lease.objects.get(pk=holder.lease_id).unit
+    holder.store.delete(keys.rows_index_key(holder.run.pk, unit.path.index))
     error = assert_error(holder.on("manifest", method="GET"), 409, "data_not_ready")
     assert "prepare the run's data again" in error["message"]
 
