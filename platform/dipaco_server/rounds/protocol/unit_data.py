@@ -31,7 +31,7 @@ from dipaco_server.runs.rows import row_index
 from dipaco_server.storage import BlobStore
 from dipaco_server.storage.base import MAX_EXPIRES_S
 
-__all__ = ["data_url_expires_s", "unit_rows"]
+__all__ = ["data_url_expires_s", "rows_manifest", "unit_rows"]
 
 DATA_URL_MIN_EXPIRES_S = 900
 
@@ -46,9 +46,30 @@ def data_url_expires_s(hard_deadline: datetime | None, now: datetime | None = No
 
 
 def unit_rows(store: BlobStore, lease: Lease, config: RunConfig, dtype: str) -> dict[str, Any]:
-    """The manifest's "data": the unit's row segments, each with its chunk's presigned GET."""
+    """The manifest's "data" for `lease`: its unit's row segments with presigned GETs."""
     unit = lease.unit
-    run_id, path, phase = unit.round.run_id, unit.path.index, unit.path.phase
+    return rows_manifest(
+        store, run_id=unit.round.run_id, path=unit.path.index, phase=unit.path.phase,
+        config=config, dtype=dtype, first=unit.data_position, count=unit.data_windows,
+        expires_s=data_url_expires_s(lease.hard_deadline),
+    )  # fmt: skip
+
+
+def rows_manifest(
+    store: BlobStore,
+    *,
+    run_id: int,
+    path: int,
+    phase: int,
+    config: RunConfig,
+    dtype: str,
+    first: int,
+    count: int,
+    expires_s: int,
+) -> dict[str, Any]:
+    """Positions first .. first + count - 1 of a path's order: the segments of the row
+    chunks they lie in, each with its chunk's presigned GET and sha256. Reads the row
+    index only."""
     index = row_index(store, run_id, path, phase)
     per_chunk = rows_per_chunk(config, int(dtype[-1]))
     problem = index.matches(config.model.seq_len, path_seed(config, path), per_chunk)
@@ -56,19 +77,18 @@ def unit_rows(store: BlobStore, lease: Lease, config: RunConfig, dtype: str) -> 
         problem = f"the rows hold {index.dtype} tokens, the run's vocabulary needs {dtype}"
     if problem:
         raise DataNotReady(
-            f"path {path}'s row chunks do not fit the run: {problem}; prepare the run's data again",
+            f"path {path}'s row chunks do not fit the run: {problem}; prepare the run's "
+            "data again",
             path=path,
         )
-    expires = data_url_expires_s(lease.hard_deadline)
-    order = index.order
     chunks = []
-    for segment in order.segments(unit.data_position, unit.data_windows):
+    for segment in index.order.segments(first, count):
         info = index.chunks[segment.chunk]
         key = keys.rows_chunk_key(run_id, path, segment.chunk, phase)
         chunks.append({
             "chunk": segment.chunk,
             "key": key,
-            "url": store.presigned_get(key, expires),
+            "url": store.presigned_get(key, expires_s),
             "sha256": info.sha256,
             "size": info.bytes,
             "rows": info.rows,
@@ -80,9 +100,9 @@ def unit_rows(store: BlobStore, lease: Lease, config: RunConfig, dtype: str) -> 
         "format": FORMAT,
         "dtype": dtype,
         "seq_len": index.seq_len,
-        "first_position": unit.data_position,
-        "windows": unit.data_windows,
-        "tokens": unit.data_windows * (index.seq_len + 1),
-        "expires_in_s": expires,
+        "first_position": first,
+        "windows": count,
+        "tokens": count * (index.seq_len + 1),
+        "expires_in_s": expires_s,
         "chunks": chunks,
     }
