@@ -11,8 +11,12 @@ no sizes; nothing here relies on it for security.
 from __future__ import annotations
 
 import http.client
+import json
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -20,72 +24,95 @@ from typing import Any
 BLOCK = 256 * 1024  # bytes paced at once
 
 
+def serve(latency_s: float, bandwidth: float) -> None:
+    """moto and the pacing proxy in this process; prints the proxy's URL, then serves."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request
+    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    moto.start()
+    host, port = moto.get_host_and_port()
+    stats = {"requests": 0, "bytes_out": 0, "bytes_in": 0}
+    lock = threading.Lock()
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+        def _forward(self) -> None:
+            if self.path == "/__stats":
+                with lock:
+                    body = json.dumps(stats).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+                return
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length) if length else None
+            started = time.perf_counter()
+            upstream = http.client.HTTPConnection(host, port, timeout=600)
+            headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
+            upstream.request(self.command, self.path, body=body, headers=headers)
+            answer = upstream.getresponse()
+            data = answer.read()
+            upstream.close()
+            with lock:
+                stats["requests"] += 1
+                stats["bytes_out"] += len(data)
+                stats["bytes_in"] += length
+            # the request's latency, then its bytes at the link's pace
+            wait = latency_s + (len(data) + length) / bandwidth
+            wait -= time.perf_counter() - started
+            self.send_response(answer.status)
+            skip: tuple[str, ...] = ("transfer-encoding", "connection")
+            if self.command != "HEAD":  # a HEAD's length is the object's, as upstream says
+                skip += ("content-length",)
+                self.send_header("Content-Length", str(len(data)))
+            for k, v in answer.getheaders():
+                if k.lower() not in skip:
+                    self.send_header(k, v)
+            self.end_headers()
+            time.sleep(max(0.0, wait - len(data) / bandwidth))
+            step = BLOCK / bandwidth
+            for at in range(0, len(data), BLOCK):
+                self.wfile.write(data[at : at + BLOCK])
+                time.sleep(step * min(1.0, (len(data) - at) / BLOCK))
+
+        do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
+
+    proxy = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    proxy.daemon_threads = True
+    print(f"http://127.0.0.1:{proxy.server_address[1]} http://{host}:{port}", flush=True)
+    proxy.serve_forever()
+
+
 class SlowLink:
-    """moto's S3 server and a pacing proxy to it, both on loopback; `endpoint_url` is the
-    proxy's. Counts requests and bytes through the proxy."""
+    """moto's S3 server and a pacing proxy to it, on loopback in a process of their own (so
+    the bench's CPU seconds are its own); `endpoint_url` is the proxy's. `counters()`:
+    requests and bytes through the proxy so far."""
 
     def __init__(self, latency_s: float, bandwidth: float) -> None:
-        from moto.server import ThreadedMotoServer
-
         self.latency_s, self.bandwidth = latency_s, bandwidth
-        self.requests, self.bytes_out, self.bytes_in = 0, 0, 0
-        self._lock = threading.Lock()
-        self.moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-        self.moto.start()
-        host, port = self.moto.get_host_and_port()
-        link = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-            def _forward(self) -> None:
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                started = time.perf_counter()
-                upstream = http.client.HTTPConnection(host, port, timeout=600)
-                headers = {k: v for k, v in self.headers.items() if k.lower() != "connection"}
-                upstream.request(self.command, self.path, body=body, headers=headers)
-                answer = upstream.getresponse()
-                data = answer.read()
-                upstream.close()
-                sent = len(data) + (length or 0)
-                with link._lock:
-                    link.requests += 1
-                    link.bytes_out += len(data)
-                    link.bytes_in += length
-                # the request's latency, then its bytes at the link's pace
-                wait = link.latency_s + sent / link.bandwidth - (time.perf_counter() - started)
-                self.send_response(answer.status)
-                for k, v in answer.getheaders():
-                    if k.lower() not in ("transfer-encoding", "connection", "content-length"):
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if self.command == "HEAD":
-                    time.sleep(max(0.0, wait))
-                    return
-                step = BLOCK / link.bandwidth
-                head = max(0.0, wait - len(data) / link.bandwidth)
-                time.sleep(head)
-                for at in range(0, len(data), BLOCK):
-                    self.wfile.write(data[at : at + BLOCK])
-                    time.sleep(step * min(1.0, (len(data) - at) / BLOCK))
-
-            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
-
-        self.proxy = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.proxy.daemon_threads = True
-        self._thread = threading.Thread(target=self.proxy.serve_forever, daemon=True)
-        self._thread.start()
-        self.endpoint_url = f"http://127.0.0.1:{self.proxy.server_address[1]}"
-        self.moto_url = f"http://{host}:{port}"
+        self.process = subprocess.Popen(
+            [sys.executable, __file__, str(latency_s), str(bandwidth)],
+            stdout=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert self.process.stdout is not None
+        line = self.process.stdout.readline().split()
+        if len(line) != 2:
+            self.process.kill()
+            raise RuntimeError("the S3 test server did not start (is moto[server] installed?)")
+        self.endpoint_url, self.moto_url = line
 
     def counters(self) -> tuple[int, int, int]:
-        with self._lock:
-            return self.requests, self.bytes_out, self.bytes_in
+        with urllib.request.urlopen(f"{self.endpoint_url}/__stats", timeout=30) as answer:
+            stats = json.loads(answer.read())
+        return stats["requests"], stats["bytes_out"], stats["bytes_in"]
 
     def bucket(self, store_kwargs: dict[str, Any] | None = None) -> Any:
         """A new bucket and an S3BlobStore on it through the link (the server's modules
@@ -105,5 +132,9 @@ class SlowLink:
         )  # fmt: skip
 
     def close(self) -> None:
-        self.proxy.shutdown()
-        self.moto.stop()
+        self.process.terminate()
+        self.process.wait(timeout=30)
+
+
+if __name__ == "__main__":
+    serve(float(sys.argv[1]), float(sys.argv[2]))

@@ -20,10 +20,10 @@ After, measured whole at the 150M sizes:
 
 Before: the old cut (positions' windows read from the token file by ranged GETs, windows
 within 4 KiB merged, 8 in flight, dipaco.data.ranged; then the unit's blob written) runs for
-real on `1/--before-scale` of a unit's windows, against a path `--before-coverage` times a
-unit (the simulation's 1/100), and its time, CPU and memory are scaled to the whole unit;
-its request count is the old range plan's, computed exactly for the whole unit at that
-coverage. What the scaled figures leave out: the blob's multipart upload and the worker's
+real on `1/--before-scale` of a unit's windows (a quarter of the manifests at once, for
+memory), and its time, CPU and memory are scaled to the whole unit and to 16 manifests;
+its request count is the old range plan's, computed exactly for a whole unit of a path
+`--before-coverage` units long (the simulation's 1/100). What the scaled figures leave out: the blob's multipart upload and the worker's
 download of the unit's 525 MB blob are taken at the link's bandwidth; memory scales with the
 unit's int64 array (8 bytes a token), which the measured fraction shows.
 """
@@ -111,9 +111,9 @@ def after(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespac
 
     manifest()  # the boto3 client's first connection
     requests0 = link.counters()[0]
-    wall, cpu = time.perf_counter(), time.thread_time()
+    wall, cpu = time.perf_counter(), time.process_time()
     data = manifest()
-    manifest_s, cpu_s = time.perf_counter() - wall, time.thread_time() - cpu
+    manifest_s, cpu_s = time.perf_counter() - wall, time.process_time() - cpu
     manifest_requests = link.counters()[0] - requests0
 
     with PeakRss() as memory:
@@ -173,19 +173,19 @@ def before(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespa
     shard = store_shard(store, keys.data_key(1, 0, "train"), "<u2")
 
     def cut(n: int, key: str) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.thread_time()
+        wall, cpu = time.perf_counter(), time.process_time()  # the GETs' threads count
         rows = shard.read_windows([int(w) * T for w in order[count : count + n]], T + 1)
         blob = rows.astype("<u2").tobytes()
         store.put_bytes(key, blob)
-        return time.perf_counter() - wall, time.thread_time() - cpu
+        return time.perf_counter() - wall, time.process_time() - cpu
 
     requests0 = link.counters()[0]
     cut_s, cut_cpu = cut(part, "units/fraction.bin")
     fraction_requests = link.counters()[0] - requests0
-    with PeakRss() as memory:
+    with PeakRss() as memory:  # a quarter of the manifests at once: memory is per cut
         threads = [
             threading.Thread(target=cut, args=(part, f"units/c{i}.bin"))
-            for i in range(args.concurrent)
+            for i in range(args.concurrent // 4)
         ]
         for t in threads:
             t.start()
@@ -200,7 +200,7 @@ def before(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespa
         "requests_per_unit": len(plan) + 2,  # the cut's ranged GETs, then the blob's PUT and GET
         "server_cpu_s_per_unit": round(cut_cpu * scale, 2),
         "manifest_ms": round(manifest_s * 1000, 1),
-        "server_peak_rss_bytes": int((memory.peak - memory.idle) * scale),
+        "server_peak_rss_bytes": int((memory.peak - memory.idle) * scale * 4),
         "worker_first_step_s": round(manifest_s + download_s, 2),
         "measured": (
             f"the cut of 1/{args.before_scale} of a unit ({part} windows) from a path of "
@@ -208,9 +208,13 @@ def before(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespa
             f"for a whole unit on a path {args.before_coverage} units long"
         ),
         "fraction": {
-            "windows": part, "requests": fraction_requests, "seconds": round(cut_s, 3),
-            "cpu_s": round(cut_cpu, 3), "peak_rss_bytes_16": memory.peak - memory.idle,
-        },  # fmt: skip
+            "windows": part,
+            "requests": fraction_requests,
+            "seconds": round(cut_s, 3),
+            "cpu_s": round(cut_cpu, 3),
+            "concurrent": args.concurrent // 4,
+            "peak_rss_bytes": memory.peak - memory.idle,
+        },
     }
 
 
@@ -226,10 +230,14 @@ def main() -> None:
                         help="MB/s per request (200)")  # fmt: skip
     parser.add_argument("--shard-units", type=int, default=2,
                         help="the path's length in units (2: 1 GB of tokens)")  # fmt: skip
-    parser.add_argument("--before-scale", type=int, default=64,
-                        help="the old cut runs on 1/N of a unit (64)")  # fmt: skip
-    parser.add_argument("--before-coverage", type=int, default=100,
-                        help="the old plan's path length in units (100: a unit is 1/100)")
+    parser.add_argument("--before-scale", type=int, default=256,
+                        help="the old cut runs on 1/N of a unit (256)")  # fmt: skip
+    parser.add_argument(
+        "--before-coverage",
+        type=int,
+        default=100,
+        help="the old plan's path length in units (100: a unit is 1/100)",
+    )
     parser.add_argument("--concurrent", type=int, default=16, help="manifests at once (16)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args()
