@@ -46,8 +46,9 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from platform_gpu_figures import MemorySampler, read_events, stamp, summarise
+from platform_gpu_figures import MemorySampler, memory_parts, read_events, stamp, summarise
 from platform_run import mint_tokens, platform_bytes
+from s3_link import SlowLink
 
 from dipaco.config import MAX_INNER_STEPS, LayoutConfig, RunConfig
 from dipaco_demo.control import AdminClient, ServerProcess, embedded_environ, free_port
@@ -99,7 +100,9 @@ def probe(config: RunConfig, device_name: str, steps: int) -> dict[str, Any]:
         device=device, compile=compiled, on_step=lambda m: marks.append(
             (m.step, m.tokens, m.seconds)),
     )  # fmt: skip
-    warm = min(len(marks) - 2, max(1, steps // 4))  # steps before this one are warm-up
+    # steps before this one are warm-up (the first compiles): at least the first, and at
+    # least one step after it to time
+    warm = max(1, min(len(marks) - 1, steps // 4))
     _, tokens0, seconds0 = marks[warm - 1]
     _, tokens1, seconds1 = marks[-1]
     return {
@@ -123,7 +126,15 @@ def sized_steps(tokens_per_second: float, config: RunConfig, unit_seconds: float
 
 
 def run_config(
-    preset: str, *, rounds: int, paths: int, steps: int, batch: int, overlap: str, corpus: str
+    preset: str,
+    *,
+    rounds: int,
+    paths: int,
+    steps: int,
+    batch: int,
+    overlap: str,
+    corpus: str,
+    eval_flops: float | None = None,
 ) -> RunConfig:
     """The run: `preset`'s model on a 2-level grid of `paths` x 1 modules, every unit H steps."""
     base = RunConfig.paper_150m() if preset == "150m" else RunConfig.tiny()
@@ -144,6 +155,8 @@ def run_config(
         "units": {"target_seconds": 86_400.0, "calibration_seconds": 3_600.0},
         "data": {"corpus": corpus},
     }
+    if eval_flops is not None:  # a round's evaluation budget (eval.flops), cut for a CPU run
+        sections["eval"] = {"flops": eval_flops}
     return RunConfig.paper_150m(**sections) if preset == "150m" else RunConfig.tiny(**sections)
 
 
@@ -169,10 +182,12 @@ class Clock:
 
 
 def start_server(
-    args: argparse.Namespace, root: Path, clock: Clock
+    args: argparse.Namespace, root: Path, clock: Clock, link: SlowLink | None = None
 ) -> tuple[ServerProcess, dict[str, str]]:
     port = free_port()
     environ = embedded_environ(root / "server", f"http://127.0.0.1:{port}")
+    if link is not None:  # blobs on the S3 test server, through the slow link
+        environ.update(link.environ(link.create_bucket()))
     environ.update(
         DIPACO_DATA_ROOTS=str(args.corpus.resolve().parent),  # the corpus is a data root
         DIPACO_SERVER_DEVICE=args.server_device or args.device,
@@ -216,7 +231,8 @@ def sized_config(
         )
     assert steps is not None
     config = run_config(args.preset, rounds=args.rounds, paths=args.paths, steps=steps,
-                        batch=args.batch, overlap=args.overlap, corpus=str(args.corpus))  # fmt: skip
+                        batch=args.batch, overlap=args.overlap, corpus=str(args.corpus),
+                        eval_flops=args.eval_flops)  # fmt: skip
     return config, found
 
 
@@ -316,7 +332,12 @@ def device_name(device: str) -> str:
 
 def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str, Any]:
     """Server, probe, run, worker; their figures once the run ended (or failed)."""
-    server, environ = start_server(args, root, clock)
+    link = None
+    if args.store == "s3":
+        link = SlowLink(args.latency_ms / 1000, args.bandwidth_mbs * 1e6)
+        clock.say(f"S3 test server behind a link of {args.latency_ms:g} ms and "
+                  f"{args.bandwidth_mbs:g} MB/s at {link.endpoint_url}")  # fmt: skip
+    server, environ = start_server(args, root, clock, link)
     sampler: MemorySampler | None = None
     admin: AdminClient | None = None
     worker: subprocess.Popen[bytes] | None = None
@@ -347,6 +368,9 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
         found["rounds"] = admin.call("GET", f"/runs/{run_id}/rounds")
         found["losses"] = admin.metrics(run_id, "val_loss")
         found["traffic"] = platform_bytes(root / "server", run_id)
+        if link is not None:
+            requests, down, up = link.counters()
+            found["s3"] = {"requests": requests, "bytes_out": down, "bytes_in": up}
     except Exception as exc:  # the figures so far are written all the same, with the error
         traceback.print_exc()
         found["ended"] = f"failed: {type(exc).__name__}: {exc}"
@@ -362,6 +386,8 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
         if admin is not None:
             admin.close()
         server.stop()
+        if link is not None:
+            link.close()
     return found
 
 
@@ -402,10 +428,25 @@ def report(args: argparse.Namespace, found: dict[str, Any], root: Path, clock: C
         clock.marks["first_step"] = round(stamp(steps[0]["time"]) - clock.started, 2)
         clock.marks["last_step"] = round(stamp(steps[-1]["time"]) - clock.started, 2)
     clock.mark("end")
+    memory = found.get("memory") or {}
+    units = sum(1 for e in events if e.get("event") == "completed") or None
+    s3 = found.get("s3")
     return {
         **phases(clock.marks),
         **summary,
         "ended": found["ended"],
+        "store": args.store,
+        "params": config.num_params(),
+        "worker_peak_pss_bytes": memory.get("worker_pss_bytes"),
+        "worker_peak_rss_bytes": memory.get("worker_rss_bytes"),
+        "server_peak_pss_bytes": memory.get("server_pss_bytes"),
+        "worker_memory_parts": memory_parts(config),
+        "units_completed": units,
+        "s3": s3,
+        "s3_requests_per_unit": round(s3["requests"] / units, 1) if s3 and units else None,
+        "s3_bytes_per_unit": round((s3["bytes_out"] + s3["bytes_in"]) / units)
+        if s3 and units
+        else None,
         "seconds": clock.marks["end"],
         "budget_seconds": args.budget,
         "memory": found.get("memory"),
@@ -453,12 +494,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--started-at", type=float, help="when the whole script began (epoch; default: now)")
     add("--work-dir", type=Path, default=Path("/tmp/platform-gpu"), help="data and logs")
     add("--json", type=Path, required=True, help="where the figures go")
+    add("--store", choices=("local", "s3"), default="local",
+        help="the server's blob store: the embedded local one, or moto's S3 server behind "
+        "a link of --latency-ms and --bandwidth-mbs (bench/s3_link.py) (%(default)s)")  # fmt: skip
+    add("--latency-ms", type=float, default=30.0, help="with --store s3 (%(default)s)")
+    add("--bandwidth-mbs", type=float, default=200.0, help="with --store s3 (%(default)s)")
+    add("--eval-flops", type=float,
+        help="eval.flops, a round's evaluation budget (default: the preset's; cut it on a CPU)")  # fmt: skip
     add("--probe", action="store_true", help=argparse.SUPPRESS)  # the probe's child process
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.probe_steps < 2:
+        raise SystemExit("--probe-steps must be at least 2: the first step compiles and "
+                         "warms up, the speed is timed over the steps after it")  # fmt: skip
     if args.probe:
         shape = run_config(args.preset, rounds=1, paths=args.paths, steps=1, batch=args.batch,
                            overlap="none", corpus=str(args.corpus))  # fmt: skip

@@ -49,6 +49,46 @@ def rss_bytes(pid: int) -> int:
     return pages * os.sysconf("SC_PAGE_SIZE")
 
 
+def pss_bytes(pid: int) -> int:
+    """The process's proportional set size (shared pages split among their sharers), from
+    /proc/PID/smaps_rollup: what summing processes' memory should add up."""
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
+    return 0
+
+
+def memory_parts(config: Any) -> dict[str, int]:
+    """What the worker's memory holds at one path of `config`, by design (bytes, from the
+    path's parameter count N and the unit's shapes; accounting, not a measurement): the
+    resident model's fp32 parameters, gradients and AdamW moments, θ_old (the unit's base,
+    for Δ), the checkpoint's host buffers (weights, θ_old and moments, kept between
+    checkpoints: dipaco.inner.checkpoint), Δ in fp32, the encoded upload at the run's
+    codec, and the unit's data (at most two row chunks held: dipaco.data.rows.UnitRows)."""
+    from dipaco.data.rows import CHUNK_BYTES
+
+    n = config.num_params()
+    codec_bytes = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5}
+    upload = codec_bytes.get(str(config.comm.codec), 2)
+    T, B = config.model.seq_len, config.inner.micro_batch_size
+    return {
+        "parameters": 4 * n,
+        "gradients": 4 * n,
+        "adamw_moments": 8 * n,
+        "base_snapshot": 4 * n,
+        "checkpoint_buffers": 16 * n,
+        "delta": 4 * n,
+        "encoded_upload": int(upload * n),
+        "logits": B * T * config.model.vocab_size * 4 * 2,  # a micro-batch's and their grad
+        "data": min(
+            2 * CHUNK_BYTES, 2 * config.inner.steps * config.inner.batch_size * (T + 1) * 2
+        ),
+    }
+
+
 def gpu_memory() -> tuple[int | None, dict[int, int]]:
     """(device memory used, used memory by pid) in bytes, from nvidia-smi; (None, {})
     where there is none."""
@@ -82,6 +122,7 @@ class MemorySampler(threading.Thread):
         self.worker_pid: int | None = None
         self.peaks: dict[str, int | None] = {
             "server_rss_bytes": 0, "server_processes": 0, "worker_rss_bytes": 0,
+            "server_pss_bytes": 0, "worker_pss_bytes": 0, "worker_processes": 0,
             "gpu_bytes": None, "gpu_server_bytes": None, "gpu_worker_bytes": None,
         }  # fmt: skip
         self.done = threading.Event()
@@ -95,8 +136,11 @@ class MemorySampler(threading.Thread):
             server = process_tree(self.server_pid)
             self._peak("server_rss_bytes", sum(rss_bytes(p) for p in server))
             self._peak("server_processes", len(server))
+            self._peak("server_pss_bytes", sum(pss_bytes(p) for p in server))
             worker = process_tree(self.worker_pid) if self.worker_pid else []
             self._peak("worker_rss_bytes", sum(rss_bytes(p) for p in worker))
+            self._peak("worker_pss_bytes", sum(pss_bytes(p) for p in worker))
+            self._peak("worker_processes", len(worker))
             if self.gpu:
                 used, by_pid = gpu_memory()
                 self._peak("gpu_bytes", used)

@@ -79,9 +79,12 @@ def serve(latency_s: float, bandwidth: float) -> None:
             self.end_headers()
             time.sleep(max(0.0, wait - len(data) / bandwidth))
             step = BLOCK / bandwidth
-            for at in range(0, len(data), BLOCK):
-                self.wfile.write(data[at : at + BLOCK])
-                time.sleep(step * min(1.0, (len(data) - at) / BLOCK))
+            try:
+                for at in range(0, len(data), BLOCK):
+                    self.wfile.write(data[at : at + BLOCK])
+                    time.sleep(step * min(1.0, (len(data) - at) / BLOCK))
+            except ConnectionError:  # the client gave up (a prefetch cancelled): not an error
+                self.close_connection = True
 
         do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _forward
 
@@ -114,18 +117,31 @@ class SlowLink:
             stats = json.loads(answer.read())
         return stats["requests"], stats["bytes_out"], stats["bytes_in"]
 
-    def bucket(self, store_kwargs: dict[str, Any] | None = None) -> Any:
-        """A new bucket and an S3BlobStore on it through the link (the server's modules
-        load after django.setup())."""
+    def create_bucket(self) -> str:
+        """A new bucket's name (S3_BUCKET for a server whose S3_ENDPOINT_URL is the link)."""
         import boto3
-
-        from dipaco_server.storage.s3 import S3BlobStore
 
         name = f"bench-{uuid.uuid4().hex[:12]}"
         boto3.client(
             "s3", endpoint_url=self.moto_url, aws_access_key_id="bench",
             aws_secret_access_key="bench", region_name="us-east-1",
         ).create_bucket(Bucket=name)  # fmt: skip
+        return name
+
+    def environ(self, bucket: str) -> dict[str, str]:
+        """The S3_* variables that point a server at `bucket` through the link."""
+        return {
+            "S3_ENDPOINT_URL": self.endpoint_url, "S3_BUCKET": bucket,
+            "S3_ACCESS_KEY_ID": "bench", "S3_SECRET_ACCESS_KEY": "bench",
+            "S3_REGION": "us-east-1",
+        }  # fmt: skip
+
+    def bucket(self, store_kwargs: dict[str, Any] | None = None) -> Any:
+        """A new bucket and an S3BlobStore on it through the link (the server's modules
+        load after django.setup())."""
+        from dipaco_server.storage.s3 import S3BlobStore
+
+        name = self.create_bucket()
         return S3BlobStore(
             bucket=name, endpoint_url=self.endpoint_url, access_key_id="bench",
             secret_access_key="bench", region="us-east-1", **(store_kwargs or {}),

@@ -19,13 +19,15 @@ After, measured whole at the 150M sizes:
 - requests a unit costs: the index, and one GET per chunk.
 
 Before: the old cut (positions' windows read from the token file by ranged GETs, windows
-within 4 KiB merged, 8 in flight, dipaco.data.ranged; then the unit's blob written) runs for
-real on `1/--before-scale` of a unit's windows (a quarter of the manifests at once, for
-memory), and its time, CPU and memory are scaled to the whole unit and to 16 manifests;
-its request count is the old range plan's, computed exactly for a whole unit of a path
-`--before-coverage` units long (the simulation's 1/100). What the scaled figures leave out: the blob's multipart upload and the worker's
-download of the unit's 525 MB blob are taken at the link's bandwidth; memory scales with the
-unit's int64 array (8 bytes a token), which the measured fraction shows.
+within 4 KiB merged, 8 in flight, dipaco.data.ranged; the unit's int64 array; its blob
+written, then downloaded by the worker). Its requests are its range plan's, computed
+exactly for a whole unit on a path `--before-coverage` units long (the simulation's 1/100);
+its CPU and memory are measured on `1/--before-scale` of a unit read by the same ranged
+reader from the local token file (4 cuts at once), scaled to the unit and to 16 manifests,
+plus the client's CPU per ranged GET measured through the link; its time is the link's
+model (the GETs 8 at a time, the blob's upload and download at the link's bandwidth), not
+moto's: moto copies a whole object to serve a range of it, so its ranged GETs on a
+gigabyte object take far longer than S3's and would overstate the old design's cost.
 """
 
 from __future__ import annotations
@@ -155,11 +157,13 @@ def after(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespac
 
 
 def before(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespace,
-           windows: int) -> dict:  # fmt: skip
-    from dipaco.data.ranged import plan_ranges, store_shard
+           train: Path) -> dict:  # fmt: skip
+    """The old cut: its requests from its range plan, its CPU and memory measured on a
+    fraction of a unit read from the local token file by the same ranged reader, plus the
+    client's CPU per GET measured through the link, its time from the link's model."""
+    from dipaco.data.ranged import RangedShard, plan_ranges
     from dipaco.data.rows import first_pass
     from dipaco.data.windows import path_seed, unit_windows
-    from dipaco_server.runs import keys
 
     count, T = unit_windows(config), config.model.seq_len
     row_bytes = (T + 1) * 2
@@ -167,53 +171,64 @@ def before(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespa
     big = first_pass(count * args.before_coverage, path_seed(config, 0))
     plan = plan_ranges([int(w) * T * 2 for w in big[count : 2 * count]], row_bytes)
     del big
-    # The old cut, run for real on a fraction of the unit from the stored token file.
+    # The cut (gather, int64 array, blob), on a fraction, from the local file by ranges.
     part = count // args.before_scale
+    windows = (train.stat().st_size // 2 - 1) // T
     order = first_pass(windows, path_seed(config, 0))
-    shard = store_shard(store, keys.data_key(1, 0, "train"), "<u2")
 
-    def cut(n: int, key: str) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.process_time()  # the GETs' threads count
+    def read_range(start: int, end: int) -> bytes:
+        with open(train, "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    shard = RangedShard(read_range, train.stat().st_size, "<u2", "train.bin")
+
+    def cut(n: int) -> float:
+        cpu = time.thread_time()
         rows = shard.read_windows([int(w) * T for w in order[count : count + n]], T + 1)
-        blob = rows.astype("<u2").tobytes()
-        store.put_bytes(key, blob)
-        return time.perf_counter() - wall, time.process_time() - cpu
+        rows.astype("<u2").tobytes()
+        return time.thread_time() - cpu
 
-    requests0 = link.counters()[0]
-    cut_s, cut_cpu = cut(part, "units/fraction.bin")
-    fraction_requests = link.counters()[0] - requests0
-    with PeakRss() as memory:  # a quarter of the manifests at once: memory is per cut
-        threads = [
-            threading.Thread(target=cut, args=(part, f"units/c{i}.bin"))
-            for i in range(args.concurrent // 4)
-        ]
+    cut(part)  # warm
+    cut_cpu = sum(cut(part) for _ in range(3)) / 3
+    with PeakRss() as memory:
+        threads = [threading.Thread(target=cut, args=(part,)) for _ in range(4)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
+    # The client's CPU for one ranged GET of a window through the link (boto3, signing).
+    key = "units/one-window.bin"
+    store.put_bytes(key, bytes(row_bytes * 64))
+    gets = 100
+    cpu = time.process_time()
+    for i in range(gets):
+        store.get_range(key, (i % 64) * row_bytes, (i % 64 + 1) * row_bytes)
+    per_get_cpu = (time.process_time() - cpu) / gets
     scale = count / part
     blob_bytes = count * row_bytes
-    download_s = args.latency_ms / 1000 + blob_bytes / (args.bandwidth_mbs * 1e6)
-    per_get_s = cut_s / max(1, fraction_requests)
-    manifest_s = per_get_s * len(plan) + download_s  # the cut's GETs, then its blob's upload
+    link_s = args.latency_ms / 1000
+    gets_s = len(plan) * (link_s + row_bytes / (args.bandwidth_mbs * 1e6)) / 8  # 8 in flight
+    blob_s = link_s + blob_bytes / (args.bandwidth_mbs * 1e6)  # the unit's blob, up or down
     return {
-        "requests_per_unit": len(plan) + 2,  # the cut's ranged GETs, then the blob's PUT and GET
-        "server_cpu_s_per_unit": round(cut_cpu * scale, 2),
-        "manifest_ms": round(manifest_s * 1000, 1),
-        "server_peak_rss_bytes": int((memory.peak - memory.idle) * scale * 4),
-        "worker_first_step_s": round(manifest_s + download_s, 2),
+        "requests_per_unit": len(plan) + 2,  # the cut's ranged GETs, the blob's PUT and GET
+        "server_cpu_s_per_unit": round(cut_cpu * scale + len(plan) * per_get_cpu, 2),
+        "manifest_ms": round((gets_s + blob_s) * 1000, 1),
+        "server_peak_rss_bytes": int((memory.peak - memory.idle) / 4 * scale * args.concurrent),
+        "worker_first_step_s": round(gets_s + 2 * blob_s, 2),
         "measured": (
-            f"the cut of 1/{args.before_scale} of a unit ({part} windows) from a path of "
-            f"{windows} windows, scaled by {scale:.0f}; requests from the old range plan "
-            f"for a whole unit on a path {args.before_coverage} units long"
+            f"requests: the old range plan for a whole unit of a path {args.before_coverage} "
+            f"units long; CPU and memory: the cut of 1/{args.before_scale} of a unit "
+            f"({part} windows, 4 at once) scaled by {scale:.0f} (and to "
+            f"{args.concurrent} manifests), plus the client's CPU per ranged GET through "
+            "the link; time: the link's model (8 GETs in flight, then the unit's blob up, "
+            "and down to the worker)"
         ),
         "fraction": {
             "windows": part,
-            "requests": fraction_requests,
-            "seconds": round(cut_s, 3),
-            "cpu_s": round(cut_cpu, 3),
-            "concurrent": args.concurrent // 4,
-            "peak_rss_bytes": memory.peak - memory.idle,
+            "cut_cpu_s": round(cut_cpu, 4),
+            "peak_rss_bytes_4_at_once": memory.peak - memory.idle,
+            "client_cpu_s_per_get": round(per_get_cpu, 5),
         },
     }
 
@@ -230,8 +245,8 @@ def main() -> None:
                         help="MB/s per request (200)")  # fmt: skip
     parser.add_argument("--shard-units", type=int, default=2,
                         help="the path's length in units (2: 1 GB of tokens)")  # fmt: skip
-    parser.add_argument("--before-scale", type=int, default=256,
-                        help="the old cut runs on 1/N of a unit (256)")  # fmt: skip
+    parser.add_argument("--before-scale", type=int, default=16,
+                        help="the old cut runs on 1/N of a unit (16)")  # fmt: skip
     parser.add_argument(
         "--before-coverage",
         type=int,
@@ -253,11 +268,11 @@ def main() -> None:
 
             windows = args.shard_units * unit_windows(config)
             print(f"writing a path of {windows:,} windows and its row chunks ...", flush=True)
-            rows, _ = write_path(store, config, windows, work)
+            rows, train = write_path(store, config, windows, work)
             print(f"{len(rows.chunks)} chunks of {rows.rows_per_chunk:,} rows", flush=True)
             new = after(link, store, config, args)
             print("after:", json.dumps(new), flush=True)
-            old = before(link, store, config, args, windows)
+            old = before(link, store, config, args, train)
             print("before:", json.dumps(old), flush=True)
         finally:
             link.close()
