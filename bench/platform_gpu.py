@@ -361,6 +361,8 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
         sampler.worker_pid = worker.pid
         clock.mark("worker_started")
         found["run_id"] = run_id = prepare(admin, config, args.corpus, clock, "run")
+        if link is not None:  # the run's own requests from here (preparation's before)
+            found["s3_before_run"] = link.counters()
         admin.move(run_id, "start")
         stop = args.stop_after or args.budget + 80
         found["ended"] = follow(admin, run_id, config.rounds, worker, stop, clock)
@@ -369,8 +371,9 @@ def on_platform(args: argparse.Namespace, root: Path, clock: Clock) -> dict[str,
         found["losses"] = admin.metrics(run_id, "val_loss")
         found["traffic"] = platform_bytes(root / "server", run_id)
         if link is not None:
-            requests, down, up = link.counters()
-            found["s3"] = {"requests": requests, "bytes_out": down, "bytes_in": up}
+            (r0, d0, u0), (r1, d1, u1) = found["s3_before_run"], link.counters()
+            found["s3"] = {"requests": r1 - r0, "bytes_out": d1 - d0, "bytes_in": u1 - u0,
+                           "preparation_requests": r0}  # fmt: skip
     except Exception as exc:  # the figures so far are written all the same, with the error
         traceback.print_exc()
         found["ended"] = f"failed: {type(exc).__name__}: {exc}"

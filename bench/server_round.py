@@ -34,8 +34,8 @@ not inflate it), what waits on the link in wall seconds (`_seconds` keys):
 - **evaluation**: `mean_loss` on --eval-windows validation windows of each path, scaled
   to the round's sample (`eval.flops` at the preset).
 
-The JSON keeps "presets": {name: figures} (one run per preset, merged into an existing
---json file) and "projection" from the largest preset: see `projection`.
+The JSON keeps "presets": {name: figures} (one run per preset, merged into --json's) and
+"projection" from the largest preset: see `projection`.
 """
 
 from __future__ import annotations
@@ -94,10 +94,7 @@ def position(config: RunConfig, unit: int) -> int:
     return unit // config.layout.num_paths * unit_windows(config)
 
 
-def measure(
-    config: RunConfig, args: argparse.Namespace, link: SlowLink, root: Path
-) -> dict[str, Any]:
-    # The server's modules load after django.setup() (main), the library's with them.
+def measure(config: RunConfig, args: argparse.Namespace, link: SlowLink, root: Path) -> dict:
     from dipaco.data.windows import unit_windows
     from dipaco.evaluate import sample_size
     from dipaco.flops import score_windows as budget_score_windows
@@ -146,9 +143,8 @@ def _train_rows(store: Any, config: RunConfig, p: int, windows: int, work: Path)
 def _data(
     config: RunConfig, args: argparse.Namespace, store: Any, link: SlowLink, root: Path
 ) -> dict[str, Any]:
-    """Validation shards for every path, row chunks for the scored units' paths (two units
-    long at least: the manifest is measured on a path's second unit, which starts inside
-    a chunk as most do), then the manifest's CPU and wall."""
+    """Validation shards, row chunks for the scored units' paths (two units at least: the
+    manifest is of a path's second unit, starting inside a chunk as most do), manifests."""
     from dipaco.data.windows import unit_windows
     from dipaco.flops import score_windows
     from dipaco_server.rounds.protocol.unit_data import rows_manifest
@@ -236,9 +232,8 @@ def _score(
     bases: dict[str, Any],
     root: Path,
 ) -> dict[str, Any]:
-    """A unit's proof of useful work as its scoring task does it when the unit completes,
-    for --score-units units, per unit; scoring scaled to the windows `outer.score_flops`
-    buys at the preset (dipaco.flops.score_windows)."""
+    """A unit's proof of useful work as its scoring task does it, per unit of --score-units,
+    scaled to the windows `outer.score_flops` buys (dipaco.flops.score_windows)."""
     # The server's modules load after django.setup() (main), the library's with them.
     from dipaco import codecs
     from dipaco.data.ranged import store_shard
@@ -497,6 +492,7 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     def step(c: dict[str, float], n: int, checked: bool) -> float:
         return n * (c["aggregate"] + (0.0 if checked else c["fetch"] + c["check"])) + c["fixed"]
 
+    rounded = lambda c: {k: round(v, 4) for k, v in c.items()}  # noqa: E731
     fetched = units * (len(layout.levels) * lv["delta_bytes"] + sh["delta_bytes"])
     built = _round(step(lv, through, False), step(sh, units, False), score_task,
                    level_modules, units, training, unit_s, extra)  # fmt: skip
@@ -515,7 +511,7 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         "score_task_seconds": round(score_task, 2), "scoring_seconds": round(score_task * units, 1),
         "evaluation_seconds": round(evaluation, 1), "manifest_cpu_seconds": round(manifests, 2),
         "score_rows_seconds": round(figures["score_rows_seconds"] * units, 2),
-        "per_delta": {kind: {k: round(v, 4) for k, v in c.items()} for kind, c in (("level", lv), ("shared", sh))},
+        "per_delta": {"level": rounded(lv), "shared": rounded(sh)},
         "shared_fetch_seconds": round(units * sh["fetch"], 1),
         "shared_fetch_nominal_seconds": round(units * sh["fetch_nominal"], 1),
         "shared_fetch_bytes": int(units * sh["delta_bytes"]),
@@ -529,10 +525,9 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
 
 
 CHECKED = (
-    "a design not yet built: each Δ fetched, decoded and checked in a task of its own when "
-    "its completion arrives (here added to its unit's scoring task), its checked copy kept "
-    "for the step, so each module's step only aggregates already-checked Δs, steps and "
-    "publishes"
+    "a design not yet built: each Δ fetched, decoded and checked in a task of its own when its "
+    "completion arrives (here added to its unit's scoring task), its checked copy kept for "
+    "the step, so each module's step only aggregates already-checked Δs, steps and publishes"
 )
 SPLIT = (
     "a design not yet built: as design_checked_at_arrival, and the shared step split by "
@@ -593,9 +588,8 @@ def _project(out: dict[str, Any]) -> None:
             for name in ("design_checked_at_arrival", "design_checked_at_arrival_split_by_tensor")
         }
     proj["timing"] = (
-        "CPU work in thread CPU seconds (time.thread_time), so other load on the machine does "
-        "not inflate it; what waits on the link (fetches, puts, the manifest's wall) in wall "
-        "seconds through the SlowLink proxy"
+        "CPU work in thread CPU seconds (time.thread_time): other load on the machine does not "
+        "inflate it; what waits on the link (fetches, puts, manifests) in wall seconds"
     )
     out["projection"] = proj
 
