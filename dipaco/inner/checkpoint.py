@@ -32,11 +32,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from dipaco.config import InnerConfig
 from dipaco.inner.state import CheckpointMismatch
+from dipaco.tensorfile import write_safetensors
 
 CHECKPOINT_FORMAT = "dipaco-inner-checkpoint/1"
 log = logging.getLogger(__name__)
@@ -254,8 +254,6 @@ class CheckpointWriter:
             if copied is not None:
                 copied.synchronize()  # the snapshot's copies have landed in the buffers
             save_file(tensors, str(tmp), metadata={"dipaco": header})
-            with open(tmp, "rb") as handle:  # the bytes reach the disk before the name does
-                os.fsync(handle.fileno())
             os.replace(tmp, self.path)
             self.done_step = step
         except Exception as error:  # handed to the loop's thread, which raises it
@@ -263,6 +261,17 @@ class CheckpointWriter:
             tmp.unlink(missing_ok=True)
         finally:
             self.write_s += time.perf_counter() - started
+
+
+def save_file(
+    tensors: Mapping[str, Tensor], filename: str, metadata: Mapping[str, str] | None = None
+) -> None:
+    """safetensors.torch.save_file's call, streamed tensor by tensor (dipaco.tensorfile: no
+    serialised copy of the checkpoint in memory), and on disk before it returns (fsync)."""
+    with open(filename, "wb") as handle:
+        write_safetensors(handle, tensors, metadata)
+        handle.flush()
+        os.fsync(handle.fileno())  # the bytes reach the disk before the name does
 
 
 def load_checkpoint(

@@ -12,10 +12,10 @@ from typing import Protocol
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from dipaco.config import InnerConfig, RunConfig
+from dipaco.tensorfile import write_safetensors
 
 STATE_FORMAT = "dipaco-inner-state/1"
 
@@ -153,9 +153,10 @@ class InnerState:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        tensors = {k: v.detach().to("cpu") for k, v in self.state_dict().items()}
         meta = {"format": STATE_FORMAT, "fingerprint": self.fingerprint}
-        save_file(tensors, str(tmp), metadata={"dipaco": json.dumps(meta)})
+        with open(tmp, "wb") as handle:  # streamed: no serialised copy of the moments
+            write_safetensors(handle, tensors, {"dipaco": json.dumps(meta)})
         os.replace(tmp, path)
 
     @classmethod
