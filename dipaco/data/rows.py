@@ -78,10 +78,9 @@ CHUNK_BYTES = 64 * 1024 * 1024  # the largest chunk blob
 def rows_per_chunk(config: RunConfig, itemsize: int) -> int:
     """Rows of one chunk at `config`: at most CHUNK_BYTES, and at most half a unit's
     windows, so a lease reaches little beyond its own rows at every model size."""
-    from dipaco.data.windows import unit_windows  # windows imports this module
-
     row_bytes = (config.model.seq_len + 1) * itemsize
-    return max(1, min(CHUNK_BYTES // row_bytes, unit_windows(config) // 2))
+    unit = config.inner.steps * config.inner.batch_size  # dipaco.data.windows.unit_windows
+    return max(1, min(CHUNK_BYTES // row_bytes, unit // 2))
 
 
 def _seed(*parts: int) -> int:
@@ -106,7 +105,7 @@ def first_pass(windows: int, seed: int) -> np.ndarray:
     """Pass 0 of a path's order: file row r holds window first_pass(W, seed)[r] (torch's
     seeded permutation, the order dipaco.data.windows has always used; preparation writes
     it, so only the server and the simulator compute it)."""
-    import torch
+    import torch  # not at the top: the web process imports this module and never needs it
 
     generator = torch.Generator().manual_seed(seed)
     return torch.randperm(windows, generator=generator).numpy()  # (W,) int64

@@ -115,6 +115,7 @@ class ShardSource:
         seed: int,
         rows_per_chunk: int | None = None,
     ) -> None:
+        # rows: numpy, imported where used (the note under the imports)
         from dipaco.data.rows import RowOrder, first_pass
 
         self.shard = shard
@@ -135,7 +136,7 @@ class ShardSource:
     def for_path(cls, shard: TokenShard | RangedShard, config: RunConfig, path: int) -> ShardSource:
         """Path `path`'s training windows under `config` (its seq_len, `path_seed` and the
         row chunks preparation writes for it)."""
-        from dipaco.data.rows import rows_per_chunk
+        from dipaco.data.rows import rows_per_chunk  # numpy: the note under the imports
 
         per_chunk = rows_per_chunk(config, shard.dtype.itemsize)
         return cls(shard, config.model.seq_len, path_seed(config, path), per_chunk)

@@ -65,6 +65,7 @@ def upload_rows(
     (dipaco.data.rows), written one chunk at a time beside `train` and uploaded, the index
     last (a manifest finds rows only once every chunk is there). A path without one window
     gets none: its manifests say to prepare the data again. Returns the index, or None."""
+    # Preparation only (Celery): the web process imports this module, not numpy and torch.
     import shutil
 
     from dipaco.data.rows import rows_per_chunk, write_rows
