@@ -65,5 +65,5 @@ def write_safetensors(
     for _, tensor in ordered:
         flat = tensor.detach().contiguous().reshape(-1)
         if flat.numel():
-            handle.write(memoryview(flat.view(torch.uint8).numpy()))
+            handle.write(flat.view(torch.uint8).numpy().data)  # its storage, not a copy
     return 8 + len(text) + offset

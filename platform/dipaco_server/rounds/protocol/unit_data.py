@@ -77,8 +77,7 @@ def rows_manifest(
         problem = f"the rows hold {index.dtype} tokens, the run's vocabulary needs {dtype}"
     if problem:
         raise DataNotReady(
-            f"path {path}'s row chunks do not fit the run: {problem}; prepare the run's "
-            "data again",
+            f"path {path}'s row chunks do not fit the run: {problem}; prepare the run's data again",
             path=path,
         )
     chunks = []
