@@ -19,6 +19,7 @@ import pytest
 import torch
 from django.test import Client
 
+from dipaco.data import rows as rows_module
 from dipaco.data.rows import FORMAT, RowIndex, Segment, StoreRows, UnitRows, write_rows
 from dipaco.data.shards import TokenShard
 from dipaco.data.windows import ShardSource
@@ -60,6 +61,12 @@ class CountingStore:
 
             return reading
         return attr
+
+
+@pytest.fixture(autouse=True)
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks down to 1 KiB (not 256 KiB): the test's path of 233 KB is then several."""
+    monkeypatch.setattr(rows_module, "MIN_CHUNK_BYTES", 1024)
 
 
 def leased(db: None) -> tuple[Any, Any, str, Any]:

@@ -22,9 +22,10 @@ permute chunks and the rows within each chunk, so that a unit never needs more t
 chunks its positions fall in: its batches are then drawn from chunks that are each
 themselves a uniform sample of the whole path, in a new order.
 
-A chunk is at most half a unit's windows at the run's config (``rows_per_chunk``): a lease
-is given URLs of the chunks its rows fall in (whole chunks, each checked by its sha256),
-so it reaches its own rows plus at most the partial chunks at its two ends.
+A chunk is half a unit's windows at the run's config, within 256 KiB .. 64 MiB
+(``rows_per_chunk``): a lease is given URLs of the chunks its rows fall in (whole chunks,
+each checked by its sha256), so it reaches its own rows plus at most the partial chunks at
+its two ends.
 
 `UnitRows` is the worker's token source over a unit's chunks: it fetches a chunk when the
 trainer first needs it, fetches the next while the trainer reads the current one, and
@@ -73,14 +74,17 @@ __all__ = [
 
 FORMAT = "dipaco-rows-1"  # RowIndex.format: a reader refuses any other
 CHUNK_BYTES = 64 * 1024 * 1024  # the largest chunk blob
+MIN_CHUNK_BYTES = 256 * 1024  # the smallest (but for a path's last): requests stay few
 
 
 def rows_per_chunk(config: RunConfig, itemsize: int) -> int:
-    """Rows of one chunk at `config`: at most CHUNK_BYTES, and at most half a unit's
-    windows, so a lease reaches little beyond its own rows at every model size."""
+    """Rows of one chunk at `config`: half a unit's windows, so a lease reaches little
+    beyond its own rows, within MIN_CHUNK_BYTES .. CHUNK_BYTES, so a path of short units
+    is not thousands of tiny objects, nor a long unit's chunk gigabytes."""
     row_bytes = (config.model.seq_len + 1) * itemsize
     unit = config.inner.steps * config.inner.batch_size  # dipaco.data.windows.unit_windows
-    return max(1, min(CHUNK_BYTES // row_bytes, unit // 2))
+    floor = max(1, MIN_CHUNK_BYTES // row_bytes)
+    return max(floor, min(CHUNK_BYTES // row_bytes, unit // 2))
 
 
 def _seed(*parts: int) -> int:
