@@ -8,31 +8,25 @@ volunteers on a 16-core CPU-only server.
     .venv/bin/python bench/server_round.py --project-only --json out.json
 
 The store is moto's S3 server behind a proxy adding --latency-ms to every request and
-pacing bodies at --bandwidth-mbs (bench/s3_link.py): every fetch pays a link's. Each of --units units (one per path, round-robin, at
-the path's next data position) gets a synthetic Δ per module of its path (1e-3 x N(0, 1),
-encoded with the run's upload codec); every module has a version 0 and an outer momentum;
-the scored units' paths get their train split as row chunks in the order units read them
-(runs.stages.upload_rows), every path a small validation shard. Then the server's code runs
-as its tasks do, on one torch thread (a Celery pool process's share of the cores). CPU work
-is timed in this thread's CPU seconds (`time.thread_time`: other load on the machine does
-not inflate it), what waits on the link in wall seconds (`_seconds` keys):
+pacing bodies at --bandwidth-mbs (bench/s3_link.py). Each of --units units (round-robin
+over the paths) uploads a synthetic Δ per module of its path (1e-3 x N(0, 1), the run's
+codec); every module has a version 0 and an outer momentum; the scored units' paths get
+row chunks (runs.stages.upload_rows), every path a small validation shard. The server's
+code then runs as its tasks do, on one torch thread (a Celery pool process's share), CPU
+in this thread's CPU seconds (`time.thread_time`, which other load does not inflate), what
+waits on the link in wall seconds (`_seconds` keys):
 
-- **manifest**: `rounds.protocol.unit_data.rows_manifest` for a whole unit (the row index
-  read, the unit's chunk URLs signed), median of --manifests calls: CPU and wall;
-- **score task**: a unit's proof of useful work as its `score_unit` task does it when the
-  unit completes: the model built (`score_build_cpu`), the path's modules and the unit's
-  Δs fetched (`score_load_seconds`), its scored rows read by ranges of its row chunks
-  (`dipaco.data.rows.StoreRows`, as `Scorer._train_windows`: `score_rows_seconds`), then
-  `verification.rules.score_delta` on the windows `outer.score_flops` buys
-  (`scoring_cpu`); --score-units and --score-windows measure fewer, scaled linearly;
-- **module steps**, each module as its `outer_step` task: every Δ fetched once alone
-  (`fetch_seconds`, `fetch_cpu`, through the link) and decoded (`decode_cpu`); then
-  `compute_step` in steady state (the module has a norm history and a momentum), its
-  parts' CPU timed apart: `checks_cpu` (fetch, size, digest, decode, norm, direction),
-  `aggregate_cpu`, `outer_cpu` (Nesterov, streamed) with `base_fetch_seconds` (version
-  and momentum downloaded); `publishing_seconds` (weights and momentum put);
-- **evaluation**: `mean_loss` on --eval-windows validation windows of each path, scaled
-  to the round's sample (`eval.flops` at the preset).
+- **manifest**: `rounds.protocol.unit_data.rows_manifest` of a whole unit, median of
+  --manifests;
+- **score task**, as `score_unit` at a completion: the model built, the path's modules and
+  the unit's Δs fetched (`score_load_seconds`), its rows read by ranges of its chunks
+  (`StoreRows`, as `Scorer._train_windows`), `rules.score_delta` on the windows
+  `outer.score_flops` buys (`scoring_cpu`; --score-units/--score-windows: fewer, scaled);
+- **module steps**, as `outer_step`: each Δ fetched alone (`fetch_seconds`) and decoded;
+  `compute_step` in steady state (a norm history and a momentum), its parts' CPU apart
+  (`checks_cpu`: fetch, digest, decode, norm, direction; `aggregate_cpu`; `outer_cpu`),
+  base and momentum in (`base_fetch_seconds`), weights and momentum out (`publishing_seconds`);
+- **evaluation**: `mean_loss` on --eval-windows windows a path, scaled to `eval.flops`.
 
 The JSON keeps "presets": {name: figures} (one run per preset, merged into --json's) and
 "projection" from the largest preset: see `projection`.
@@ -106,11 +100,8 @@ def measure(config: RunConfig, args: argparse.Namespace, link: SlowLink, root: P
     score = _score(config, args, store, uploads, bases, root)
     per_module = _steps(config, store, uploads, bases, root)
     eval_windows, evaluation = _evaluate(config, args, store)
-    total = {
-        k: round(sum(m[k] for m in per_module.values()), 4)
-        for k in next(iter(per_module.values()))
-        if k not in ("deltas", "delta_bytes")
-    }
+    kinds = [k for k in next(iter(per_module.values())) if k not in ("deltas", "delta_bytes")]
+    total = {k: round(sum(m[k] for m in per_module.values()), 4) for k in kinds}
     return {
         **data, **score, "steps": total, "evaluation_cpu": round(evaluation, 4),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -123,7 +114,7 @@ def measure(config: RunConfig, args: argparse.Namespace, link: SlowLink, root: P
     }  # fmt: skip
 
 
-def _train_rows(store: Any, config: RunConfig, p: int, windows: int, work: Path) -> Any:
+def _train_rows(store: Any, config: RunConfig, p: int, windows: int, work: Path) -> None:
     """Path p's train split of `windows` random windows, uploaded as row chunks."""
     from dipaco_server.runs.stages import upload_rows
 
@@ -135,9 +126,8 @@ def _train_rows(store: Any, config: RunConfig, p: int, windows: int, work: Path)
             n = min(left, 32 << 20)
             f.write(rng.integers(0, config.model.vocab_size, n).astype(DTYPE).tobytes())
             left -= n
-    rows = upload_rows(store, config, RUN, p, PHASE, train, DTYPE)
+    upload_rows(store, config, RUN, p, PHASE, train, DTYPE)
     train.unlink()
-    return rows
 
 
 def _data(
@@ -173,19 +163,15 @@ def _data(
         cpu.append(time.thread_time() - clock)
         wall.append(time.perf_counter() - start)
         requests.append(link.counters()[0] - before)
-    return {
-        "manifest_cpu": round(statistics.median(cpu), 5),
-        "manifest_seconds": round(statistics.median(wall), 4),
-        "manifest_requests": max(requests),
-        "manifest_chunks": chunks,
-    }
+    return {"manifest_cpu": round(statistics.median(cpu), 5), "manifest_chunks": chunks,
+            "manifest_seconds": round(statistics.median(wall), 4),
+            "manifest_requests": max(requests)}  # fmt: skip
 
 
 def _uploads(
     config: RunConfig, args: argparse.Namespace, store: Any, root: Path
 ) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """Version 0 of every module with an outer momentum, and each unit's Δ uploads."""
-    # The server's modules load after django.setup() (main), the library's with them.
     from dipaco import codecs
     from dipaco.data.windows import unit_tokens
     from dipaco.modular import init_modules, modules_of_path
@@ -329,8 +315,7 @@ def _steps(
             for key in (bases[module_id].key, bases[module_id].momentum_key):
                 store.download_to(key, work / "fetched")
             got["base_fetch_seconds"] = time.perf_counter() - start
-            store.download_to(bases[module_id].momentum_key, work / "momentum")
-            momentum = read_module(work / "momentum", spec)
+            momentum = read_module(work / "fetched", spec)  # the momentum, fetched last
             start = time.perf_counter()
             result = step.compute_step(store, ups, bases[module_id], spec, config.outer, work, round_index=1, history=(norm,) * 3, momentum=momentum, comm=config.comm)  # fmt: skip
             got["step_seconds"] = time.perf_counter() - start
@@ -355,7 +340,6 @@ def _steps(
 
 def _evaluate(config: RunConfig, args: argparse.Namespace, store: Any) -> tuple[int, float]:
     """Evaluation: each path's sample windows scored; (windows, CPU seconds)."""
-    # The server's modules load after django.setup() (main), the library's with them.
     from dipaco.data.ranged import store_shard
     from dipaco.evaluate import mean_loss
     from dipaco.model import build_model
@@ -401,46 +385,52 @@ def costs(figures: dict[str, Any], kind: str) -> dict[str, float]:
     def total(key: str) -> float:
         return sum(r[key] for r in rows)
 
-    size, link = sum(r["delta_bytes"] * r["deltas"] for r in rows) / n, figures["link"]
+    outer, moved = total("outer_cpu") / len(rows), total("base_fetch_seconds") / len(rows)
+    moved += total("publishing_seconds") / len(rows)  # the base and momentum in and out
+    size = sum(r["delta_bytes"] * r["deltas"] for r in rows) / n
     return {
         "fetch": total("fetch_seconds") / n,  # one Δ through the link, measured
-        # what the link alone makes it (moto's own serving is the rest)
-        "fetch_nominal": link["latency_ms"] / 1e3 + size / (link["bandwidth_mb_per_s"] * 1e6),
+        "fetch_nominal": transfer(size, figures["link"], 1),  # one GET at the link's own pace
         "check": (total("checks_cpu") - total("fetch_cpu")) / n,  # its decode and checks
         "aggregate": total("aggregate_cpu") / n,
-        "fixed": (total("outer_cpu") + total("base_fetch_seconds") + total("publishing_seconds"))
-        / len(rows),  # the base and momentum in, Nesterov, the new version out
-        "delta_bytes": size,
-    }
+        "fixed": outer + moved,  # the base and momentum in, Nesterov, the new version out
+        "outer": outer, "delta_bytes": size,
+    }  # fmt: skip
 
 
-def tensor_share(config: RunConfig) -> float:
-    """The largest tensor's share of the shared module's values."""
+def transfer(size: float, link: dict[str, Any], streams: int = 4) -> float:
+    """A transfer's seconds at the link's own pace (latency + bytes / bandwidth): one request,
+    or from 64 MiB up 16 MiB parts `streams` at once (S3BlobStore's put_file, download_to)."""
+    latency, bandwidth, part = link["latency_ms"] / 1e3, link["bandwidth_mb_per_s"] * 1e6, 16 << 20
+    if size < 64 << 20 or streams == 1:
+        return latency + size / bandwidth
+    return math.ceil(size / part / streams) * (latency + part / bandwidth)
+
+
+def numels(config: RunConfig, module_id: str) -> list[int]:
     from dipaco.modular import module_spec
 
-    sizes = [math.prod(shape) for shape, _ in module_spec(config, "shared").values()]
-    return max(sizes) / sum(sizes)
+    return [math.prod(shape) for shape, _ in module_spec(config, module_id).values()]
 
 
 def _round(
-    level: float, shared: float, unit_task: float, level_modules: int, units: int,
+    level: float, shared: list[float], unit_task: float, level_modules: int, units: int,
     training: float, unit_s: float, extra_cpu: float,
 ) -> dict[str, Any]:  # fmt: skip
-    """Fraction, lockstep fraction and CPU of a round whose units' tasks (`unit_task` s each,
-    started at completion) and then steps (`level_modules` x `level` s, one `shared`) run on
-    CORES cores."""
-    span = lpt([level] * level_modules + [shared], CORES)
+    """Fractions and CPU of a round whose units' tasks (`unit_task` s each, at completion),
+    then steps (`level_modules` x `level` s, the shared one's tasks) run on CORES cores."""
+    span = lpt([level] * level_modules + shared, CORES)
     arrivals = [training * (i + 1) / units for i in range(units)]
     tail = fifo(arrivals, unit_task, CORES) - training
     waves = [training - unit_s * ((units - 1 - i) // VOLUNTEERS) for i in range(units)]
     lockstep = fifo(waves, unit_task, CORES) - training + span
     critical = tail + span
-    cpu = level * level_modules + shared + unit_task * units + extra_cpu
+    cpu = level * level_modules + sum(shared) + unit_task * units + extra_cpu
     return {
         "fraction": round(critical / (training + critical), 4),
         "fraction_lockstep": round(lockstep / (training + lockstep), 4),
-        "longest_step_seconds": round(max(level, shared), 1),
-        "shared_step_seconds": round(shared, 1), "level_step_seconds": round(level, 1),
+        "longest_step_seconds": round(max(level, *shared), 1),
+        "shared_step_seconds": round(sum(shared), 1), "level_step_seconds": round(level, 1),
         "scoring_tail_seconds": round(tail, 1),
         "scoring_tail_lockstep_seconds": round(lockstep - span, 1),
         "steps_span_seconds": round(span, 1), "server_seconds": round(critical, 1),
@@ -452,78 +442,88 @@ def _round(
 def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     """The round of a 16x16 grid from the measured per-Δ, per-unit and per-window costs.
 
-    The grid is `LayoutConfig.grid(num_layers, levels=2, modules=16)` on the preset's
-    blocks: 32 level modules of num_layers / 2 blocks (the preset's 2x2 level modules are
-    the same size, so their measured per-Δ costs carry over), each in 16 of the 256 paths,
-    and the one shared module (embeddings, final norm, head) in all 256. One replica a
-    path: 256 units of `units.target_seconds`, 64 volunteers, four waves. Each unit's
-    scoring task starts when the unit completes (completions spread evenly over the
-    training: `fraction`; or each wave of 64 completing at once: `fraction_lockstep`, the
-    goal's figure), so only the last ones' end extends the round; the module steps
-    (recorded scores reused) follow on the cores, longest first. A step pays, per Δ, its
-    fetch through the link (the measured wall per Δ at its real size) and its decode,
-    checks and aggregation (CPU); then the base in, Nesterov and the new version out. The
-    manifest is served at each lease, which a worker asks for after its unit trained: its
-    wall counts once per wave on the critical path, its CPU in the occupancy; evaluation
-    runs while the next round trains (occupancy only).
+    The grid is `LayoutConfig.grid(num_layers, levels=2, modules=16)`: 32 level modules of
+    num_layers / 2 blocks (the preset's 2x2 level modules' size: their costs carry over),
+    each in 16 of the 256 paths, and the shared module (embeddings, final norm, head) in
+    all 256. One replica a path: 256 units, 64 volunteers, four waves. A unit's scoring
+    task starts at its completion (completions spread evenly: `fraction`; each wave of 64
+    at once: `fraction_lockstep`, the goal's figure), so only the last ones extend the
+    round; then the module steps (recorded scores reused) run on the cores, longest first,
+    each paying per Δ its fetch through the link (measured wall at its real size), decode,
+    checks and aggregation (CPU), then the base in, Nesterov and the new version out. A
+    worker asks for its next lease (the manifest) after its unit trained: the manifest's
+    wall counts once a wave, its CPU in the occupancy; evaluation runs while the next round
+    trains (occupancy only). `at_nominal_link`: each transfer at the link's own pace.
 
-    What the model leaves out: the server's network interface shared by concurrent steps
-    (each fetch gets the link's per-request bandwidth; `steps_fetch_mb_per_s`, every step's
-    Δ bytes over the steps' span, says what total rate that assumes); a real store's own
-    serving time beyond its latency (moto's is in the measured fetches); Celery, database and lock overheads between tasks; the first round's extra
-    checks (peer cosines, settlement: steady state is modelled); replicas and partial
-    units; evaluation's loading of each path's modules; the workers' own downloads
-    (weights, chunks) and their training-speed spread beyond the lockstep case; memory and
-    disk (a shared step holds 256 Δs' checked copies on local disk).
+    What the model leaves out: the server's network interface shared by concurrent tasks
+    (each gets the link's per-request bandwidth: `steps_fetch_mb_per_s` is the total rate
+    the steps' span assumes); a core counted busy while its task waits on the link;
+    Celery, database and lock overheads; the first round's extra checks (peer cosines,
+    settlement: steady state is modelled); replicas, partial units, a failed score task's
+    inline rescoring; evaluation's loading of each path's modules; GPUs on the server; the
+    workers' own downloads and their speed spread beyond the lockstep case; memory and disk
+    (a checked-at-arrival shared step keeps 256 decoded Δs, ~59 GB fp32, on local disk).
     """
     layout = LayoutConfig.grid(config.model.num_layers, levels=LEVELS, modules=MODULES)
-    units, level_modules = layout.num_paths, sum(layout.modules_per_level)
+    units, level_modules, levels = layout.num_paths, sum(layout.modules_per_level), LEVELS
     unit_s, waves = config.units.target_seconds, math.ceil(units / VOLUNTEERS)
     training = waves * (unit_s + figures["manifest_seconds"])
-    lv, sh = costs(figures, "level"), costs(figures, "shared")
-    per_path = len(layout.levels) + 1  # a unit's Δs: one per level, one of the shared module
-    through = units // MODULES  # paths through a level module
-    score_task = (figures["score_build_cpu"] + figures["score_load_seconds"]
-                  + figures["score_rows_seconds"] + figures["scoring_cpu"])  # fmt: skip
+    lv, sh, link, through = costs(figures, "level"), costs(figures, "shared"), figures["link"], units // MODULES  # fmt: skip
+    cpu = figures["score_build_cpu"] + figures["scoring_cpu"]
+    score_task = cpu + figures["score_load_seconds"] + figures["score_rows_seconds"]
     evaluation = figures["evaluation_cpu"] / figures["eval_windows"] * figures["sample_windows"]
-    manifests = figures["manifest_cpu"] * units
-    extra = evaluation + manifests
+    manifests = figures["manifest_cpu"] * units  # through: the paths through a level module
+    # The link alone: 4 module-sized objects a step (base and momentum in, weights and
+    # momentum out); a score task, its path's modules and Δs and 2 requests for its rows.
+    move = {k: 4 * transfer(4 * sum(numels(config, m)), link) for k, m in (("level", "0.0"), ("shared", "shared"))}  # fmt: skip
+    nominal = {k: {**c, "fetch": c["fetch_nominal"], "fixed": c["outer"] + move[k]}
+               for k, c in (("level", lv), ("shared", sh))}  # fmt: skip
+    score_nominal = cpu + figures["score_load_cpu"] + (move["level"] * levels + move["shared"]) / 4
+    score_nominal += levels * lv["fetch_nominal"] + sh["fetch_nominal"] + 2 * transfer(0, link)
 
-    def step(c: dict[str, float], n: int, checked: bool) -> float:
-        return n * (c["aggregate"] + (0.0 if checked else c["fetch"] + c["check"])) + c["fixed"]
+    def scenario(kinds: dict[str, dict[str, float]], task: float, checked: bool,
+                 split: int = 1) -> dict[str, Any]:  # fmt: skip
+        def step(k: dict[str, float], n: int) -> float:
+            return n * (k["aggregate"] + (0.0 if checked else k["fetch"] + k["check"])) + k["fixed"]
 
-    rounded = lambda c: {k: round(v, 4) for k, v in c.items()}  # noqa: E731
-    fetched = units * (len(layout.levels) * lv["delta_bytes"] + sh["delta_bytes"])
-    built = _round(step(lv, through, False), step(sh, units, False), score_task,
-                   level_modules, units, training, unit_s, extra)  # fmt: skip
-    arrival = len(layout.levels) * (lv["fetch"] + lv["check"]) + sh["fetch"] + sh["check"]
-    checked = _round(step(lv, through, True), step(sh, units, True), score_task + arrival,
-                     level_modules, units, training, unit_s, extra)  # fmt: skip
-    share = tensor_share(config)
-    split = _round(step(lv, through, True), step(sh, units, True) * share, score_task + arrival,
-                   level_modules, units, training, unit_s, extra)  # fmt: skip
+        lv_, sh_ = kinds["level"], kinds["shared"]
+        if checked:  # each Δ fetched and checked at its completion, beside its unit's score
+            task += levels * (lv_["fetch"] + lv_["check"]) + sh_["fetch"] + sh_["check"]
+        shared = [step(sh_, units) / split] * split
+        return _round(step(lv_, through), shared, task, level_modules, units, training,
+                      unit_s, evaluation + manifests)  # fmt: skip
+
+    measured = {"level": lv, "shared": sh}
+    built = scenario(measured, score_task, False)
+    fetched = units * (levels * lv["delta_bytes"] + sh["delta_bytes"])
+    split = round(sum(numels(config, "shared")) / max(numels(config, "shared")))  # by tensor
     return {
-        "grid": f"{MODULES}x{MODULES}: {LEVELS} levels x {MODULES} modules", "levels": LEVELS, "modules": MODULES,
-        "level_modules": level_modules, "modules_total": level_modules + 1, "units": units,
-        "deltas_per_unit": per_path, "deltas_per_level_module": through,
+        "grid": f"{MODULES}x{MODULES}: {levels} levels x {MODULES} modules", "levels": levels,
+        "modules": MODULES, "level_modules": level_modules, "modules_total": level_modules + 1,
+        "units": units, "deltas_per_unit": levels + 1, "deltas_per_level_module": through,
         "deltas_per_shared_module": units, "volunteers": VOLUNTEERS, "cores": CORES,
         "unit_seconds": unit_s, "training_seconds": round(training, 1), **built,
         "score_task_seconds": round(score_task, 2), "scoring_seconds": round(score_task * units, 1),
         "evaluation_seconds": round(evaluation, 1), "manifest_cpu_seconds": round(manifests, 2),
         "score_rows_seconds": round(figures["score_rows_seconds"] * units, 2),
-        "per_delta": {"level": rounded(lv), "shared": rounded(sh)},
+        "per_delta": {k: {n: round(v, 4) for n, v in c.items()} for k, c in measured.items()},
         "shared_fetch_seconds": round(units * sh["fetch"], 1),
         "shared_fetch_nominal_seconds": round(units * sh["fetch_nominal"], 1),
-        "shared_fetch_bytes": int(units * sh["delta_bytes"]),
-        "steps_fetch_bytes": int(fetched),
+        "shared_fetch_bytes": int(units * sh["delta_bytes"]), "steps_fetch_bytes": int(fetched),
         "steps_fetch_mb_per_s": round(fetched / built["steps_span_seconds"] / 1e6, 1),
-        "design_checked_at_arrival": {**checked, "built": False, "what": CHECKED},
+        "at_nominal_link": {**scenario(nominal, score_nominal, False), "what": NOMINAL},
+        "design_checked_at_arrival": {
+            **scenario(measured, score_task, True), "built": False, "what": CHECKED},
         "design_checked_at_arrival_split_by_tensor": {
-            **split, "built": False, "shared_tensor_share": round(share, 4), "what": SPLIT,
-        },
+            **scenario(measured, score_task, True, split), "built": False,
+            "shared_tasks": split, "what": SPLIT},
     }  # fmt: skip
 
 
+NOMINAL = (
+    "the built design with every transfer at the link's own pace (latency + bytes / bandwidth, "
+    "multipart as S3BlobStore sends it): without the test server's own serving time"
+)
 CHECKED = (
     "a design not yet built: each Δ fetched, decoded and checked in a task of its own when its "
     "completion arrives (here added to its unit's scoring task), its checked copy kept for "
@@ -531,7 +531,7 @@ CHECKED = (
 )
 SPLIT = (
     "a design not yet built: as design_checked_at_arrival, and the shared step split by "
-    "tensor (the embedding and the head apart), the span its largest tensor's share"
+    "tensor (the embedding and the head apart) into `shared_tasks` tasks on their own cores"
 )
 
 
@@ -547,9 +547,8 @@ def main() -> None:
     parser.add_argument("--bandwidth-mbs", type=float, default=200.0,
                         help="MB/s per request (200)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="merge this preset's figures into it")
-    parser.add_argument(
-        "--project-only", action="store_true", help="measure nothing: --json's projection anew"
-    )
+    parser.add_argument("--project-only", action="store_true",
+                        help="measure nothing: --json's projection anew")  # fmt: skip
     args = parser.parse_args()
     out: dict[str, Any] = {"presets": {}}
     if args.json is not None and args.json.exists():
