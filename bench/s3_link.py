@@ -77,8 +77,11 @@ def serve(latency_s: float, bandwidth: float) -> None:
                 if k.lower() not in skip:
                     self.send_header(k, v)
             self.end_headers()
-            time.sleep(max(0.0, wait - len(data) / bandwidth))
-            step = BLOCK / bandwidth
+            # What moto itself took counts against the link's time: the head waits out the
+            # rest of the latency, the body the rest of its transfer time.
+            body_s = len(data) / bandwidth
+            time.sleep(max(0.0, wait - body_s))
+            step = BLOCK / bandwidth * min(1.0, max(0.0, wait) / body_s) if body_s else 0.0
             try:
                 for at in range(0, len(data), BLOCK):
                     self.wfile.write(data[at : at + BLOCK])
