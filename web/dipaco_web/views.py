@@ -116,11 +116,8 @@ def _run_context(request: HttpRequest, run_id: int) -> dict[str, Any]:
         # a broker that did not answer): staff read it, everyone else a plain line.
         "error_text": run.error if is_staff(request) else public_error(run),
         # A round open past twice its expected duration is flagged (rounds.reports.activity).
-        "round_age": activity.round_age(run) if run.state in LIVE_STATES else None,
+        "round_age": activity.round_age(run) if run.state == Run.State.RUNNING else None,
     }
-
-
-LIVE_STATES = (Run.State.RUNNING, Run.State.PAUSED)
 
 
 def public_error(run: Run) -> str:

@@ -45,7 +45,7 @@ RUN_PHASE = Metric(
 ROUND_AGE = Metric(
     "dipaco_round_open_age_seconds",
     "gauge",
-    "How long a live run's oldest round not yet closed has been open.",
+    "How long a running run's oldest round not yet closed has been open.",
     ("run",),
 )
 ROUND_EXPECTED = Metric(
@@ -58,7 +58,7 @@ ROUND_EXPECTED = Metric(
 ROUND_STALLED = Metric(
     "dipaco_round_stalled",
     "gauge",
-    "1 when a live run's open round has stayed open more than twice its expected duration.",
+    "1 when a running run's open round has stayed open more than twice its expected duration.",
     ("run",),
 )
 WORKERS = Metric(

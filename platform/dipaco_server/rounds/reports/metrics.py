@@ -110,7 +110,8 @@ class DatabaseCollector(Collector):
             current.add_metric([run.name], run.current_round)
             for value in Run.Phase.values:
                 phase.add_metric([run.name, value], 1 if run.phase == value else 0)
-            opened = activity.round_age(run, now)
+            # A paused run's round stays open on purpose: only running runs' rounds age.
+            opened = activity.round_age(run, now) if run.state == Run.State.RUNNING else None
             if opened is not None:
                 age.add_metric([run.name], opened.age_s)
                 expected.add_metric([run.name], opened.expected_s)
