@@ -297,6 +297,20 @@ def refused_by(port: int, timeout: float = 10.0) -> None:
     raise AssertionError(f"127.0.0.1:{port} still accepts connections")
 
 
+@override_settings(DIPACO_METRICS_TOKEN=METRICS_TOKEN)
+def test_probes_and_the_scrape_answer_any_host_name_and_other_routes_keep_the_check(
+    client: Client,
+) -> None:
+    scraper = {"Authorization": f"Bearer {METRICS_TOKEN}"}
+    for host in ("web:8000", "10.9.8.7:8000"):  # compose's service name, a container's IP
+        assert client.get("/healthz", HTTP_HOST=host).status_code == 200
+        assert client.get("/readyz", HTTP_HOST=host).status_code == 200
+        assert client.get("/metrics", HTTP_HOST=host, headers=scraper).status_code == 200
+        assert client.get("/metrics", HTTP_HOST=host).status_code == 401, "still guarded"
+        assert client.get("/api/v1/health", HTTP_HOST=host).status_code == 400
+        assert client.get("/", HTTP_HOST=host).status_code == 400
+
+
 def test_readyz_names_the_blob_store_when_the_s3_server_is_stopped(
     client: Client, s3_server: S3Server, s3_bucket: str
 ) -> None:

@@ -78,3 +78,18 @@ def test_the_scrape_config_loads_with_its_rules(tmp_path: Path) -> None:
     path = scrape_config(tmp_path, "127.0.0.1:8000", "x" * 32)
     checked = promtool("check", "config", str(path))
     assert checked.returncode == 0, checked.stdout + checked.stderr
+
+
+def test_composes_prometheus_writes_the_token_file_the_scrape_config_reads() -> None:
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    service = compose["services"]["prometheus"]
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    job = config["scrape_configs"][0]
+    script = service["entrypoint"][-1]
+    assert f"> {job['authorization']['credentials_file']}" in script
+    assert "--config.file=/etc/prometheus/dipaco/prometheus.yml" in script
+    assert "./deploy/prometheus:/etc/prometheus/dipaco:ro" in service["volumes"]
+    web = compose["services"]["web"]["command"]
+    port = web[web.index("--bind") + 1].rsplit(":", 1)[1]  # ${DIPACO_PORT:-8000}
+    assert job["static_configs"][0]["targets"] == [f"web:{port.removesuffix('}').split('-')[-1]}"]
+    assert service["profiles"] == ["monitoring"], "plain `docker compose up` starts no Prometheus"

@@ -79,6 +79,8 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     # Counts and times every answer, the shed ones too (monitoring.http).
     "dipaco_server.monitoring.http.RequestMetricsMiddleware",
+    # Probes and the scrape, whatever Host they name (core.probes): before CommonMiddleware.
+    "dipaco_server.core.probes.HostFreeRoutes",
     # First of ours: shedding a request under overload must cost as little as possible.
     "dipaco_server.shedding.LoadSheddingMiddleware",
     # Before sessions and auth: a refused worker request costs one cache round trip.
