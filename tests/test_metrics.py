@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from dipaco_server.accounts.services import create_api_token, create_user
 from dipaco_server.monitoring import names
 from dipaco_server.rounds.lifecycle.open import start_run
-from dipaco_server.rounds.models import Round
+from dipaco_server.rounds.models import Contribution, Round
 from dipaco_server.rounds.reports.metrics import reason_code
 from dipaco_server.workers.services import create_enrollment_token
 from tests.conftest import S3Server
@@ -157,12 +157,27 @@ def test_a_two_round_runs_scrape_counts_its_units_losses_stages_and_requests(
     assert value(samples, "dipaco_http_requests_total", route="healthz", method="GET",
                  status="200") >= 1  # fmt: skip
     assert value(samples, "dipaco_scrape_errors_total", part="runs") == 0
+    bounds = [(float(labels["le"]), v) for labels, v in
+              samples["dipaco_round_stage_seconds_bucket"] if labels["stage"] == "outer_step"]  # fmt: skip
+    assert [v for _, v in sorted(bounds)] == sorted(v for _, v in bounds), "cumulative"
+    assert value(samples, "dipaco_round_stage_seconds_sum", stage="outer_step") > 0
+
+    accepted = value(samples, "dipaco_contributions_accepted_total")
+    rows = list(Contribution.objects.order_by("pk").values_list("pk", flat=True)[:3])
+    for pk, reason in zip(rows, ("norm_outlier: 12x the median", "norm_outlier: 3x",
+                                 "Not a coded reason"), strict=True):  # fmt: skip
+        Contribution.objects.filter(pk=pk).update(status="rejected", reason=reason)
+    rejected = scrape(client)
+    assert value(rejected, "dipaco_contributions_rejected_total", reason="norm_outlier") == 2
+    assert value(rejected, "dipaco_contributions_rejected_total", reason="other") == 1
+    assert value(rejected, "dipaco_contributions_accepted_total") == accepted - 3
+
     served = set(samples)
     for metric in names.ALL:
         if metric in (names.CELERY_QUEUE_LENGTH, names.PREPARATION_PIECES, names.REQUESTS_SHED):
             continue  # no Redis broker, no preparation, nothing shed in this test
         if metric is names.CONTRIBUTIONS_REJECTED:
-            continue  # nothing rejected: a labelled counter with no sample yet
+            continue  # nothing rejected in the first scrape: no sample yet (above: after)
         assert set(metric.samples) <= served, metric.name
 
 

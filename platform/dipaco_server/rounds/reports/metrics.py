@@ -20,10 +20,26 @@ import re
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
+from datetime import timedelta
 from typing import Any
 
 from django.conf import settings
-from django.db.models import Count, F, Max, OuterRef, Q, Subquery, Sum
+from django.db.models import (
+    Case,
+    CharField,
+    Count,
+    DurationField,
+    ExpressionWrapper,
+    F,
+    Max,
+    OuterRef,
+    Q,
+    Subquery,
+    Sum,
+    Value,
+    When,
+)
+from django.db.models.functions import StrIndex, Substr
 from django.utils import timezone
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -182,9 +198,19 @@ class DatabaseCollector(Collector):
         yield _counter(names.CONTRIBUTIONS_ACCEPTED, totals["accepted"])
         yield _counter(names.UPLOAD_BYTES, totals["up"] or 0)
         reasons: Counter[str] = Counter()
+        # Grouped by the reason's code in SQL: reasons carry figures, so their texts are
+        # nearly all different, their codes few.
+        colon = StrIndex("reason", Value(":"))
+        code = Case(
+            When(colon__gt=1, then=Substr("reason", 1, F("colon") - 1)),
+            default=Value(""),
+            output_field=CharField(),
+        )
         rejected = (
             Contribution.objects.filter(status=Contribution.Status.REJECTED)
-            .values_list("reason")
+            .annotate(colon=colon)
+            .annotate(code=code)
+            .values_list("code")
             .annotate(n=Count("pk"))
             .order_by()
         )
@@ -198,19 +224,34 @@ class DatabaseCollector(Collector):
     # --- round stages ------------------------------------------------------------------------
 
     def _stages(self) -> Iterator[Metric]:
-        walls: dict[str, list[float]] = {}
-        for stage, started, ended in RoundStage.objects.values_list(
-            "stage", "started_at", "ended_at"
-        ).iterator(chunk_size=2000):
-            walls.setdefault(stage, []).append(max(0.0, (ended - started).total_seconds()))
-        training = [s for s in self._training_walls().values() if s is not None]
-        if training:
-            walls["training"] = training
         family = HistogramMetricFamily(
             names.ROUND_STAGE_SECONDS.name, names.ROUND_STAGE_SECONDS.help, labels=["stage"]
         )
-        for stage in sorted(walls):
-            family.add_metric([stage], _buckets(walls[stage]), sum_value=sum(walls[stage]))
+        # The server's stages, bucketed in SQL: one row per stage, whatever the rounds.
+        wall = ExpressionWrapper(F("ended_at") - F("started_at"), output_field=DurationField())
+        buckets = {
+            f"le{i}": Count("pk", filter=Q(wall__lte=timedelta(seconds=bound)))
+            for i, bound in enumerate(STAGE_BUCKETS)
+        }
+        rows = (
+            RoundStage.objects.annotate(wall=wall)
+            .values("stage")
+            .annotate(n=Count("pk"), total=Sum("wall"), **buckets)
+            .order_by("stage")
+        )
+        histograms = {}
+        for row in rows:
+            counts = [float(row[f"le{i}"]) for i in range(len(STAGE_BUCKETS))]
+            total = row["total"].total_seconds() if row["total"] is not None else 0.0
+            histograms[row["stage"]] = (counts, float(row["n"]), max(0.0, total))
+        training = [s for s in self._training_walls().values() if s is not None]
+        if training:
+            counts = [float(sum(1 for s in training if s <= b)) for b in STAGE_BUCKETS]
+            histograms["training"] = (counts, float(len(training)), sum(training))
+        for stage in sorted(histograms):
+            counts, n, total = histograms[stage]
+            cumulative = [(_bound(b), c) for b, c in zip(STAGE_BUCKETS, counts, strict=True)]
+            family.add_metric([stage], [*cumulative, ("+Inf", n)], sum_value=total)
         yield family
 
     def _training_walls(self) -> dict[int, float | None]:
@@ -265,17 +306,6 @@ def reason_code(reason: str) -> str:
     reason without one is "other", so the label keeps a bounded set of values."""
     code = reason.partition(":")[0].strip()
     return code if REASON_CODE.match(code) else "other"
-
-
-def _buckets(values: list[float]) -> list[tuple[str, float]]:
-    values = sorted(values)
-    out, i = [], 0
-    for bound in STAGE_BUCKETS:
-        while i < len(values) and values[i] <= bound:
-            i += 1
-        out.append((_bound(bound), float(i)))
-    out.append(("+Inf", float(len(values))))
-    return out
 
 
 def _bound(value: float) -> str:
