@@ -357,3 +357,43 @@ def test_readyz_names_the_blob_store_when_the_s3_server_is_stopped(
     assert body["failed"] == ["blob_store"] and "blob_store" in body["message"]
     assert s3_bucket in body["checks"]["blob_store"]["detail"]
     assert body["checks"]["database"]["ok"] and body["checks"]["broker"]["ok"]
+
+
+MULTIPROCESS_CHILD = """
+import os
+import django
+
+django.setup()
+from prometheus_client import generate_latest
+
+from dipaco_server.monitoring import http
+
+http.REQUESTS.labels("healthz", "GET", "200").inc()
+child = os.fork()  # a second web process, as gunicorn forks its workers
+if child == 0:
+    http.REQUESTS.labels("healthz", "GET", "200").inc()
+    http.SHED.inc()
+    os._exit(0)
+os.waitpid(child, 0)
+print(generate_latest(http.process_registry()).decode())
+"""
+
+
+def test_with_prometheus_multiproc_dir_the_http_counts_are_summed_over_processes(
+    tmp_path: Path,
+) -> None:
+    import os
+    import subprocess
+    import sys
+
+    shared = tmp_path / "multiproc"
+    shared.mkdir()
+    environ = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(shared),
+               "DIPACO_DATA_DIR": str(tmp_path / "data")}  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", MULTIPROCESS_CHILD], env=environ,
+                            capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert 'dipaco_http_requests_total{method="GET",route="healthz",status="200"} 2.0' in lines
+    assert "dipaco_requests_shed_total 1.0" in lines
+    assert len(list(shared.glob("counter_*.db"))) == 2, "one file per process"
