@@ -148,6 +148,7 @@ def _main(args: argparse.Namespace) -> int:
     metrics = None
     try:
         if args.metrics_port is not None:
+            # prometheus_client is optional on a worker-only install: only with the option
             from worker_agent.metrics import serve_metrics
 
             metrics = serve_metrics(reporter, args.metrics_port, args.metrics_address)

@@ -48,6 +48,7 @@ class ReporterCollector:
         self.reporter = reporter
 
     def collect(self) -> Iterator[Any]:
+        # prometheus_client is optional on a worker: imported only once serving
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
         with self.reporter._lock:
@@ -76,6 +77,7 @@ def serve_metrics(reporter: Reporter, port: int, address: str = "127.0.0.1") -> 
     """Serve /metrics on `address`:`port` from a background thread; returns the server
     (``shutdown()`` stops it). Raises UsageError naming the option when it cannot."""
     try:
+        # optional on a worker-only install: refused below, naming the package
         from prometheus_client import CollectorRegistry, start_http_server
     except ImportError:
         raise UsageError(

@@ -563,17 +563,15 @@ def metrics_token(environ: Environ = os.environ) -> str | None:
     """``DIPACO_METRICS_TOKEN``: the bearer token a Prometheus scrape of /metrics sends
     (rounds.reports.scrape), or None: only staff tokens and DIPACO_METRICS_ALLOW's addresses."""
     value = _get(environ, "DIPACO_METRICS_TOKEN")
-    if value is None:
-        return None
-    fix = "use a random string, e.g. the output of: python -c 'import secrets; print(secrets.token_urlsafe(32))'"
-    if len(value) < MIN_METRICS_TOKEN_LENGTH:
+    fix = "use a random string, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+    if value is not None and len(value) < MIN_METRICS_TOKEN_LENGTH:
         raise refuse(
             "DIPACO_METRICS_TOKEN",
             "***",
             f"shorter than {MIN_METRICS_TOKEN_LENGTH} characters",
             fix,
         )
-    if any(ch.isspace() for ch in value) or not value.isprintable():
+    if value is not None and (any(ch.isspace() for ch in value) or not value.isprintable()):
         raise refuse("DIPACO_METRICS_TOKEN", "***", "holds spaces or control characters", fix)
     return value
 
@@ -583,20 +581,15 @@ def metrics_allow(
 ) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
     """``DIPACO_METRICS_ALLOW``: addresses or networks (comma-separated, e.g.
     ``127.0.0.1, 10.0.0.0/8``) whose scrapes of /metrics need no token; none by default."""
-    value = _get(environ, "DIPACO_METRICS_ALLOW")
-    if value is None:
-        return []
-    networks = []
-    for item in (part.strip() for part in value.split(",")):
+    value, networks = _get(environ, "DIPACO_METRICS_ALLOW"), []
+    for item in (part.strip() for part in (value or "").split(",")):
         if not item:
             continue
         try:
             networks.append(ipaddress.ip_network(item, strict=False))
         except ValueError:
+            fix = "give comma-separated addresses or networks, e.g. 127.0.0.1, 10.0.0.0/8"
             raise refuse(
-                "DIPACO_METRICS_ALLOW",
-                value,
-                f"{item!r} is not an address or a network",
-                "give comma-separated addresses or networks, e.g. 127.0.0.1, 10.0.0.0/8",
+                "DIPACO_METRICS_ALLOW", value or "", f"{item!r} is not an address or a network", fix
             ) from None
     return networks

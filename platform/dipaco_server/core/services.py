@@ -81,6 +81,7 @@ _probes: dict[tuple[str, ...], Any] = {}
 def _s3_probe(config: dict[str, Any]) -> Any:
     """A client for the readiness probe only: one attempt, short time-outs (the store's own
     client retries five times, which would hold a probe for seconds)."""
+    # boto3 (~0.2 s to import) only where S3 is configured, as storage.factory does
     import boto3
     from botocore.config import Config
 

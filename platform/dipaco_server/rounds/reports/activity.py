@@ -43,7 +43,9 @@ from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import LAST_SEEN_RESOLUTION
 
 STATES = ("training", "idle", "stuck", "offline", "distrusted", "revoked")
-STUCK_AFTER_TIMEOUTS = 3  # issue 62: heartbeats without a completion for three lease timeouts
+STUCK_AFTER_TIMEOUTS = (
+    3  # lease timeouts without a completion: a dead agent's lease is gone after one
+)
 STALL_FACTOR = 2.0  # a round open past twice its expected duration is flagged
 EXPECTED_FROM = 5  # closed rounds whose median duration a round is expected to take
 

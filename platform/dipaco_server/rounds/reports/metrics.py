@@ -320,7 +320,7 @@ _clients: dict[str, Any] = {}
 
 
 def _redis(url: str) -> Any:
-    import redis
+    import redis  # only with REDIS_URL set: the embedded server has no Redis to measure
 
     client = _clients.get(url)
     if client is None:
