@@ -255,6 +255,9 @@ def test_a_worker_that_heartbeats_without_completing_for_three_lease_timeouts_is
 
     page = client.get(f"/workers/{worker_id}/").content.decode()
     assert 'data-activity="stuck"' in page and "data-stuck" in page
+    listed_page = client.get("/workers/").content.decode()
+    row = listed_page[listed_page.index(f'data-worker="{worker_id}"') :].split("</tr>")[0]
+    assert "data-stuck" in row
     other = ids["waiting"]
     assert 'data-activity="idle"' in client.get(f"/workers/{other}/").content.decode()
 

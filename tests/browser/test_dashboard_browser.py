@@ -254,6 +254,8 @@ def test_a_stuck_worker_and_a_stalled_round_are_flagged_on_their_pages(
     assert text_of(browser, "[data-activity]") == "stuck"
     assert "three lease timeouts" in text_of(browser, "[data-stuck]")
     screenshot(browser, "worker-stuck")
+    open_page(browser, live_server, "/workers/")
+    assert text_of(browser, f'#workers-table tr[data-worker="{alpha.pk}"] [data-stuck]') == "stuck"
     open_page(browser, live_server, f"/workers/{beta.pk}/")
     assert text_of(browser, "[data-activity]") == "idle"
     assert browser.find_elements("css selector", "[data-stuck]") == []
