@@ -21,7 +21,9 @@ from dipaco_server.accounts.services import create_api_token, create_user
 from dipaco_server.monitoring import names
 from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.models import Contribution, Round
+from dipaco_server.rounds.reports import activity
 from dipaco_server.rounds.reports.metrics import reason_code
+from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token
 from tests.conftest import S3Server
 from tests.faults import TcpProxy
@@ -260,6 +262,14 @@ def test_a_worker_that_heartbeats_without_completing_for_three_lease_timeouts_is
     assert "data-stuck" in row
     other = ids["waiting"]
     assert 'data-activity="idle"' in client.get(f"/workers/{other}/").content.decode()
+
+    register(client, enrollment, "gone")
+    Worker.objects.filter(name="gone").update(last_seen=timezone.now() - timedelta(days=1))
+    Worker.objects.filter(name="waiting").update(revoked=True)
+    Worker.objects.filter(name="fresh").update(trust=0.1)  # below DIPACO_MIN_TRUST (0.3)
+    states = {s: value(scrape(client), "dipaco_workers", state=s) for s in activity.STATES}
+    assert states == {"training": 0, "idle": 0, "stuck": 1, "offline": 1, "distrusted": 1,
+                      "revoked": 1}, states  # fmt: skip
 
 
 def test_a_round_open_past_twice_its_expected_duration_is_flagged_on_the_run_page(

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
-from django.db.models import Exists, OuterRef, Q, QuerySet
+from django.db.models import Count, Exists, OuterRef, Q, QuerySet
 from django.dispatch import receiver
 from django.utils import timezone
 
@@ -98,19 +98,24 @@ def stuck_workers(window: Window | None = None) -> QuerySet[Worker]:
 
 
 def worker_counts(window: Window | None = None) -> dict[str, int]:
-    """How many workers are in each of STATES (every state present, zeros included)."""
+    """How many workers are in each of STATES (every state present, zeros included), in two
+    queries: one aggregate over the workers, one count of the stuck."""
     window = window or Window.at()
-    min_trust = trust.setting("DIPACO_MIN_TRUST")
+    usable = Q(revoked=False, trust__gte=trust.setting("DIPACO_MIN_TRUST"))
+    online = usable & Q(last_seen__gte=window.alive_since)
+    totals = Worker.objects.aggregate(
+        n_revoked=Count("pk", filter=Q(revoked=True)),
+        n_distrusted=Count("pk", filter=Q(revoked=False) & ~usable),
+        n_offline=Count("pk", filter=usable & ~Q(last_seen__gte=window.alive_since)),
+        n_online=Count("pk", filter=online),
+        n_holding=Count("pk", filter=online & Q(_holding())),
+    )
     counts = dict.fromkeys(STATES, 0)
-    counts["revoked"] = Worker.objects.filter(revoked=True).count()
-    counts["distrusted"] = Worker.objects.filter(revoked=False, trust__lt=min_trust).count()
-    usable = Worker.objects.filter(revoked=False, trust__gte=min_trust)
-    counts["offline"] = usable.exclude(last_seen__gte=window.alive_since).count()
-    online = _usable(window)
-    holding = online.filter(_holding()).count()
+    counts["revoked"], counts["distrusted"] = totals["n_revoked"], totals["n_distrusted"]
+    counts["offline"] = totals["n_offline"]
     counts["stuck"] = stuck_workers(window).count()
-    counts["training"] = holding - counts["stuck"]
-    counts["idle"] = online.count() - holding
+    counts["training"] = totals["n_holding"] - counts["stuck"]
+    counts["idle"] = totals["n_online"] - totals["n_holding"]
     return counts
 
 
