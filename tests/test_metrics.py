@@ -223,6 +223,7 @@ def test_a_worker_that_heartbeats_without_completing_for_three_lease_timeouts_is
     start_run(prepare_run(make_run()))
     _, enrollment = create_enrollment_token(max_uses=None)
     hung, waiting = register(client, enrollment, "hung"), register(client, enrollment, "waiting")
+    started = time.monotonic()  # before the grant: `at` below is never less than its age
     granted = client.post("/api/v1/worker/lease", headers=hung)
     assert granted.status_code == 200, granted.content
     lease = granted.json()
@@ -236,12 +237,12 @@ def test_a_worker_that_heartbeats_without_completing_for_three_lease_timeouts_is
         assert answer.status_code == 200, answer.content
         return str(answer.json()["state"])
 
-    started = time.monotonic()
     seen = []
     while time.monotonic() - started < 3 * 1.0 + 1.0:  # three lease timeouts, and a margin
         heartbeat(client, hung, lease)
         heartbeat(client, waiting, None)
-        seen.append((round(time.monotonic() - started, 1), state()))
+        now_state = state()
+        seen.append((round(time.monotonic() - started, 2), now_state))  # timed after asking
         time.sleep(0.25)
     early = [s for at, s in seen if at < 2.5]
     assert early and set(early) == {"training"}, seen
