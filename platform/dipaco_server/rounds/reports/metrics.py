@@ -8,7 +8,7 @@ counter reset. Each part is collected on its own: a part that fails (Redis away 
 queue lengths) is left out of that scrape and counted in ``dipaco_scrape_errors_total``,
 never a failed scrape.
 
-A scrape costs a fixed number of queries (about fifteen, plus one per live run), each an
+A scrape costs a fixed number of queries (about fifteen, plus two per running run), each an
 aggregate over indexed columns; the training stage of closed rounds, which is read from
 their leases, is kept per process once computed (a closed round's leases do not change).
 """
