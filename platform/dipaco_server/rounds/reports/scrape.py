@@ -15,6 +15,10 @@ A scrape is served when any of these holds:
 
 Anything else is refused in the API's error shape: 401 without a token, 401 or 403 with a
 token that is not one of those; the message names both variables.
+
+With the database down, a scrape with DIPACO_METRICS_TOKEN is still answered: each part
+of the database's figures that fails is left out and counted in
+``dipaco_scrape_errors_total`` (the DipacoScrapeIncomplete alert), the HTTP counts stay.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import hmac
 import ipaddress
 
 from django.conf import settings
+from django.db import DatabaseError
 from django.http import HttpRequest, HttpResponse
 from django.views.decorators.http import require_safe
 from prometheus_client import CollectorRegistry, generate_latest
@@ -72,6 +77,13 @@ def refusal(request: HttpRequest) -> HttpResponse | None:
     except ServiceError as exc:
         return error_response(
             exc.status, "metrics_forbidden", f"this token may not scrape /metrics ({exc}): {HOW}"
+        )
+    except DatabaseError:
+        return error_response(
+            503,
+            "database_unavailable",
+            "the database does not answer, so a staff token cannot be checked; scrape with "
+            "DIPACO_METRICS_TOKEN, which needs no database (GET /readyz says what is down)",
         )
     return None
 
