@@ -34,6 +34,10 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	@# The alert rules (deploy/prometheus); tests/test_prometheus_rules.py runs them too.
+	@if command -v promtool >/dev/null; then promtool check rules deploy/prometheus/alerts.yml \
+	  && promtool test rules deploy/prometheus/alerts_test.yml; \
+	else echo "warning: promtool not found (apt-get install prometheus): alert rules unchecked"; fi
 	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 lint: setup

@@ -36,7 +36,10 @@ the figures), a "release" instruction, unless the database shows it completed an
 completion the client got 200 for that is not recorded) and duplicated (a unit completed
 under two leases, or twice to a client). Latencies are also read from gunicorn's access
 log (in the server: from the parsed request to the response), and the CPU the web, Celery
-and S3 processes used per request. Figures and the commands: docs/benchmarks.md.
+and S3 processes used per request. With --scrape-every S, a Prometheus-like client
+scrapes /metrics every S seconds through the window (its latency), and after the load one
+scrape's web + PostgreSQL CPU is measured on the final state, as a share of the server's
+CPU at a 15 s scrape interval. Figures and the commands: docs/benchmarks.md.
 
 Over 1,000 lines: the volunteers speak the worker protocol by hand (thousands in one
 process, so not the agent), and the server they load is started, measured and torn down
@@ -102,6 +105,8 @@ CHECK_OFFSET = (
 # server-side latency, without the client's own queueing when it is short of CPU.
 ACCESS_FORMAT = 'bench-access %(t)s "%(m)s %(U)s" %(s)s %(M)s'
 ACCESS_RE = re.compile(r'^bench-access \[([^\]]+)\] "(\S+) (\S+)" (\d+) (\d+)$')
+SCRAPE_TOKEN = "bench-metrics-scrape-token-0123456789"  # DIPACO_METRICS_TOKEN of the server
+SCRAPE_COST_SCRAPES = 20  # back-to-back scrapes whose CPU gives one scrape's
 MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 2,
          "intermediate_size": 64, "vocab_size": 256, "seq_len": 32}  # fmt: skip
 
@@ -170,6 +175,8 @@ def server_environ(database: str, redis: str, data_dir: Path, url: str,
         environ["DIPACO_GRANT_RATE"] = str(args.grant_rate)
     if args.shed_after:
         environ["DIPACO_SHED_AFTER_S"] = args.shed_after
+    if args.scrape_every:
+        environ["DIPACO_METRICS_TOKEN"] = SCRAPE_TOKEN
     return environ
 
 
@@ -759,6 +766,62 @@ async def load(url: str, tokens: list[str], args: argparse.Namespace,
     return stats, *window
 
 
+# --- Prometheus' scrape of /metrics ------------------------------------------------------
+
+
+async def scrape_loop(url: str, every_s: float, took: list[tuple[float, int]]) -> None:
+    """GET /metrics every `every_s`, as Prometheus does: (seconds, status) of each."""
+    headers = {"Authorization": f"Bearer {SCRAPE_TOKEN}"}
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while True:
+            asked = time.monotonic()
+            try:
+                async with session.get(f"{url}/metrics", headers=headers) as reply:
+                    await reply.read()
+                    status = reply.status
+            except (aiohttp.ClientError, TimeoutError):
+                status = 0
+            took.append((time.monotonic() - asked, status))
+            await asyncio.sleep(max(0.0, every_s - (time.monotonic() - asked)))
+
+
+def scrape_cpu_s(url: str, groups: Mapping[str, list[int]], admin_url: str, name: str) -> float:
+    """Web + PostgreSQL CPU seconds of one scrape: SCRAPE_COST_SCRAPES back to back on the
+    run's final state, the volunteers stopped (beat's sweeps are the only other work)."""
+    web, database = process_cpu_s(groups["web"]), database_backends(admin_url, name)
+    headers = {"Authorization": f"Bearer {SCRAPE_TOKEN}"}
+    with httpx.Client(timeout=60) as client:
+        for _ in range(SCRAPE_COST_SCRAPES):
+            client.get(f"{url}/metrics", headers=headers).raise_for_status()
+    after = database_backends(admin_url, name)
+    spent = process_cpu_s(groups["web"]) - web
+    spent += sum(cpu - database.get(pid, 0.0) for pid, cpu in after.items())
+    return spent / SCRAPE_COST_SCRAPES
+
+
+def scrape_figures(took: list[tuple[float, int]], cpu_s: float, cpu: Mapping[str, float],
+                   seconds: float, every_s: float) -> dict[str, Any]:  # fmt: skip
+    """The scrapes' latency in the window, and a scrape's CPU as a share of the server's
+    (web, PostgreSQL and Celery over the window) at 15 s and at `every_s`."""
+    server_per_s = (cpu["web"] + cpu["postgres"] + cpu["celery"]) / seconds
+    latencies = [t for t, _ in took]
+    return {
+        "every_s": every_s,
+        "scrapes": len(took),
+        "failed": sum(1 for _, status in took if status != 200),
+        "p50_ms": round(1e3 * percentile(latencies, 0.5), 1),
+        "p99_ms": round(1e3 * percentile(latencies, 0.99), 1),
+        "max_ms": round(1e3 * max(latencies, default=math.nan), 1),
+        "cpu_ms_per_scrape": round(1e3 * cpu_s, 1),
+        "server_cpu_cores": round(server_per_s, 3),
+        "share_at_15s": round(cpu_s / 15 / server_per_s, 4) if server_per_s else math.nan,
+        f"share_at_{every_s:g}s": round(cpu_s / every_s / server_per_s, 4)
+        if server_per_s
+        else math.nan,
+    }
+
+
 # --- report -------------------------------------------------------------------------------
 
 
@@ -905,6 +968,8 @@ def print_report(result: dict[str, Any]) -> None:
     print(f"rounds: {result['rounds']}")
     print(f"cpu: {result['cpu']}")
     print(f"client event-loop lag (ms): {result['client_loop_lag_ms']}")
+    if "scrape" in result:
+        print(f"scrape /metrics: {result['scrape']}")
 
 
 async def measured(
@@ -915,11 +980,16 @@ async def measured(
     groups: dict[str, list[int]],
     database: str,
     lags: list[float],
+    scrapes: list[tuple[float, int]],
 ) -> tuple[Stats, float, float, dict[str, float]]:
-    """The volunteers' load, and each process group's CPU over the measured window."""
+    """The volunteers' load, and each process group's CPU over the measured window; with
+    --scrape-every, /metrics scraped through the window (`scrapes`)."""
 
     task = asyncio.create_task(load(url, tokens, args, payloads))
     await asyncio.sleep(args.warmup)
+    scraping = None
+    if args.scrape_every:
+        scraping = asyncio.create_task(scrape_loop(url, args.scrape_every, scrapes))
     before = {k: process_cpu_s(v) for k, v in groups.items()}
     client_before = time.process_time()  # this process: the volunteers and Δ thread
     lagging = asyncio.create_task(loop_lag(lags))
@@ -941,6 +1011,8 @@ async def measured(
     spent["postgres"] = sum(cpu - first.get(pid, 0.0) for pid, cpu in seen.items())
     spent["client"] = time.process_time() - client_before
     lagging.cancel()
+    if scraping is not None:
+        scraping.cancel()
     stats, start, end = await task
     return stats, start, end, spent
 
@@ -1088,6 +1160,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--overlap", choices=("none", "delayed", "eager"), default="none",
                         help="the run's outer.overlap: with delayed, round t + 1 opens as "
                              "round t's outer step starts, so volunteers train through it")  # fmt: skip
+    parser.add_argument("--scrape-every", type=float, metavar="SECONDS",
+                        help="scrape /metrics this often through the window, then measure a "
+                        "scrape's CPU (Prometheus' default interval: 15)")  # fmt: skip
     parser.add_argument("--json", type=Path, help="write the result here")
     return parser.parse_args()
 
@@ -1140,12 +1215,16 @@ def main() -> int:
         }
 
         lags: list[float] = []
+        scrapes: list[tuple[float, int]] = []
         stats, start, end, cpu = asyncio.run(
-            measured(url, tokens, args, payloads, groups, name, lags)
+            measured(url, tokens, args, payloads, groups, name, lags, scrapes)
         )
         result = build_result(
             args, run_id, stats, (start, end), cpu, lags, wall_offset, units, environ, logs
         )
+        if args.scrape_every:
+            cost = scrape_cpu_s(url, groups, args.postgres, name)
+            result["scrape"] = scrape_figures(scrapes, cost, cpu, end - start, args.scrape_every)
         print_report(result)
         if args.json:
             args.json.write_text(json.dumps(result, indent=2) + "\n")

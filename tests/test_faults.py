@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -62,6 +63,7 @@ READY_TIMEOUT_S = 90.0
 SKEW_S = 3 * 3600  # the skewed worker's clock runs three hours ahead
 OUTAGE_S = 30.0  # the S3 outage
 LEASE_TIMEOUT_S = 8  # tests/fault_settings.py
+METRICS_TOKEN = "fault-tests-scrape-token-0123456789"
 
 
 @dataclass
@@ -137,7 +139,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, s3_server: S3Server) -> Iter
         DIPACO_DATA_DIR=str(base / "data"), DIPACO_PUBLIC_URL=f"http://127.0.0.1:{port}",
         DIPACO_HOST="127.0.0.1", DIPACO_PORT=str(port), WEB_CONCURRENCY="2",
         CELERY_CONCURRENCY="1", DJANGO_SETTINGS_MODULE="tests.fault_settings",
-        PYTHONPATH=str(ROOT), DIPACO_FAULTS_DIR=str(faults),
+        PYTHONPATH=str(ROOT), DIPACO_FAULTS_DIR=str(faults), DIPACO_METRICS_TOKEN=METRICS_TOKEN,
     )  # fmt: skip
     migrate = subprocess.run(
         compose_command("migrate", environ), env=environ, capture_output=True, timeout=180
@@ -346,6 +348,8 @@ def test_redis_and_postgres_restarted_mid_run_are_survived_by_every_process(
     stack.redis.stop()
     health = httpx.get(f"{stack.url}/api/v1/health", timeout=30)
     assert health.status_code == 503 and health.json()["broker"]["ok"] is False, health.text
+    ready = httpx.get(f"{stack.url}/readyz", timeout=30)
+    assert ready.status_code == 503 and ready.json()["failed"] == ["broker"], ready.text
     time.sleep(2)
     stack.redis.start()
     # A micro unit trains in ~60 ms, too brief to catch in training by polling: wait
@@ -358,6 +362,17 @@ def test_redis_and_postgres_restarted_mid_run_are_survived_by_every_process(
     stack.postgres.stop()
     health = httpx.get(f"{stack.url}/api/v1/health", timeout=30)
     assert health.status_code == 503 and health.json()["database"]["ok"] is False, health.text
+    ready = httpx.get(f"{stack.url}/readyz", timeout=30)
+    assert ready.status_code == 503 and "database" in ready.json()["failed"], ready.text
+    assert httpx.get(f"{stack.url}/healthz", timeout=30).status_code == 200
+    scraped = httpx.get(f"{stack.url}/metrics", timeout=30,
+                        headers={"Authorization": f"Bearer {METRICS_TOKEN}"})  # fmt: skip
+    assert scraped.status_code == 200, scraped.text  # blind, not down: the errors say so
+    assert re.search(r'^dipaco_scrape_errors_total\{part="runs"\} [1-9]', scraped.text, re.M)
+    staff = httpx.get(f"{stack.url}/metrics", timeout=30,
+                      headers={"Authorization": f"Bearer {stack.token}"})  # fmt: skip
+    assert staff.status_code == 503, staff.text
+    assert staff.json()["error"]["code"] == "database_unavailable", staff.text
     headers = {"Authorization": "Bearer not-a-token"}
     refused = httpx.post(f"{stack.url}/api/v1/worker/lease", headers=headers, timeout=30)
     assert refused.status_code == 503, refused.text  # a clear retry-later, never a 500
@@ -384,7 +399,11 @@ def test_the_s3_server_unreachable_for_30_seconds_delays_the_run_but_loses_nothi
     stack.s3.cut()
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{stack.s3.port}/", timeout=3)
-    time.sleep(OUTAGE_S)
+    outage = time.monotonic()
+    ready = httpx.get(f"{stack.url}/readyz", timeout=30)
+    assert ready.status_code == 503 and ready.json()["failed"] == ["blob_store"], ready.text
+    assert httpx.get(f"{stack.url}/healthz", timeout=30).status_code == 200
+    time.sleep(max(0.0, OUTAGE_S - (time.monotonic() - outage)))
     stack.s3.restore()
 
     wait_for(stack, run_id, "finished", pool, RUN_TIMEOUT_S)

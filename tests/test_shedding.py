@@ -22,6 +22,7 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import Client
+from prometheus_client.parser import text_string_to_metric_families
 
 from dipaco_server import env, shedding, web_worker
 from dipaco_server.api import api
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.django_db
 LEASE = "/api/v1/worker/lease"
 HEARTBEAT = "/api/v1/worker/heartbeat"
 WORK_IN_HAND = ["/api/v1/worker/lease/7/complete", "/api/v1/worker/lease/7/upload-urls"]
+SCRAPE_TOKEN = "shedding-test-scrape-token-0123456789"  # DIPACO_METRICS_TOKEN of the server
 
 
 @contextmanager
@@ -140,6 +142,7 @@ def test_dipaco_servers_gunicorn_measures_the_queue_and_sheds_only_new_work(
         DIPACO_SHED_AFTER_S="0.001",
         DIPACO_RATE_LIMIT_ADDRESS="off",
         DIPACO_RATE_LIMIT_WORKER="off",
+        DIPACO_METRICS_TOKEN=SCRAPE_TOKEN,
     )
     migrate = subprocess.run(
         compose_command("migrate", environ), env=environ, capture_output=True, timeout=180
@@ -153,6 +156,12 @@ def test_dipaco_servers_gunicorn_measures_the_queue_and_sheds_only_new_work(
         urls = [(f"{base}{LEASE}", False), (f"{base}{WORK_IN_HAND[0]}", True)] * 40
         with ThreadPoolExecutor(max_workers=40) as pool:
             answers = list(pool.map(lambda u: (u[0], *send(*u)), urls))
+        # One web process: its /metrics counted every request above.
+        scrape = urllib.request.Request(
+            f"{base}/metrics", headers={"Authorization": f"Bearer {SCRAPE_TOKEN}"}
+        )
+        with urllib.request.urlopen(scrape, timeout=30) as reply:
+            scraped = reply.read().decode()
     finally:
         assert stop_process(server) == 0, log_tail(log)
     lease = [(code, body) for url, code, body in answers if url.endswith(LEASE)]
@@ -165,6 +174,13 @@ def test_dipaco_servers_gunicorn_measures_the_queue_and_sheds_only_new_work(
     # Completions waited in the same queue and were all served (refused by auth).
     assert {code for url, code, _ in answers if not url.endswith(LEASE)} == {401}
     assert "overloaded: shed" in log_tail(log, 400)
+    counted = {s.name: s.value for f in text_string_to_metric_families(scraped) for s in f.samples
+               if s.name == "dipaco_requests_shed_total"}  # fmt: skip
+    assert counted == {"dipaco_requests_shed_total": len(shed)}, counted
+    answered = [s for f in text_string_to_metric_families(scraped) for s in f.samples
+                if s.name == "dipaco_http_requests_total" and s.labels["status"] == "503"]  # fmt: skip
+    assert sum(s.value for s in answered) == len(shed), answered
+    assert all("worker/lease" in s.labels["route"] for s in answered), answered
 
 
 def test_a_process_holds_as_many_connections_as_the_open_files_limit_allows() -> None:

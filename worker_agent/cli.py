@@ -82,6 +82,15 @@ def build_parser() -> argparse.ArgumentParser:
         "benchmarks of unit sizing (default 0)")  # fmt: skip
     add("--cache-size", type=parse_size, default=20 * 1024**3, metavar="SIZE",
         help="keep at most this much module weights cached (default 20GiB)")  # fmt: skip
+    add("--metrics-port", type=int, metavar="N",
+        help="serve this agent's progress (tokens/s, step, loss, bytes moved, last step's "
+        "time) for Prometheus at http://ADDRESS:N/metrics; off by default")  # fmt: skip
+    add(
+        "--metrics-address",
+        default="127.0.0.1",
+        metavar="ADDRESS",
+        help="where --metrics-port listens (default 127.0.0.1: this machine only)",
+    )
     return parser
 
 
@@ -136,7 +145,13 @@ def _main(args: argparse.Namespace) -> int:
     reporter = _reporter(args.json_logs)
     stop = threading.Event()
     _install_signals(stop, reporter)
+    metrics = None
     try:
+        if args.metrics_port is not None:
+            # prometheus_client is optional on a worker-only install: only with the option
+            from worker_agent.metrics import serve_metrics
+
+            metrics = serve_metrics(reporter, args.metrics_port, args.metrics_address)
         from worker_agent.run import run_agent  # torch (seconds): not for --help
 
         run_agent(args, reporter, stop)
@@ -151,6 +166,8 @@ def _main(args: argparse.Namespace) -> int:
         reporter.event("error", f"unexpected error: {type(exc).__name__}: {exc}", exit_code=1)
         return ExitCode.ERROR
     finally:
+        if metrics is not None:
+            metrics.shutdown()
         reporter.close()
 
 

@@ -60,6 +60,8 @@ class Reporter:
     def status(self, **fields: Any) -> None:
         with self._lock:
             self.fields.update(fields)
+            if "step" in fields:  # for --metrics-port: how long training has been still
+                self.fields["last_step_at"] = time.time()
 
     def log_handler(self) -> logging.Handler:
         return logging.NullHandler()

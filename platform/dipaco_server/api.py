@@ -61,7 +61,48 @@ class DipacoAPI(NinjaAPI):
         errors.document_errors(schema)
         document_shedding(schema)
         _document_public_reads(schema)
+        _link_datasets(schema)
         return schema
+
+
+DATASET_OPERATION = "dipaco_server_runs_api_get_dataset"
+
+
+def _link_datasets(schema: OpenAPISchema) -> None:
+    """Each answer that names a run's dataset links to it, from a single value.
+
+    A run's ``dataset_id`` is null when the run reads its corpus itself. Without a link,
+    schemathesis' stateful phase infers one from the field's name, and from a list of runs
+    it picks any run's value, a null among them: ``GET /datasets/None``. An OpenAPI link
+    replaces the inferred one; its expression names one value (the answer's, or the first
+    listed run's), and a null one is not followed.
+    """
+    components = schema.get("components", {}).get("schemas", {})
+
+    def resolved(node: Any) -> Any:
+        while isinstance(node, dict) and "$ref" in node:
+            node = components.get(node["$ref"].rsplit("/", 1)[-1], {})
+        return node
+
+    for operations in schema.get("paths", {}).values():
+        for operation in operations.values():
+            for status, answer in operation.get("responses", {}).items():
+                if not str(status).startswith("2"):
+                    continue
+                body = resolved(answer.get("content", {}).get("application/json", {}).get("schema"))
+                properties = body.get("properties", {}) if isinstance(body, dict) else {}
+                listed = resolved(properties.get("items", {}).get("items"))
+                if "dataset_id" in properties:
+                    pointer = "$response.body#/dataset_id"
+                elif isinstance(listed, dict) and "dataset_id" in listed.get("properties", {}):
+                    pointer = "$response.body#/items/0/dataset_id"
+                else:
+                    continue
+                answer.setdefault("links", {})["dataset"] = {
+                    "operationId": DATASET_OPERATION,
+                    "parameters": {"dataset_id": pointer},
+                    "description": "The run's dataset; none when dataset_id is null.",
+                }
 
 
 def _document_public_reads(schema: OpenAPISchema) -> None:

@@ -13,6 +13,7 @@ the Celery broker and result store, and the blob store all live under
 
 from __future__ import annotations
 
+import ipaddress
 import math
 import os
 import re
@@ -54,6 +55,8 @@ KNOWN_VARIABLES = frozenset(
         "DIPACO_HEARTBEAT_RATE",
         "DIPACO_SHED_AFTER_S",
         "DIPACO_WORKER_INSTALL",
+        "DIPACO_METRICS_TOKEN",
+        "DIPACO_METRICS_ALLOW",
     }
 )
 
@@ -551,3 +554,42 @@ def rate_limit_cache(redis: str | None) -> dict[str, Any]:
         "KEY_PREFIX": "dipaco:ratelimit",
         "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
     }
+
+
+MIN_METRICS_TOKEN_LENGTH = 16
+
+
+def metrics_token(environ: Environ = os.environ) -> str | None:
+    """``DIPACO_METRICS_TOKEN``: the bearer token a Prometheus scrape of /metrics sends
+    (rounds.reports.scrape), or None: only staff tokens and DIPACO_METRICS_ALLOW's addresses."""
+    value = _get(environ, "DIPACO_METRICS_TOKEN")
+    fix = "use a random string, e.g. python -c 'import secrets; print(secrets.token_urlsafe(32))'"
+    if value is not None and len(value) < MIN_METRICS_TOKEN_LENGTH:
+        raise refuse(
+            "DIPACO_METRICS_TOKEN",
+            "***",
+            f"shorter than {MIN_METRICS_TOKEN_LENGTH} characters",
+            fix,
+        )
+    if value is not None and (any(ch.isspace() for ch in value) or not value.isprintable()):
+        raise refuse("DIPACO_METRICS_TOKEN", "***", "holds spaces or control characters", fix)
+    return value
+
+
+def metrics_allow(
+    environ: Environ = os.environ,
+) -> list[ipaddress.IPv4Network | ipaddress.IPv6Network]:
+    """``DIPACO_METRICS_ALLOW``: addresses or networks (comma-separated, e.g.
+    ``127.0.0.1, 10.0.0.0/8``) whose scrapes of /metrics need no token; none by default."""
+    value, networks = _get(environ, "DIPACO_METRICS_ALLOW"), []
+    for item in (part.strip() for part in (value or "").split(",")):
+        if not item:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(item, strict=False))
+        except ValueError:
+            fix = "give comma-separated addresses or networks, e.g. 127.0.0.1, 10.0.0.0/8"
+            raise refuse(
+                "DIPACO_METRICS_ALLOW", value or "", f"{item!r} is not an address or a network", fix
+            ) from None
+    return networks

@@ -44,7 +44,7 @@ CSRF_COOKIE_SECURE = _https
 SESSION_COOKIE_HTTPONLY = True
 SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https") if _https else None
 SECURE_SSL_REDIRECT = _https and not DEBUG
-SECURE_REDIRECT_EXEMPT = [r"^api/v1/health$"]
+SECURE_REDIRECT_EXEMPT = [r"^api/v1/health$", r"^healthz$", r"^readyz$", r"^metrics$"]
 SECURE_HSTS_SECONDS = 365 * 24 * 3600 if _https and not DEBUG else 0
 SECURE_HSTS_INCLUDE_SUBDOMAINS = _https
 SECURE_HSTS_PRELOAD = _https
@@ -77,6 +77,10 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    # Counts and times every answer, the shed ones too (monitoring.http).
+    "dipaco_server.monitoring.http.RequestMetricsMiddleware",
+    # Probes and the scrape, whatever Host they name (core.probes): before CommonMiddleware.
+    "dipaco_server.core.probes.HostFreeRoutes",
     # First of ours: shedding a request under overload must cost as little as possible.
     "dipaco_server.shedding.LoadSheddingMiddleware",
     # Before sessions and auth: a refused worker request costs one cache round trip.
@@ -153,6 +157,10 @@ DIPACO_SHED_AFTER_S = env.shed_after_s(os.environ)
 # Where evaluation and proof of useful work run their forward passes (runs.device): auto
 # (CUDA where torch sees it), cpu, cuda or cuda:N.
 DIPACO_SERVER_DEVICE = os.environ.get("DIPACO_SERVER_DEVICE", "auto")
+# Who may scrape /metrics (dipaco_server.rounds.reports.scrape): a bearer token, and addresses
+# or networks that need none; staff tokens always may.
+DIPACO_METRICS_TOKEN = env.metrics_token(os.environ)
+DIPACO_METRICS_ALLOW = env.metrics_allow(os.environ)
 # What the enrolment page tells volunteers to install before `dipaco-worker` (dipaco_web).
 DIPACO_WORKER_INSTALL = env.worker_install(os.environ)
 CACHES = {

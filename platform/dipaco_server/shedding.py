@@ -29,6 +29,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 
 from dipaco_server.errors import error_response
+from dipaco_server.monitoring.http import SHED
 from dipaco_server.ratelimit import WORKER_API_PREFIX
 from dipaco_server.web_worker import queued_s
 
@@ -111,6 +112,7 @@ class LoadSheddingMiddleware:
         if waited is None or limit is None or waited <= limit or not is_sheddable(request):
             return self.get_response(request)
         self.shed += 1
+        SHED.inc()  # dipaco_requests_shed_total
         now = time.monotonic()
         if now - self._logged_at >= LOG_EVERY_S:
             self._logged_at = now

@@ -1,4 +1,5 @@
-"""URL map: dashboard at /, API at /api/v1/, blob transfers at /blobs/.
+"""URL map: dashboard at /, API at /api/v1/, blob transfers at /blobs/, probes at
+/healthz and /readyz, Prometheus metrics at /metrics.
 
 Errors (handler404/403/500, and CSRF_FAILURE_VIEW) are dipaco_server.error_pages: JSON in
 the API's shape under /api/ and /blobs/, pages of the site everywhere else. The dashboard
@@ -11,12 +12,18 @@ from django.urls import include, path, re_path
 
 from dipaco_server import error_pages, errors
 from dipaco_server.api import api
+from dipaco_server.core import probes
+from dipaco_server.rounds.reports import scrape
 
 urlpatterns = [
     path("", include("dipaco_web.urls")),
     path("api/v1/", api.urls),
     re_path(r"^api(/|$)", errors.not_found),
     path("favicon.ico", error_pages.favicon),
+    # Operators' tools: probes (no token) and Prometheus' scrape (rounds.reports.scrape).
+    path("healthz", probes.healthz, name="healthz"),
+    path("readyz", probes.readyz, name="readyz"),
+    path("metrics", scrape.metrics, name="metrics"),
     path("blobs/", include("dipaco_server.storage.urls")),
     path("admin/", admin.site.urls),
     # Static files straight from the installed apps (finders), also with

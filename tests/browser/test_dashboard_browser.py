@@ -222,3 +222,41 @@ def test_the_run_page_updates_without_a_reload(
     )
     assert x == [1, 2, 3, 4]
     assert browser.execute_script("return window.notReloaded") is True
+
+
+def test_a_stuck_worker_and_a_stalled_round_are_flagged_on_their_pages(
+    browser: Any, live_server: Any, served: ShortRun
+) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from dipaco_server.rounds.models import Lease, Round
+
+    run, alpha, beta = served.run, served.workers["alpha"], served.workers["beta"]
+    open_page(browser, live_server, f"/runs/{run.pk}/")
+    assert browser.find_elements("css selector", "[data-round-stalled]") == []
+    open_page(browser, live_server, f"/workers/{alpha.pk}/")
+    assert text_of(browser, "[data-activity]") == "training"
+
+    # Round t = 3 opened 20 minutes ago (its three predecessors took 5, 8 and 11), and alpha has
+    # held its unit since, heartbeating (seen now), with nothing completed: three lease
+    # timeouts of 5 minutes are past.
+    long_ago = timezone.now() - timedelta(minutes=20)
+    Round.objects.filter(run=run, t=served.rounds_done).update(opened_at=long_ago)
+    Lease.objects.filter(worker=alpha, state=Lease.State.ACTIVE).update(granted_at=long_ago)
+
+    open_page(browser, live_server, f"/runs/{run.pk}/")
+    flag = text_of(browser, "[data-round-stalled]")
+    assert "Round 4" in flag and "more than twice the 8 min" in flag, flag  # t = 3, shown 4
+    screenshot(browser, "run-stalled")
+    open_page(browser, live_server, f"/workers/{alpha.pk}/")
+    assert text_of(browser, "[data-activity]") == "stuck"
+    assert "three lease timeouts" in text_of(browser, "[data-stuck]")
+    screenshot(browser, "worker-stuck")
+    open_page(browser, live_server, "/workers/")
+    assert text_of(browser, f'#workers-table tr[data-worker="{alpha.pk}"] [data-stuck]') == "stuck"
+    open_page(browser, live_server, f"/workers/{beta.pk}/")
+    assert text_of(browser, "[data-activity]") == "idle"
+    assert browser.find_elements("css selector", "[data-stuck]") == []
+    assert console_errors(browser) == []

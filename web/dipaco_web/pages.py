@@ -31,6 +31,7 @@ from dipaco_server.errors import ServiceError
 from dipaco_server.inference import card, generation
 from dipaco_server.inference.selection import select
 from dipaco_server.rounds.models import Contribution, Lease
+from dipaco_server.rounds.reports import activity
 from dipaco_server.runs.models import MetricPoint, Path, Run
 from dipaco_server.runs.phases import PATHS
 from dipaco_server.workers import probation, trust
@@ -105,6 +106,7 @@ def worker_context(worker: Worker) -> dict[str, Any]:
     online_since = queries.online_window()
 
     seen = worker.last_seen
+    window = activity.Window.at()
     return {
         "worker": worker,
         "device": queries.device_label(worker.device),
@@ -118,6 +120,9 @@ def worker_context(worker: Worker) -> dict[str, Any]:
         "replicas": (worker.replicas_agreed, worker.replicas_disagreed),
         # workers.probation: trust is earned by agreement with several distinct partners
         "standing": _standing(worker),
+        # training, idle, stuck... (rounds.reports.activity): stuck is flagged on the page
+        "activity": activity.worker_state(worker, window),
+        "stuck_after_s": (window.now - window.stuck_since).total_seconds(),
     }
 
 

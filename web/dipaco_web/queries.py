@@ -19,6 +19,7 @@ from django.utils import timezone
 from dipaco.evaluate import perplexity  # one helper, so every page shows the same number
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.reports import activity
 from dipaco_server.rounds.stages import stages_by_round
 from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import MetricPoint, ModuleVersion, Path, Run
@@ -387,6 +388,7 @@ class WorkerRow:
     rejected: int
     accepted_tokens: int = 0
     current: list[str] = field(default_factory=list)  # "run r · path p" it is training now
+    stuck: bool = False  # heartbeats, holds a lease, completed nothing (rounds.reports.activity)
 
 
 def online_window() -> timedelta:
@@ -409,6 +411,7 @@ def worker_rows(*, now: datetime | None = None) -> list[WorkerRow]:
         .values_list("worker_id", "unit__round__run__name", "unit__path__index")
     ):
         current[worker_id].append(f"{run_name} · path {path_index}")
+    stuck = set(activity.stuck_workers(activity.Window.at(now)).values_list("pk", flat=True))
     rows = [
         WorkerRow(
             worker=w,
@@ -420,6 +423,7 @@ def worker_rows(*, now: datetime | None = None) -> list[WorkerRow]:
             # as the worker API's tokens_processed, not every unit with one accepted Δ.
             accepted_tokens=w.tokens_processed,
             current=current.get(w.pk, []),
+            stuck=w.pk in stuck,
         )
         for w in workers
     ]

@@ -29,6 +29,7 @@ from django.views.decorators.http import require_GET, require_POST
 from dipaco import __version__
 from dipaco_server.audit.services import record
 from dipaco_server.errors import ApiError, ServiceError
+from dipaco_server.rounds.reports import activity
 from dipaco_server.runs.models import Run
 from dipaco_web import actions, curves, queries
 from dipaco_web.numbering import charts_for_people
@@ -114,6 +115,8 @@ def _run_context(request: HttpRequest, run_id: int) -> dict[str, Any]:
         # A run's error text can name server paths and hosts (a corpus that failed to read,
         # a broker that did not answer): staff read it, everyone else a plain line.
         "error_text": run.error if is_staff(request) else public_error(run),
+        # A round open past twice its expected duration is flagged (rounds.reports.activity).
+        "round_age": activity.round_age(run) if run.state == Run.State.RUNNING else None,
     }
 
 

@@ -11,3 +11,6 @@ class RoundsConfig(AppConfig):
         # ended run's leases; rounds.signals: close a round a completion made ready);
         # imported here, as Django wants, once every app's models are loaded.
         from dipaco_server.rounds.lifecycle import receivers  # noqa: F401
+
+        # Answers workers.signals.state_asked: a worker's state follows from its leases.
+        from dipaco_server.rounds.reports import activity  # noqa: F401

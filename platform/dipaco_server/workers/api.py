@@ -20,7 +20,7 @@ from dipaco_server.accounts.auth import staff_auth
 from dipaco_server.audit.services import audited
 from dipaco_server.bounds import JSON_INTEGER, MAX_INT, Paging, TokenId, WorkerId
 from dipaco_server.errors import ApiError
-from dipaco_server.workers import probation, services, trust
+from dipaco_server.workers import probation, services, signals, trust
 from dipaco_server.workers.models import EnrollmentToken, Worker
 
 router = Router(tags=["admin: workers"], auth=staff_auth)
@@ -97,6 +97,15 @@ class WorkerOut(Schema):
     )
     held_tokens: int = Field(description="Their tokens, held the same way.")
     replication_rate: float = Field(description="The share of its units replicated now.")
+    state: str = Field(
+        description="What it is doing now, one of: training, idle, stuck (heartbeats and "
+        "holds a lease but completed nothing for three lease timeouts), offline, "
+        "distrusted, revoked."
+    )
+
+    @staticmethod
+    def resolve_state(obj: Worker) -> str:
+        return signals.state_of(obj)
 
     @staticmethod
     def resolve_probation_partners(obj: Worker) -> int:
