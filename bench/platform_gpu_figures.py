@@ -66,8 +66,12 @@ def memory_parts(config: Any) -> dict[str, int]:
     path's parameter count N and the unit's shapes; accounting, not a measurement): the
     resident model's fp32 parameters, gradients and AdamW moments, θ_old (the unit's base,
     for Δ), the checkpoint's host buffers (weights, θ_old and moments, kept between
-    checkpoints: dipaco.inner.checkpoint), Δ in fp32, the encoded upload at the run's
-    codec, and the unit's data (at most two row chunks held: dipaco.data.rows.UnitRows)."""
+    checkpoints: dipaco.inner.checkpoint), Δ in fp32, the AdamW moments' copy a unit's end
+    hands the next unit (`snapshot_adam`), the error-feedback residual of the path's warm
+    state (fp32), the encoded upload at the run's codec, a micro-batch's logits and their
+    gradient, and the unit's data (at most two row chunks: dipaco.data.rows.UnitRows).
+    Activations, module files being read and the runtime are not in it: the measured peak
+    less these parts is what they and transient copies hold."""
     from dipaco.data.rows import CHUNK_BYTES
 
     n = config.num_params()
@@ -81,6 +85,8 @@ def memory_parts(config: Any) -> dict[str, int]:
         "base_snapshot": 4 * n,
         "checkpoint_buffers": 16 * n,
         "delta": 4 * n,
+        "adamw_moments_copy": 8 * n,
+        "feedback_residual": 4 * n,
         "encoded_upload": int(upload * n),
         "logits": B * T * config.model.vocab_size * 4 * 2,  # a micro-batch's and their grad
         "data": min(
