@@ -10,7 +10,9 @@ server serves, as three identities, one after the other:
 - anonymous: no Authorization header;
 - worker: the registered worker's token (its lease id and X-Lease-Secret offered to
   the lease routes through dictionaries, so requests get past the 404s);
-- staff: a staff API token (last: it may cancel the run and revoke the worker).
+- staff: a staff API token (last: it may cancel the run and revoke the worker); on the
+  embedded default also through schemathesis' stateful phase, which follows the schema's
+  links from answers to requests.
 
 Both backends get schemathesis' examples and fuzzing; the coverage phase (every edge of
 every keyword, about 2,800 requests) runs on the cluster only: the request checks
@@ -221,6 +223,11 @@ def fuzz_command(
     # PostgreSQL, the stricter store (column lengths, 32-bit integers, no NUL in text).
     covered = coverage and identity != "anonymous"
     phases = "examples,coverage,fuzzing" if covered else "examples,fuzzing"
+    if identity == "staff" and not coverage:
+        # The stateful phase follows the schema's links from one answer to the next request
+        # (a run's dataset_id to GET /datasets/{dataset_id}): as staff, who reach every
+        # admin route, on the embedded default (the cluster runs the coverage phase).
+        phases += ",stateful"
     command = [
         str(SCHEMATHESIS), "--no-color", "--config-file", str(config), "run",
         f"{url}/api/v1/openapi.json",
