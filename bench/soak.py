@@ -636,7 +636,9 @@ def soak_environ(
 ) -> dict[str, str]:
     """The server's environment: control_plane's, with the soak's settings module and S3."""
     # Soak sets its own S3 variables below; no DB pool (as before), the default grant rate.
-    defaults = argparse.Namespace(db_pool="off", grant_rate=None, shed_after=None)
+    defaults = argparse.Namespace(
+        db_pool="off", grant_rate=None, shed_after=None, scrape_every=None
+    )
     environ = server_environ(database, args.redis, work / "data", url, {}, defaults)
     environ.update(
         DJANGO_SETTINGS_MODULE="soak_settings", OMP_NUM_THREADS="1",
