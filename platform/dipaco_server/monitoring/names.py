@@ -110,7 +110,7 @@ DOWNLOAD_BYTES = Metric(
 ROUND_STAGE_SECONDS = Metric(
     "dipaco_round_stage_seconds",
     "histogram",
-    "Wall seconds of each stage of each round (rounds.stages): training, data_cutting, "
+    "Wall seconds of each stage of each round (rounds.stages): training, manifest, "
     "fetch_decode, checks, scoring, outer_step, publishing, evaluation.",
     ("stage",),
 )
