@@ -99,7 +99,7 @@ def write_path(store: Any, config: RunConfig, windows: int, work: Path) -> Any:
 
 
 def after(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespace) -> dict:
-    from dipaco.data.rows import Segment, UnitRows
+    from dipaco.data.rows import Segment, UnitRows, rows_of
     from dipaco.data.windows import unit_windows
     from dipaco_server.rounds.protocol.unit_data import rows_manifest
     from worker_agent.transfer import BlobCache, Transfers
@@ -135,7 +135,7 @@ def after(link: SlowLink, store: Any, config: RunConfig, args: argparse.Namespac
         def load(i: int) -> np.ndarray:
             ref = chunks[i]
             path = cache.fetch(ref["url"], ref["sha256"], ref["size"], what="rows")
-            return np.fromfile(path, dtype="<u2").reshape(ref["rows"], T + 1)
+            return rows_of(path, "<u2", ref["rows"], T, ref["chunk"])
 
         segments = [Segment(c["chunk"], c["start"], c["count"], c["perm_seed"]) for c in chunks]
         source = UnitRows(segments, [c["rows"] for c in chunks], load, first, T)

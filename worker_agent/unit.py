@@ -25,7 +25,7 @@ import numpy as np
 from torch import Tensor
 
 from dipaco.config import InnerConfig, RunConfig
-from dipaco.data.rows import FORMAT, Segment, UnitRows
+from dipaco.data.rows import FORMAT, Segment, UnitRows, rows_of
 from dipaco.inner import DoesNotFit, StepMetrics, fit_micro_batch
 from worker_agent.client import ChunkRef, LeaseGrant, UnitData, seconds_until
 from worker_agent.errors import OutOfMemory
@@ -191,11 +191,7 @@ def unit_source(
 
     def load(i: int) -> np.ndarray:
         ref = chunks[i]
-        array = np.fromfile(fetch(ref), dtype=data.dtype)
-        if array.size != ref.rows * (seq_len + 1):
-            raise ValueError(f"chunk {ref.chunk} holds {array.size} tokens, not {ref.rows} rows "
-                             f"of {seq_len + 1}")  # fmt: skip
-        return array.reshape(ref.rows, seq_len + 1)
+        return rows_of(fetch(ref), data.dtype, ref.rows, seq_len, ref.chunk)
 
     segments = [Segment(c.chunk, c.start, c.count, c.perm_seed) for c in chunks]
     source = UnitRows(segments, [c.rows for c in chunks], load, data.first_position, seq_len)

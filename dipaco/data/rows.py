@@ -275,14 +275,13 @@ def write_rows(
     return index
 
 
-def rows_of(data: bytes | np.ndarray, index: RowIndex, chunk: int) -> np.ndarray:
-    """A chunk's bytes as its (rows, T+1) array, checked against the index's shape."""
-    info = index.chunks[chunk]
-    array = np.frombuffer(data, dtype=index.dtype) if isinstance(data, bytes) else data
-    if array.size != info.rows * (index.seq_len + 1):
-        raise ValueError(f"chunk {chunk} holds {array.size} tokens, not {info.rows} rows of "
-                         f"{index.seq_len + 1}: truncated or of another preparation")  # fmt: skip
-    return array.reshape(info.rows, index.seq_len + 1)
+def rows_of(path: Path, dtype: str, rows: int, seq_len: int, chunk: int) -> np.ndarray:
+    """A chunk file as its (rows, T+1) array, checked against the shape its index gives."""
+    array = np.fromfile(path, dtype=dtype)
+    if array.size != rows * (seq_len + 1):
+        raise ValueError(f"chunk {chunk} holds {array.size} tokens, not {rows} rows of "
+                         f"{seq_len + 1}: truncated or of another preparation")  # fmt: skip
+    return array.reshape(rows, seq_len + 1)
 
 
 class StoreRows:
