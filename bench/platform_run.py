@@ -48,13 +48,13 @@ import torch
 from dipaco.codecs.registry import CODECS, UPDATE_CODECS
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.shards import ShardIndex
-from dipaco.data.tokenizer import RunTokenizer
 from dipaco.evaluate import ValWindows, routed_mean
 from dipaco.modular import module_ids
 from dipaco.routing.router import Router
 from dipaco.simulate.baselines import data_parallel_bytes
 from dipaco.simulate.prepare import PreparedData
 from dipaco.simulate.train import DipacoRun, evaluate_paths, train_dipaco
+from dipaco.tokenizer import RunTokenizer
 from dipaco_demo import plan
 from dipaco_demo.control import (
     AdminClient,

@@ -106,7 +106,7 @@ def plan(corpus: Path, out: Path) -> dict[str, Any]:
     from dipaco.data.corpus import corpus_listing
     from dipaco.data.prepare import fit_router_on
     from dipaco.data.stream import ReadOptions, prefix_chars, scan_corpus
-    from dipaco.data.tokenizer import train_tokenizer_on
+    from dipaco.tokenizer import train_tokenizer_on
 
     cfg = config()
     listing = corpus_listing(str(corpus))
@@ -148,8 +148,8 @@ def load_tools(corpus: str, out: str) -> None:
     import torch
 
     from dipaco.data.corpus import corpus_listing
-    from dipaco.data.tokenizer import RunTokenizer
     from dipaco.routing.router import Router
+    from dipaco.tokenizer import RunTokenizer
 
     if not _TOOLS:
         torch.set_num_threads(1)
@@ -297,7 +297,7 @@ def run_pieces(
 def join(corpus: Path, out: Path, pieces: list[int]) -> tuple[float, int]:
     """Pass 3; returns (seconds, bytes of parts and shards)."""
     from dipaco.data.stream import PieceResult, join_parts
-    from dipaco.data.tokenizer import RunTokenizer
+    from dipaco.tokenizer import RunTokenizer
 
     t0 = time.perf_counter()
     results = [

@@ -155,7 +155,7 @@ def tokenizer_files(tokenizer_json: bytes) -> tuple[dict[str, bytes], int]:
     # the tokenizers library: not when the server starts (the note under the imports)
     from tokenizers import Tokenizer
 
-    from dipaco.data.tokenizer import TOKENIZER_FILES, RunTokenizer
+    from dipaco.tokenizer import TOKENIZER_FILES, RunTokenizer
 
     tokenizer = RunTokenizer(Tokenizer.from_str(tokenizer_json.decode("utf-8")))
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,12 +31,12 @@ from dipaco.cli import download, generate, route
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.corpus import Document
 from dipaco.data.shards import ShardIndex, build_shards
-from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
 from dipaco.inner import train_path
 from dipaco.model import build_model
 from dipaco.modular import Modules, assemble_path_state, init_modules, module_ids, paths_through
 from dipaco.outer import aggregate, outer_step
 from dipaco.routing.router import Router
+from dipaco.tokenizer import RunTokenizer, train_tokenizer
 
 _WORDS = {  # four kinds of text, so the router has four clusters to find
     "sea": "ship wave tide harbour sail anchor gull reef storm deck salt current",

@@ -20,10 +20,10 @@ import torch
 from safetensors.torch import load_file
 
 from dipaco.config import LayoutConfig, RunConfig
-from dipaco.data.tokenizer import RunTokenizer
 from dipaco.modular import init_modules
 from dipaco.modules_file import ModuleReader, write_module
 from dipaco.routing.router import Router
+from dipaco.tokenizer import RunTokenizer
 from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.models import Round
 from dipaco_server.runs import keys

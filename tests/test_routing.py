@@ -11,11 +11,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dipaco.data.corpus import Document, load_corpus
-from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
 from dipaco.routing.balance import fit_biases, load_bounds, tie_break
 from dipaco.routing.featurize import PrecomputedFeaturizer, TfidfFeaturizer
 from dipaco.routing.kmeans import kmeans, product_kmeans
 from dipaco.routing.router import Router, modules_to_path, path_to_modules
+from dipaco.tokenizer import RunTokenizer, train_tokenizer
 
 ODD_TEXTS = ["", " ", "\x00", "日本語 😀", "x" * 100_000, "<|endoftext|>"]
 

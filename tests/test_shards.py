@@ -20,8 +20,8 @@ from dipaco.data.shards import (
     token_dtype,
     window_byte_range,
 )
-from dipaco.data.tokenizer import train_tokenizer
 from dipaco.routing.router import Router
+from dipaco.tokenizer import train_tokenizer
 
 SEP = 0
 DOCS = [[11, 12, 13], [21, 22], [31, 32, 33, 34]]

@@ -25,7 +25,7 @@ from dipaco.data.stream import (
     prepare_listing,
     scan_corpus,
 )
-from dipaco.data.tokenizer import sample_texts
+from dipaco.tokenizer import sample_texts
 from tests.conftest import S3Server
 
 MODEL = {

@@ -10,7 +10,7 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from dipaco.data.corpus import Document, load_corpus
-from dipaco.data.tokenizer import EOT, TOKENIZER_FILES, RunTokenizer, train_tokenizer
+from dipaco.tokenizer import EOT, TOKENIZER_FILES, RunTokenizer, train_tokenizer
 
 VARIED_TEXTS = [
     "",

@@ -30,12 +30,12 @@ from safetensors.torch import save_file
 from dipaco import codecs
 from dipaco.config import DensePhaseConfig, LayoutConfig, RouterConfig, RunConfig
 from dipaco.data.corpus import Document
-from dipaco.data.tokenizer import RunTokenizer, train_tokenizer
 from dipaco.inner import state_fingerprint
 from dipaco.model import build_model
 from dipaco.modular import module_spec
 from dipaco.modules_file import load_module_file, read_module
 from dipaco.routing.router import METADATA_KEY, RouterSpec
+from dipaco.tokenizer import RunTokenizer, train_tokenizer
 from dipaco_server.accounts.services import create_api_token, create_user
 from dipaco_server.env import celery_transport
 from dipaco_server.inference.card import model_card

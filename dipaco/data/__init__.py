@@ -1,1 +1,2 @@
-"""Data: corpora, the run's tokenizer, and per-path token shards."""
+"""Data: corpora, read and routed into per-path token shards (the tokenizer is
+``dipaco.tokenizer``, below this package and the router)."""

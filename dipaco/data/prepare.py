@@ -18,8 +18,8 @@ from typing import Any
 from dipaco.config import RunConfig
 from dipaco.data.corpus import Document
 from dipaco.data.shards import ShardIndex, build_shards
-from dipaco.data.tokenizer import DEFAULT_TRAIN_CHARS, RunTokenizer, train_tokenizer
 from dipaco.routing.router import Router
+from dipaco.tokenizer import DEFAULT_TRAIN_CHARS, RunTokenizer, train_tokenizer
 
 __all__ = ["Prepared", "fit_router", "fit_router_on", "prepare_documents"]
 

@@ -30,7 +30,7 @@ import torch
 from rich.progress import Progress
 
 from dipaco.data.corpus import Document
-from dipaco.data.tokenizer import RunTokenizer
+from dipaco.tokenizer import RunTokenizer
 
 if TYPE_CHECKING:  # routing imports data; data needs routing only for types
     from dipaco.routing.router import Router

@@ -9,7 +9,7 @@ Three passes, none holding the corpus:
    midway (a malformed Parquet, a truncated ``.zst``) is skipped whole and named in the
    statistics; its documents enter neither sample (each file's candidates are merged
    only once it has read to its end).
-   - The tokenizer's sample is `dipaco.data.tokenizer.sample_texts`'s, drawn in one pass:
+   - The tokenizer's sample is `dipaco.tokenizer.sample_texts`'s, drawn in one pass:
      the training documents with the smallest sha256 of their id until ``max_chars``
      (`TokenizerSample` keeps exactly those, so the tokenizer is today's).
    - The router's sample is the ``router_docs`` training documents with the smallest
@@ -50,8 +50,8 @@ from dipaco.data.corpus import (
 )
 from dipaco.data.shards import SPLITS, ShardIndex, ShardInfo, ShardWriter, token_dtype
 from dipaco.data.sources import Listing, SourceFile, Span, UnreadableFile, piece_spans
-from dipaco.data.tokenizer import DEFAULT_TRAIN_CHARS, RunTokenizer, train_tokenizer_on
 from dipaco.routing.router import CHARS_PER_PREFIX_TOKEN, Router
+from dipaco.tokenizer import DEFAULT_TRAIN_CHARS, RunTokenizer, train_tokenizer_on
 
 if TYPE_CHECKING:
     from dipaco.config import RunConfig

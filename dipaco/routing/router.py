@@ -31,7 +31,6 @@ from rich.progress import track
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dipaco.data.tokenizer import RunTokenizer
 from dipaco.routing.balance import fit_biases, tie_break
 from dipaco.routing.featurize import (
     DEFAULT_TFIDF_DIM,
@@ -41,6 +40,7 @@ from dipaco.routing.featurize import (
     TfidfFeaturizer,
 )
 from dipaco.routing.kmeans import feature_chunks, kmeans, product_kmeans, squared_distances
+from dipaco.tokenizer import RunTokenizer
 
 ROUTER_VERSION = 1
 FEATURIZERS = ("tfidf", "base-lm")

@@ -7,7 +7,7 @@ A second run with the same inputs opens the directory instead of re-tokenising.
 Layout of a prepared directory::
 
     meta.json     inputs, document counts, corpus statistics
-    tokenizer/    a Hugging Face tokenizer directory (dipaco.data.tokenizer)
+    tokenizer/    a Hugging Face tokenizer directory (dipaco.tokenizer)
     router/       router.safetensors + router.json (absent with one path)
     shards/       per-path train/val shards, as the platform stores them (dipaco.data.shards)
     all/          one shard of every document: the i.i.d. stream the baselines read
@@ -41,11 +41,11 @@ from dipaco.config import RunConfig
 from dipaco.data.corpus import CorpusStats, Document, iter_corpus, split_documents
 from dipaco.data.prepare import prepare_documents
 from dipaco.data.shards import ShardIndex
-from dipaco.data.tokenizer import RunTokenizer
 from dipaco.data.windows import ShardSource  # the platform's window order (re-exported)
 from dipaco.evaluate import ValWindows, sample_streams
 from dipaco.model import build_model
 from dipaco.routing.router import Router
+from dipaco.tokenizer import RunTokenizer
 
 __all__ = ["DataBudget", "PreparedData", "ShardSource", "default_work_dir", "prepare_data"]
 
@@ -60,7 +60,7 @@ class DataBudget:
 
     max_docs: int | None = 2000  # documents (file chunks of <= 8192 chars) kept at most
     max_chars: int | None = None  # characters kept at most, over train and validation
-    tokenizer_chars: int = 4_000_000  # BPE training sample (dipaco.data.tokenizer default)
+    tokenizer_chars: int = 4_000_000  # BPE training sample (dipaco.tokenizer default)
 
 
 @dataclass

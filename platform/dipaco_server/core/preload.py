@@ -23,7 +23,7 @@ MODULES = (
     "dipaco.modular",
     "dipaco.inference",
     "dipaco.routing.router",
-    "dipaco.data.tokenizer",
+    "dipaco.tokenizer",
     "dipaco_server.inference.card",
     "dipaco_server.inference.services",
     "dipaco_server.inference.routing",

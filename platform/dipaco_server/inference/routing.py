@@ -43,8 +43,8 @@ def _load(run: Run, tokenizer_json: bytes, router_file: bytes) -> Router:
     from safetensors import safe_open
     from tokenizers import Tokenizer
 
-    from dipaco.data.tokenizer import RunTokenizer
     from dipaco.routing.router import METADATA_KEY, Router, RouterSpec
+    from dipaco.tokenizer import RunTokenizer
 
     tokenizer = RunTokenizer(Tokenizer.from_str(tokenizer_json.decode("utf-8")))
     with tempfile.TemporaryDirectory(prefix="dipaco-router-") as tmp:

@@ -66,11 +66,11 @@ from dipaco.data.stream import (
     prefix_chars,
     write_parts,
 )
-from dipaco.data.tokenizer import RunTokenizer
 from dipaco.inference import export_state
 from dipaco.modular import init_modules_from_base, module_spec
 from dipaco.modules_file import read_module
 from dipaco.routing.router import Router
+from dipaco.tokenizer import RunTokenizer
 from dipaco_server.runs import keys, phases, pieces
 from dipaco_server.runs.checkpoint import base_model, load_base_state, write_base_model
 from dipaco_server.runs.device import autocast, server_device

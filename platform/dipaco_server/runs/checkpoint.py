@@ -26,10 +26,10 @@ from tokenizers import Tokenizer
 from torch import Tensor
 
 from dipaco.config import RunConfig
-from dipaco.data.tokenizer import RunTokenizer
 from dipaco.inference import model_metadata
 from dipaco.model import build_model, state_shapes
 from dipaco.modular import TIED_HEAD, TIED_TO
+from dipaco.tokenizer import RunTokenizer
 from dipaco_server.errors import ServiceError
 from dipaco_server.runs import keys
 from dipaco_server.storage import BlobStore

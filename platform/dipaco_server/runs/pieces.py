@@ -92,7 +92,7 @@ def plan(
     from dipaco.data import stream  # PIECE_BYTES as it is now (tests set it)
     from dipaco.data.prepare import fit_router_on  # torch, pyarrow: only where a run is prepared
     from dipaco.data.stream import ReadOptions, keep_fraction, prefix_chars, scan_corpus
-    from dipaco.data.tokenizer import train_tokenizer_on
+    from dipaco.tokenizer import train_tokenizer_on
 
     root = prefix(key)
     if store.exists(f"{root}/plan.json"):
@@ -172,8 +172,8 @@ def pending(store: BlobStore, planned: dict[str, Any]) -> list[int]:
 def _tools(store: BlobStore, planned: dict[str, Any], work: Path) -> tuple[Any, Any]:
     """The stored tokenizer and router, as every piece loads them (so one process or many
     route with the same floats)."""
-    from dipaco.data.tokenizer import RunTokenizer  # torch, pyarrow: only where a run is prepared
     from dipaco.routing.router import Router  # torch, pyarrow: only where a run is prepared
+    from dipaco.tokenizer import RunTokenizer  # torch, pyarrow: only where a run is prepared
 
     root = prefix(planned["key"])
     (work / "tok").mkdir(exist_ok=True)

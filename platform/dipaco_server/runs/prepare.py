@@ -178,7 +178,7 @@ def prepare_in_memory(
     # process that loads the URLs loads this module).
     from dipaco.data.corpus import load_corpus
     from dipaco.data.prepare import prepare_documents
-    from dipaco.data.tokenizer import RunTokenizer
+    from dipaco.tokenizer import RunTokenizer
 
     store = store or get_blob_store()
     config = run.run_config

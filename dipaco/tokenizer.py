@@ -1,6 +1,8 @@
 """The run's tokenizer: a byte-level BPE trained with `tokenizers`, or any
 Hugging Face tokenizer directory, saved so that
-``transformers.AutoTokenizer.from_pretrained(dir)`` opens it offline.
+``transformers.AutoTokenizer.from_pretrained(dir)`` opens it offline. Below both the
+data pipeline (``dipaco.data``) and the router (``dipaco.routing``), which both tokenise:
+it imports neither (tests/test_layers.py).
 
 One special token, ``<|endoftext|>``, separates documents in the token shards and
 doubles as BOS, EOS, UNK and PAD (GPT-2's convention). Encoding never adds
@@ -21,16 +23,25 @@ import json
 import os
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dipaco.data.corpus import Document
-
 EOT = "<|endoftext|>"
 DEFAULT_TRAIN_CHARS = 4_000_000  # ~1 s of BPE training on one core, enough for a 4-16k vocab
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+class TextDocument(Protocol):
+    """What the training sample reads of a document (``dipaco.data.corpus.Document``):
+    the tokenizer sits below the data pipeline and the router, and imports neither."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def text(self) -> str: ...
 
 
 class RunTokenizer:
@@ -140,7 +151,7 @@ class RunTokenizer:
 
 
 def sample_texts(
-    docs: Iterable[Document], max_chars: int, *, max_doc_chars: int = 20_000
+    docs: Iterable[TextDocument], max_chars: int, *, max_doc_chars: int = 20_000
 ) -> list[str]:
     """A deterministic sample of about ``max_chars`` characters for BPE training:
     documents in order of a hash of their id (so every part of a sorted corpus is
@@ -158,7 +169,7 @@ def sample_texts(
 
 
 def train_tokenizer(
-    docs: Iterable[Document],
+    docs: Iterable[TextDocument],
     vocab_size: int,
     *,
     max_chars: int = DEFAULT_TRAIN_CHARS,
