@@ -3,19 +3,33 @@
 The worker agent (``worker_agent.payload``) and the simulator (``dipaco.simulate.train``)
 both encode through ``encode_module_deltas``, so a platform run and ``dipaco simulate``
 send the same bytes and keep the same residuals.
+
+The run config's ``comm`` section (``dipaco.config.CommConfig``) is read through the
+``Comm`` protocol below: the config validates its codec names against this package's
+registry, so this package imports nothing of the config (tests/test_layers.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from torch import Tensor
 
 from dipaco.codecs.api import encode_with_feedback
 
-if TYPE_CHECKING:
-    from dipaco.config import CommConfig
+
+class Comm(Protocol):
+    """What encoding reads of the run's ``comm`` section (``dipaco.config.CommConfig``)."""
+
+    @property
+    def codec(self) -> str: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def compression(self) -> str: ...
 
 
 class Residuals(Protocol):
@@ -27,7 +41,7 @@ class Residuals(Protocol):
 
 
 def encode_module_deltas(
-    deltas: Mapping[str, Mapping[str, Tensor]], comm: CommConfig, residuals: Residuals
+    deltas: Mapping[str, Mapping[str, Tensor]], comm: Comm, residuals: Residuals
 ) -> Iterator[tuple[str, bytes]]:
     """``(module id, bytes as sent)`` for each module's Δ, one module at a time.
 
