@@ -3,7 +3,8 @@
 Two modules of a folder that import each other (or a longer circle: a → b → c → a) can
 only be read together, and break at import time as soon as one import moves to the top.
 Every import counts, at the top of a file or inside a function; a subpackage is checked
-as its own folder. Between folders, tests/test_layers.py keeps the server's order.
+as its own folder. Between folders, tests/test_layers.py keeps the server's order and
+dipaco's (where a circle between two of its parts fails too).
 """
 
 from __future__ import annotations
@@ -12,32 +13,7 @@ import ast
 import graphlib
 from collections.abc import Iterable
 
-from tests.test_layers import _checkout_sources, module_name
-
-
-def _targets(node: ast.AST, package: str, known: set[str]) -> Iterable[str]:
-    """The modules of `known` that the import statement `node` loads: `from p import m`
-    names module p.m when there is one, else p; relative imports resolved from `package`."""
-
-    def owner(name: str) -> str | None:
-        while name and name not in known:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    if isinstance(node, ast.Import):
-        names = [owner(alias.name) for alias in node.names]
-    elif isinstance(node, ast.ImportFrom):
-        if node.level:
-            parts = package.split(".")
-            base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [node.module])])
-        else:
-            base = node.module or ""
-        names = [
-            f"{base}.{a.name}" if f"{base}.{a.name}" in known else owner(base) for a in node.names
-        ]
-    else:
-        names = []
-    return [name for name in names if name]
+from tests.test_layers import _checkout_sources, module_name, targets
 
 
 def circles(sources: Iterable[tuple[str, str]]) -> list[str]:
@@ -52,7 +28,7 @@ def circles(sources: Iterable[tuple[str, str]]) -> list[str]:
         graph = graphs.setdefault(folder, {})
         graph.setdefault(module, set())
         for node in ast.walk(ast.parse(text, filename=path)):
-            for target in _targets(node, package, known):
+            for target in targets(node, package, known):
                 same = target.rpartition(".")[0] == folder and target != folder
                 if same and target != module:
                     graph[module].add(target)

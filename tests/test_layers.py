@@ -27,11 +27,22 @@ Every module's layer follows from its name: no module is placed by hand.
 
 Only the ``dipaco*`` and ``worker_agent`` packages are placed; third-party imports are
 not checked here (tests/test_boundaries keeps Django out of the library and the agent).
+
+Inside the library, ``dipaco``'s parts (each subpackage, and each module at its top) are
+in layers of their own, ``DIPACO_LAYERS``, bottom first. A part imports only parts of the
+layers below its own; the parts of one layer are independent (none imports another), so
+no two parts can import each other, and a circle among them fails on its own with the
+circle named. Every part must be placed, by hand: a new one fails until it is. An import
+under ``if TYPE_CHECKING`` counts like any other (a type is read from the module that
+defines it, and mypy follows it); a part that only needs the shape of another's object
+declares a Protocol instead (``dipaco.codecs.feedback.Comm``,
+``dipaco.tokenizer.TextDocument``).
 """
 
 from __future__ import annotations
 
 import ast
+import graphlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -57,6 +68,27 @@ APPS = ("accounts", "audit", "workers", "runs", "rounds", "inference")
 # An app's parts, bottom first: packages inside the app whose modules are layers of their own.
 PARTS = {"rounds": ("verification", "protocol", "outer", "lifecycle", "reports")}
 ENTRY = ("api", "asgi", "wsgi", "urls", "cli")
+# dipaco's parts (a subpackage, or a module at its top; "__init__" is the package's own
+# module, whose lazy `dipaco.load_path` reads dipaco.client), bottom first. Each may import
+# only the parts of the layers below its own, and the parts of one layer are independent.
+DIPACO_LAYERS: tuple[tuple[str, ...], ...] = (
+    # standalone: the lazy transformers import, the retry policy, safetensors writing, and
+    # the codecs (the format of Δs and updates, and the registry of their names)
+    ("hf", "retry", "tensorfile", "codecs"),
+    # the run's description (its choices of codec from the registry), and the tokenizer
+    ("config", "tokenizer"),
+    # one path's model, routing documents by their first tokens, FLOPs of a config
+    ("model", "routing", "flops"),
+    # a path's modules; corpora routed into token shards; evaluation
+    ("modular", "data", "evaluate"),
+    # the inner loop, the outer step and its updates, module files, paths as HF models,
+    # generation on paths
+    ("inner", "outer", "updates", "modules_file", "inference", "generation"),
+    # the HTTP client of a server's API; a whole training in one process
+    ("client", "simulate"),
+    ("__init__",),
+    ("cli",),
+)
 # Where each package's modules are, relative to the checkout: their module names start there.
 SOURCES = {"dipaco": "", "worker_agent": "", "dipaco_server": "platform",
            "dipaco_demo": "platform", "dipaco_web": "web"}  # fmt: skip
@@ -97,6 +129,32 @@ def module_name(path: str) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def targets(node: ast.AST, package: str, known: set[str]) -> list[str]:
+    """The modules of `known` that the import statement `node` loads: `from p import m`
+    names module p.m when there is one, else p; relative imports resolved from `package`
+    (the importing module's package)."""
+
+    def owner(name: str) -> str | None:
+        while name and name not in known:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    if isinstance(node, ast.Import):
+        names = [owner(alias.name) for alias in node.names]
+    elif isinstance(node, ast.ImportFrom):
+        if node.level:
+            parts = package.split(".")
+            base = ".".join([*parts[: len(parts) - node.level + 1], *filter(None, [node.module])])
+        else:
+            base = node.module or ""
+        names = [
+            f"{base}.{a.name}" if f"{base}.{a.name}" in known else owner(base) for a in node.names
+        ]
+    else:
+        names = []
+    return [name for name in names if name]
+
+
 def imported(tree: ast.AST, module: str, is_package: bool) -> Iterable[tuple[int, str]]:
     """(line, dotted name) of every module `tree` imports, wherever the import statement is
     (top level, a function, ``if TYPE_CHECKING``); relative imports resolved."""
@@ -133,6 +191,70 @@ def violations(sources: Iterable[tuple[str, str]]) -> list[str]:
             seen.add((line, other))
             found.append(f"{path}:{line}: {own} -> {other} ({name})")
     return found
+
+
+def part_of(module: str) -> str | None:
+    """The part of dipaco that `module` (a dotted name) is in: its subpackage, its module
+    at the top, or "__init__" for the package itself; None outside dipaco."""
+    parts = module.split(".")
+    if parts[0] != "dipaco":
+        return None
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def dipaco_imports(sources: Iterable[tuple[str, str]]) -> list[tuple[str, int, str, str, str]]:
+    """(path, line, importing part, imported part, imported module) for each import of one
+    part of dipaco by another, wherever the statement is (a function, ``if TYPE_CHECKING``);
+    `sources` are (path relative to the checkout, text) of every module of dipaco."""
+    modules = {module_name(path): (path, text) for path, text in sources}
+    known = set(modules)
+    found = []
+    for module, (path, text) in sorted(modules.items()):
+        own = part_of(module)
+        if own is None:
+            continue
+        package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+        for node in ast.walk(ast.parse(text, filename=path)):
+            for target in targets(node, package, known):
+                other = part_of(target)
+                if other is not None and other != own:
+                    found.append((path, getattr(node, "lineno", 0), own, other, target))
+    return sorted(set(found))
+
+
+def dipaco_part_violations(sources: Iterable[tuple[str, str]]) -> list[str]:
+    """What breaks ``DIPACO_LAYERS``: a part in no layer, ``path:line: part -> part above
+    (the module)`` for an import up the layers, and ``... (same layer)`` for one of a
+    sibling."""
+    sources = list(sources)
+    layer = {part: i for i, parts in enumerate(DIPACO_LAYERS) for part in parts}
+    present = {part_of(module_name(path)) for path, _ in sources} - {None}
+    unplaced = sorted(part for part in present if part not in layer)
+    found = [f"dipaco.{part} is in no layer of DIPACO_LAYERS" for part in unplaced]
+    for path, line, own, other, target in dipaco_imports(sources):
+        if own not in layer or other not in layer or layer[other] < layer[own]:
+            continue
+        where = "a layer above" if layer[other] > layer[own] else "the same layer"
+        found.append(f"{path}:{line}: {own} -> {other} ({target}; {where})")
+    return found
+
+
+def dipaco_part_circles(sources: Iterable[tuple[str, str]]) -> list[str]:
+    """The circles of imports among dipaco's parts, ``a -> b -> a``: one, then another
+    once an import of the first is left out, until none is left."""
+    graph: dict[str, set[str]] = {}
+    for _, _, own, other, _ in dipaco_imports(sources):
+        graph.setdefault(own, set()).add(other)
+    found = []
+    while True:
+        try:
+            graphlib.TopologicalSorter(graph).prepare()
+        except graphlib.CycleError as error:
+            circle = list(reversed(error.args[1]))  # [a, b, ..., a], each importing the next
+            found.append(" -> ".join(circle))
+            graph[circle[0]].discard(circle[1])
+        else:
+            return found
 
 
 def _checkout_sources() -> list[tuple[str, str]]:
@@ -211,3 +333,72 @@ def test_the_check_names_the_file_line_and_arrow_of_an_import_up_the_layers() ->
         ("web/dipaco_web/views.py", "from dipaco_server.rounds.models import Round\n"),
     ]
     assert violations(fine) == []
+
+
+def test_dipaco_parts_import_only_the_layers_below_theirs() -> None:
+    sources = [(path, text) for path, text in _checkout_sources() if path.startswith("dipaco/")]
+    present = {part_of(module_name(path)) for path, _ in sources}
+    placed = [part for parts in DIPACO_LAYERS for part in parts]
+    assert len(placed) == len(set(placed)), "a part is in two layers"
+    assert set(placed) <= present, f"no such part: {sorted(set(placed) - present)}"
+    circles = dipaco_part_circles(sources)
+    assert not circles, "dipaco's parts import each other in circles:\n" + "\n".join(circles)
+    found = dipaco_part_violations(sources)
+    order = " < ".join(" | ".join(parts) for parts in DIPACO_LAYERS)
+    assert not found, f"imports against dipaco's layers ({order}):\n" + "\n".join(found)
+
+
+def test_the_dipaco_check_finds_circles_imports_up_and_between_siblings() -> None:
+    # data <-> routing through a router and a tokenizer, as before the tokenizer moved
+    # below both; the import under TYPE_CHECKING counts.
+    circle = [
+        ("dipaco/data/__init__.py", ""),
+        ("dipaco/data/stream.py", "from dipaco.routing.router import Router\n"),
+        ("dipaco/data/tokenizer.py", "import json\n"),
+        ("dipaco/routing/__init__.py", ""),
+        (
+            "dipaco/routing/router.py",
+            "from typing import TYPE_CHECKING\n"
+            "if TYPE_CHECKING:\n"
+            "    from ..data import tokenizer\n",
+        ),
+    ]
+    assert dipaco_part_circles(circle) in (
+        ["data -> routing -> data"],
+        ["routing -> data -> routing"],
+    )
+    assert dipaco_part_violations(circle) == [
+        "dipaco/routing/router.py:3: routing -> data (dipaco.data.tokenizer; a layer above)"
+    ]
+    # config <-> codecs, and siblings, a function's import, `from dipaco import x`, and a
+    # part in no layer.
+    bad = [
+        ("dipaco/codecs/feedback.py", "def f():\n    from dipaco.config import CommConfig\n"),
+        ("dipaco/config/__init__.py", "from dipaco.codecs.registry import CODECS\n"),
+        ("dipaco/codecs/registry.py", ""),
+        ("dipaco/model.py", "from dipaco import routing, config\n"),
+        ("dipaco/routing/__init__.py", ""),
+        ("dipaco/newpart.py", "import dipaco.hf\n"),
+        ("dipaco/hf.py", ""),
+    ]
+    assert dipaco_part_circles(bad) in (
+        ["codecs -> config -> codecs"],
+        ["config -> codecs -> config"],
+    )
+    assert dipaco_part_violations(bad) == [
+        "dipaco.newpart is in no layer of DIPACO_LAYERS",
+        "dipaco/codecs/feedback.py:2: codecs -> config (dipaco.config; a layer above)",
+        "dipaco/model.py:1: model -> routing (dipaco.routing; the same layer)",
+    ]
+    # Down the layers, within a part, and the package's own module importing the client.
+    fine = [
+        ("dipaco/__init__.py", "def load_path():\n    from dipaco.client import load_path\n"),
+        ("dipaco/client.py", "from dipaco import config, retry\nfrom dipaco.inference import x\n"),
+        ("dipaco/config/__init__.py", "from dipaco.config.rules import Section\n"),
+        ("dipaco/config/rules.py", "from .limits import MAX_ROUNDS\n"),
+        ("dipaco/data/stream.py", "from dipaco.routing.router import Router\n"),
+        ("dipaco/routing/router.py", "from dipaco.tokenizer import RunTokenizer\n"),
+        ("dipaco/cli/__init__.py", "import dipaco\n"),
+        *((f"dipaco/{name}.py", "") for name in ("inference", "retry", "tokenizer")),
+    ]
+    assert dipaco_part_circles(fine) == [] and dipaco_part_violations(fine) == []
