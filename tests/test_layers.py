@@ -1,4 +1,4 @@
-"""The server's apps in one dependency order, checked so no import points back up.
+"""The server's apps, and dipaco's parts, each in one dependency order: no import points up.
 
 As healthchecks and readthedocs keep theirs: each layer may import those below it and
 never one above, at the top of a file or inside a function alike. From the bottom:
