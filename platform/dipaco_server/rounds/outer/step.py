@@ -42,7 +42,7 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +65,7 @@ from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.outer.aggregate import BaseVersion, aggregate_uploads, apply_step
 from dipaco_server.rounds.outer.publish import EncodedUpdate, encode_update
 from dipaco_server.rounds.protocol.sizing import lease_tokens
+from dipaco_server.rounds.verification.arrival import arrival_records, checked_file, forget
 from dipaco_server.rounds.verification.checks import aggregated, check_contributions
 from dipaco_server.rounds.verification.context import (
     check_copies,
@@ -168,6 +169,9 @@ def compute_step(
     comm: CommConfig | None = None,
     first_round: Mapping[int, str] | None = None,
     can_wait: bool = False,
+    arrival: Mapping[int, Mapping[str, Any]] | None = None,
+    kept: Callable[[Upload], Path] | None = None,
+    momentum_version: int | None = None,
 ) -> StepResult:
     """Verify, aggregate and step in `work`; the outputs stay there for the caller.
 
@@ -181,13 +185,15 @@ def compute_step(
     weights are the base plus exactly its decoded values (rounds.outer.publish.encode_update).
     `can_wait`: a next round of the phase exists, so an undecided first round
     (first_round.UNSETTLED) makes the step wait (`StepResult.waited`) instead of stepping
-    without the held Δs.
+    without the held Δs. `arrival`, `kept`, `momentum_version`: the checks done when each
+    completion arrived, reused (rounds.verification.checks.check_contributions).
     """
     clock = time.perf_counter()
     with stages.timed("checks"):
         verdicts, replicas = check_contributions(
             store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer,
-            first_round=first_round,
+            first_round=first_round, arrival=arrival, kept=kept,
+            momentum_version=momentum_version,
         )  # fmt: skip
     result = StepResult(verdicts, replicas=replicas)
     result.timings["verify"] = time.perf_counter() - clock
@@ -309,12 +315,16 @@ def step_module(
                 store, uploads, base, spec, outer, work, round_index=round_index,
                 trained_start=trained_start, history=history, momentum=momentum,
                 scorer=scorer, comm=config.comm, first_round=settled,
-                can_wait=round_index + 1 < config.rounds,
+                can_wait=round_index + 1 < config.rounds, arrival=arrival_records(rows),
+                kept=lambda u: checked_file(run_id, u.contribution_id, u.sha256),
+                momentum_version=base.version if momentum is not None and base else None,
             )  # fmt: skip
         result.whole_unit = whole_unit
         with stages.timed("publishing"):
             report = _commit(store, module, round_, base, result)
         stages.flush(round_.pk)
+        if not result.waited:  # settled: the copies kept at arrival are done with
+            forget(run_id, rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     logger.info(
