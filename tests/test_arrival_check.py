@@ -246,3 +246,39 @@ def test_a_flip_is_refused_the_same_with_or_without_arrival_checks(
     step_round(run, 0)
     assert reasons(run, honest) == {""}
     assert reasons(run, attacker) == {"no_training_gain"}
+
+
+@pytest.mark.parametrize(("codec", "robust"), [("fp16", "mean"), ("int8", "clipped-mean")])
+def test_a_sum_split_by_tensor_is_the_one_threads_sum_bit_for_bit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, codec: str, robust: str
+) -> None:
+    """rounds.outer.aggregate's split (a large module's Δs summed by tensor group, a thread
+    a group) against the single-threaded sum: the same outer gradient, bit for bit."""
+    import torch
+
+    from dipaco import codecs
+    from dipaco.config import OuterConfig
+    from dipaco_server.rounds.outer import aggregate
+    from dipaco_server.rounds.verification.uploads import Upload, Verdict
+
+    spec = {"embed": ((64, 32), torch.float32), "head": ((32, 64), torch.float32),
+            "norm": ((32,), torch.float32), "block": ((16, 32), torch.float32)}  # fmt: skip
+    cfg = OuterConfig(robust=robust)
+    verdicts = []
+    for i in range(5):
+        g = torch.Generator().manual_seed(i)
+        delta = {n: torch.randn(shape, generator=g) * (i + 1) for n, (shape, _) in spec.items()}
+        path = tmp_path / f"d{i}.safetensors"
+        path.write_bytes(codecs.encode(delta, codec))
+        norm = float(torch.sqrt(sum(t.double().square().sum() for t in delta.values())))
+        upload = Upload(i + 1, i, "", 0, "", 100 * (i + 1), path=i % 2)
+        verdicts.append(Verdict(upload, file=path, norm=norm))
+    whole = aggregate.aggregate_uploads(verdicts, spec, cfg, tmp_path, history=(3.0,))
+    monkeypatch.setattr(aggregate, "SPLIT_MIN_VALUES", 0)
+    monkeypatch.setattr(aggregate, "SPLIT_MIN_DELTAS", 1)
+    assert aggregate.split_parts(spec, len(verdicts)) == 2
+    assert len(aggregate.tensor_groups(spec, 3)) == 3
+    split = aggregate.aggregate_uploads(verdicts, spec, cfg, tmp_path, history=(3.0,))
+    assert set(split) == set(whole)
+    for name in spec:
+        assert torch.equal(split[name], whole[name]), name
