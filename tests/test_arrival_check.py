@@ -28,7 +28,9 @@ from dipaco_server.rounds.verification.arrival import (
     arrival_records,
     check_arrived,
     checked_file,
+    sweep_kept,
 )
+from dipaco_server.rounds.lifecycle.retention import sweep_blobs
 from dipaco_server.rounds.verification.context import norm_history, outer_momentum
 from dipaco_server.runs.models import Module
 from dipaco_server.runs.phases import local_round, round_config
@@ -78,6 +80,17 @@ def test_a_completion_sends_check_unit_and_its_record_is_stored(
     before = {c.pk: c.arrival_check for c in lease.contributions.all()}
     assert check_unit(lease.pk) == "checked already"
     assert {c.pk: c.arrival_check for c in lease.contributions.all()} == before
+    # Kept files of Δs still pending stay; once they settled, the retention sweep removes
+    # what a step did not (a run that ended, a task that finished after its step).
+    # (These fake Δs were refused at arrival, so nothing was kept: a file stands in.)
+    kept = [checked_file(run.pk, c.pk, c.sha256) for c in lease.contributions.all()]
+    for f in kept:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_bytes(b"verified bytes")
+    assert sweep_kept(run.pk) == 0 and all(f.exists() for f in kept)
+    lease.contributions.update(status="rejected")
+    sweep_blobs(store=store)
+    assert not [f for f in kept if f.exists()]
 
 
 def _inputs(run: Any, module_id: str, t: int) -> dict[str, Any]:

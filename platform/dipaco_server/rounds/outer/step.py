@@ -3,12 +3,20 @@
 `step_module(run_id, module_id, t)` runs in two passes over the module's contributions,
 each streamed from the object store to a temporary file, one at a time:
 
-1. **verify** each upload before anything uses it (docs/design.md §7; S3 test servers enforce
+1. **judge** each upload before anything uses it (docs/design.md §7; S3 test servers enforce
    neither size nor signature): every acceptance check lives in rounds.verification, whose
    `check_contributions` returns a verdict per upload; each Δ is decoded there at most once
-   and the aggregation reuses it.
+   and the aggregation reuses it. What one Δ alone decides (fetch, size, sha256, format,
+   finite, norm, the cosine with the momentum) was mostly done when its completion
+   arrived (the check_unit task, rounds.verification.arrival): the step reuses that record
+   for the bytes it names and the verified copy that task kept on this disk, and checks
+   inline only a Δ without one (the task failed, was late or never sent), with the same
+   result bit for bit. What needs the whole round is done here: the median-norm outliers,
+   the history and useful-work rules (scores recorded by score_unit), replicas, the first
+   round.
 2. **aggregate** the accepted ones into one fp32 sum (`codecs.accumulate`, token weights,
-   the robust rule), the √(contributing paths) rescale, then Nesterov at round t's outer
+   the robust rule; a large module's sum split by tensor over threads,
+   rounds.outer.aggregate.tensor_groups), the √(contributing paths) rescale, then Nesterov at round t's outer
    lr chunk by chunk, streaming version `base` and its momentum (module files,
    runs.prepare) in and t + 1 out. The arithmetic is dipaco.outer's (`DeltaAccumulator`
    fed the uploads still encoded, `clip_threshold`, `trimmed_mean`, `rescale_factor`,

@@ -190,3 +190,36 @@ def forget(run_id: int, rows: list[Contribution]) -> None:
     """Remove the kept files of contributions their step settled."""
     for c in rows:
         checked_file(run_id, c.pk, c.sha256).unlink(missing_ok=True)
+
+
+def sweep_kept(run_id: int) -> int:
+    """Remove what a run's checked dir holds that no step will read: kept Δs of
+    contributions no longer pending (a task that finished after its step, a run that
+    ended), and cached momenta older than each module's version before its current one.
+    Called by the retention sweep (rounds.lifecycle.retention); the number removed."""
+    folder = checked_dir(run_id)
+    if not folder.is_dir():
+        return 0
+    pending = set(
+        Contribution.objects.filter(
+            unit__round__run_id=run_id, status=Contribution.Status.PENDING
+        ).values_list("pk", flat=True)
+    )
+    current = dict(Module.objects.filter(run_id=run_id).values_list("pk", "current_version"))
+    removed = 0
+    for path in folder.iterdir():
+        stem, _, kind = path.name.partition(".")
+        if kind != "safetensors":
+            continue  # a download still being written (.part): its task renames it
+        try:
+            if stem.startswith("momentum-"):
+                module, _, version = stem.removeprefix("momentum-").partition("-v")
+                stale = int(version) < (current.get(int(module)) or 0) - 1
+            else:
+                stale = int(stem.partition("-")[0]) not in pending
+        except ValueError:
+            continue
+        if stale:
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
