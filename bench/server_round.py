@@ -22,10 +22,14 @@ waits on the link in wall seconds (`_seconds` keys):
   the unit's Δs fetched (`score_load_seconds`), its rows read by ranges of its chunks
   (`StoreRows`, as `Scorer._train_windows`), `rules.score_delta` on the windows
   `outer.score_flops` buys (`scoring_cpu`; --score-units/--score-windows: fewer, scaled);
-- **module steps**, as `outer_step`: each Δ fetched alone (`fetch_seconds`) and decoded;
-  `compute_step` in steady state (a norm history and a momentum), its parts' CPU apart
-  (`checks_cpu`: fetch, digest, decode, norm, direction; `aggregate_cpu`; `outer_cpu`),
-  base and momentum in (`base_fetch_seconds`), weights and momentum out (`publishing_seconds`);
+- **check tasks**, as `check_unit` at a completion (rounds.verification.arrival): each Δ
+  fetched alone (`fetch_seconds`), then its format, norm, decode and cosine with the outer
+  momentum (`arrival_cpu`), the verified copy kept;
+- **module steps**, as `outer_step` at the close: `compute_step` in steady state (a norm
+  history and a momentum) reusing those checks, its parts' CPU apart (`checks_cpu`: what
+  the step still checks, the kept copies linked; `aggregate_cpu`, on one thread: the
+  split by tensor is projected; `outer_cpu`), base and momentum in
+  (`base_fetch_seconds`), weights and momentum out (`publishing_seconds`);
 - **evaluation**: `mean_loss` on --eval-windows windows a path, scaled to `eval.flops`.
 
 The JSON keeps "presets": {name: figures} (one run per preset, merged into --json's) and
@@ -463,12 +467,17 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     The grid is `LayoutConfig.grid(num_layers, levels=2, modules=16)`: 32 level modules of
     num_layers / 2 blocks (the preset's 2x2 level modules' size: their costs carry over),
     each in 16 of the 256 paths, and the shared module (embeddings, final norm, head) in
-    all 256. One replica a path: 256 units, 64 volunteers, four waves. A unit's scoring
-    task starts at its completion (completions spread evenly: `fraction`; each wave of 64
-    at once: `fraction_lockstep`, the goal's figure), so only the last ones extend the
-    round; then the module steps (recorded scores reused) run on the cores, longest first,
-    each paying per Δ its fetch through the link (measured wall at its real size), decode,
-    checks and aggregation (CPU), then the base in, Nesterov and the new version out. A
+    all 256. One replica a path: 256 units, 64 volunteers, four waves. A unit's tasks
+    (score_unit and check_unit, counted as one task of their summed seconds: its score,
+    and each of its 3 Δs fetched through the link and checked) start at its completion
+    (completions spread evenly: `fraction`; each wave of 64 at once: `fraction_lockstep`,
+    the goal's figure), so only the last ones extend the round; then the module steps
+    (recorded scores and checks reused) run on the cores, longest first, each paying per
+    Δ its aggregation and the step's remaining checks (CPU), then the base in, Nesterov
+    and the new version out. The shared module's sum runs on `shared_sum_threads`
+    threads (rounds.outer.aggregate.tensor_groups): its aggregation divided by
+    `shared_sum_speedup` (the module's values over its largest group's), the rest not.
+    `before_inline_checks`: the same costs with every check at the close, as before. A
     worker asks for its next lease (the manifest) after its unit trained: the manifest's
     wall counts once a wave, its CPU in the occupancy; evaluation runs while the next round
     trains (occupancy only). `at_nominal_link`: each transfer at the link's own pace.
@@ -478,9 +487,10 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     the steps' span assumes); a core counted busy while its task waits on the link;
     Celery, database and lock overheads; the first round's extra checks (peer cosines,
     settlement: steady state is modelled); replicas, partial units, a failed score task's
-    inline rescoring; evaluation's loading of each path's modules; GPUs on the server; the
-    workers' own downloads and their speed spread beyond the lockstep case; memory and disk
-    (a checked-at-arrival shared step keeps 256 decoded Δs, ~59 GB fp32, on local disk).
+    inline rescoring or checking; evaluation's loading of each path's modules; GPUs on the
+    server; the workers' own downloads and their speed spread beyond the lockstep case;
+    the cores the shared sum's extra threads take from other tasks; memory and disk (the
+    kept copies of a round's Δs, 3 x 256 encoded, ~81 GB at 150M, wait on local disk).
     """
     layout = LayoutConfig.grid(config.model.num_layers, levels=LEVELS, modules=MODULES)
     units, level_modules, levels = layout.num_paths, sum(layout.modules_per_level), LEVELS
