@@ -335,7 +335,7 @@ def _steps(
                 store, ups, bases[module_id], spec, config.outer, work, round_index=1,
                 history=(statistics.median(norms),) * 3, momentum=momentum, comm=config.comm,
                 arrival=records, momentum_version=0,
-                kept=lambda u: kept / f"contribution-{u.contribution_id}.safetensors",
+                kept=lambda u, kept=kept: kept / f"contribution-{u.contribution_id}.safetensors",
             )  # fmt: skip
             got["step_seconds"] = time.perf_counter() - start
             assert result.weights is not None, [v.reason for v in result.verdicts]

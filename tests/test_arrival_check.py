@@ -18,8 +18,9 @@ from typing import Any
 import pytest
 
 from dipaco.modular import module_spec
-from dipaco_server.rounds.lifecycle.close import mark_round_closing
 from dipaco_server.rounds.lifecycle import receivers
+from dipaco_server.rounds.lifecycle.close import mark_round_closing
+from dipaco_server.rounds.lifecycle.retention import sweep_blobs
 from dipaco_server.rounds.lifecycle.tasks import check_unit
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round
 from dipaco_server.rounds.outer import step
@@ -30,7 +31,6 @@ from dipaco_server.rounds.verification.arrival import (
     checked_file,
     sweep_kept,
 )
-from dipaco_server.rounds.lifecycle.retention import sweep_blobs
 from dipaco_server.rounds.verification.context import norm_history, outer_momentum
 from dipaco_server.runs.models import Module
 from dipaco_server.runs.phases import local_round, round_config
@@ -159,7 +159,7 @@ class Counts:
 
 
 def test_the_step_reuses_arrival_checks_and_steps_exactly_as_inline(
-    work: Path,  # noqa: F811 (the fixture imported above)
+    work: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run, sources = two_worker_run(work)
@@ -204,7 +204,7 @@ def test_the_step_reuses_arrival_checks_and_steps_exactly_as_inline(
 
 
 def test_a_step_without_its_records_checks_inline(
-    work: Path,  # noqa: F811 (the fixture imported above)
+    work: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     run, sources = two_worker_run(work)
@@ -230,7 +230,7 @@ def test_a_step_without_its_records_checks_inline(
 
 
 def test_a_refusal_at_arrival_is_the_steps_refusal(
-    work: Path,  # noqa: F811 (the fixture imported above)
+    work: Path,
 ) -> None:
     run, sources = two_worker_run(work)
     honest, _ = submit(run, "honest", sources)
@@ -249,7 +249,7 @@ def test_a_refusal_at_arrival_is_the_steps_refusal(
 
 
 def test_a_flip_is_refused_the_same_with_or_without_arrival_checks(
-    work: Path,  # noqa: F811 (the fixture imported above)
+    work: Path,
 ) -> None:
     run, sources = two_worker_run(work)
     honest, _ = submit(run, "honest", sources)

@@ -153,9 +153,7 @@ def _split_sum(
         for verdict, factor in zip(accepted, factors, strict=True):
             assert verdict.file is not None
             # Its sha256 was checked as it downloaded (pass 1, or at its completion).
-            codecs.accumulate(
-                verdict.file, into, factor, spec, verify_checksum=False, names=group
-            )
+            codecs.accumulate(verdict.file, into, factor, spec, verify_checksum=False, names=group)
 
     with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="outer-sum") as pool:
         for done in [pool.submit(add, group) for group in groups]:

@@ -153,11 +153,11 @@ def _check_one(
     written = Contribution.objects.filter(
         pk=c.pk, status=Contribution.Status.PENDING, arrival_check__isnull=True
     ).update(arrival_check=record)
-    if not written and kept is not None:
-        # A duplicate task recorded it first (its file is these same bytes: leave it), or
-        # the contribution settled meanwhile (its step is done with it: remove ours).
-        if not Contribution.objects.filter(pk=c.pk, status=Contribution.Status.PENDING).exists():
-            kept.unlink(missing_ok=True)
+    # Not written: a duplicate task recorded it first (its file is these same bytes: leave
+    # it), or the contribution settled meanwhile (its step is done with it: remove ours).
+    settled = not Contribution.objects.filter(pk=c.pk, status=Contribution.Status.PENDING).exists()
+    if not written and kept is not None and settled:
+        kept.unlink(missing_ok=True)
     return bool(written)
 
 

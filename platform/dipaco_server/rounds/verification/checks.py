@@ -228,8 +228,8 @@ def reuse_arrival(
             os.link(source, local)
             verdict.file = local
             return
-        except FileNotFoundError:
-            pass  # not kept here (another machine's task, or removed): fetched again
+        except OSError:  # not kept here (another machine's task, removed): fetched again
+            pass
     verdict.file, _ = fetch(store, upload, work)
 
 
