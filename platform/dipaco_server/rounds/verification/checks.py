@@ -3,6 +3,9 @@
 
 1. **format** (`uploads.check_upload`): size and sha256 against what the worker declared,
    hashed as it downloads; then `codecs.verify` against the module's spec for its norm.
+   Usually done already, with the cosine of step 2, by the check_unit task at the Δ's
+   completion (rounds.verification.arrival): its record is reused for the bytes it names
+   (`reuse_arrival`), so the step neither fetches nor decodes that Δ to judge it.
    Norms above ``outer.reject_norm_factor`` x the median of the verified ones are outliers.
 2. **history, direction, useful work** (`screen_verdicts`, rounds.verification.rules's rules, with
    ``outer.verify``): replay, norm against the module's history, cosine with its outer
