@@ -22,10 +22,14 @@ waits on the link in wall seconds (`_seconds` keys):
   the unit's Δs fetched (`score_load_seconds`), its rows read by ranges of its chunks
   (`StoreRows`, as `Scorer._train_windows`), `rules.score_delta` on the windows
   `outer.score_flops` buys (`scoring_cpu`; --score-units/--score-windows: fewer, scaled);
-- **module steps**, as `outer_step`: each Δ fetched alone (`fetch_seconds`) and decoded;
-  `compute_step` in steady state (a norm history and a momentum), its parts' CPU apart
-  (`checks_cpu`: fetch, digest, decode, norm, direction; `aggregate_cpu`; `outer_cpu`),
-  base and momentum in (`base_fetch_seconds`), weights and momentum out (`publishing_seconds`);
+- **check tasks**, as `check_unit` at a completion (rounds.verification.arrival): each Δ
+  fetched alone (`fetch_seconds`), then its format, norm, decode and cosine with the outer
+  momentum (`arrival_cpu`), the verified copy kept;
+- **module steps**, as `outer_step` at the close: `compute_step` in steady state (a norm
+  history and a momentum) reusing those checks, its parts' CPU apart (`checks_cpu`: what
+  the step still checks, the kept copies linked; `aggregate_cpu`, on one thread: the
+  split by tensor is projected; `outer_cpu`), base and momentum in
+  (`base_fetch_seconds`), weights and momentum out (`publishing_seconds`);
 - **evaluation**: `mean_loss` on --eval-windows windows a path, scaled to `eval.flops`.
 
 The JSON keeps "presets": {name: figures} (one run per preset, merged into --json's) and
@@ -280,44 +284,59 @@ def _steps(
     bases: dict[str, Any],
     root: Path,
 ) -> dict[str, dict[str, float]]:
-    """Each module's outer step over its uploads, in steady state (a norm history and an
-    outer momentum), its parts timed apart."""
+    """Each module's Δs checked as check_unit does at their completions, then its outer step
+    as outer_step runs it at the close (reusing those checks), in steady state (a norm
+    history and an outer momentum), its parts timed apart."""
     # The server's modules load after django.setup() (main), the library's with them.
     from dipaco import codecs
     from dipaco.modular import module_spec
     from dipaco.modules_file import read_module
-    from dipaco_server.rounds.outer import step
+    from dipaco_server.rounds.outer import aggregate, step
+    from dipaco_server.rounds.verification import rules
     from dipaco_server.rounds.verification.uploads import fetch
 
     parts = {"check_contributions": "checks_cpu", "aggregate_uploads": "aggregate_cpu",
              "apply_step": "outer_cpu"}  # fmt: skip
     originals = {name: getattr(step, name) for name in parts}
+    split = aggregate.SPLIT_MAX
+    # One thread: CPU in thread seconds; the split by tensor is projected (`projection`).
+    aggregate.SPLIT_MAX = 1
     per_module: dict[str, dict[str, float]] = {}
     try:
         for module_id, ups in uploads.items():
             spec = module_spec(config, module_id)
-            work = Path(tempfile.mkdtemp(dir=root))
+            work, kept = Path(tempfile.mkdtemp(dir=root)), Path(tempfile.mkdtemp(dir=root))
             got: dict[str, float] = defaultdict(float)
             for name, key in parts.items():
                 setattr(step, name, cpu_timed(originals[name], got, key))
-            for up in ups:
-                start, clock = time.perf_counter(), time.thread_time()
-                file, _ = fetch(store, up, work)
-                got["fetch_seconds"] += time.perf_counter() - start
-                got["fetch_cpu"] += time.thread_time() - clock
-                clock = time.thread_time()
-                delta = codecs.decode(file, spec, verify_checksum=True)
-                got["decode_cpu"] += time.thread_time() - clock
-                norm = math.sqrt(sum(float(t.double().square().sum()) for t in delta.values()))
-                file.unlink()
-                del delta
             start = time.perf_counter()
             for key in (bases[module_id].key, bases[module_id].momentum_key):
                 store.download_to(key, work / "fetched")
             got["base_fetch_seconds"] = time.perf_counter() - start
             momentum = read_module(work / "fetched", spec)  # the momentum, fetched last
+            records, norms = {}, []
+            for up in ups:  # check_unit at each completion (rounds.verification.arrival)
+                start, clock = time.perf_counter(), time.thread_time()
+                file, data = fetch(store, up, kept)
+                got["fetch_seconds"] += time.perf_counter() - start
+                got["fetch_cpu"] += time.thread_time() - clock
+                clock = time.thread_time()
+                norm = codecs.verify(data, spec, verify_checksum=False).norm
+                del data
+                delta = codecs.decode(file, spec, verify_checksum=False)
+                cosine = rules.cosine(delta, momentum)
+                got["arrival_cpu"] += time.thread_time() - clock
+                del delta
+                norms.append(norm)
+                records[up.contribution_id] = {"sha256": up.sha256, "norm": norm,
+                                               "cosine": cosine, "momentum_version": 0}  # fmt: skip
             start = time.perf_counter()
-            result = step.compute_step(store, ups, bases[module_id], spec, config.outer, work, round_index=1, history=(norm,) * 3, momentum=momentum, comm=config.comm)  # fmt: skip
+            result = step.compute_step(
+                store, ups, bases[module_id], spec, config.outer, work, round_index=1,
+                history=(statistics.median(norms),) * 3, momentum=momentum, comm=config.comm,
+                arrival=records, momentum_version=0,
+                kept=lambda u, kept=kept: kept / f"contribution-{u.contribution_id}.safetensors",
+            )  # fmt: skip
             got["step_seconds"] = time.perf_counter() - start
             assert result.weights is not None, [v.reason for v in result.verdicts]
             del momentum
@@ -332,7 +351,9 @@ def _steps(
                 **{k: round(v, 4) for k, v in sorted(got.items())},
             }  # fmt: skip
             shutil.rmtree(work)
+            shutil.rmtree(kept)
     finally:
+        aggregate.SPLIT_MAX = split
         for name, fn in originals.items():
             setattr(step, name, fn)
     return per_module
@@ -391,8 +412,9 @@ def costs(figures: dict[str, Any], kind: str) -> dict[str, float]:
     return {
         "fetch": total("fetch_seconds") / n,  # one Δ through the link, measured
         "fetch_nominal": transfer(size, figures["link"], 1),  # one GET at the link's own pace
-        "check": (total("checks_cpu") - total("fetch_cpu")) / n,  # its decode and checks
-        "aggregate": total("aggregate_cpu") / n,
+        "check": total("arrival_cpu") / n,  # check_unit's: format, norm, decode, cosine
+        "judge": total("checks_cpu") / n,  # the step's checks, the arrival's reused
+        "aggregate": total("aggregate_cpu") / n,  # one thread
         "fixed": outer + moved,  # the base and momentum in, Nesterov, the new version out
         "outer": outer, "delta_bytes": size,
     }  # fmt: skip
@@ -445,12 +467,17 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     The grid is `LayoutConfig.grid(num_layers, levels=2, modules=16)`: 32 level modules of
     num_layers / 2 blocks (the preset's 2x2 level modules' size: their costs carry over),
     each in 16 of the 256 paths, and the shared module (embeddings, final norm, head) in
-    all 256. One replica a path: 256 units, 64 volunteers, four waves. A unit's scoring
-    task starts at its completion (completions spread evenly: `fraction`; each wave of 64
-    at once: `fraction_lockstep`, the goal's figure), so only the last ones extend the
-    round; then the module steps (recorded scores reused) run on the cores, longest first,
-    each paying per Δ its fetch through the link (measured wall at its real size), decode,
-    checks and aggregation (CPU), then the base in, Nesterov and the new version out. A
+    all 256. One replica a path: 256 units, 64 volunteers, four waves. A unit's tasks
+    (score_unit and check_unit, counted as one task of their summed seconds: its score,
+    and each of its 3 Δs fetched through the link and checked) start at its completion
+    (completions spread evenly: `fraction`; each wave of 64 at once: `fraction_lockstep`,
+    the goal's figure), so only the last ones extend the round; then the module steps
+    (recorded scores and checks reused) run on the cores, longest first, each paying per
+    Δ its aggregation and the step's remaining checks (CPU), then the base in, Nesterov
+    and the new version out. The shared module's sum runs on `shared_sum_threads`
+    threads (rounds.outer.aggregate.tensor_groups): its aggregation divided by
+    `shared_sum_speedup` (the module's values over its largest group's), the rest not.
+    `before_inline_checks`: the same costs with every check at the close, as before. A
     worker asks for its next lease (the manifest) after its unit trained: the manifest's
     wall counts once a wave, its CPU in the occupancy; evaluation runs while the next round
     trains (occupancy only). `at_nominal_link`: each transfer at the link's own pace.
@@ -460,9 +487,10 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     the steps' span assumes); a core counted busy while its task waits on the link;
     Celery, database and lock overheads; the first round's extra checks (peer cosines,
     settlement: steady state is modelled); replicas, partial units, a failed score task's
-    inline rescoring; evaluation's loading of each path's modules; GPUs on the server; the
-    workers' own downloads and their speed spread beyond the lockstep case; memory and disk
-    (a checked-at-arrival shared step keeps 256 decoded Δs, ~59 GB fp32, on local disk).
+    inline rescoring or checking; evaluation's loading of each path's modules; GPUs on the
+    server; the workers' own downloads and their speed spread beyond the lockstep case;
+    the cores the shared sum's extra threads take from other tasks; memory and disk (the
+    kept copies of a round's Δs, 3 x 256 encoded, ~81 GB at 150M, wait on local disk).
     """
     layout = LayoutConfig.grid(config.model.num_layers, levels=LEVELS, modules=MODULES)
     units, level_modules, levels = layout.num_paths, sum(layout.modules_per_level), LEVELS
@@ -481,42 +509,46 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     score_nominal = cpu + figures["score_load_cpu"] + (move["level"] * levels + move["shared"]) / 4
     score_nominal += levels * lv["fetch_nominal"] + sh["fetch_nominal"] + 2 * transfer(0, link)
 
-    def scenario(kinds: dict[str, dict[str, float]], task: float, checked: bool,
-                 split: int = 1) -> dict[str, Any]:  # fmt: skip
-        def step(k: dict[str, float], n: int) -> float:
-            return n * (k["aggregate"] + (0.0 if checked else k["fetch"] + k["check"])) + k["fixed"]
+    from dipaco.modular import module_spec
+    from dipaco_server.rounds.outer.aggregate import split_parts, tensor_groups
+
+    spec = module_spec(config, "shared")
+    groups = tensor_groups(spec, split_parts(spec, units))  # as aggregate_uploads splits it
+    sizes = [sum(math.prod(spec[n][0]) for n in group) for group in groups]
+    speedup = sum(sizes) / max(sizes)
+
+    def scenario(kinds: dict[str, dict[str, float]], task: float, checked: bool) -> dict[str, Any]:
+        def step(k: dict[str, float], n: int, speed: float = 1.0) -> float:
+            per = k["aggregate"] / speed + k["judge"]
+            return n * (per + (0.0 if checked else k["fetch"] + k["check"])) + k["fixed"]
 
         lv_, sh_ = kinds["level"], kinds["shared"]
-        if checked:  # each Δ fetched and checked at its completion, beside its unit's score
+        if checked:  # each Δ fetched and checked at its completion (check_unit)
             task += levels * (lv_["fetch"] + lv_["check"]) + sh_["fetch"] + sh_["check"]
-        shared = [step(sh_, units) / split] * split
+        shared = [step(sh_, units, speedup if checked else 1.0)]
         return _round(step(lv_, through), shared, task, level_modules, units, training,
                       unit_s, evaluation + manifests)  # fmt: skip
 
     measured = {"level": lv, "shared": sh}
-    built = scenario(measured, score_task, False)
+    built = scenario(measured, score_task, True)
     fetched = units * (levels * lv["delta_bytes"] + sh["delta_bytes"])
-    split = round(sum(numels(config, "shared")) / max(numels(config, "shared")))  # by tensor
     return {
         "grid": f"{MODULES}x{MODULES}: {levels} levels x {MODULES} modules", "levels": levels,
         "modules": MODULES, "level_modules": level_modules, "modules_total": level_modules + 1,
         "units": units, "deltas_per_unit": levels + 1, "deltas_per_level_module": through,
         "deltas_per_shared_module": units, "volunteers": VOLUNTEERS, "cores": CORES,
         "unit_seconds": unit_s, "training_seconds": round(training, 1), **built,
+        "shared_sum_threads": len(groups), "shared_sum_speedup": round(speedup, 3),
         "score_task_seconds": round(score_task, 2), "scoring_seconds": round(score_task * units, 1),
+        "check_task_seconds": round(levels * (lv["fetch"] + lv["check"]) + sh["fetch"] + sh["check"], 2),
         "evaluation_seconds": round(evaluation, 1), "manifest_cpu_seconds": round(manifests, 2),
         "score_rows_seconds": round(figures["score_rows_seconds"] * units, 2),
         "per_delta": {k: {n: round(v, 4) for n, v in c.items()} for k, c in measured.items()},
         "shared_fetch_seconds": round(units * sh["fetch"], 1),
         "shared_fetch_nominal_seconds": round(units * sh["fetch_nominal"], 1),
-        "shared_fetch_bytes": int(units * sh["delta_bytes"]), "steps_fetch_bytes": int(fetched),
-        "steps_fetch_mb_per_s": round(fetched / built["steps_span_seconds"] / 1e6, 1),
-        "at_nominal_link": {**scenario(nominal, score_nominal, False), "what": NOMINAL},
-        "design_checked_at_arrival": {
-            **scenario(measured, score_task, True), "built": False, "what": CHECKED},
-        "design_checked_at_arrival_split_by_tensor": {
-            **scenario(measured, score_task, True, split), "built": False,
-            "shared_tasks": split, "what": SPLIT},
+        "shared_fetch_bytes": int(units * sh["delta_bytes"]), "arrival_fetch_bytes": int(fetched),
+        "at_nominal_link": {**scenario(nominal, score_nominal, True), "what": NOMINAL},
+        "before_inline_checks": {**scenario(measured, score_task, False), "what": BEFORE},
     }  # fmt: skip
 
 
@@ -524,14 +556,9 @@ NOMINAL = (
     "the built design with every transfer at the link's own pace (latency + bytes / bandwidth, "
     "multipart as S3BlobStore sends it): without the test server's own serving time"
 )
-CHECKED = (
-    "a design not yet built: each Δ fetched, decoded and checked in a task of its own when its "
-    "completion arrives (here added to its unit's scoring task), its checked copy kept for "
-    "the step, so each module's step only aggregates already-checked Δs, steps and publishes"
-)
-SPLIT = (
-    "a design not yet built: as design_checked_at_arrival, and the shared step split by "
-    "tensor (the embedding and the head apart) into `shared_tasks` tasks on their own cores"
+BEFORE = (
+    "the design before check_unit: each module's step fetched, decoded and checked all its "
+    "Δs at the round's close, one thread a step, then aggregated (the same measured costs)"
 )
 
 
@@ -553,7 +580,9 @@ def main() -> None:
     out: dict[str, Any] = {"presets": {}}
     if args.json is not None and args.json.exists():
         out = json.loads(args.json.read_text())
-    if not args.project_only:
+    if args.project_only:  # the projection reads how the server splits its sums
+        setup_django(Path(tempfile.mkdtemp(prefix="server-round-")) / "data")
+    else:
         started = time.perf_counter()
         root = Path(tempfile.mkdtemp(prefix="server-round-"))
         try:
@@ -581,11 +610,6 @@ def _project(out: dict[str, Any]) -> None:
     proj["preset"] = largest
     proj["link"] = out["presets"][largest]["link"]
     proj["goals"] = {k: {"goal": v, "value": proj[k], "met": proj[k] <= v} for k, v in GOALS.items()}  # fmt: skip
-    if not all(goal["met"] for goal in proj["goals"].values()):
-        proj["goals"]["to_close"] = {
-            name: {k: proj[name][k] for k in ("fraction_lockstep", "longest_step_seconds")}
-            for name in ("design_checked_at_arrival", "design_checked_at_arrival_split_by_tensor")
-        }
     proj["timing"] = (
         "CPU work in thread CPU seconds (time.thread_time): other load on the machine does not "
         "inflate it; what waits on the link (fetches, puts, manifests) in wall seconds"

@@ -95,8 +95,8 @@ class DeltaAccumulator:
         if not all(bool(torch.isfinite(t).all()) for t in delta.values()):
             raise ValueError("Δ holds NaN or infinite values")
         self.shapes = shapes
-        weight = self._weight(tokens)
-        scale = self._scale(delta_norm(delta) if self.clip_norm is not None else 0.0)
+        weight = self.weight(tokens)
+        scale = self.scale(delta_norm(delta) if self.clip_norm is not None else 0.0)
         for name, t in delta.items():
             if name not in self.sums:
                 self.sums[name] = torch.zeros(t.shape, dtype=torch.float32, device=self.device)
@@ -119,8 +119,8 @@ class DeltaAccumulator:
             raise ValueError("add_encoded needs the module's spec to check and size the sums")
         if self.clip_norm is not None and norm is None:
             raise ValueError("clipped-mean needs each encoded Δ's norm")
-        weight = self._weight(tokens)
-        scale = self._scale(norm or 0.0)
+        weight = self.weight(tokens)
+        scale = self.scale(norm or 0.0)
         if not self.sums:
             self.sums = {
                 name: torch.zeros(shape, dtype=torch.float32, device=self.device)
@@ -132,12 +132,13 @@ class DeltaAccumulator:
         self.total_weight += weight
         self.count += 1
 
-    def _weight(self, tokens: int) -> float:
+    def weight(self, tokens: int) -> float:
+        """A contribution's weight in the mean (its tokens, or 1 without token weighting)."""
         if tokens <= 0:
             raise ValueError(f"a contribution must report tokens > 0, got {tokens}")
         return float(tokens) if self.token_weighting else 1.0
 
-    def _scale(self, norm: float) -> float:
+    def scale(self, norm: float) -> float:
         """clipped-mean's factor for a Δ of this norm (1 without clipping or for a zero Δ)."""
         if self.clip_norm is None or norm <= 0:
             return 1.0

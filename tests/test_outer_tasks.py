@@ -38,7 +38,7 @@ from dipaco_server.env import celery_transport
 from dipaco_server.rounds.lifecycle.close import mark_round_closing
 from dipaco_server.rounds.lifecycle.open import start_run
 from dipaco_server.rounds.lifecycle.tasks import advance_run, fail_round, finish_round
-from dipaco_server.rounds.models import Contribution, OuterStep, Round
+from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round
 from dipaco_server.rounds.outer.step import (
     FAULTS_DIR_ENV,
     BaseVersion,
@@ -264,6 +264,41 @@ def wait_for(condition: Callable[[], bool], worker: CeleryWorker, timeout: float
             log = worker.log_path.read_text(errors="replace")[-4000:]
             raise AssertionError(f"timed out; worker log:\n{log}")
         time.sleep(0.2)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_check_unit_runs_on_the_worker_and_the_step_after_it_steps_like_the_library(
+    on_s3: CeleryWorker,
+) -> None:
+    """Each completed lease's check_unit task on the real worker (rounds.verification.arrival)
+    records its Δs' verdicts; a second delivery does nothing; the round's steps then reuse
+    them and step exactly as the library does."""
+    run = running_run(DILOCO, replicas=3)
+    _, kept = contribute(run, good, seed=1, name="honest")
+    _, more = contribute(run, good, seed=2, name="other")
+    diverged, _ = contribute(run, with_nan, seed=3, name="diverged")
+    leases = list(Lease.objects.filter(unit__round__run=run).order_by("pk"))
+    for lease in leases:
+        assert send(on_s3, "check_unit", lease.pk).get(timeout=60) == "checked 2"
+    assert send(on_s3, "check_unit", leases[0].pk).get(timeout=60) == "checked already"
+    records = {
+        (c.lease.worker_id, c.module.module_id): c.arrival_check
+        for c in Contribution.objects.filter(unit__round__run=run).select_related("module")
+    }
+    for (worker_id, _), record in records.items():
+        assert record is not None, records
+        assert ("code" in record) == (worker_id == diverged.pk), record
+    assert {r["code"] for (w, _), r in records.items() if w == diverged.pk} == {"non_finite"}
+
+    assert send(on_s3, "close_round", run.pk, 0).get(timeout=30) == "closing"
+    wait_for(lambda: Round.objects.filter(run=run, t=1).exists(), on_s3)
+    for module_id in ("0.0", "shared"):
+        assert_same(
+            stored_version(run, module_id, 1),
+            library_step(run, module_id, [kept[module_id], more[module_id]]),
+        )
+    rows = Contribution.objects.filter(unit__round__run=run, module__module_id="0.0")
+    assert sorted(rows.values_list("status", flat=True)) == ["accepted", "accepted", "rejected"]
 
 
 @pytest.mark.django_db(transaction=True)

@@ -193,7 +193,8 @@ def test_the_completion_that_fills_round_t_opens_round_t_plus_1_before_it_answer
     lease = api.take_lease(client, token)
     assert lease["round"] == 1 and set(lease["base_versions"].values()) == {0}
     sent = [task for task, _ in api.sent_tasks()]
-    # Each completion sent its unit's scoring (rounds.verification.unit_score), the last
-    # one the round's close after it.
-    scoring = ["dipaco_server.rounds.tasks.score_unit"] * run.paths.count()
+    # Each completion sent its Δs' checks (rounds.verification.arrival) and its unit's
+    # scoring (rounds.verification.unit_score), the last one the round's close after them.
+    per_unit = ["dipaco_server.rounds.tasks.check_unit", "dipaco_server.rounds.tasks.score_unit"]
+    scoring = per_unit * run.paths.count()
     assert sent == [*scoring, "dipaco_server.rounds.tasks.close_round"], sent

@@ -247,9 +247,11 @@ def test_three_workers_run_the_full_protocol_concurrently(
     # step, through Redis; two completions finishing together may both send the close
     # (close_round runs once).
     sent = redis_queue.sent()
-    scored = sorted(args for name, args in sent if name == "dipaco_server.rounds.tasks.score_unit")
-    assert scored == sorted(f"[{pk}]" for pk in leases.values_list("pk", flat=True))
-    closes = {task for task in sent if task[0] != "dipaco_server.rounds.tasks.score_unit"}
+    per_unit = {"dipaco_server.rounds.tasks.score_unit", "dipaco_server.rounds.tasks.check_unit"}
+    expected = sorted(f"[{pk}]" for pk in leases.values_list("pk", flat=True))
+    for task in per_unit:  # its Δs checked and its unit scored, at its completion
+        assert sorted(args for name, args in sent if name == task) == expected, task
+    closes = {task for task in sent if task[0] not in per_unit}
     assert closes == {("dipaco_server.rounds.tasks.close_round", f"[{run.pk}, 0]")}
 
 

@@ -6,7 +6,7 @@ import hashlib
 import math
 import os
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -346,19 +346,31 @@ def _check_spec(header: ContainerHeader, expected: Mapping[str, TensorSpec] | No
             )
 
 
-def _check_into(header: ContainerHeader, into: Mapping[str, torch.Tensor]) -> None:
+def _check_into(
+    header: ContainerHeader,
+    into: Mapping[str, torch.Tensor],
+    names: Collection[str] | None = None,
+) -> None:
     for name, target in into.items():
         if target.dtype != torch.float32 or not target.is_contiguous():
             raise TypeError(
                 f"accumulate needs contiguous float32 tensors in `into`; {name!r} is not"
             )
-    if set(into) != set(header.tensors):
+    if names is not None:  # a part of the Δ: `into` holds exactly those, all in the upload
+        if set(into) != set(names):
+            raise ValueError("accumulate's `into` must hold exactly the tensors in `names`")
+        if not set(names) <= set(header.tensors):
+            missing = sorted(set(names) - set(header.tensors))[:3]
+            raise CodecError("spec_mismatch", f"upload lacks tensors {missing}")
+    elif set(into) != set(header.tensors):
         missing = sorted(set(into) - set(header.tensors))[:3]
         extra = sorted(set(header.tensors) - set(into))[:3]
         raise CodecError(
             "spec_mismatch", f"upload lacks tensors {missing} and/or has unexpected tensors {extra}"
         )
     for name, info in header.tensors.items():
+        if name not in into:
+            continue
         if tuple(into[name].shape) != info.shape:
             raise CodecError(
                 "spec_mismatch",
@@ -475,19 +487,25 @@ def accumulate(
     *,
     verify_checksum: bool = True,
     max_bytes: int | None = None,
+    names: Collection[str] | None = None,
 ) -> CodecStats:
     """``into[name] += weight * decoded[name]`` in fp32, one chunk at a time.
 
     All-or-nothing: every check (header, ``expected``, shapes of ``into``, checksum, scales,
     finiteness) passes before the first write, so a CodecError leaves ``into`` untouched.
     Pass ``verify_checksum=False`` only for bytes whose sha256 the caller has just checked.
+    ``names``: only these tensors (``into`` holds exactly them), for a caller that splits
+    one sum by tensor; each value gets the same arithmetic as in a whole-Δ call, and the
+    returned norm is of these tensors only.
     """
     if not math.isfinite(weight):
         raise ValueError(f"weight must be finite, got {weight}")
     header, stored = _open(data, expected, verify_checksum, max_bytes)
-    _check_into(header, into)
+    _check_into(header, into, names)
     sq = 0.0
     for name, info in header.tensors.items():
+        if name not in into:
+            continue
         target = into[name].view(-1)  # (n,)
         for start, end, values in _decoded(header, info.numel, stored[name]):
             sq += sq_norm(values)

@@ -191,6 +191,11 @@ class Contribution(models.Model):
     agreed_with = models.ForeignKey(
         Worker, null=True, blank=True, on_delete=models.SET_NULL, related_name="+"
     )
+    # What the checks that need no other Δ found when its completion arrived (the
+    # check_unit task, rounds.verification.arrival): {"sha256", "norm"} and the cosine with
+    # the outer momentum of version "momentum_version", or {"sha256", "code", "message"}
+    # when refused. The outer step reuses it for these bytes; null: the step checks inline.
+    arrival_check = models.JSONField(null=True, blank=True)
 
     class Meta:
         constraints = (

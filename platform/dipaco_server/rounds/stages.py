@@ -9,7 +9,8 @@ stage (concurrent module steps of one round each add theirs). The stages:
 - training: the round's opening to its last completion, and the leases' summed seconds
   from grant to completion (derived from the leases, not stored);
 - manifest: a unit's row chunks signed for its worker (rounds.protocol.unit_data: no token read);
-- fetch_decode: each upload fetched, size, digest and content checked, decoded;
+- fetch_decode: each upload fetched, size, digest and content checked, decoded: mostly
+  by check_unit at its completion (rounds.verification.arrival), else by its step;
 - checks: the rest of the verification (norms, history, direction, replicas, peers);
 - scoring: proof of useful work (rounds.verification.scorer);
 - outer_step: aggregation, the Nesterov step, the encoded update;

@@ -46,6 +46,22 @@ def end_leases(sender: Any, *, run: Run, now: datetime, **_: Any) -> None:
         logger.info("run %s ended: released its %d active lease(s)", run.pk, released)
 
 
+@receiver(lease_completed, dispatch_uid="dipaco_server.rounds.check_completed_unit")
+def check_completed_unit(
+    sender: Any, *, round_: Round, lease: Lease | None = None, **_: Any
+) -> None:
+    """Send check_unit for the completed lease (rounds.verification.arrival), before
+    close_if_ready may send the round's close: its Δs are fetched, decoded and checked while
+    the round trains, and its outer steps aggregate them as checked. A task that cannot be
+    sent leaves the checks to the steps (they check what has no record)."""
+    if lease is None:
+        return
+    try:
+        celery_app.send_task("dipaco_server.rounds.tasks.check_unit", args=[lease.pk])
+    except (KombuError, OSError) as exc:
+        logger.warning("lease %s: check_unit not sent (%s); its steps check it", lease.pk, exc)
+
+
 @receiver(lease_completed, dispatch_uid="dipaco_server.rounds.score_completed_unit")
 def score_completed_unit(
     sender: Any, *, round_: Round, lease: Lease | None = None, **_: Any

@@ -65,6 +65,9 @@ class SweepReport:
 
 
 def sweep_blobs(*, store: BlobStore | None = None) -> SweepReport:
+    # torch (seconds): the Celery app imports this module without it (tests/test_boundaries)
+    from dipaco_server.rounds.verification.arrival import sweep_kept
+
     store = store or get_blob_store()
     report = SweepReport()
     keep_rounds = _setting("DIPACO_RETENTION_ROUNDS", 0)
@@ -72,6 +75,7 @@ def sweep_blobs(*, store: BlobStore | None = None) -> SweepReport:
     for run in Run.objects.order_by("pk"):
         _sweep_uploads(store, run, keep_rounds, report)
         _sweep_versions(store, run, keep_versions, report)
+        sweep_kept(run.pk)  # the Δs check_unit kept on this disk for steps that are done
     if report.deleted:
         logger.info("retention: %s", report.as_dict())
     return report

@@ -3,8 +3,10 @@
     close_round(run, t)  ──chord──▶  outer_step(run, m, t) for every module m
                                      ──▶ finish_round(run, t): evaluate, open t + 1 or finish
 
-Before that, each completion sends score_unit(lease): its unit's proof of useful work,
-computed while the round trains and recorded for the steps (rounds.verification.unit_score).
+Before that, each completion sends check_unit(lease): its Δs fetched, decoded and checked
+as far as each alone allows (rounds.verification.arrival), and score_unit(lease): its
+unit's proof of useful work (rounds.verification.unit_score), both while the round trains
+and recorded for the steps, which then mostly aggregate.
 
 With ``outer.overlap`` "delayed" (or "eager"), close_round opens round t + 1 as it moves round t to
 closing (`start_closing`), and finish_round(run, t) sends close_round(run, t + 1), which
@@ -231,6 +233,18 @@ def outer_step(self: Task, run_id: int, module_id: str, t: int) -> dict[str, obj
     from dipaco_server.rounds.outer.step import step_module
 
     return step_module(run_id, module_id, t)
+
+
+@shared_task(
+    name="dipaco_server.rounds.tasks.check_unit", acks_late=True, reject_on_worker_lost=True
+)
+def check_unit(lease_id: int) -> str:
+    """A completed unit's Δs fetched, decoded and checked as far as one Δ alone allows,
+    recorded for its round's outer steps (rounds.verification.arrival). Not retried: a step
+    whose Δ has no record checks it inline; a duplicate finds the records and does nothing."""
+    from dipaco_server.rounds.verification.arrival import check_arrived  # torch, as above
+
+    return check_arrived(lease_id)
 
 
 @shared_task(

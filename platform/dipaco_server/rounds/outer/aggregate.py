@@ -12,6 +12,7 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from dipaco import codecs
 from dipaco.config import OuterConfig
 from dipaco.modules_file import ModuleReader, ModuleWriter, Spec
 from dipaco.outer import (
@@ -31,6 +33,9 @@ from dipaco_server.rounds.verification import rules
 from dipaco_server.rounds.verification.uploads import Verdict
 from dipaco_server.storage import BlobStore
 
+SPLIT_MIN_VALUES = 1 << 22  # a module's sum is split by tensor from 4M values (split_parts)
+SPLIT_MIN_DELTAS = 8  # ... and from this many Δs
+SPLIT_MAX = 4  # threads at most
 STEP_CHUNK = 1 << 18  # values per Nesterov chunk: 1 MiB per temporary
 TRIM_CHUNK = 1 << 18  # values x contributions per trimmed-mean chunk (sort keeps ~7 copies)
 
@@ -71,6 +76,14 @@ def aggregate_uploads(
             # x the module's reference norm (its history), the round's median at first
             limit = rules.clip_limit([float(v.norm or 0.0) for v in accepted], history, cfg)
         accumulator = DeltaAccumulator(spec, token_weighting=cfg.token_weighting, clip_norm=limit)
+        groups = tensor_groups(spec, split_parts(spec, len(accepted)))
+        if len(groups) > 1 and all(v.raw is None and v.file is not None for v in accepted):
+            grad = _split_sum(accepted, spec, accumulator, groups)
+            factor = rescale_factor(cfg, contributing_paths(accepted))
+            if factor != 1.0:
+                for tensor in grad.values():
+                    tensor.mul_(factor)
+            return grad
         for verdict in accepted:
             if verdict.raw is not None:  # a check decoded it already: read back, not again
                 accumulator.add(verdict.decoded(spec), verdict.upload.tokens)
@@ -86,6 +99,67 @@ def aggregate_uploads(
         for tensor in grad.values():
             tensor.mul_(factor)
     return grad
+
+
+def split_parts(spec: Spec, deltas: int) -> int:
+    """How many threads a module's sum is split into (`tensor_groups`): as many as its
+    largest tensor divides it into, at most SPLIT_MAX, and 1 for a module below
+    SPLIT_MIN_VALUES values or with fewer than SPLIT_MIN_DELTAS Δs (not worth a thread)."""
+    sizes = [math.prod(shape) for shape, _ in spec.values()]
+    if not sizes or sum(sizes) < SPLIT_MIN_VALUES or deltas < SPLIT_MIN_DELTAS:
+        return 1
+    return max(1, min(SPLIT_MAX, len(sizes), round(sum(sizes) / max(sizes))))
+
+
+def tensor_groups(spec: Spec, parts: int) -> list[list[str]]:
+    """The module's tensors in `parts` groups of about equal size, largest first onto the
+    lightest group (Graham's LPT); each group keeps the spec's order. One group when
+    `parts` is 1."""
+    names = list(spec)
+    if parts <= 1 or len(names) <= 1:
+        return [names]
+    loads = [0] * parts
+    members: list[list[str]] = [[] for _ in range(parts)]
+    for name in sorted(names, key=lambda n: -math.prod(spec[n][0])):
+        lightest = loads.index(min(loads))
+        loads[lightest] += math.prod(spec[name][0])
+        members[lightest].append(name)
+    order = {name: i for i, name in enumerate(names)}
+    return [sorted(group, key=order.__getitem__) for group in members if group]
+
+
+def _split_sum(
+    accepted: Sequence[Verdict],
+    spec: Spec,
+    accumulator: DeltaAccumulator,
+    groups: Sequence[Sequence[str]],
+) -> dict[str, Tensor]:
+    """The accumulator's mean, its sums split by tensor over threads: each thread adds
+    every accepted Δ, in order, into its own group of tensors (codecs.accumulate with
+    ``names``), with the factor `DeltaAccumulator.add_encoded` would give it. Each value
+    gets the same additions in the same order as in one thread, so the mean is the same
+    bit for bit; the wall time is the largest group's. torch releases the GIL in its
+    kernels, so the threads run on as many cores; a step at a round's close has them, its
+    other modules' steps being shorter (docs/benchmarks.md)."""
+    factors, total = [], 0.0
+    for verdict in accepted:
+        weight = accumulator.weight(verdict.upload.tokens)
+        factors.append(weight * accumulator.scale(verdict.norm or 0.0))
+        total += weight
+    sums = {name: torch.zeros(shape, dtype=torch.float32) for name, (shape, _) in spec.items()}
+
+    def add(group: Sequence[str]) -> None:
+        into = {name: sums[name] for name in group}
+        for verdict, factor in zip(accepted, factors, strict=True):
+            assert verdict.file is not None
+            # Its sha256 was checked as it downloaded (pass 1, or at its completion).
+            codecs.accumulate(verdict.file, into, factor, spec, verify_checksum=False, names=group)
+
+    with ThreadPoolExecutor(max_workers=len(groups), thread_name_prefix="outer-sum") as pool:
+        for done in [pool.submit(add, group) for group in groups]:
+            done.result()  # re-raises a thread's error
+    accumulator.sums, accumulator.total_weight, accumulator.count = sums, total, len(accepted)
+    return accumulator.mean(in_place=True)
 
 
 def _trimmed_mean(

@@ -3,12 +3,20 @@
 `step_module(run_id, module_id, t)` runs in two passes over the module's contributions,
 each streamed from the object store to a temporary file, one at a time:
 
-1. **verify** each upload before anything uses it (docs/design.md §7; S3 test servers enforce
+1. **judge** each upload before anything uses it (docs/design.md §7; S3 test servers enforce
    neither size nor signature): every acceptance check lives in rounds.verification, whose
    `check_contributions` returns a verdict per upload; each Δ is decoded there at most once
-   and the aggregation reuses it.
+   and the aggregation reuses it. What one Δ alone decides (fetch, size, sha256, format,
+   finite, norm, the cosine with the momentum) was mostly done when its completion
+   arrived (the check_unit task, rounds.verification.arrival): the step reuses that record
+   for the bytes it names and the verified copy that task kept on this disk, and checks
+   inline only a Δ without one (the task failed, was late or never sent), with the same
+   result bit for bit. What needs the whole round is done here: the median-norm outliers,
+   the history and useful-work rules (scores recorded by score_unit), replicas, the first
+   round.
 2. **aggregate** the accepted ones into one fp32 sum (`codecs.accumulate`, token weights,
-   the robust rule), the √(contributing paths) rescale, then Nesterov at round t's outer
+   the robust rule; a large module's sum split by tensor over threads,
+   rounds.outer.aggregate.tensor_groups), the √(contributing paths) rescale, then Nesterov at round t's outer
    lr chunk by chunk, streaming version `base` and its momentum (module files,
    runs.prepare) in and t + 1 out. The arithmetic is dipaco.outer's (`DeltaAccumulator`
    fed the uploads still encoded, `clip_threshold`, `trimmed_mean`, `rescale_factor`,
@@ -42,7 +50,7 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,6 +73,7 @@ from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.outer.aggregate import BaseVersion, aggregate_uploads, apply_step
 from dipaco_server.rounds.outer.publish import EncodedUpdate, encode_update
 from dipaco_server.rounds.protocol.sizing import lease_tokens
+from dipaco_server.rounds.verification.arrival import arrival_records, checked_file, forget
 from dipaco_server.rounds.verification.checks import aggregated, check_contributions
 from dipaco_server.rounds.verification.context import (
     check_copies,
@@ -168,6 +177,9 @@ def compute_step(
     comm: CommConfig | None = None,
     first_round: Mapping[int, str] | None = None,
     can_wait: bool = False,
+    arrival: Mapping[int, Mapping[str, Any]] | None = None,
+    kept: Callable[[Upload], Path] | None = None,
+    momentum_version: int | None = None,
 ) -> StepResult:
     """Verify, aggregate and step in `work`; the outputs stay there for the caller.
 
@@ -181,13 +193,15 @@ def compute_step(
     weights are the base plus exactly its decoded values (rounds.outer.publish.encode_update).
     `can_wait`: a next round of the phase exists, so an undecided first round
     (first_round.UNSETTLED) makes the step wait (`StepResult.waited`) instead of stepping
-    without the held Δs.
+    without the held Δs. `arrival`, `kept`, `momentum_version`: the checks done when each
+    completion arrived, reused (rounds.verification.checks.check_contributions).
     """
     clock = time.perf_counter()
     with stages.timed("checks"):
         verdicts, replicas = check_contributions(
             store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer,
-            first_round=first_round,
+            first_round=first_round, arrival=arrival, kept=kept,
+            momentum_version=momentum_version,
         )  # fmt: skip
     result = StepResult(verdicts, replicas=replicas)
     result.timings["verify"] = time.perf_counter() - clock
@@ -309,12 +323,16 @@ def step_module(
                 store, uploads, base, spec, outer, work, round_index=round_index,
                 trained_start=trained_start, history=history, momentum=momentum,
                 scorer=scorer, comm=config.comm, first_round=settled,
-                can_wait=round_index + 1 < config.rounds,
+                can_wait=round_index + 1 < config.rounds, arrival=arrival_records(rows),
+                kept=lambda u: checked_file(run_id, u.contribution_id, u.sha256),
+                momentum_version=base.version if momentum is not None and base else None,
             )  # fmt: skip
         result.whole_unit = whole_unit
         with stages.timed("publishing"):
             report = _commit(store, module, round_, base, result)
         stages.flush(round_.pk)
+        if not result.waited:  # settled: the copies kept at arrival are done with
+            forget(run_id, rows)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     logger.info(

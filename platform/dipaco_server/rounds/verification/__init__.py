@@ -4,7 +4,8 @@
   fixed-direction bias a worker's copies keep adding; neither imports Django, so
   bench/attacks.py runs the very rules the server applies;
 - ``replication``: the sampled check copies a lease may be (some units trained twice);
-- ``uploads`` (the format check), ``context`` (what the checks compare against), ``scorer``
+- ``arrival`` (each Δ's own checks at its completion, the check_unit task, reused by the
+  step), ``uploads`` (the format check), ``context`` (what the checks compare against), ``scorer``
   (proof of useful work), ``checks`` (every check in order: `check_contributions`) and
   ``credit`` (what the verdicts do to trust and credit: `settle`).
 

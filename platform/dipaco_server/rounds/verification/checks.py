@@ -3,6 +3,9 @@
 
 1. **format** (`uploads.check_upload`): size and sha256 against what the worker declared,
    hashed as it downloads; then `codecs.verify` against the module's spec for its norm.
+   Usually done already, with the cosine of step 2, by the check_unit task at the Δ's
+   completion (rounds.verification.arrival): its record is reused for the bytes it names
+   (`reuse_arrival`), so the step neither fetches nor decodes that Δ to judge it.
    Norms above ``outer.reject_norm_factor`` x the median of the verified ones are outliers.
 2. **history, direction, useful work** (`screen_verdicts`, rounds.verification.rules's rules, with
    ``outer.verify``): replay, norm against the module's history, cosine with its outer
@@ -25,9 +28,11 @@ checks and the aggregation: pass 1 holds every verified Δ of the module in fp32
 from __future__ import annotations
 
 import math
+import os
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -38,7 +43,13 @@ from dipaco.modules_file import Spec
 from dipaco.outer import norm_outliers
 from dipaco_server.rounds import stages
 from dipaco_server.rounds.verification import persistence, rules
-from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict, check_upload
+from dipaco_server.rounds.verification.uploads import (
+    ScoreFn,
+    Upload,
+    Verdict,
+    check_upload,
+    fetch,
+)
 from dipaco_server.storage import BlobStore
 
 Tensors = Mapping[str, Tensor]
@@ -56,13 +67,21 @@ def check_contributions(
     momentum: Mapping[str, Tensor] | None = None,
     scorer: ScoreFn | None = None,
     first_round: Mapping[int, str] | None = None,
+    arrival: Mapping[int, Mapping[str, Any]] | None = None,
+    kept: Callable[[Upload], Path] | None = None,
+    momentum_version: int | None = None,
 ) -> tuple[list[Verdict], list[tuple[int, str]]]:
     """Every check on one module's uploads: (a verdict per upload, in order; (worker,
     the replica counter it moves) per settled replica pair). An accepted verdict keeps its verified
     file (and its decoded Δ, when a check decoded it) for the aggregation; `aggregated`
     picks the ones that go into the step. `first_round`: the round's settlement over
     whole units (lease id -> reason, rounds.verification.settlement), for a module's first
-    step."""
+    step.
+
+    `arrival`: contribution -> what its check at completion recorded
+    (rounds.verification.arrival), reused for the bytes it names; `kept(upload)`: where
+    that check kept them; `momentum_version`: the version `momentum` is of (a cosine taken
+    at arrival against another version is taken again)."""
     verdicts = verify_uploads(
         store,
         uploads,
@@ -73,6 +92,9 @@ def check_contributions(
         history=history,
         momentum=momentum,
         scorer=scorer,
+        arrival=arrival,
+        kept=kept,
+        momentum_version=momentum_version,
     )
     replicas = compare_replicas(verdicts, spec, cfg)
     if cfg.verify and not history:
@@ -148,15 +170,23 @@ def verify_uploads(
     history: Sequence[float] = (),
     momentum: Mapping[str, Tensor] | None = None,
     scorer: ScoreFn | None = None,
+    arrival: Mapping[int, Mapping[str, Any]] | None = None,
+    kept: Callable[[Upload], Path] | None = None,
+    momentum_version: int | None = None,
 ) -> list[Verdict]:
-    """Pass 1: every upload fetched, checked and measured; outliers by norm rejected; then,
-    with `cfg` and ``cfg.verify``, the history, direction and useful-work checks."""
+    """Pass 1: every upload fetched, checked and measured (or its check at arrival
+    reused: `reuse_arrival`); outliers by norm rejected; then, with `cfg` and
+    ``cfg.verify``, the history, direction and useful-work checks."""
     verdicts = []
     for upload in uploads:
         verdict = Verdict(upload)
+        record = (arrival or {}).get(upload.contribution_id)
         try:
             with stages.timed("fetch_decode"):
-                verdict.file, verdict.norm = check_upload(store, upload, spec, work)
+                if record is not None and record.get("sha256") == upload.sha256:
+                    reuse_arrival(verdict, record, store, work, kept)
+                else:  # not checked at arrival (or not these bytes): checked here
+                    verdict.file, verdict.norm = check_upload(store, upload, spec, work)
         except CodecError as exc:  # the codec's refusals and ours share one shape
             verdict.reject(exc.code, str(exc))
         verdicts.append(verdict)
@@ -174,8 +204,59 @@ def verify_uploads(
                     f"median {median:.4g} (outer.reject_norm_factor)",
                 )
     if cfg is not None and cfg.verify:
-        screen_verdicts(verdicts, spec, cfg, history, momentum, scorer)
+        screen_verdicts(verdicts, spec, cfg, history, momentum, scorer, momentum_version)
     return verdicts
+
+
+def reuse_arrival(
+    verdict: Verdict,
+    record: Mapping[str, Any],
+    store: BlobStore,
+    work: Path,
+    kept: Callable[[Upload], Path] | None,
+) -> None:
+    """`verdict` as the check at its completion left it (rounds.verification.arrival): its
+    refusal raised as a CodecError, or its norm and the verified bytes, linked from where
+    that check kept them (no copy), else fetched again against the same size and sha256,
+    whose content that check has already verified."""
+    upload = verdict.upload
+    if "code" in record:
+        raise CodecError(str(record["code"]), str(record.get("message", "")))
+    verdict.norm = float(record["norm"])
+    verdict.arrival = record
+    local = work / f"contribution-{upload.contribution_id}.safetensors"
+    source = kept(upload) if kept is not None else None
+    if source is not None:
+        try:
+            os.link(source, local)
+            verdict.file = local
+            return
+        except OSError:  # not kept here (another machine's task, removed): fetched again
+            pass
+    verdict.file, _ = fetch(store, upload, work)
+
+
+class LazyDelta(Mapping[str, Tensor]):
+    """A verdict's Δ, decoded on first use (`Verdict.decoded`): a check whose answer was
+    recorded already (a unit's score, a cosine taken at arrival) decodes nothing."""
+
+    def __init__(self, verdict: Verdict, spec: Spec) -> None:
+        self.verdict, self.spec = verdict, spec
+        self._delta: dict[str, Tensor] | None = None
+
+    def _get(self) -> dict[str, Tensor]:
+        if self._delta is None:
+            self._delta = self.verdict.decoded(self.spec)
+        return self._delta
+
+    def __getitem__(self, name: str) -> Tensor:
+        return self._get()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self.spec)
 
 
 def screen_verdicts(
@@ -185,17 +266,20 @@ def screen_verdicts(
     history: Sequence[float],
     momentum: Mapping[str, Tensor] | None,
     scorer: ScoreFn | None,
+    momentum_version: int | None = None,
 ) -> None:
-    """rounds.verification.rules's checks on the verified uploads, one decoded Δ in memory at a time."""
+    """rounds.verification.rules's checks on the verified uploads, one decoded Δ in memory
+    at a time; a Δ is decoded only when a cosine or a score was not recorded already."""
     candidates = []
     for v in verdicts:
         if not v.accepted or v.file is None:
             continue
         needs_delta = momentum is not None or (scorer is not None and cfg.score)
         if needs_delta and not v.upload.replayed and (v.norm or 0.0) > 0:
-            delta = v.decoded(spec)
+            delta = LazyDelta(v, spec)
             if momentum is not None:
-                v.cosine = rules.cosine(delta, momentum)
+                taken, cosine = v.arrival_cosine(momentum_version)
+                v.cosine = cosine if taken else rules.cosine(delta, momentum)
             if scorer is not None and cfg.score:
                 try:
                     v.score = scorer(v.upload, delta)

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
@@ -75,6 +75,20 @@ class Verdict:
     # The other copy's worker when the two copies agreed (not merely identical bytes): its
     # worker's evidence for leaving probation (workers.probation).
     agreed_with: int | None = None
+    # What the check at its completion recorded (rounds.verification.arrival), when the
+    # step reuses it instead of checking these bytes again.
+    arrival: Mapping[str, Any] | None = None
+
+    def arrival_cosine(self, momentum_version: int | None) -> tuple[bool, float | None]:
+        """(whether the check at arrival took its cosine with the momentum of
+        `momentum_version`, that cosine)."""
+        record = self.arrival
+        if record is None or momentum_version is None or "momentum_version" not in record:
+            return False, None
+        if record["momentum_version"] != momentum_version:
+            return False, None
+        cosine = record.get("cosine")
+        return True, float(cosine) if cosine is not None else None
 
     @property
     def accepted(self) -> bool:
