@@ -64,20 +64,37 @@ def heldout_seed(secret: bytes | str, run: object, phase: object, round_t: int,
     return draw_seed(secret, "dipaco-score-heldout-1", run, phase, round_t, path)
 
 
+def _ranking(population: int, seed: int) -> np.ndarray:
+    """(population,) 0 .. population - 1 in an order seeded by `seed`."""
+    if population < 0:
+        raise ValueError(f"cannot rank {population} windows")
+    return np.random.Generator(np.random.PCG64(seed)).permutation(population).astype(np.int64)
+
+
 def draw(population: int, count: int, seed: int) -> np.ndarray:
     """(min(count, population),) distinct indices of 0 .. population - 1, uniformly
     drawn with `seed`, sorted."""
-    if population < 0 or count < 0:
+    if count < 0:
         raise ValueError(f"cannot draw {count} of {population}")
-    count = min(count, population)
-    picks = np.random.Generator(np.random.PCG64(seed)).choice(population, count, replace=False)
-    return np.sort(picks.astype(np.int64))
+    return np.sort(_ranking(population, seed)[:count])
 
 
-def unit_windows_scored(first: int, windows: int, count: int, seed: int) -> np.ndarray:
-    """(min(count, windows),) the positions of a unit's scored training windows, sorted:
-    drawn from its positions first .. first + windows - 1."""
-    return first + draw(windows, count, seed)
+def unit_windows_scored(
+    first: int, windows: int, count: int, seed: int, trained: int | None = None
+) -> np.ndarray:
+    """(up to count,) the positions of a unit's scored training windows, sorted: drawn
+    from its positions first .. first + windows - 1.
+
+    `trained`: the windows its lease covered from the start (a lease sized down to fewer
+    steps reads only the first of its unit's windows; None: all). The unit's windows are
+    ranked once by `seed` and the first `count` of the ranking that the lease covered are
+    scored: two replicas of a unit covering the same windows get the same draw, and a
+    shorter one keeps as much of the longer one's draw as lies in what it trained."""
+    if count < 0:
+        raise ValueError(f"cannot draw {count} of {windows}")
+    covered = windows if trained is None else max(0, min(trained, windows))
+    ranking = _ranking(windows, seed)
+    return first + np.sort(ranking[ranking < covered][:count])
 
 
 def heldout_windows(total: int, count: int, seed: int) -> np.ndarray:

@@ -94,7 +94,8 @@ class Scorer:
         # Why a path could not be loaded (a shard or version missing): asked once per step,
         # not again for each of its Δs (each attempt downloaded the path's modules anew).
         self.unloadable: dict[_PathKey, Exception] = {}
-        self.base: dict[tuple[_PathKey, int], tuple[float, float]] = {}
+        # (path key, the unit's position, the windows its lease covered) -> its base losses
+        self.base: dict[tuple[_PathKey, int, int | None], tuple[float, float]] = {}
         self.train: dict[int, Any] = {}
         self.dtype: Any = None
         self.seconds = 0.0
@@ -126,7 +127,8 @@ class Scorer:
         try:
             key = (upload.path, upload.delta_base)
             modules, heldout = self._path(upload.path, upload.delta_base)
-            train = self._train_windows(upload.path, upload.position)
+            covered = self._covered(upload)
+            train = self._train_windows(upload.path, upload.position, covered)
             deltas = unit_deltas()
             score = rules.score_delta(
                 self.config,
@@ -136,7 +138,7 @@ class Scorer:
                 deltas,
                 train,
                 heldout,
-                before=self.base.get((key, upload.position)),
+                before=self.base.get((key, upload.position, covered)),
             )
         except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
             # Nothing to score it on: the other checks still hold.
@@ -144,7 +146,7 @@ class Scorer:
             return None
         finally:
             self.seconds += time.process_time() - clock
-        self.base[(key, upload.position)] = (score.train_before, score.heldout_before)
+        self.base[(key, upload.position, covered)] = (score.train_before, score.heldout_before)
         self.scored += 1
         # A concurrent step of another module may have recorded it meanwhile: same inputs,
         # same score; the first write stays.
@@ -230,14 +232,24 @@ class Scorer:
         heldout = torch.from_numpy(val.read_windows([int(i) * T for i in picks], T + 1))
         return modules, heldout
 
-    def train_picks(self, p: int, position: int) -> np.ndarray:
+    def train_picks(self, p: int, position: int, covered: int | None = None) -> np.ndarray:
         """The positions of the scored training windows of path p's unit that starts at
-        `position` this round, sorted: drawn from all of the unit's windows."""
+        `position` this round, sorted: drawn from all of the unit's windows (those its
+        lease covered: `covered`, None for all; dipaco.data.scored.unit_windows_scored)."""
         seed = unit_seed(score_secret(), self.module.run_id, self.module.phase, self.round.t,
                          p, position)  # fmt: skip
         return unit_windows_scored(
-            position, unit_windows(self.config), score_windows(self.config), seed
+            position, unit_windows(self.config), score_windows(self.config), seed, covered
         )
+
+    def _covered(self, upload: Upload) -> int | None:
+        """The unit's windows its lease covered from the start: its steps (sized to the
+        worker's speed, rounds.protocol.sizing.lease_steps; 0: all H) x the batch. The
+        server's own record, not the worker's claim. None: the whole unit."""
+        steps = Lease.objects.filter(pk=upload.lease_id).values_list("steps", flat=True).first()
+        if not steps or steps >= self.config.inner.steps:
+            return None
+        return steps * self.config.inner.batch_size
 
     def heldout_picks(self, p: int, windows: int) -> np.ndarray:
         """This round's held-out windows of path p (indices of its validation split's
@@ -245,7 +257,7 @@ class Scorer:
         seed = heldout_seed(score_secret(), self.module.run_id, self.module.phase, self.round.t, p)
         return heldout_windows(windows, score_windows(self.config), seed)
 
-    def _train_windows(self, p: int, position: int) -> Tensor:
+    def _train_windows(self, p: int, position: int, covered: int | None = None) -> Tensor:
         """The unit's scored rows (`train_picks`), read from its path's row chunks (the rows
         the worker trained on: dipaco.data.rows) by ranged reads of those rows alone."""
         if p not in self.train:
@@ -257,5 +269,5 @@ class Scorer:
                 return self.store.get_range(key, start, end)
 
             self.train[p] = StoreRows(index, read_range)
-        rows = self.train[p].read_at(self.train_picks(p, position))
+        rows = self.train[p].read_at(self.train_picks(p, position, covered))
         return torch.from_numpy(rows)
