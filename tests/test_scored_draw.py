@@ -22,6 +22,7 @@ from dipaco.modular import modules_of_path
 from dipaco_server.rounds.lifecycle.open import open_round
 from dipaco_server.rounds.models import Round
 from dipaco_server.rounds.verification.scorer import Scorer
+from dipaco_server.rounds.verification.uploads import Upload
 from dipaco_server.storage import BlobStore, get_blob_store
 from tests.test_range_reads import TOKENS, large_run, local_shard, one_torch_thread, store
 from tests.test_unit_data import SEQ_LEN, leased, manifest, small_chunks, written
@@ -136,3 +137,15 @@ def test_no_answer_a_worker_gets_carries_the_scoring_secret(db: None, settings: 
     assert first <= picks.min() and picks.max() < first + count
     settings.DIPACO_SCORE_SECRET = token  # even the worker's own token is no key to it
     assert not np.array_equal(scorer.train_picks(p, first), picks)
+
+    # A lease sized down to fewer steps is scored on the windows it covered: the server's
+    # record of its steps, not the worker's claim.
+    config = run.run_config
+    grant.lease.steps = 2
+    grant.lease.save(update_fields=["steps"])
+    upload = Upload(0, grant.lease.worker_id, "", 0, "", 0, p, lease_id=grant.lease.pk,
+                    position=first)  # fmt: skip
+    covered = scorer._covered(upload)
+    assert covered == 2 * config.inner.batch_size
+    short = scorer.train_picks(p, first, covered)
+    assert first <= short.min() and short.max() < first + covered
