@@ -36,6 +36,19 @@ other workers before, refuses it once it repeats, rounds.verification.persistenc
 copies of a replicated unit train cold, as on the platform); a sign flip whose
 completion claims one token fewer than trained.
 
+Attacks on the scored windows (`SCORED`): `scored_windows` trains every step on the
+windows the old rule scored (its unit's first `score_windows`); `lazy_scored` trains a
+tenth of the steps, three quarters of each batch from those windows, rescales each
+module's Δ to the norm an honest Δ of the unit has (the attacker's best case) and claims
+the whole unit; `sleeper_scored` and `sleeper_lazy_scored` hand in honest units for their
+first --sleeper-rounds rounds, then attack. `attack_credited_tokens` counts what units
+trained with the attack on were credited (a sleeper's honest units left out).
+`--draw old` scores as the server did before: the unit's first windows and the split's
+last held-out windows every round; `--draw new` (the default) as it does now
+(dipaco.data.scored): drawn from all of the unit's windows and, afresh each round, from the
+whole validation split, with a secret no worker holds. `--score-windows` sets
+outer.score_windows (the 150M preset's budget buys 1).
+
 Over 500 lines: the server's step is mirrored here check by check (`Run`), in the server's
 order, so that one file shows what each attack meets.
 """
@@ -43,6 +56,7 @@ order, so that one file shows what each attack meets.
 from __future__ import annotations
 
 import argparse
+import copy
 import hashlib
 import json
 import math
@@ -63,6 +77,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "platform"))
 
 from dipaco import codecs
 from dipaco.config import LayoutConfig, RunConfig
+from dipaco.data.scored import (
+    first_windows,
+    heldout_seed,
+    heldout_windows,
+    last_windows,
+    unit_seed,
+    unit_windows_scored,
+)  # fmt: skip
 from dipaco.data.windows import path_seed, unit_start, unit_windows
 from dipaco.evaluate import routed_mean, stream_windows
 from dipaco.flops import score_windows
@@ -78,11 +100,20 @@ from dipaco_server.rounds.verification import first_round, persistence, rules
 ATTACKS = [
     "sign_flip", "scale_x10", "scale_x1e3", "scale_fp16_max", "gaussian_noise", "zeros",
     "replay", "other_path", "stale_base", "token_inflation_x100", "colluders", "lazy_x0.1",
-    "bias_0.5", "flip_one_token_short",
+    "bias_0.5", "flip_one_token_short", "scored_windows", "lazy_scored", "sleeper_scored",
+    "sleeper_lazy_scored",
 ]  # fmt: skip
 FLIPS = ("sign_flip", "colluders", "flip_one_token_short")
 HONEST_BYTES = ("other_path", "stale_base", "token_inflation_x100")  # the Δ itself is honest
 REPLICATED = ("colluders", "bias_0.5")  # every unit also trained by another worker
+# Train on the windows the old rule scored (the unit's first score_windows): every step
+# ("scored_windows"), or a tenth of the steps mostly on them, the Δ rescaled to the honest
+# norm and the whole unit claimed ("lazy_scored"); "sleeper_": honest for the first
+# --sleeper-rounds hand-ins, then the attack.
+SCORED = ("scored_windows", "lazy_scored", "sleeper_scored", "sleeper_lazy_scored")
+LAZY_SCORED = ("lazy_scored", "sleeper_lazy_scored")
+LAZY_STEPS = 0.1  # the lazy attacker's share of the unit's steps
+LAZY_SCORED_SHARE = 0.75  # of each of its batches, from the scored windows
 FP16_MAX = 65504.0
 
 Modules = dict[str, dict[str, Tensor]]
@@ -96,6 +127,8 @@ def attackers(attack: str | None) -> set[int]:
 
 def config(args: argparse.Namespace, seed: int, **outer: Any) -> RunConfig:
     layers = RunConfig.tiny().model.num_layers
+    if getattr(args, "score_windows", None):
+        outer = {"score_windows": args.score_windows, **outer}
     return RunConfig.tiny(
         name="attacks", rounds=args.rounds, replicas_per_path=1,
         layout=LayoutConfig.grid(layers, 2, 2), seed=seed,
@@ -151,6 +184,7 @@ class Unit:
     rejected: bool = False
     waiting: int = 0  # modules whose first step waits with this unit's Δ kept
     credited: bool = False
+    evil: bool = False  # the attack was on when it was trained (a sleeper's: after it turned)
 
 
 @dataclass
@@ -176,8 +210,10 @@ class Run:
         seq = cfg.model.seq_len
         self.windows = data.val_windows(seq, args.eval_windows)
         self.sources = [data.train_source(p, seq, path_seed(cfg, p)) for p in range(cfg.num_paths)]
-        self.heldout = [stream_windows(data.val_tokens(p), seq)[-score_windows(cfg) :]
-                        for p in range(cfg.num_paths)]  # fmt: skip
+        # Every validation window of each path: the held-out windows are drawn from them
+        # (--draw new: afresh each round; old: the last score_windows, every round).
+        self.val_all = [stream_windows(data.val_tokens(p), seq) for p in range(cfg.num_paths)]
+        self.secret = f"bench-secret-{cfg.seed}".encode()  # the server's; no worker reads it
         self.modules: Modules = init_modules_from_base(cfg, base)
         self.previous: Modules = {m: dict(t) for m, t in self.modules.items()}  # stale base
         self.momentum: Modules = {}
@@ -187,6 +223,7 @@ class Run:
         self.replayable: dict[str, bytes] = {}
         self.credited: dict[int, int] = defaultdict(int)
         self.claimed: dict[int, int] = defaultdict(int)
+        self.evil_credited = self.evil_claimed = 0  # the attacker's units with the attack on
         self.reasons: dict[str, int] = defaultdict(int)
         self.honest_rejected = 0
         self.first_verdicts: dict[int, str] = {}  # unit index -> the first round's verdict
@@ -208,9 +245,19 @@ class Run:
         self.train_seconds = self.verify_seconds = 0.0
         self.scored = 0
 
+    def evil(self, t: int, worker: int) -> str | None:
+        """The attack `worker` makes in round t (a sleeper's: none before it turns)."""
+        if worker not in self.bad:
+            return None
+        if self.attack and self.attack.startswith("sleeper_") and t < self.args.sleeper_rounds:
+            return None
+        return self.attack
+
     def train(self, t: int, worker: int, p: int, *, check: bool) -> tuple[dict[str, bytes], int]:
         """One unit of path p trained by `worker`, as its uploads and claimed tokens."""
-        cfg, evil = self.cfg, self.attack if worker in self.bad else None
+        cfg, evil = self.cfg, self.evil(t, worker)
+        if evil in SCORED:
+            return self.train_scored(t, worker, p, evil, check=check)
         trained_path, start_from = p, self.modules
         if evil == "other_path":
             trained_path = (p + 1) % cfg.num_paths
@@ -252,12 +299,50 @@ class Run:
                 )
         return encoded, tokens
 
+    def train_scored(
+        self, t: int, worker: int, p: int, evil: str, *, check: bool
+    ) -> tuple[dict[str, bytes], int]:
+        """The scored-window attacks (SCORED): trained on the windows the old rule scores."""
+        cfg = self.cfg
+        start = unit_start(cfg, t, 0)
+        state = None if check else self.states.get((worker, p))
+        source: Any = ScoredSource(self.sources[p], start, score_windows(cfg), cfg.model.seq_len)
+        stop_at, norms = None, None
+        if evil in LAZY_SCORED:
+            # Its honest norm (the attacker's best case: it knows what an honest Δ of this
+            # unit measures), then a tenth of the steps, mostly on the scored windows.
+            honest = train_path(cfg, p, self.modules, self.sources[p], round_index=t,
+                                start_position=start, state=copy.deepcopy(state))  # fmt: skip
+            norms = {m: delta_norm(d) for m, d in honest.module_deltas.items()}
+            source = MixedSource(source, self.sources[p], LAZY_SCORED_SHARE)
+            stop_at = max(1, round(LAZY_STEPS * cfg.inner.steps))
+        clock = time.perf_counter()
+        trained = cfg
+        if stop_at is not None:  # its own schedule: no warm-up to spend its few steps in
+            trained = cfg.model_copy(update={"inner": cfg.inner.model_copy(
+                update={"warmup_steps": 0})})  # fmt: skip
+        result = train_path(trained, p, self.modules, source, round_index=t,
+                            start_position=start, state=state, stop_at=stop_at)  # fmt: skip
+        self.train_seconds += time.perf_counter() - clock
+        if not check and result.state is not None:
+            self.states[(worker, p)] = result.state
+        encoded = {}
+        for module_id, delta in result.module_deltas.items():
+            if norms is not None:
+                scale = norms[module_id] / max(delta_norm(delta), 1e-30)
+                delta = {k: v * scale for k, v in delta.items()}
+            encoded[module_id] = codecs.encode(
+                delta, cfg.comm.codec, block_size=cfg.comm.block_size
+            )
+        return encoded, self.cap  # the whole unit claimed
+
     def round(self, t: int) -> None:
         cfg = self.cfg
         units: list[Unit] = []
         for p in range(cfg.num_paths):
             encoded, tokens = self.train(t, p, p, check=False)
-            units.append(Unit(self.issued + len(units), p, p, tokens, encoded=encoded))
+            units.append(Unit(self.issued + len(units), p, p, tokens, encoded=encoded,
+                              evil=self.evil(t, p) is not None))  # fmt: skip
         if self.attack in REPLICATED:  # replication forced on: every unit checked
             for original in list(units[: cfg.num_paths]):
                 # `colluders`: the next worker; otherwise each round another (checks go to
@@ -267,11 +352,12 @@ class Run:
                 encoded, tokens = self.train(t, checker, original.path, check=True)
                 units.append(
                     Unit(self.issued + len(units), checker, original.path, tokens,
-                         original.index, encoded)
+                         original.index, encoded, evil=self.evil(t, checker) is not None)
                 )  # fmt: skip
         self.issued += len(units)
         for u in units:
             self.claimed[u.worker] += u.tokens
+            self.evil_claimed += u.tokens if u.evil else 0
         self.previous = {m: dict(v) for m, v in self.modules.items()}
         for (
             u
@@ -304,6 +390,14 @@ class Run:
         if not (cfg.outer.verify and cfg.outer.score):
             return
         cache: dict[int, tuple[float, float]] = {}
+        k = score_windows(cfg)
+        heldout = {}
+        for p in {u.path for u in units}:
+            every = self.val_all[p]
+            picks = (last_windows(len(every), k) if self.args.draw == "old" else
+                     heldout_windows(len(every), k, heldout_seed(self.secret, "bench", "paths",
+                                                                 t, p)))  # fmt: skip
+            heldout[p] = every[torch.from_numpy(picks)]
         for u in units:
             clock = time.process_time()
             try:
@@ -314,12 +408,24 @@ class Run:
                 continue
             if all(delta_norm(d) == 0 for d in deltas.values()):
                 continue  # the zero check refuses it before scoring
-            train_w = self.sources[u.path].batch(unit_start(cfg, t, 0), score_windows(cfg),
-                                                 cfg.model.seq_len)  # fmt: skip
+            train_w = self.scored_rows(t, u.path)
             u.score = rules.score_delta(cfg, u.path, self.model, base, deltas, train_w,
-                                         self.heldout[u.path], before=cache.get(u.path))  # fmt: skip
+                                         heldout[u.path], before=cache.get(u.path))  # fmt: skip
             cache[u.path] = (u.score.train_before, u.score.heldout_before)
             self.verify_seconds += time.process_time() - clock
+
+    def scored_rows(self, t: int, p: int) -> Tensor:
+        """(score_windows, T+1) the windows that score path p's unit of round t: its first
+        (--draw old) or drawn from all of its windows with the server's secret (new: the
+        unit's replicas, at the same position, get the same draw; dipaco.data.scored)."""
+        cfg, start, seq = self.cfg, unit_start(self.cfg, t, 0), self.cfg.model.seq_len
+        k = score_windows(cfg)
+        if self.args.draw == "old":
+            positions = first_windows(start, k)
+        else:
+            seed = unit_seed(self.secret, "bench", "paths", t, p, start)
+            positions = unit_windows_scored(start, unit_windows(cfg), k, seed)
+        return torch.cat([self.sources[p].batch(int(q), 1, seq) for q in positions])
 
     def work(self, u: Unit) -> float:
         return min(1.0, u.tokens / self.cap)
@@ -546,6 +652,7 @@ class Run:
             peers = [(o.score, self.work(o)) for o in accepted if o is not u and o.score]
             fraction = rules.useful_fraction(u.score, self.work(u), peers)
             self.credited[u.worker] += round(u.tokens * fraction)
+            self.evil_credited += round(u.tokens * fraction) if u.evil else 0
 
     def result(self) -> dict[str, Any]:
         losses = evaluate_paths(self.cfg, self.modules, self.windows)
@@ -554,12 +661,41 @@ class Run:
             "loss": routed_mean(losses),
             "credited_tokens": sum(self.credited[w] for w in self.bad),
             "claimed_tokens": sum(self.claimed[w] for w in self.bad),
+            "attack_credited_tokens": self.evil_credited,  # its units with the attack on
+            "attack_claimed_tokens": self.evil_claimed,
             "honest_credited_tokens": sum(v for w, v in self.credited.items() if w not in self.bad),
             "honest_rejected": self.honest_rejected,
             "reasons": dict(self.reasons),
             "train_seconds_per_unit": self.train_seconds / units,
             "verify_cpu_seconds_per_contribution": self.verify_seconds / max(1, self.scored),
         }
+
+
+class ScoredSource:
+    """A TokenSource that serves only the `count` windows the old rule scores (positions
+    start .. start + count - 1 of `source`), over and over, whatever position is asked."""
+
+    def __init__(self, source: Any, start: int, count: int, seq_len: int) -> None:
+        self.start, self.count = start, count
+        self.rows = source.batch(start, count, seq_len)  # (count, T+1)
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        picks = (position - self.start + torch.arange(batch_size)) % self.count
+        return self.rows[picks]
+
+
+class MixedSource:
+    """`share` of each batch from `scored`, the rest from the unit's own windows."""
+
+    def __init__(self, scored: ScoredSource, source: Any, share: float) -> None:
+        self.scored, self.source, self.share = scored, source, share
+
+    def batch(self, position: int, batch_size: int, seq_len: int) -> Tensor:
+        mine = min(batch_size, max(1, round(self.share * batch_size)))
+        parts = [self.scored.batch(position, mine, seq_len)]
+        if batch_size > mine:
+            parts.append(self.source.batch(position + mine, batch_size - mine, seq_len))
+        return torch.cat(parts)
 
 
 def prepared(cfg: RunConfig, args: argparse.Namespace) -> tuple[Any, dict[str, Tensor]]:
@@ -629,6 +765,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--verbose", action="store_true", help="each Δ's checks, on stderr")
     parser.add_argument("--no-unverified", action="store_true", help="skip the unverified run")
     parser.add_argument("--attack", action="append", choices=ATTACKS, help="default: all")
+    parser.add_argument("--draw", choices=("new", "old"), default="new",
+                        help="the scored windows: drawn after the upload with the server's "
+                        "secret from all of the unit's windows, held-out ones afresh each "
+                        "round (new), or the unit's first and the split's last (old, the "
+                        "rule before) (default %(default)s)")  # fmt: skip
+    parser.add_argument(
+        "--sleeper-rounds",
+        type=int,
+        default=2,
+        help="hand-ins a sleeper_ attack makes honestly (%(default)s)",
+    )
+    parser.add_argument(
+        "--score-windows", type=int, help="outer.score_windows (default: the config's)"
+    )
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
     return parser.parse_args(argv)
 
@@ -676,8 +826,11 @@ def main(argv: list[str] | None = None) -> int:
             "credited_tokens": [r["credited_tokens"] for r in rows],
             "claimed_tokens": [r["claimed_tokens"] for r in rows],
             "honest_rejected": [r["honest_rejected"] for r in rows],
+            "attack_credited_tokens": [r["attack_credited_tokens"] for r in rows],
+            "attack_claimed_tokens": [r["attack_claimed_tokens"] for r in rows],
             "reasons": dict(reasons),
         }
+    out["draw"] = args.draw
     if unverified:
         out["clean_vs_unverified"] = spread(list(unverified.values()))
     out["clean"] = {

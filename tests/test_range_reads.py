@@ -18,7 +18,7 @@ import torch
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.ranged import RangedShard, plan_ranges
 from dipaco.data.shards import ShardIndex, ShardInfo, TokenShard
-from dipaco.data.windows import ShardSource
+from dipaco.data.windows import ShardSource, unit_windows
 from dipaco.evaluate import mean_loss, sample_shard
 from dipaco.model import build_model
 from dipaco.modular import assemble_path_state, init_modules
@@ -184,20 +184,24 @@ def test_scoring_and_evaluation_read_large_shards_by_ranges(
     config = run.run_config
     T = config.model.seq_len
 
-    # Scoring: the unit's train windows and the path's last held-out windows.
+    # Scoring: the unit's drawn train windows and this round's drawn held-out windows.
     round_ = open_round(run, 0)
     module = run.modules.get(module_id="0.0")
     scorer = Scorer(refusing, round_, module, config, tmp_path)
     _, heldout = scorer._path(0)  # as Scorer.__call__: the path (and the shards' dtype) first
     before = refusing.range_bytes
     train = scorer._train_windows(0, 200)
+    picks = scorer.train_picks(0, 200)
+    assert len(picks) == config.outer.score_windows
+    assert picks.min() >= 200 and picks.max() < 200 + unit_windows(config)
     expected = ShardSource.for_path(local_shard(tmp_path, shards[(0, "train")]), config, 0)
-    assert torch.equal(train, expected.batch(200, config.outer.score_windows, T))
+    rows = torch.cat([expected.batch(int(k), 1, T) for k in picks])
+    assert torch.equal(train, rows)
     row_bytes = (T + 1) * 2
     assert refusing.range_bytes - before <= config.outer.score_windows * row_bytes, "its rows"
     val = shards[(0, "val")].astype(np.int64)
-    last = (TOKENS - 1) // T
-    rows = [val[i * T : i * T + T + 1] for i in range(last - config.outer.score_windows, last)]
+    drawn = scorer.heldout_picks(0, (TOKENS - 1) // T)
+    rows = [val[i * T : i * T + T + 1] for i in drawn]
     assert torch.equal(heldout, torch.from_numpy(np.stack(rows)))
 
     # Evaluating: the run's validation sample of each path.

@@ -296,21 +296,36 @@ class StoreRows:
     def read(self, first: int, count: int) -> np.ndarray:
         """(count, T+1) int64: the rows at positions first .. first + count - 1, one ranged
         read per run of neighbouring rows of a chunk."""
-        out = np.empty((count, self.index.seq_len + 1), dtype=np.int64)
-        at = 0
-        for s in self.order.segments(first, count):
-            rows = s.rows(self.order.chunk_rows(s.chunk))
-            wanted = np.unique(rows)  # sorted
+        return self.read_at(np.arange(first, first + count, dtype=np.int64))
+
+    def read_at(self, positions: Sequence[int] | np.ndarray) -> np.ndarray:
+        """(len(positions), T+1) int64: the rows at the given positions, in their order
+        (the scored draw of a unit: dipaco.data.scored), one ranged read per run of
+        neighbouring rows of a chunk; no other row is read."""
+        at = np.asarray(positions, dtype=np.int64).reshape(-1)
+        out = np.empty((at.size, self.index.seq_len + 1), dtype=np.int64)
+        if at.size == 0:
+            return out
+        if int(at.min()) < 0:
+            raise ValueError(f"no position {int(at.min())}: positions count from 0")
+        lo = int(at.min())
+        chunks, rows = [], []  # of every position lo .. max: arithmetic, no reads
+        for s in self.order.segments(lo, int(at.max()) + 1 - lo):
+            chunks.append(np.full(s.count, s.chunk, dtype=np.int64))
+            rows.append(s.rows(self.order.chunk_rows(s.chunk)))
+        chunk_of, row_of = np.concatenate(chunks)[at - lo], np.concatenate(rows)[at - lo]
+        for chunk in np.unique(chunk_of).tolist():
+            mine = chunk_of == chunk
+            wanted = np.unique(row_of[mine])  # sorted
             got = []
-            for lo, hi in _runs(wanted):
-                data = self.read_range(s.chunk, lo * self.row_bytes, hi * self.row_bytes)
-                if len(data) != (hi - lo) * self.row_bytes:
-                    raise ValueError(f"chunk {s.chunk}: read {len(data)} bytes of rows {lo}..{hi}")
+            for a, b in _runs(wanted):
+                data = self.read_range(chunk, a * self.row_bytes, b * self.row_bytes)
+                if len(data) != (b - a) * self.row_bytes:
+                    raise ValueError(f"chunk {chunk}: read {len(data)} bytes of rows {a}..{b}")
                 self.ranges_read += 1
-                got.append(np.frombuffer(data, dtype=self.index.dtype).reshape(hi - lo, -1))
+                got.append(np.frombuffer(data, dtype=self.index.dtype).reshape(b - a, -1))
             block = np.concatenate(got)  # (len(wanted), T+1), rows in sorted order
-            out[at : at + s.count] = block[np.searchsorted(wanted, rows)]
-            at += s.count
+            out[mine] = block[np.searchsorted(wanted, row_of[mine])]
         return out
 
 

@@ -8,13 +8,17 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+from django.conf import settings
 from torch import Tensor
 
 from dipaco import codecs
 from dipaco.data.ranged import store_shard
 from dipaco.data.rows import StoreRows
+from dipaco.data.scored import heldout_seed, heldout_windows, unit_seed, unit_windows_scored
 from dipaco.data.shards import ShardIndex
+from dipaco.data.windows import unit_windows
 from dipaco.evaluate import window_count
 from dipaco.flops import score_windows
 from dipaco.model import build_model
@@ -36,6 +40,14 @@ logger = logging.getLogger(__name__)
 _PathKey = tuple[int, tuple[tuple[str, int], ...]]  # (path, the versions its Δ is relative to)
 
 
+def score_secret() -> bytes:
+    """The secret the scored windows are drawn with (dipaco.data.scored): the setting
+    DIPACO_SCORE_SECRET where one is set, else Django's SECRET_KEY. Neither is ever sent to
+    a worker, so it cannot tell before its upload which windows will score its Δ."""
+    secret = getattr(settings, "DIPACO_SCORE_SECRET", "") or settings.SECRET_KEY
+    return secret.encode() if isinstance(secret, str) else bytes(secret)
+
+
 def delta_bases(rows: Sequence[Contribution]) -> dict[int, tuple[tuple[str, int], ...]]:
     """Lease -> the versions its unit's Δ is relative to, every module of its path: the
     unit's base versions, with each contribution's recorded `base_version` over them."""
@@ -53,6 +65,12 @@ class Scorer:
     applied alone to its path's base weights, on `score_windows(config)` windows of its
     unit's own training data (``outer.score_flops`` at the run's model size) and as many
     held-out windows of the path's validation shard.
+
+    Which windows is drawn by the server after the upload (dipaco.data.scored), with a
+    seed from a secret it never sends (`score_secret`): the training windows from all of
+    the unit's windows, keyed by run, phase, round, path and the unit's first position (so
+    a unit's replicas are scored on the same windows), the held-out windows afresh each
+    round from the whole validation split.
 
     A path's base modules, shards and base losses are loaded once per step, on first use;
     each further Δ costs two forward passes. The score is the unit's, not the module's: the
@@ -76,7 +94,8 @@ class Scorer:
         # Why a path could not be loaded (a shard or version missing): asked once per step,
         # not again for each of its Δs (each attempt downloaded the path's modules anew).
         self.unloadable: dict[_PathKey, Exception] = {}
-        self.base: dict[tuple[_PathKey, int], tuple[float, float]] = {}
+        # (path key, the unit's position, the windows its lease covered) -> its base losses
+        self.base: dict[tuple[_PathKey, int, int | None], tuple[float, float]] = {}
         self.train: dict[int, Any] = {}
         self.dtype: Any = None
         self.seconds = 0.0
@@ -108,7 +127,8 @@ class Scorer:
         try:
             key = (upload.path, upload.delta_base)
             modules, heldout = self._path(upload.path, upload.delta_base)
-            train = self._train_windows(upload.path, upload.position)
+            covered = self._covered(upload)
+            train = self._train_windows(upload.path, upload.position, covered)
             deltas = unit_deltas()
             score = rules.score_delta(
                 self.config,
@@ -118,7 +138,7 @@ class Scorer:
                 deltas,
                 train,
                 heldout,
-                before=self.base.get((key, upload.position)),
+                before=self.base.get((key, upload.position, covered)),
             )
         except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
             # Nothing to score it on: the other checks still hold.
@@ -126,7 +146,7 @@ class Scorer:
             return None
         finally:
             self.seconds += time.process_time() - clock
-        self.base[(key, upload.position)] = (score.train_before, score.heldout_before)
+        self.base[(key, upload.position, covered)] = (score.train_before, score.heldout_before)
         self.scored += 1
         # A concurrent step of another module may have recorded it meanwhile: same inputs,
         # same score; the first write stays.
@@ -202,19 +222,44 @@ class Scorer:
         if self.dtype is None:
             self.store.download_to(data_index_key(run_id, phase), self.work / "index.json")
             self.dtype = ShardIndex.load(self.work).dtype
-        # The last score_windows(config) windows of the validation shard, read by ranges.
+        # score_windows(config) windows of the validation shard drawn for this round
+        # (dipaco.data.scored), read by ranges in file order.
         val = store_shard(self.store, keys.data_key(run_id, p, "val", phase), self.dtype)
         T = self.config.model.seq_len
-        count = window_count(len(val), T)
-        picks = range(max(0, count - score_windows(self.config)), count)
-        if not picks:
+        picks = self.heldout_picks(p, window_count(len(val), T))
+        if not picks.size:
             raise ValueError(f"path {p} has no held-out window to score on")
-        heldout = torch.from_numpy(val.read_windows([i * T for i in picks], T + 1))
+        heldout = torch.from_numpy(val.read_windows([int(i) * T for i in picks], T + 1))
         return modules, heldout
 
-    def _train_windows(self, p: int, position: int) -> Tensor:
-        """The unit's first scored rows, read from its path's row chunks (the rows the
-        worker trained on: dipaco.data.rows) by a ranged read or two."""
+    def train_picks(self, p: int, position: int, covered: int | None = None) -> np.ndarray:
+        """The positions of the scored training windows of path p's unit that starts at
+        `position` this round, sorted: drawn from all of the unit's windows (those its
+        lease covered: `covered`, None for all; dipaco.data.scored.unit_windows_scored)."""
+        seed = unit_seed(score_secret(), self.module.run_id, self.module.phase, self.round.t,
+                         p, position)  # fmt: skip
+        return unit_windows_scored(
+            position, unit_windows(self.config), score_windows(self.config), seed, covered
+        )
+
+    def _covered(self, upload: Upload) -> int | None:
+        """The unit's windows its lease covered from the start: its steps (sized to the
+        worker's speed, rounds.protocol.sizing.lease_steps; 0: all H) x the batch. The
+        server's own record, not the worker's claim. None: the whole unit."""
+        steps = Lease.objects.filter(pk=upload.lease_id).values_list("steps", flat=True).first()
+        if not steps or steps >= self.config.inner.steps:
+            return None
+        return steps * self.config.inner.batch_size
+
+    def heldout_picks(self, p: int, windows: int) -> np.ndarray:
+        """This round's held-out windows of path p (indices of its validation split's
+        `windows` windows), sorted."""
+        seed = heldout_seed(score_secret(), self.module.run_id, self.module.phase, self.round.t, p)
+        return heldout_windows(windows, score_windows(self.config), seed)
+
+    def _train_windows(self, p: int, position: int, covered: int | None = None) -> Tensor:
+        """The unit's scored rows (`train_picks`), read from its path's row chunks (the rows
+        the worker trained on: dipaco.data.rows) by ranged reads of those rows alone."""
         if p not in self.train:
             run_id, phase = self.module.run_id, self.module.phase
             index = row_index(self.store, run_id, p, phase)
@@ -224,5 +269,5 @@ class Scorer:
                 return self.store.get_range(key, start, end)
 
             self.train[p] = StoreRows(index, read_range)
-        rows = self.train[p].read(position, score_windows(self.config))
+        rows = self.train[p].read_at(self.train_picks(p, position, covered))
         return torch.from_numpy(rows)
