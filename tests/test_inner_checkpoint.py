@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 from dipaco.inner import InnerResult, StepMetrics, run_inner_loop
 from dipaco.inner import checkpoint as inner_checkpoint
 from dipaco.model import build_model
+from dipaco.tensorfile import FileTensors
 from tests.test_inner import CFG, SOURCE
 
 CFG9 = CFG.inner.model_copy(update={"steps": 9})
@@ -55,6 +56,33 @@ def assert_same_training(a: InnerResult, b: InnerResult) -> None:
         assert torch.equal(b.delta[name], delta), name
 
 
+def test_on_the_cpu_a_checkpoint_is_the_live_tensors_written_in_place(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CPU's default: no host buffers. Each write ends before the next step, the
+    moments handed on are read back from the last checkpoint (not a copy in memory), and
+    the unit trains exactly as with buffers and a background write."""
+    events: list[tuple[str, int]] = []
+
+    def traced_save_file(tensors: dict[str, torch.Tensor], filename: str, **kwargs: Any) -> None:
+        save_file(tensors, filename, **kwargs)
+        events.append(("write done", header_step(kwargs)))
+
+    monkeypatch.setattr(inner_checkpoint, "save_file", traced_save_file)
+    ckpt = tmp_path / "direct.safetensors"
+    direct = run(checkpoint_path=ckpt, checkpoint_every=2,
+                 on_step=lambda m: events.append(("step", m.step)))  # fmt: skip
+    assert events.index(("write done", 2)) < events.index(("step", 3))
+    assert isinstance(direct.adam, FileTensors) and direct.adam.path == ckpt
+    monkeypatch.setattr(inner_checkpoint.CheckpointWriter, "BUFFERED_ON_CPU", True)
+    buffered = run(checkpoint_path=tmp_path / "buffered.safetensors", checkpoint_every=2)
+    assert_same_training(direct, buffered)
+    assert direct.adam.keys() == buffered.adam.keys()
+    ckpt.unlink()  # the unit's folder goes after its hand-in: the moments stay readable
+    for key in buffered.adam:
+        assert torch.equal(direct.adam[key], buffered.adam[key]), key
+
+
 def test_a_slow_checkpoint_write_does_not_hold_up_the_steps(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -77,6 +105,7 @@ def test_a_slow_checkpoint_write_does_not_hold_up_the_steps(
             release.set()
 
     monkeypatch.setattr(inner_checkpoint, "save_file", slow_save_file)
+    monkeypatch.setattr(inner_checkpoint.CheckpointWriter, "BUFFERED_ON_CPU", True)
     ckpt = tmp_path / "unit.safetensors"
     result = run(checkpoint_path=ckpt, checkpoint_every=2, on_step=on_step)
     assert events.index(("write started", 2)) < events.index(("step", 3))
@@ -119,6 +148,7 @@ import torch
 from safetensors.torch import save_file
 from dipaco.inner import checkpoint as inner_checkpoint, run_inner_loop
 from dipaco.model import build_model
+from dipaco.tensorfile import FileTensors
 from tests.test_inner import CFG, SOURCE
 
 def killed_midway(tensors, filename, **kwargs):

@@ -23,6 +23,7 @@ from pathlib import Path
 from types import FrameType
 
 from worker_agent.errors import EXIT_CODES_HELP, AgentError, ExitCode, Interrupted
+from worker_agent.heap import fix_mmap_threshold
 from worker_agent.progress import JsonReporter, Reporter, RichReporter
 
 __all__ = ["build_parser", "main", "parse_size"]
@@ -143,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(args: argparse.Namespace) -> int:
     reporter = _reporter(args.json_logs)
+    fix_mmap_threshold()  # freed tensors' pages go back at once (worker_agent.heap)
     stop = threading.Event()
     _install_signals(stop, reporter)
     metrics = None

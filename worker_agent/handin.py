@@ -143,6 +143,9 @@ def send_unit(
         encoded, state = encode_deltas(
             result.module_deltas, unit.config, work / "deltas", result.state
         )
+    # The encoded files are what goes up: the fp32 Δ (4 bytes a parameter) is let go now,
+    # not after the upload, while the next unit trains.
+    result.delta, result.module_deltas = {}, {}
     steps = len(result.losses)
     tail = result.losses[-max(1, steps // 10) :]
     metrics = {

@@ -90,7 +90,8 @@ def encode_deltas(
     directory.mkdir(parents=True, exist_ok=True)
     after = InnerState(fingerprint=state_fingerprint(config))
     if state is not None:
-        after = InnerState(dict(state.adam), dict(state.residual), state.fingerprint)
+        # The moments' mapping itself (not a copy): the resident trainer knows it by identity.
+        after = InnerState(state.adam, dict(state.residual), state.fingerprint)
     encoded = []
     for module_id, data in codecs.encode_module_deltas(deltas, config.comm, after):
         path = directory / f"delta-{module_id}.safetensors"

@@ -25,6 +25,7 @@ from typing import Any
 
 from dipaco.config import RunConfig
 from dipaco.inner import InnerState, state_fingerprint
+from dipaco.tensorfile import FileTensors
 from worker_agent.config import write_private_json
 
 __all__ = ["InnerStates", "LeaseRecord", "LeaseStateFile"]
@@ -125,5 +126,10 @@ class InnerStates:
 
     def save(self, run_id: int, path: int, state: InnerState) -> None:
         if state.adam:  # a unit that never stepped has nothing worth keeping
-            state.save(self.path_for(run_id, path))
+            target = self.path_for(run_id, path)
+            state.save(target)
+            if isinstance(state.adam, FileTensors):  # read from the unit's checkpoint, which
+                # goes: read from the saved copy instead (the same mapping, so the trainer
+                # still knows it for the moments it holds)
+                state.adam.reopen(target, {key: f"adam/{key}" for key in state.adam})
             self._last = (run_id, path, state)

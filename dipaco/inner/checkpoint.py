@@ -11,6 +11,13 @@ over the previous checkpoint. One write is in flight at a time: a new snapshot f
 for the previous write, whose buffers it reuses. A crash during a write leaves the previous
 file whole.
 
+On the CPU there is no copy: the state already lives in host memory, and buffers for it
+would cost 12 bytes a parameter (weights and moments; 2 GB at 150M) for as long as the
+worker runs, more than the write's stall is worth there. The loop then stands still while
+the live tensors are written (streamed, dipaco.tensorfile), and the last checkpoint is what
+`snapshot_adam` hands the next unit: the moments read back from the file one tensor at a
+time (`FileTensors`), not a copy in memory. Δ is made from the live weights.
+
 `torch.distributed.checkpoint.async_save` (what torchtitan calls) is not used: it writes
 DCP's directory format (``.distcp`` shards and a pickled ``.metadata``), not one
 safetensors file, and the agent reads nothing back that is not safetensors.
@@ -36,7 +43,7 @@ from torch import Tensor, nn
 
 from dipaco.config import InnerConfig
 from dipaco.inner.state import CheckpointMismatch
-from dipaco.tensorfile import write_safetensors
+from dipaco.tensorfile import FileTensors, write_safetensors
 
 CHECKPOINT_FORMAT = "dipaco-inner-checkpoint/1"
 log = logging.getLogger(__name__)
@@ -95,9 +102,17 @@ class CheckpointWriter:
     or `wait`; the previous checkpoint is then still the file on disk.
     """
 
+    # Host buffers and a background write on the CPU too (module doc): the loop does not
+    # stand still for the write, at 12 bytes a parameter held for good.
+    BUFFERED_ON_CPU = False
+
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self._pin = device.type == "cuda"
+        # CPU: no host buffers, the live tensors written in the loop's thread (module doc).
+        self.direct = device.type == "cpu" and not self.BUFFERED_ON_CPU
+        self._saved_step = -1  # the step of the last direct write, whole or not
+        self._live_weights: dict[str, Tensor] = {}
         # On CUDA the snapshot's copies run on a side stream, overlapping the next step's
         # forward and backward; the optimizer's step waits for them (`before_update`), the
         # host only where it reads the buffers (the writer thread, the Δ).
@@ -142,6 +157,13 @@ class CheckpointWriter:
         tensors = self._snapshot(model, optimizer, theta_old)
         meta = {"format": CHECKPOINT_FORMAT, "identity": identity, "progress": vars(progress)}
         header = json.dumps(meta)  # now: the loop goes on changing `progress`
+        if self.direct:
+            # Its error is kept for the next `save` or `wait`, as a background write's is.
+            self._write(tensors, header, progress.step, None)
+            self._saved_step = progress.step
+            self.count += 1
+            self.block_s += time.perf_counter() - started
+            return
         self._thread = threading.Thread(
             target=self._write,
             args=(tensors, header, progress.step, self._copied),
@@ -192,21 +214,33 @@ class CheckpointWriter:
     def snapshot_weights(self) -> dict[str, Tensor]:
         """The last snapshot's weights (fp32 host buffers, by parameter name), valid until
         the next `save`."""
+        if self.direct:
+            return dict(self._live_weights)
         self._landed()
         return {key[8:]: t for key, t in self._buffers.items() if key.startswith("weights/")}
 
     def snapshot_adam(
         self, model: nn.Module, optimizer: torch.optim.Optimizer
-    ) -> dict[str, Tensor]:
+    ) -> Mapping[str, Tensor]:
         """The last snapshot's AdamW state as ``<parameter name>/<key>`` copies (the
-        buffers are reused by the next snapshot), as `adam_by_name` reads it off the device."""
-        self._landed()
+        buffers are reused by the next snapshot), as `adam_by_name` reads it off the device.
+        On the CPU: the same names read lazily from the file just written (`FileTensors`,
+        its descriptor kept, so the unit's folder may go)."""
         names = {id(p): n for n, p in model.named_parameters()}
         order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+        if self.direct and self.done_step == self._saved_step:  # else the file is older
+            keys = {
+                f"{order[index]}/{key}": f"adam/{index}/{key}"
+                for index, state in optimizer.state_dict()["state"].items()
+                for key in state
+            }
+            return FileTensors(self.path, keys)
+        self._landed()
         out = {}
         for index, state in optimizer.state_dict()["state"].items():
-            for key in state:
-                out[f"{order[index]}/{key}"] = self._buffers[f"adam/{index}/{key}"].clone()
+            for key, value in state.items():
+                source = value if self.direct else self._buffers[f"adam/{index}/{key}"]
+                out[f"{order[index]}/{key}"] = source.detach().clone()
         return out
 
     def _snapshot(
@@ -218,6 +252,11 @@ class CheckpointWriter:
         for index, state in optimizer.state_dict()["state"].items():
             for key, value in state.items():
                 live[f"adam/{index}/{key}"] = (value.detach(), value.dtype)
+        if self.direct and all(t.dtype == d for t, d in live.values()):
+            self._live_weights = {key[8:]: t for key, (t, _) in live.items()
+                                  if key.startswith("weights/")}  # fmt: skip
+            return self._extras({key: t for key, (t, _) in live.items()}, theta_old)
+        self.direct = False  # not fp32 on the CPU: buffers, as on a GPU
         tensors: dict[str, Tensor] = {}
         stream = self._stream
         if stream is not None:
@@ -234,6 +273,10 @@ class CheckpointWriter:
             self._copied = torch.cuda.Event()
             self._copied.record(stream)
             self._unsynced = True
+        return self._extras(tensors, theta_old)
+
+    @staticmethod
+    def _extras(tensors: dict[str, Tensor], theta_old: Mapping[str, Tensor]) -> dict[str, Tensor]:
         tensors.update({f"theta_old/{n}": t for n, t in theta_old.items()})
         tensors["rng/cpu"] = torch.get_rng_state()
         if torch.cuda.is_available():

@@ -67,23 +67,26 @@ def load_adam_by_name(
     model: nn.Module, optimizer: torch.optim.Optimizer, adam: Mapping[str, Tensor]
 ) -> None:
     """Put saved moments on the parameters they belong to: copied into the state tensors
-    a resident optimizer already has, else into new ones on the parameter's device."""
+    a resident optimizer already has, else into new ones on the parameter's device. Each
+    saved tensor is read from `adam` only as it is put in place, so a lazy mapping
+    (dipaco.tensorfile.FileTensors) costs one tensor at a time."""
     on_device = {
         id(p): bool(g.get("fused") or g.get("capturable"))
         for g in optimizer.param_groups
         for p in g["params"]
     }
-    by_param: dict[str, dict[str, Tensor]] = {}
-    for key, value in adam.items():
+    by_param: dict[str, list[str]] = {}
+    for key in adam:
         name, field = key.rsplit("/", 1)
-        by_param.setdefault(name, {})[field] = value
+        by_param.setdefault(name, []).append(field)
     for name, param in model.named_parameters():
-        saved = by_param.get(name)
-        if not saved:
+        fields = by_param.get(name)
+        if not fields:
             optimizer.state.pop(param, None)  # fresh, as a new optimizer would start it
             continue
         state = optimizer.state.get(param, {})
-        for key, value in saved.items():
+        for key in fields:
+            value = adam[f"{name}/{key}"]
             if key != "step" and tuple(value.shape) != tuple(param.shape):
                 raise CheckpointMismatch(
                     f"AdamW state {name}/{key} has shape {tuple(value.shape)}, the parameter "

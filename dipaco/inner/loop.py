@@ -457,7 +457,7 @@ def _result(
     delta: dict[str, Tensor],
     *,
     completed: bool,
-    adam: dict[str, Tensor] | None = None,
+    adam: Mapping[str, Tensor] | None = None,
 ) -> InnerResult:
     return InnerResult(
         delta=delta,

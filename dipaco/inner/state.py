@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -15,7 +15,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from dipaco.config import InnerConfig, RunConfig
-from dipaco.tensorfile import write_safetensors
+from dipaco.tensorfile import FileTensors, write_safetensors
 
 STATE_FORMAT = "dipaco-inner-state/1"
 
@@ -76,7 +76,9 @@ class InnerResult:
     position: int  # data position after the last micro-batch
     completed: bool  # False when should_stop ended it before its bound (checkpoint saved)
     module_deltas: dict[str, dict[str, Tensor]] = field(default_factory=dict)  # by train_path
-    adam: dict[str, Tensor] = field(default_factory=dict)  # AdamW state by parameter name
+    # AdamW state by parameter name; on the CPU read lazily from the unit's last checkpoint
+    # (dipaco.inner.checkpoint), one tensor per access
+    adam: Mapping[str, Tensor] = field(default_factory=dict)
     state: InnerState | None = None  # by train_path: the state to hand the path's next unit
     checkpoints: int = 0  # checkpoints written by this call
     # Seconds the loop stood still for them: the snapshots to host memory (and any wait for
@@ -124,14 +126,14 @@ class InnerState:
     None for a file made with others, so a changed run never reuses moments that do not fit.
     """
 
-    adam: dict[str, Tensor] = field(default_factory=dict)
+    adam: Mapping[str, Tensor] = field(default_factory=dict)  # lazy: FileTensors
     residual: dict[str, Tensor] = field(default_factory=dict)
     fingerprint: str = ""
 
-    def state_dict(self) -> dict[str, Tensor]:
-        tensors = {f"adam/{k}": v for k, v in self.adam.items()}
-        tensors.update({f"residual/{k}": v for k, v in self.residual.items()})
-        return tensors
+    def state_dict(self) -> Mapping[str, Tensor]:
+        """`adam/<name>/<key>` and `residual/<module>/<name>` tensors: a view that reads
+        lazily held moments only as each is accessed."""
+        return _StateTensors(self.adam, self.residual)
 
     def load_state_dict(self, tensors: Mapping[str, Tensor]) -> None:
         self.adam = {k[5:]: v for k, v in tensors.items() if k.startswith("adam/")}
@@ -153,10 +155,9 @@ class InnerState:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-        tensors = {k: v.detach().to("cpu") for k, v in self.state_dict().items()}
         meta = {"format": STATE_FORMAT, "fingerprint": self.fingerprint}
-        with open(tmp, "wb") as handle:  # streamed: no serialised copy of the moments
-            write_safetensors(handle, tensors, {"dipaco": json.dumps(meta)})
+        with open(tmp, "wb") as handle:  # streamed, one tensor at a time (_StateTensors)
+            write_safetensors(handle, self.state_dict(), {"dipaco": json.dumps(meta)})
         os.replace(tmp, path)
 
     @classmethod
@@ -172,12 +173,13 @@ class InnerState:
                     return None
                 if fingerprint is not None and meta.get("fingerprint") != fingerprint:
                     return None
-                tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+                keys = list(handle.keys())
+                residual = {k[9:]: handle.get_tensor(k) for k in keys if k.startswith("residual/")}
+            # The moments stay on disk until the optimizer takes them, one at a time.
+            adam = FileTensors(path, {k[5:]: k for k in keys if k.startswith("adam/")})
         except (OSError, ValueError, SafetensorError):
             return None  # a torn or foreign file: start with fresh moments, never crash
-        state = cls(fingerprint=str(meta.get("fingerprint", "")))
-        state.load_state_dict(tensors)
-        return state
+        return cls(adam=adam, residual=residual, fingerprint=str(meta.get("fingerprint", "")))
 
 
 def lr_at(cfg: InnerConfig, step: int, total_steps: int) -> float:
@@ -188,3 +190,37 @@ def lr_at(cfg: InnerConfig, step: int, total_steps: int) -> float:
     progress = min(1.0, (step - cfg.warmup_steps) / decay_steps)
     cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+class _StateTensors(Mapping[str, Tensor]):
+    """InnerState's tensors under their file names, each read (a lazy moment) or moved to
+    the CPU only when accessed; `spec` without reading (dipaco.tensorfile)."""
+
+    def __init__(self, adam: Mapping[str, Tensor], residual: Mapping[str, Tensor]) -> None:
+        self.parts = {"adam/": adam, "residual/": residual}
+
+    def _part(self, key: str) -> tuple[Mapping[str, Tensor], str]:
+        for prefix, part in self.parts.items():
+            if key.startswith(prefix) and key[len(prefix) :] in part:
+                return part, key[len(prefix) :]
+        raise KeyError(key)
+
+    def spec(self, key: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        part, name = self._part(key)
+        spec = getattr(part, "spec", None)
+        if spec is not None:
+            return spec(name)
+        tensor = part[name]
+        return tensor.dtype, tuple(tensor.shape)
+
+    def __getitem__(self, key: str) -> Tensor:
+        part, name = self._part(key)
+        return part[name].detach().to("cpu")
+
+    def __iter__(self) -> Iterator[str]:
+        for prefix, part in self.parts.items():
+            for name in part:
+                yield prefix + name
+
+    def __len__(self) -> int:
+        return sum(len(part) for part in self.parts.values())

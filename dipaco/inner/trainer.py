@@ -103,7 +103,7 @@ class PathTrainer:
         # The moments the optimizer holds now, as the last unit returned them (None: none
         # known). A path's next unit whose warm state is these very tensors starts from
         # the resident ones instead of copying them in again.
-        self._resident: dict[str, Tensor] | None = None
+        self._resident: Mapping[str, Tensor] | None = None
 
     def matches(self, config: RunConfig) -> bool:
         """Whether `config`'s paths fit this trainer's model and optimizer."""
@@ -184,6 +184,8 @@ class PathTrainer:
     def _holds(self, adam: Mapping[str, Tensor] | None) -> bool:
         """Whether the optimizer holds `adam` already (the very tensors it last returned)."""
         last = self._resident
+        if adam is not None and adam is last:  # the very mapping (a lazy one: its file)
+            return True
         if not adam or last is None or adam.keys() != last.keys():
             return False
         return all(adam[key] is last[key] for key in last)
