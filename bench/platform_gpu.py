@@ -443,7 +443,7 @@ def report(args: argparse.Namespace, found: dict[str, Any], root: Path, clock: C
         "worker_peak_pss_bytes": memory.get("worker_pss_bytes"),
         "worker_peak_rss_bytes": memory.get("worker_rss_bytes"),
         "server_peak_pss_bytes": memory.get("server_pss_bytes"),
-        "worker_memory_parts": memory_parts(config),
+        "worker_memory_parts": memory_parts(config, args.device),
         "units_completed": units,
         "s3": s3,
         "s3_requests_per_unit": round(s3["requests"] / units, 1) if s3 and units else None,

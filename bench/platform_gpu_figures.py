@@ -61,38 +61,37 @@ def pss_bytes(pid: int) -> int:
     return 0
 
 
-def memory_parts(config: Any) -> dict[str, int]:
-    """What the worker's memory holds at one path of `config`, by design (bytes, from the
-    path's parameter count N and the unit's shapes; accounting, not a measurement): the
-    resident model's fp32 parameters, gradients and AdamW moments, θ_old (the unit's base,
-    for Δ), the checkpoint's host buffers (weights, θ_old and moments, kept between
-    checkpoints: dipaco.inner.checkpoint), Δ in fp32, the AdamW moments' copy a unit's end
-    hands the next unit (`snapshot_adam`), the error-feedback residual of the path's warm
-    state (fp32), the encoded upload at the run's codec, a micro-batch's logits and their
-    gradient, and the unit's data (at most two row chunks: dipaco.data.rows.UnitRows).
-    Activations, module files being read and the runtime are not in it: the measured peak
-    less these parts is what they and transient copies hold."""
+def memory_parts(config: Any, device: str = "cpu") -> dict[str, int]:
+    """What the worker's memory holds at its peak at one path of `config`, by design (bytes,
+    from the path's parameter count N and the unit's shapes; accounting, not a measurement),
+    while one unit trains and the previous one is encoded: the resident model's fp32
+    parameters, gradients and AdamW moments, θ_old (the module weights the unit started
+    from, for Δ), the previous unit's Δ in fp32 until it is encoded (worker_agent.handin),
+    a micro-batch's logits and their gradient, and the unit's data (at most two row
+    chunks: dipaco.data.rows.UnitRows). On a GPU the checkpoint's pinned host buffers
+    (weights and moments) and the moments' copy a unit's end hands the next unit are host
+    memory too; on the CPU neither exists (dipaco.inner.checkpoint: the live tensors are
+    written, the moments read back from the file). The encoded upload is written to disk
+    a module at a time. Activations, module files being read and the runtime are not in
+    it: the measured peak less these parts is what they and transient copies hold."""
     from dipaco.data.rows import CHUNK_BYTES
 
     n = config.num_params()
-    codec_bytes = {"fp32": 4, "fp16": 2, "bf16": 2, "int8": 1, "int4": 0.5}
-    upload = codec_bytes.get(str(config.comm.codec), 2)
     T, B = config.model.seq_len, config.inner.micro_batch_size
-    return {
+    parts = {
         "parameters": 4 * n,
         "gradients": 4 * n,
         "adamw_moments": 8 * n,
         "base_snapshot": 4 * n,
-        "checkpoint_buffers": 16 * n,
-        "delta": 4 * n,
-        "adamw_moments_copy": 8 * n,
-        "feedback_residual": 4 * n,
-        "encoded_upload": int(upload * n),
+        "previous_delta": 4 * n,
         "logits": B * T * config.model.vocab_size * 4 * 2,  # a micro-batch's and their grad
         "data": min(
             2 * CHUNK_BYTES, 2 * config.inner.steps * config.inner.batch_size * (T + 1) * 2
         ),
     }
+    if device != "cpu":
+        parts.update(checkpoint_buffers=12 * n, adamw_moments_copy=8 * n)
+    return parts
 
 
 def gpu_memory() -> tuple[int | None, dict[int, int]]:
