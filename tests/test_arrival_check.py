@@ -24,7 +24,7 @@ from dipaco_server.rounds.lifecycle.retention import sweep_blobs
 from dipaco_server.rounds.lifecycle.tasks import check_unit
 from dipaco_server.rounds.models import Contribution, Lease, OuterStep, Round
 from dipaco_server.rounds.outer import step
-from dipaco_server.rounds.verification import checks, uploads
+from dipaco_server.rounds.verification import checks, judge, uploads
 from dipaco_server.rounds.verification.arrival import (
     arrival_records,
     check_arrived,
@@ -107,7 +107,7 @@ def _inputs(run: Any, module_id: str, t: int) -> dict[str, Any]:
     assert base is not None
     return {
         "config": config, "module": module, "rows": rows, "base": base,
-        "uploads": step._uploads(run.pk, module, t, rows, config),
+        "uploads": judge.uploads_of(run.pk, module, t, rows, config),
         "spec": module_spec(config, module_id),
         "round_index": local_round(run.run_config, t),
         "history": norm_history(module, t, config.outer.history_rounds),

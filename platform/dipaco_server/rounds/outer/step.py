@@ -61,7 +61,7 @@ from django.db.models import Q
 from django.utils import timezone
 from torch import Tensor
 
-from dipaco.config import CommConfig, OuterConfig, RunConfig
+from dipaco.config import CommConfig, OuterConfig
 from dipaco.data.windows import unit_tokens
 from dipaco.modules_file import Spec
 from dipaco.outer import (
@@ -72,20 +72,10 @@ from dipaco_server.rounds import stages
 from dipaco_server.rounds.models import Contribution, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.outer.aggregate import BaseVersion, aggregate_uploads, apply_step
 from dipaco_server.rounds.outer.publish import EncodedUpdate, encode_update
-from dipaco_server.rounds.protocol.sizing import lease_tokens
-from dipaco_server.rounds.verification.arrival import arrival_records, checked_file, forget
-from dipaco_server.rounds.verification.checks import aggregated, check_contributions
-from dipaco_server.rounds.verification.context import (
-    check_copies,
-    norm_history,
-    outer_momentum,
-    replayed,
-    replica_past,
-)
-from dipaco_server.rounds.verification.credit import settle
+from dipaco_server.rounds.verification.arrival import forget
 from dipaco_server.rounds.verification.first_round import UNSETTLED, WAITING
-from dipaco_server.rounds.verification.scorer import Scorer, delta_bases
-from dipaco_server.rounds.verification.settlement import carried, first_round_verdicts
+from dipaco_server.rounds.verification.judge import Judgement, judge, judge_uploads, settle
+from dipaco_server.rounds.verification.settlement import carried
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
@@ -196,28 +186,38 @@ def compute_step(
     without the held Δs. `arrival`, `kept`, `momentum_version`: the checks done when each
     completion arrived, reused (rounds.verification.checks.check_contributions).
     """
+    judgement = judge_uploads(
+        store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer,
+        first_round=first_round, can_wait=can_wait, arrival=arrival, kept=kept,
+        momentum_version=momentum_version,
+    )  # fmt: skip
+    return step_judged(store, judgement, base, spec, cfg, work, round_index=round_index,
+                       trained_start=trained_start, comm=comm)  # fmt: skip
+
+
+def step_judged(
+    store: BlobStore,
+    judgement: Judgement,
+    base: BaseVersion | None,
+    spec: Spec,
+    cfg: OuterConfig,
+    work: Path,
+    *,
+    round_index: int,
+    trained_start: bool = False,
+    comm: CommConfig | None = None,
+) -> StepResult:
+    """Aggregate what `judgement` accepted, take the Nesterov step and encode what is
+    published (compute_step's second half; the outputs stay in `work`)."""
     clock = time.perf_counter()
-    with stages.timed("checks"):
-        verdicts, replicas = check_contributions(
-            store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer,
-            first_round=first_round, arrival=arrival, kept=kept,
-            momentum_version=momentum_version,
-        )  # fmt: skip
-    result = StepResult(verdicts, replicas=replicas)
-    result.timings["verify"] = time.perf_counter() - clock
-    if can_wait and any(v.reason.startswith(UNSETTLED) for v in verdicts):
-        for v in verdicts:
-            v.release()
+    result = StepResult(judgement.verdicts, replicas=judgement.replicas)
+    result.timings["verify"] = judgement.seconds
+    if judgement.waited:
         result.waited = True
-        result.seconds = time.perf_counter() - clock
+        result.seconds = judgement.seconds
         return result
-    norms = [v.norm for v in result.verdicts if v.norm is not None]
-    result.median_norm = statistics.median(norms) if norms else None
-    accepted = aggregated(result.verdicts)
-    chosen = {v.upload.contribution_id for v in accepted}
-    for v in result.verdicts:  # a check copy of an accepted original: compared, no more
-        if v.upload.contribution_id not in chosen:
-            v.release()
+    result.median_norm = judgement.median_norm
+    accepted, history = judgement.accepted, judgement.history
     if accepted:
         if base is None:
             raise ValueError("contributions without a base version: the round has no units")
@@ -242,7 +242,7 @@ def compute_step(
         result.weights, result.weights_sha256, result.weights_size = weights, digest, size
         result.momentum = new_momentum
         result.tokens = sum(v.upload.tokens for v in accepted)
-    result.seconds = time.perf_counter() - clock
+    result.seconds = judgement.seconds + time.perf_counter() - clock
     return result
 
 
@@ -290,7 +290,6 @@ def step_module(
     )
     rows = list(ordered)
     whole_unit = unit_tokens(config)
-    uploads = _uploads(run_id, module, t, rows, config)
     # The version the units trained from (their Δs' reference, scored on it by Scorer), and
     # the one the step applies onto: the same, or with outer.overlap delayed the newer one
     # that round t - 1 published while round t trained. With "eager" the units that rebased
@@ -301,12 +300,6 @@ def step_module(
     spec = module_spec(config, module_id)
     work = Path(tempfile.mkdtemp(prefix=f"outer-{run_id}-{module_id}-{t}-", dir=work_root()))
     try:
-        outer = config.outer
-        momentum, scorer = None, None
-        if outer.verify and uploads and base is not None:
-            momentum = outer_momentum(store, base.momentum_key, spec, work)
-            if outer.score:
-                scorer = Scorer(store, round_, module, config, work)
         round_index = local_round(round_.run.run_config, t)
         # Phase 2 from a base model (phase 1's, or an uploaded checkpoint, both kept there)
         # starts trained: its first step takes no momentum (dipaco.outer.round_momentum).
@@ -314,19 +307,16 @@ def step_module(
             round_index == 0 and phase == PATHS and store.exists(keys.base_model_key(run_id))
         )
         stages.reset()
-        history = norm_history(module, t, outer.history_rounds)
         with stages.timed("outer_step"):
-            settled = None
-            if outer.verify and uploads and not history:  # a module's first step
-                settled = first_round_verdicts(store, round_, config, work, scorer)
-            result = compute_step(
-                store, uploads, base, spec, outer, work, round_index=round_index,
-                trained_start=trained_start, history=history, momentum=momentum,
-                scorer=scorer, comm=config.comm, first_round=settled,
-                can_wait=round_index + 1 < config.rounds, arrival=arrival_records(rows),
-                kept=lambda u: checked_file(run_id, u.contribution_id, u.sha256),
-                momentum_version=base.version if momentum is not None and base else None,
+            judgement = judge(
+                round_, module, rows, config=config, store=store, spec=spec, work=work,
+                base_momentum_key=base.momentum_key if base is not None else None,
+                base_version=base.version if base is not None else None,
+                can_wait=round_index + 1 < config.rounds,
             )  # fmt: skip
+            result = step_judged(store, judgement, base, spec, config.outer, work,
+                                 round_index=round_index, trained_start=trained_start,
+                                 comm=config.comm)  # fmt: skip
         result.whole_unit = whole_unit
         with stages.timed("publishing"):
             report = _commit(store, module, round_, base, result)
@@ -486,46 +476,3 @@ def _write_blobs(store: BlobStore, module: Module, t: int, result: StepResult) -
     inject(Fault.KILL_AFTER_BLOB_WRITE)
     inject(Fault.RAISE_AFTER_BLOB_WRITE)
     return blobs
-
-
-def _uploads(
-    run_id: int, module: Module, t: int, rows: Sequence[Contribution], config: RunConfig
-) -> list[Upload]:
-    """Round t's pending contributions to `module` as the checks see them (`rows` in the
-    order they are added), with what the database knows about each: replays, check copies,
-    the replica's past, the versions its Δ is relative to.
-
-    Each Δ weighs its tokens, capped at what its lease allowed (rounds.protocol.sizing
-    .size_unit), never only at what the completion claimed: a partial or sized unit weighs
-    less.
-    """
-    whole_unit = unit_tokens(config)
-    bases = delta_bases(rows)
-    replays = replayed(run_id, t, rows)
-    checks = check_copies(rows)
-    pasts = replica_past(module, rows, checks)  # what paired workers' copies differed by
-    uploads = []
-    for c in rows:
-        allowed = lease_tokens(c.lease, config)
-        uploads.append(
-            Upload(
-                c.pk,
-                c.lease.worker_id,
-                c.blob_key,
-                c.size,
-                c.sha256,
-                min(c.tokens, allowed),
-                c.unit.path.index,
-                unit_id=c.unit_id,
-                lease_id=c.lease_id,
-                position=c.unit.data_position,
-                replayed=c.pk in replays,
-                check_of=checks.get(c.pk),
-                partial=c.tokens < allowed,
-                work=min(1.0, min(c.tokens, allowed) / whole_unit),
-                sized=min(1.0, allowed / whole_unit),
-                delta_base=bases[c.lease_id],
-                replica_past=pasts.get(c.lease.worker_id, ()),
-            )
-        )
-    return uploads

@@ -31,10 +31,11 @@ from dipaco.data.windows import path_seed
 from dipaco_server.bounds import MAX_ID, LeaseId
 from dipaco_server.errors import ApiError
 from dipaco_server.rounds import stages
+from dipaco_server.rounds.granted import lease_steps
 from dipaco_server.rounds.models import Lease, OuterStep, WorkUnit
 from dipaco_server.rounds.protocol import grant as granting
 from dipaco_server.rounds.protocol import leases as leasing
-from dipaco_server.rounds.protocol import pacing, sizing
+from dipaco_server.rounds.protocol import pacing
 from dipaco_server.rounds.protocol.complete import (
     ContributionReport,
     check_uploads,
@@ -184,7 +185,7 @@ def lease(
             "path": unit.path.index,
             "modules": list(unit.path.modules),
             "base_versions": dict(unit.base_versions),
-            "steps": sizing.lease_steps(lease, config),
+            "steps": lease_steps(lease, config),
             "size_reason": lease.size_reason,
             "seconds_limit": lease.seconds_limit,
             "round_deadline": unit.round.deadline,

@@ -40,6 +40,7 @@ from django.utils import timezone
 from dipaco.config import RunConfig
 from dipaco.data.windows import step_tokens
 from dipaco_server.errors import ApiError
+from dipaco_server.rounds.granted import lease_tokens
 from dipaco_server.rounds.models import Contribution, Lease, WorkUnit
 from dipaco_server.rounds.protocol.leases import (
     check_lease_live,
@@ -48,7 +49,6 @@ from dipaco_server.rounds.protocol.leases import (
     load_own_lease,
 )
 from dipaco_server.rounds.protocol.rebase import check_delta_base
-from dipaco_server.rounds.protocol.sizing import lease_tokens
 from dipaco_server.rounds.protocol.worker_metrics import worker_metrics
 from dipaco_server.runs.errors import (
     ContributionConflict,

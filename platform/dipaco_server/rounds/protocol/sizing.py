@@ -1,6 +1,5 @@
 """How much of a unit a lease trains: steps sized to the worker's measured speed and the
-round's deadline (`size_unit`), and the steps and tokens a lease was granted
-(`lease_steps`, `lease_tokens`, which the completion and the outer step weigh by)."""
+round's deadline (`size_unit`); what a lease was granted is rounds.granted's."""
 
 from __future__ import annotations
 
@@ -11,22 +10,10 @@ from datetime import datetime
 
 from dipaco.config import RunConfig
 from dipaco.data.windows import step_tokens
-from dipaco_server.rounds.models import Lease
 from dipaco_server.workers.speed import plausible_speed
 
 logger = logging.getLogger(__name__)
-
-
-def lease_steps(lease: Lease, config: RunConfig) -> int:
-    """The unit's length under `lease`, the one the lease answer names (`steps`: the
-    agent's inner-loop bound, counted from the unit's start); H for leases granted before
-    units were sized. It never changes the lr schedule, whose slot stays H steps."""
-    return min(lease.steps, config.inner.steps) if lease.steps else config.inner.steps
-
-
-def lease_tokens(lease: Lease, config: RunConfig) -> int:
-    """The most tokens a Δ under `lease` may be weighted by: its steps x step tokens."""
-    return lease_steps(lease, config) * step_tokens(config)
+__all__ = ["UnitSize", "size_unit"]
 
 
 @dataclass(frozen=True)

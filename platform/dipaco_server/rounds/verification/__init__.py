@@ -9,7 +9,8 @@
   (proof of useful work), ``checks`` (every check in order: `check_contributions`) and
   ``credit`` (what the verdicts do to trust and credit: `settle`).
 
-The outer step (rounds.outer.step) calls `check_contributions` before it aggregates and
-`settle` inside its commit. This package imports none of its modules, so that importing
+The outer step (rounds.outer.step) calls one entry point, ``judge`` (`judge`, which runs
+`check_contributions` on what the database holds, before it aggregates; `settle` inside
+its commit): it reads fetch, judge, aggregate, Nesterov step, publish. This package imports none of its modules, so that importing
 the rules needs no Django settings.
 """

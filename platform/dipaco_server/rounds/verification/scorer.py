@@ -244,7 +244,7 @@ class Scorer:
 
     def _covered(self, upload: Upload) -> int | None:
         """The unit's windows its lease covered from the start: its steps (sized to the
-        worker's speed, rounds.protocol.sizing.lease_steps; 0: all H) x the batch. The
+        worker's speed, rounds.granted.lease_steps; 0: all H) x the batch. The
         server's own record, not the worker's claim. None: the whole unit."""
         steps = Lease.objects.filter(pk=upload.lease_id).values_list("steps", flat=True).first()
         if not steps or steps >= self.config.inner.steps:
