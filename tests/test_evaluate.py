@@ -26,6 +26,7 @@ from dipaco.evaluate import (
     eval_plan,
     routed_mean,
     sample_plan,
+    sample_size,
     sample_streams,
     window_losses,
 )
@@ -301,8 +302,10 @@ def test_with_patience_a_held_evaluation_does_not_delay_the_next_rounds_opening(
 
 
 def test_a_16x16_grid_at_the_150m_budget_rotates_every_path_through_enough_windows() -> None:
+    config = RunConfig.paper_150m(layout=LayoutConfig.grid(12, levels=2, modules=16))
+    budget, minimum = sample_size(config), config.eval.min_path_windows
+    assert (budget, minimum, config.model.seq_len) == (291, 16, 1024)  # eval.flops' windows
     tokens = [1024 * 400 + 1] * 256  # 400 windows of the 150M preset's 1,024 tokens a path
-    budget, minimum = 291, 16  # eval.flops' windows at 150M; eval.min_path_windows
 
     plan = eval_plan(tokens, 1024, budget, minimum, seed=0)
 
