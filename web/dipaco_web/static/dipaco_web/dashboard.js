@@ -120,17 +120,31 @@
     u.dipacoBands = bands;
   };
 
+  // A linear y range that holds the bands as well as the lines, with a margin.
+  const withBands = (name) => (u, min, max) => {
+    const chart = shown[name];
+    (chart ? chart.series : []).forEach((s) => {
+      [s.lower, s.upper].forEach((band) => (band || []).forEach((v) => {
+        if (v != null) { min = Math.min(min, v); max = Math.max(max, v); }
+      }));
+    });
+    if (min == null || max == null) return [min, max];
+    const pad = (max - min) * 0.05 || Math.abs(max) * 0.05 || 1;
+    return [min - pad, max + pad];
+  };
+
   function options(box, chart) {
     const unit = box.dataset.unit;
     const positive = chart.series.every((s) => s.values.every((v) => v == null || v > 0));
     const log = unit === "bytes" && positive;
     const format = unit === "bytes" ? formatBytes : formatNumber;
+    const banded = chart.series.some((s) => s.lower && s.upper);
     return {
       width: box.clientWidth,
       height: HEIGHT,
       scales: {
         x: { time: false },
-        y: log ? { distr: 3 } : {},
+        y: log ? { distr: 3 } : banded ? { range: withBands(box.dataset.chart) } : {},
       },
       axes: [
         { label: "outer round", incrs: [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000] },
