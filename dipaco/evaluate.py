@@ -25,6 +25,21 @@ path, 0.49% at 1024, within 1% of the whole text's loss at two standard errors (
 independent samples of 1024 agree within 1% at 1.4 standard errors (85%). 2048 would buy
 1.0 standard error more at twice the evaluation time. A larger model gets fewer windows
 when ``eval.flops`` buys fewer (dipaco.flops: 291 of 1,024 tokens at the 150M preset).
+
+Rotation (`eval_plan`), when the budget is too small for every path. A round's evaluation
+scores `sample_size` windows in all; split over every path, a large grid leaves each too
+few to stop it early (291 windows over the 16x16 grid's 256 paths: one each, a standard
+error of 16% of the loss). When every path cannot have ``eval.min_path_windows`` (16: 3.9%
+of the loss at the tiny model's spread) within the budget, a round scores only a group of
+the paths, each on at least that many windows, and the groups take turns: with
+g = floor(budget / minimum) paths a round, the scored paths fall into K = ceil(paths / g)
+groups (path i of them in group i mod K) and round t scores group t mod K, so every path is
+scored every K rounds (at the 150M preset's 291 windows on 16x16: 17 or 18 paths a round on
+16 to 18 windows each, all 291 windows, every path every 15 rounds). A path is scored on the same
+windows each time, so its curve moves only when its weights do. When every path fits (the
+tiny and capacity presets up to 64 paths), the plan is `sample_plan`'s and K = 1: every path
+every round, exactly as without rotation. Early stopping reads a rotated curve in the
+path's own evaluations (dipaco_server.runs.evaluate).
 """
 
 from __future__ import annotations
@@ -43,8 +58,10 @@ if TYPE_CHECKING:
 # import this module (perplexity, weighted_mean) at their start, and torch takes seconds.
 
 __all__ = [
+    "EvalPlan",
     "PathLoss",
     "ValWindows",
+    "eval_plan",
     "evaluate_model",
     "mean_loss",
     "perplexity",
@@ -53,6 +70,7 @@ __all__ = [
     "sample_shard",
     "sample_size",
     "sample_streams",
+    "standard_error",
     "stream_windows",
     "weighted_mean",
     "window_losses",
@@ -61,6 +79,7 @@ __all__ = [
 EVAL_BATCH = 16  # windows per forward pass; only memory depends on it
 SAMPLE_WINDOWS = 1024  # the validation sample's windows in all (module docstring: why)
 SAMPLE_SEED_OFFSET = 7907  # the sample's generator is its own, not the data order's
+MIN_PATH_WINDOWS = 16  # eval.min_path_windows' default: windows a path needs to be scored
 
 
 def perplexity(loss: float | None) -> float | None:
@@ -155,6 +174,75 @@ def sample_plan(tokens: Sequence[int], seq_len: int, count: int, seed: int) -> l
     return plan
 
 
+@dataclass(frozen=True)
+class EvalPlan:
+    """Which paths a round scores, and on which windows (`eval_plan`)."""
+
+    windows: list[list[int]]  # per path: the sorted windows it is scored on, every time
+    groups: list[list[int]]  # the paths scored together; round t scores groups[t % K]
+
+    @property
+    def every(self) -> int:
+        """K: a path is scored every K rounds (1: every path every round)."""
+        return len(self.groups)
+
+    @property
+    def rotated(self) -> bool:
+        return self.every > 1
+
+    def paths_at(self, t: int) -> list[int]:
+        """The paths round t scores (those with windows)."""
+        return [p for p in self.groups[t % self.every] if self.windows[p]]
+
+    def round_windows(self, t: int) -> int:
+        """Windows round t scores in all (at most the budget)."""
+        return sum(len(self.windows[p]) for p in self.paths_at(t))
+
+
+def rotation_every(tokens: Sequence[int], seq_len: int, count: int, minimum: int) -> int:
+    """K of `eval_plan` without drawing a window: 1 when every path with a window can have
+    `minimum` of the `count` a round, else ceil(paths / floor(count / minimum))."""
+    scored = sum(1 for n in tokens if window_count(n, seq_len))
+    per_round = max(1, count // max(1, minimum))
+    return 1 if scored <= per_round else math.ceil(scored / per_round)
+
+
+def eval_plan(tokens: Sequence[int], seq_len: int, count: int, minimum: int, seed: int) -> EvalPlan:
+    """The paths each round scores and their windows, `count` windows a round at most
+    (module docstring: Rotation).
+
+    When every path with a window can have `minimum` of them (paths x minimum <= count),
+    the windows are `sample_plan`'s and one group holds every path: each round scores every
+    path, as the unrotated evaluation does. Otherwise the paths with windows are dealt into
+    K groups (the i-th into group i mod K) of at most floor(count / minimum) paths, and each
+    path of a group of s paths gets floor(count / s) windows (one more for the first
+    count mod s of them), never more than it has, drawn without replacement by a generator
+    seeded with `seed`: at least `minimum` each (all it has when it has fewer), and at most
+    `count` in a round. A budget under `minimum` scores one path a round on all of it.
+    """
+    # torch and numpy: the note under the imports
+    import torch
+
+    every = rotation_every(tokens, seq_len, count, minimum)
+    if every == 1:
+        plan = sample_plan(tokens, seq_len, count, seed)
+        return EvalPlan(plan, [list(range(len(tokens)))])
+    have = [window_count(n, seq_len) for n in tokens]
+    scored = [p for p, n in enumerate(have) if n]
+    groups = [scored[g::every] for g in range(every)]
+    quota = [0] * len(have)
+    for group in groups:
+        share, extra = divmod(count, len(group))
+        for i, p in enumerate(group):
+            quota[p] = min(have[p], share + (1 if i < extra else 0))
+    generator = torch.Generator().manual_seed(seed + SAMPLE_SEED_OFFSET)
+    windows = []
+    for n, q in zip(have, quota, strict=True):
+        chosen = torch.randperm(n, generator=generator)[:q] if n else torch.zeros(0)
+        windows.append(sorted(int(i) for i in chosen))
+    return EvalPlan(windows, groups)
+
+
 def sample_streams(streams: Sequence[Tensor], seq_len: int, count: int, seed: int) -> ValWindows:
     """The validation sample (`sample_plan`) cut from per-path token streams in memory."""
     plan = sample_plan([int(s.numel()) for s in streams], seq_len, count, seed)
@@ -204,6 +292,15 @@ def mean_loss(model: nn.Module, windows: Tensor, batch_size: int = EVAL_BATCH) -
     """Mean next-token cross-entropy over every target of `windows` (every window scores
     the same seq_len targets, so this is the mean of the windows' means), in float64."""
     return float(window_losses(model, windows, batch_size).mean())
+
+
+def standard_error(losses: Tensor) -> float | None:
+    """The standard error of the mean of per-window losses (`window_losses`): their sample
+    standard deviation over sqrt(n); None under two windows (no spread to measure)."""
+    n = int(losses.numel())
+    if n < 2:
+        return None
+    return float(losses.double().std(unbiased=True)) / math.sqrt(n)
 
 
 def evaluate_model(

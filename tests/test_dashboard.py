@@ -400,6 +400,38 @@ def test_the_routed_mean_weights_path_losses_by_validation_tokens_unless_recorde
     assert queries.routed_val_losses(run)[0] == 5.0
 
 
+def test_a_rotated_evaluations_routed_mean_carries_each_paths_latest_loss(db: None) -> None:
+    # Four paths, two a round (no budget holds four of 512 windows): path p every 2 rounds.
+    run = make_run("rotated", eval={"min_path_windows": 512})
+    run.paths.update(val_tokens=128 * 600 + 1)
+    assert queries.evaluation_every(run) == 2
+    paths = list(run.paths.order_by("index"))
+    for t, p, loss in ((0, 0, 4.0), (0, 2, 6.0), (1, 1, 5.0), (1, 3, 7.0), (2, 0, 3.0)):
+        record_metric(run, "val_loss", loss, path=paths[p], round=t)
+    # Round 0 scored half the paths: no routed mean until each has a loss.
+    assert queries.routed_val_losses(run) == {1: 5.5, 2: 5.25}
+
+
+def test_the_validation_charts_carry_each_paths_standard_error_band(db: None) -> None:
+    from dipaco_web.curves import loss_charts
+
+    run = make_run("bands")
+    path = run.paths.get(index=0)
+    for t, loss, se in ((0, 5.0, 0.25), (1, 4.0, None)):
+        record_metric(run, "val_loss", loss, path=path, round=t)
+        if se is not None:
+            record_metric(run, "val_loss_se", se, path=path, round=t)
+
+    charts = loss_charts(run)
+    loss = next(s for s in charts["val_loss"]["series"] if s["label"] == "path 0")
+    assert (loss["lower"], loss["upper"]) == ([4.75, None], [5.25, None])
+    ppl = next(s for s in charts["val_perplexity"]["series"] if s["label"] == "path 0")
+    assert ppl.get("lower") == [pytest.approx(math.exp(4.75)), None]
+    assert ppl.get("upper") == [pytest.approx(math.exp(5.25)), None]
+    routed = next(s for s in charts["val_loss"]["series"] if s["label"] == "routed mean")
+    assert "lower" not in routed
+
+
 @pytest.mark.parametrize(
     ("device", "label"),
     [

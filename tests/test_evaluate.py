@@ -20,7 +20,16 @@ import torch.nn.functional as F
 
 from dipaco.config import LayoutConfig, RunConfig
 from dipaco.data.shards import ShardIndex, ShardInfo
-from dipaco.evaluate import SAMPLE_WINDOWS, routed_mean, sample_plan, sample_streams
+from dipaco.evaluate import (
+    SAMPLE_WINDOWS,
+    EvalPlan,
+    eval_plan,
+    routed_mean,
+    sample_plan,
+    sample_size,
+    sample_streams,
+    window_losses,
+)
 from dipaco.model import build_model
 from dipaco.modular import assemble_path_state, init_modules, split_path_state
 from dipaco.modules_file import write_module
@@ -30,7 +39,7 @@ from dipaco_server.rounds.lifecycle.open import open_round
 from dipaco_server.rounds.lifecycle.tasks import advance_run, finish_round
 from dipaco_server.runs import evaluate as evaluate_module
 from dipaco_server.runs import keys
-from dipaco_server.runs.evaluate import evaluate_run
+from dipaco_server.runs.evaluate import evaluate_run, run_plan
 from dipaco_server.runs.models import MetricPoint, Run
 from dipaco_server.runs.prepare import data_index_key
 from dipaco_server.runs.services import create_run, transition
@@ -145,7 +154,7 @@ def test_evaluation_records_each_paths_loss_and_perplexity_on_the_runs_sample(
     assert losses[0, 0] != losses[1, 0], "each path is scored on its own shard and modules"
 
     assert evaluate_run(run, 0) == [], "a round already scored is not scored again"
-    assert MetricPoint.objects.filter(run=run).count() == 4
+    assert MetricPoint.objects.filter(run=run).count() == 6  # loss, its error, perplexity
 
 
 def improve(run: Run, p: int, ids: np.ndarray, version: int, tmp: Path) -> None:
@@ -287,3 +296,115 @@ def test_with_patience_a_held_evaluation_does_not_delay_the_next_rounds_opening(
     assert run.rounds.get(t=3).state == "closed", "no unit is out: nothing else closes it"
     run.refresh_from_db()
     assert run.state == Run.State.FINISHED
+
+
+# --- rotation: a grid too large for the budget scores a group of paths a round ----------------
+
+
+def test_a_16x16_grid_at_the_150m_budget_rotates_every_path_through_enough_windows() -> None:
+    config = RunConfig.paper_150m(layout=LayoutConfig.grid(12, levels=2, modules=16))
+    budget, minimum = sample_size(config), config.eval.min_path_windows
+    assert (budget, minimum, config.model.seq_len) == (291, 16, 1024)  # eval.flops' windows
+    tokens = [1024 * 400 + 1] * 256  # 400 windows of the 150M preset's 1,024 tokens a path
+
+    plan = eval_plan(tokens, 1024, budget, minimum, seed=0)
+
+    assert plan.rotated and plan.every == 15  # 291 // 16 = 18 paths a round at most
+    for t in range(3 * plan.every):
+        due = plan.paths_at(t)
+        assert 17 <= len(due) <= 18
+        assert all(len(plan.windows[p]) >= minimum for p in due)
+        assert plan.round_windows(t) <= budget
+    for start in range(plan.every):  # any K consecutive rounds score every path once
+        seen = [p for t in range(start, start + plan.every) for p in plan.paths_at(t)]
+        assert sorted(seen) == list(range(256))
+    assert plan == eval_plan(tokens, 1024, budget, minimum, seed=0), "seeded: never moves"
+    assert all(row == sorted(set(row)) and all(0 <= i < 400 for i in row) for row in plan.windows)
+
+
+def test_a_rotated_path_with_fewer_windows_than_the_minimum_is_scored_on_all_it_has() -> None:
+    tokens = [16 * 3 + 1, 5] + [16 * 100 + 1] * 8  # 3 windows, none, then 100 each
+
+    plan = eval_plan(tokens, 16, 40, 10, seed=1)  # 4 paths a round at most
+
+    assert plan.every == 3  # 9 paths with windows; the one without is in no group
+    assert sorted(p for g in plan.groups for p in g) == [0, *range(2, 10)]
+    assert len(plan.windows[0]) == 3 and plan.windows[1] == []
+    assert all(plan.round_windows(t) <= 40 for t in range(3))
+
+
+def test_a_grid_that_fits_the_budget_is_scored_as_without_rotation() -> None:
+    for tokens, count in (
+        ([16 * 3000 + 1, 16 * 1000 + 1, 16 * 2 + 1, 5], 400),  # uneven, one path without text
+        ([16 * 500 + 1] * 64, 1024),  # 8x8 at the tiny preset's 1,024 windows: 16 each
+    ):
+        plan = eval_plan(tokens, 16, count, 16, seed=3)
+        assert plan == EvalPlan(sample_plan(tokens, 16, count, 3), [list(range(len(tokens)))])
+        assert not plan.rotated
+        assert all(plan.paths_at(t) == [p for p in range(len(tokens)) if plan.windows[p]]
+                   for t in range(3))  # fmt: skip
+
+
+def rotated(run: Run) -> Run:
+    """The run's two paths scored in turns: no budget holds two paths of 1,000 windows."""
+    run.config = {**run.config, "eval": {**run.config["eval"], "min_path_windows": 1000}}
+    run.save(update_fields=["config"])
+    return Run.objects.get(pk=run.pk)
+
+
+def test_a_rotated_path_stops_after_patience_of_its_own_evaluations_not_rounds(
+    store: BlobStore, tmp_path: Path
+) -> None:
+    run, _ = running_run(tmp_path, rounds=12)
+    run = rotated(run)
+    plan = run_plan(run.run_config, [VAL_TOKENS, VAL_TOKENS])
+    assert plan.every == 2 and plan.windows[0] and plan.windows[1]
+
+    results = {t: evaluate_run(run, t, patience=2) for t in range(5)}
+
+    # Round t scores path t mod 2 only; neither learns, so its first point stays its best.
+    assert {t: [(r.path, r.finished) for r in rs] for t, rs in results.items()} == {
+        0: [(0, False)],
+        1: [(1, False)],
+        2: [(0, False)],  # 2 rounds after its best, but 1 evaluation: not yet
+        3: [(1, False)],
+        4: [(0, True)],  # its second evaluation without beating round 0's
+    }
+    assert sorted(series(run, "val_loss")) == [(0, 0), (0, 2), (0, 4), (1, 1), (1, 3)]
+    paths = {p.index: p for p in run.paths.all()}
+    assert (paths[0].state, paths[0].best_round) == ("finished", 0)
+    assert (paths[1].state, paths[1].best_round) == ("active", 1)
+
+
+def test_each_points_standard_error_is_recorded_and_served_by_the_metrics_api(
+    store: BlobStore, tmp_path: Path, client: Any, settings: Any
+) -> None:
+    from dipaco_server.accounts.services import create_api_token, create_user
+
+    settings.PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+    run, shards = running_run(tmp_path)
+    results = evaluate_run(run, 0)
+
+    config = run.run_config
+    t = config.model.seq_len
+    for r in results:  # every window of the shard is in the sample (VAL_TOKENS)
+        model = build_model(config.model, config.seed)
+        model.load_state_dict(assemble_path_state(config, r.path, init_modules(config)))
+        ids = shards[r.path]
+        windows = torch.stack(
+            [torch.from_numpy(ids[i * t : i * t + t + 1]) for i in range((len(ids) - 1) // t)]
+        )
+        losses = window_losses(model, windows)
+        expected = float(losses.std()) / math.sqrt(len(losses))
+        assert r.stderr == pytest.approx(expected, rel=1e-4)
+        assert series(run, "val_loss_se")[r.path, 0] == pytest.approx(r.stderr)
+
+    user, _ = create_user("ops", staff=True)
+    token = create_api_token(user, name="tests")[1]
+    served = client.get(
+        f"/api/v1/runs/{run.pk}/metrics?name=val_loss_se",
+        headers={"Authorization": f"Bearer {token}"},
+    ).json()
+    assert {(p["path"], p["round"]): p["value"] for p in served["items"]} == {
+        (r.path, 0): pytest.approx(r.stderr) for r in results
+    }

@@ -70,11 +70,21 @@ class EvalConfig(Section):
         default=None,
         ge=1,
         le=MAX_ROUNDS,
-        description="Rounds without improvement before a path stops training; null: never.",
+        description="Evaluations without improvement before a path stops training (rounds "
+        "when every path is scored every round; a rotated evaluation scores each path every "
+        "few rounds, dipaco.evaluate.eval_plan); null: never.",
     )
     min_delta: float = Field(
         default=0.0,
         ge=0.0,
         le=100.0,  # nats: a loss is at most ln(vocab_size) < 14 at the start of training
         description="A loss improvement smaller than this does not count.",
+    )
+    min_path_windows: int = Field(
+        default=16,
+        ge=1,
+        le=4096,
+        description="Windows a path is scored on at least when the budget cannot give every "
+        "path as many: each round then scores a rotating group of the paths, and every path "
+        "is scored every few rounds (dipaco.evaluate.eval_plan).",
     )

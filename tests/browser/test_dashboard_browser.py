@@ -158,6 +158,28 @@ def test_a_chart_holds_the_points_of_the_run(
     assert drawn == 4, "every chart draws on a canvas"
 
 
+def test_each_path_curve_has_its_standard_error_band(
+    browser: Any, live_server: Any, served: ShortRun
+) -> None:
+    run = served.run
+    for path in run.paths.all():
+        for t in range(3):
+            record_metric(run, "val_loss_se", 0.2, path=path, round=t)
+    open_page(browser, live_server, f"/runs/{run.pk}/")
+    wait_for(browser, "return window.dipacoCharts.val_loss && window.dipacoCharts.val_loss.data")
+    bands = "return [window.dipacoCharts.val_loss.dipacoBands, window.dipacoCharts.val_perplexity.dipacoBands]"  # fmt: skip
+    assert browser.execute_script(bands) == [4, 4], "a band for each path, none for the mean"
+    # Just above path 0's point at round 2 (no other line there): its band's colour.
+    alpha = browser.execute_script(
+        """const u = window.dipacoCharts.val_loss;
+        const x = u.valToPos(u.data[0][1], "x", true);
+        const y = u.valToPos(u.data[1][1] + 0.1, "y", true);
+        return u.ctx.getImageData(Math.round(x), Math.round(y), 1, 1).data[3];"""
+    )
+    assert alpha > 0, "the band is painted on the canvas"
+    screenshot(browser, "run-bands")
+
+
 def test_staff_pause_and_resume_change_the_run_state(
     browser: Any, live_server: Any, served: ShortRun
 ) -> None:

@@ -2,7 +2,10 @@
 
 Each chart is plain JSON for uPlot (static/dipaco_web/dashboard.js): a shared x
 axis of outer rounds and one list of y values per series, ``None`` where a series
-has no point in a round.
+has no point in a round. A path's validation series also carries ``lower`` and ``upper``:
+its loss one standard error below and above (``val_loss_se``, the server's standard error
+of the mean window loss, runs.evaluate), drawn as a band around its curve; a rotated
+evaluation (dipaco.evaluate.eval_plan) gives a path a point, and a band, every few rounds.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from itertools import accumulate
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 from django.db.models import Max, Sum
 
@@ -25,11 +28,17 @@ ROUTED = "routed mean"
 DENSE_LABEL = "dense model (phase 1)"
 # runs.evaluate.START_LOSS, named here: that module imports torch, the web process need not.
 START_LOSS = "start_val_loss"
+STDERR = "val_loss_se"  # runs.evaluate.STDERR: a val_loss point's standard error
+
+
+Band = dict[int, tuple[float, float]]  # round -> (lower, upper)
 
 
 class Series(TypedDict):
     label: str
     values: list[float | None]
+    lower: NotRequired[list[float | None]]  # a band: one standard error below the values
+    upper: NotRequired[list[float | None]]  # ... and above (None where a point has none)
 
 
 class Chart(TypedDict, total=False):
@@ -39,20 +48,23 @@ class Chart(TypedDict, total=False):
     phase_boundary: int
 
 
-def _chart(by_label: dict[str, dict[int, float]]) -> Chart:
+def _chart(by_label: dict[str, dict[int, float]], bands: dict[str, Band] | None = None) -> Chart:
     rounds = sorted({t for values in by_label.values() for t in values})
-    return {
-        "x": rounds,
-        "series": [
-            {"label": label, "values": [values.get(t) for t in rounds]}
-            for label, values in by_label.items()
-        ],
-    }
+    series: list[Series] = []
+    for label, values in by_label.items():
+        one: Series = {"label": label, "values": [values.get(t) for t in rounds]}
+        band = (bands or {}).get(label)
+        if band:
+            one["lower"] = [band[t][0] if t in band else None for t in rounds]
+            one["upper"] = [band[t][1] if t in band else None for t in rounds]
+        series.append(one)
+    return {"x": rounds, "series": series}
 
 
 def loss_charts(run: Run) -> dict[str, Chart]:
-    """Validation loss and perplexity per path with the routed mean; training loss."""
-    series: dict[str, dict[Any, dict[int, float]]] = {VAL_LOSS: {}, TRAIN_LOSS: {}}
+    """Validation loss and perplexity per path (each with its standard-error band) with the
+    routed mean; training loss."""
+    series: dict[str, dict[Any, dict[int, float]]] = {VAL_LOSS: {}, TRAIN_LOSS: {}, STDERR: {}}
     reported: dict[Any, dict[int, list[float]]] = {}  # training: every unit's point
     for name, path_index, phase, t, value in (
         MetricPoint.objects.filter(run=run, name__in=list(series), round__isnull=False)
@@ -71,6 +83,12 @@ def loss_charts(run: Run) -> dict[str, Chart]:
     for path_index, loss in start.items():  # each phase-2 path's curve starts at its start
         series[VAL_LOSS].setdefault(path_index, {}).setdefault(start_round(run), loss)
     validation = {_label(p): v for p, v in series[VAL_LOSS].items() if p is not None}
+    bands: dict[str, Band] = {}
+    for p, errors in series[STDERR].items():
+        losses = series[VAL_LOSS].get(p, {})
+        bands[_label(p)] = {
+            t: (losses[t] - e, losses[t] + e) for t, e in errors.items() if t in losses
+        }
     routed = routed_val_losses(run)
     if start:  # at phase 1's last round, the routed curve is phase 2's start, not phase 1's
         routed[start_round(run)] = _weighted(run, start)
@@ -85,9 +103,17 @@ def loss_charts(run: Run) -> dict[str, Chart]:
         label: {t: p for t, loss in values.items() if (p := perplexity(loss)) is not None}
         for label, values in validation.items()
     }
+    ppl_bands: dict[str, Band] = {
+        label: {
+            t: (lo, hi)
+            for t, (low, high) in band.items()
+            if (lo := perplexity(low)) is not None and (hi := perplexity(high)) is not None
+        }
+        for label, band in bands.items()
+    }
     return {
-        "val_loss": _chart(validation),
-        "val_perplexity": _chart(ppl),
+        "val_loss": _chart(validation, bands),
+        "val_perplexity": _chart(ppl, ppl_bands),
         "train_loss": _chart(training),
     }
 

@@ -16,7 +16,12 @@ from django.db.models import Count, F, Max, OuterRef, Q, QuerySet, Subquery
 from django.db.models.functions import Coalesce
 from django.utils import timezone
 
-from dipaco.evaluate import perplexity  # one helper, so every page shows the same number
+from dipaco.evaluate import (
+    perplexity,  # one helper, so every page shows the same number
+    rotation_every,
+    sample_size,
+    window_count,
+)
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.reports import activity
@@ -150,10 +155,26 @@ def best_val_loss(run: Run) -> tuple[float | None, int | None]:
     return point if point is not None else (None, None)
 
 
+def evaluation_every(run: Run) -> int:
+    """K: the run's evaluation scores each DiPaCo path every K rounds (1: every round;
+    dipaco.evaluate.eval_plan rotates the paths when the budget cannot hold them all)."""
+    config = run.run_config
+    tokens = list(
+        run.paths.filter(phase=PATHS).order_by("index").values_list("val_tokens", flat=True)
+    )
+    minimum = config.eval.min_path_windows
+    return rotation_every(tokens, config.model.seq_len, sample_size(config), minimum)
+
+
 def routed_val_losses(run: Run) -> dict[int, float]:
     """Round → routed validation loss: the recorded ``routed_val_loss`` where there is one,
     else the mean of that round's path losses weighted by each path's validation tokens
-    (every path alike when no token counts are known)."""
+    (every path alike when no token counts are known).
+
+    A rotated evaluation (`evaluation_every` > 1) scores a group of the paths a round: its
+    routed mean at round t weighs each path's latest loss at or before t, from the round by
+    which every path with validation text has one (the mean of one group would jump from
+    group to group)."""
     recorded = dict(
         MetricPoint.objects.filter(run=run, name=ROUTED_VAL_LOSS, round__isnull=False)
         .order_by("round", "pk")
@@ -171,7 +192,36 @@ def routed_val_losses(run: Run) -> dict[int, float]:
         sums[t][0] += weight * value
         sums[t][1] += weight
     derived = {t: s / w for t, (s, w) in sums.items() if w > 0}
+    if evaluation_every(run) > 1:
+        for t, carried in _carried_forward(run, weights, uniform).items():
+            if carried is None:
+                derived.pop(t, None)  # one group's mean: not the routed model's
+            else:
+                derived[t] = carried
     return dict(sorted({**derived, **recorded}.items()))
+
+
+def _carried_forward(run: Run, weights: dict[int, int], uniform: bool) -> dict[int, float | None]:
+    """Per DiPaCo round, the weighted mean of every path's latest loss (routed_val_losses);
+    None before every path with a window has a loss."""
+    seq_len = run.run_config.model.seq_len
+    paths = run.paths.filter(phase=PATHS)
+    scored = {pk for pk, n in paths.values_list("pk", "val_tokens") if window_count(n, seq_len)}
+    points = MetricPoint.objects.filter(run=run, name=VAL_LOSS, path__in=paths, round__isnull=False)
+    by_round: dict[int, dict[int, float]] = defaultdict(dict)
+    for t, path_id, value in points.order_by("round", "pk").values_list(
+        "round", "path_id", "value"
+    ):
+        by_round[t][path_id] = value
+    latest: dict[int, float] = {}
+    carried: dict[int, float | None] = {}
+    for t in sorted(by_round):
+        latest.update(by_round[t])
+        weight = {p: 1.0 if uniform else float(weights.get(p, 0)) for p in latest}
+        total = sum(weight.values())
+        whole = scored <= latest.keys() and total > 0
+        carried[t] = sum(weight[p] * v for p, v in latest.items()) / total if whole else None
+    return carried
 
 
 def latest_routed_val_loss(run: Run) -> tuple[int, float] | None:

@@ -6,13 +6,24 @@ validation shard: the run's validation sample (dipaco.evaluate.sample_plan over 
 path's validation tokens, seeded with the run's seed), the same windows every round and the
 ones the demo and `dipaco simulate` score, so the curve moves only when the weights do and
 agrees with every summary of the same weights. It records
-``val_loss`` (mean next-token cross-entropy over every scored token) and
-``val_perplexity`` as MetricPoints of round t.
+``val_loss`` (mean next-token cross-entropy over every scored token), ``val_loss_se`` (the
+standard error of that mean: the windows' losses' standard deviation over sqrt(windows),
+the band around the run page's curves) and ``val_perplexity`` as MetricPoints of round t.
 
-Early stopping: a path whose loss has not improved on its best for ``patience`` rounds
-is marked finished, and the scheduler leases it no more units. Each path's points and
-decision are written in one transaction; a path that already has its round-t point is
-skipped, so evaluating a round twice changes nothing.
+Rotation: when ``eval.flops`` cannot buy ``eval.min_path_windows`` windows for every path
+(a 16x16 grid at the 150M preset), round t scores only its group of the paths
+(dipaco.evaluate.eval_plan: `run_plan`), each on its own fixed windows, every path every K
+rounds; a small grid has one group and scores every path every round, as before.
+
+Early stopping: a path whose loss has not improved on its best for ``patience`` of its
+evaluations is marked finished, and the scheduler leases it no more units. Unrotated, a
+path is evaluated every round, and that is ``patience`` rounds (t - best_round, as it
+always was). Rotated, a path's curve has a point every K rounds; its patience counts those
+points (its evaluations after its best one, this one included), not rounds, so a path is
+judged on as many fresh looks at its loss whatever K is, and stops at most
+K x patience rounds after its best. Each path's points and decision are written in one
+transaction; a path that already has its round-t point is skipped, so evaluating a round
+twice changes nothing.
 """
 
 from __future__ import annotations
@@ -30,7 +41,16 @@ from torch import Tensor
 from dipaco.config import EvalConfig, RunConfig
 from dipaco.data.ranged import store_shard
 from dipaco.data.shards import ShardIndex
-from dipaco.evaluate import mean_loss, perplexity, sample_plan, sample_shard, sample_size
+from dipaco.evaluate import (
+    EvalPlan,
+    eval_plan,
+    perplexity,
+    sample_plan,
+    sample_shard,
+    sample_size,
+    standard_error,
+    window_losses,
+)
 from dipaco.model import build_model
 from dipaco.modular import assemble_path_state, module_spec
 from dipaco.modules_file import read_module
@@ -48,6 +68,7 @@ logger = logging.getLogger(__name__)
 LOSS = "val_loss"
 START_LOSS = "start_val_loss"  # phase 2's paths before its first round (evaluate_start)
 PERPLEXITY = "val_perplexity"
+STDERR = "val_loss_se"  # the standard error of a val_loss point (the run page's band)
 
 
 def eval_settings(config: RunConfig) -> EvalConfig:
@@ -61,6 +82,7 @@ class PathEval:
     loss: float
     tokens: int
     finished: bool  # early-stopped by this evaluation
+    stderr: float | None = None  # of the mean window loss; None under two windows
 
     @property
     def perplexity(self) -> float | None:
@@ -75,9 +97,10 @@ def evaluate_run(
     phase, config = round_config(run.run_config, t)
     settings = eval_settings(config)
     patience = settings.patience if patience is None else patience
+    scored, plan = _score(run, t, phase, config, LOSS, store)
     return [
-        _record(run, path, t, loss, tokens, patience, settings.min_delta)
-        for path, loss, tokens in _score(run, t, phase, config, LOSS, store)
+        _record(run, path, t, loss, tokens, se, patience, settings.min_delta, plan.rotated)
+        for path, loss, tokens, se in scored
     ]
 
 
@@ -85,15 +108,17 @@ def evaluate_start(run: Run, *, store: BlobStore | None = None) -> list[PathEval
     """Phase 2's starting point after a phase 1: every path at its version 0 (the phase-1
     model's layers) on the run's validation sample, recorded as ``start_val_loss`` at the
     round before phase 2's first (phase 1's last), so the dashboard's curves start where
-    phase 2 does; not an early-stopping point. A run without phase 1 has round 0's."""
+    phase 2 does; not an early-stopping point. A run without phase 1 has round 0's.
+    Rotated, only that round's group is scored (the budget is a round's)."""
     first = first_round(run.run_config, PATHS)
     if first == 0:
         return []
     config = run.run_config
     results = []
-    for path, loss, tokens in _score(run, first - 1, PATHS, config, START_LOSS, store):
+    scored, _ = _score(run, first - 1, PATHS, config, START_LOSS, store)
+    for path, loss, tokens, se in scored:
         record_metric(run, START_LOSS, loss, path=path, round=first - 1)
-        results.append(PathEval(path.index, loss, tokens, False))
+        results.append(PathEval(path.index, loss, tokens, False, se))
     return results
 
 
@@ -110,26 +135,38 @@ def run_sample(config: RunConfig, val_tokens: list[int]) -> list[list[int]]:
     return sample_plan(val_tokens, config.model.seq_len, sample_size(config), config.seed)
 
 
+def run_plan(config: RunConfig, val_tokens: list[int]) -> EvalPlan:
+    """The run's evaluation plan: which paths (in index order) each round scores, on which
+    windows (dipaco.evaluate.eval_plan); `run_sample`'s windows when every path fits."""
+    minimum = eval_settings(config).min_path_windows
+    return eval_plan(val_tokens, config.model.seq_len, sample_size(config), minimum, config.seed)
+
+
+Scored = tuple[RunPath, float, int, float | None]  # path, loss, tokens scored, standard error
+
+
 def _score(
     run: Run, t: int, phase: int, config: RunConfig, name: str, store: BlobStore | None
-) -> list[tuple[RunPath, float, int]]:
-    """(path, loss, tokens scored) of every active path of `phase` without a `name` point
-    of round t, assembled from its modules as they stand after round t."""
+) -> tuple[list[Scored], EvalPlan]:
+    """(path, loss, tokens scored, standard error) of every active path of `phase` that
+    round t's plan scores and that has no `name` point of round t, assembled from its
+    modules as they stand after round t; and the plan."""
     done = set(
         MetricPoint.objects.filter(run=run, round=t, name=name).values_list("path_id", flat=True)
     )
     every = list(run.paths.filter(phase=phase).order_by("index"))
     seq_len = config.model.seq_len
     if not any(p.val_tokens > seq_len for p in every):
-        return []  # no window to score (a run without validation text)
+        return [], EvalPlan([[] for _ in every], [list(range(len(every)))])  # no window
     # The plan is over every path of the phase, stopped ones too, so it never moves.
-    rows = run_sample(config, [p.val_tokens for p in every])
-    plan = {p.index: row for p, row in zip(every, rows, strict=True)}
+    run_eval = run_plan(config, [p.val_tokens for p in every])
+    plan = {p.index: row for p, row in zip(every, run_eval.windows, strict=True)}
+    due = {every[i].index for i in run_eval.paths_at(t)}
     paths = [
-        p for p in every if p.state == RunPath.State.ACTIVE and p.pk not in done and plan[p.index]
+        p for p in every if p.state == RunPath.State.ACTIVE and p.pk not in done and p.index in due
     ]
     if not paths:
-        return []
+        return [], run_eval
     store = store or get_blob_store()
     work = Path(tempfile.mkdtemp(prefix=f"evaluate-{run.pk}-{t}-", dir=work_root()))
     scores = []
@@ -145,7 +182,8 @@ def _score(
             val = store_shard(store, keys.data_key(run.pk, path.index, "val", phase), index.dtype)
             windows = sample_shard(val, seq_len, plan[path.index])
             with autocast(device):
-                loss = mean_loss(model, windows, eval_settings(config).batch_size)
+                losses = window_losses(model, windows, eval_settings(config).batch_size)
+            loss = float(losses.mean())
             if not math.isfinite(loss):
                 logger.warning(
                     "run %s path %d: validation loss is %s after round %d",
@@ -155,10 +193,10 @@ def _score(
                     t,
                 )
                 continue
-            scores.append((path, loss, windows[:, 1:].numel()))
+            scores.append((path, loss, windows[:, 1:].numel(), standard_error(losses)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return scores
+    return scores, run_eval
 
 
 def _record(
@@ -167,22 +205,27 @@ def _record(
     t: int,
     loss: float,
     tokens: int,
+    stderr: float | None,
     patience: int | None,
     min_delta: float,
+    rotated: bool = False,
 ) -> PathEval:
-    """The path's points and its early-stopping decision, in one transaction."""
+    """The path's points and its early-stopping decision, in one transaction: `patience`
+    counts rounds since the best unrotated, the path's evaluations since it rotated."""
     with transaction.atomic():
         path = RunPath.objects.select_for_update().get(pk=path.pk)
         if MetricPoint.objects.filter(path=path, round=t, name=LOSS).exists():
-            return PathEval(path.index, loss, tokens, False)  # a concurrent evaluation won
+            return PathEval(path.index, loss, tokens, False, stderr)  # a concurrent one won
         record_metric(run, LOSS, loss, path=path, round=t)
+        if stderr is not None:
+            record_metric(run, STDERR, stderr, path=path, round=t)
         ppl = perplexity(loss)
         if ppl is not None:  # a NaN loss has none
             record_metric(run, PERPLEXITY, ppl, path=path, round=t)
         improved = path.best_val_loss is None or loss < path.best_val_loss - min_delta
         if improved:
             path.best_val_loss, path.best_round = loss, t
-        stale = t - path.best_round if path.best_round is not None else 0
+        stale = _stale(path, t, rotated)
         finished = patience is not None and not improved and stale >= patience
         if finished:
             path.state = RunPath.State.FINISHED
@@ -190,13 +233,26 @@ def _record(
     if finished:
         best = f"{path.best_val_loss:.4f} (round {path.best_round})"
         logger.info(
-            "run %s path %d stops early: %d rounds without beating %s",
+            "run %s path %d stops early: %d %s without beating %s",
             run.pk,
             path.index,
             stale,
+            "evaluations" if rotated else "rounds",
             best,
         )
-    return PathEval(path.index, loss, tokens, finished)
+    return PathEval(path.index, loss, tokens, finished, stderr)
+
+
+def _stale(path: RunPath, t: int, rotated: bool) -> int:
+    """How long the path has gone without beating its best, as of round t's point: rounds
+    unrotated (every round evaluates it), its evaluations after its best one rotated."""
+    if path.best_round is None:
+        return 0
+    if not rotated:
+        return t - path.best_round
+    return MetricPoint.objects.filter(
+        path=path, name=LOSS, round__gt=path.best_round, round__lte=t
+    ).count()
 
 
 class _ModuleCache:

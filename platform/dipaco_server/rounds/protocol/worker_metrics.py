@@ -27,7 +27,7 @@ from dipaco_server.workers.speed import MAX_TOKENS_PER_SECOND
 __all__ = ["SERVER_SERIES", "WorkerMetricsIn", "worker_metrics"]
 
 # Written by the server's evaluation alone (runs.evaluate, web.dipaco_web.queries).
-SERVER_SERIES = frozenset({"val_loss", "val_perplexity", "routed_val_loss"})
+SERVER_SERIES = frozenset({"val_loss", "val_loss_se", "val_perplexity", "routed_val_loss"})
 MAX_SECONDS = 7 * 86_400.0  # a unit is sized to at most a day (units.target_seconds)
 
 
