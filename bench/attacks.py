@@ -389,7 +389,7 @@ class Run:
         cfg = self.cfg
         if not (cfg.outer.verify and cfg.outer.score):
             return
-        cache: dict[int, tuple[float, float]] = {}
+        cache: dict[int, rules.BaseLosses] = {}
         k = score_windows(cfg)
         heldout = {}
         for p in {u.path for u in units}:
@@ -411,7 +411,8 @@ class Run:
             train_w = self.scored_rows(t, u.path)
             u.score = rules.score_delta(cfg, u.path, self.model, base, deltas, train_w,
                                          heldout[u.path], before=cache.get(u.path))  # fmt: skip
-            cache[u.path] = (u.score.train_before, u.score.heldout_before)
+            if u.score.base is not None:
+                cache[u.path] = u.score.base
             self.verify_seconds += time.process_time() - clock
 
     def scored_rows(self, t: int, p: int) -> Tensor:
@@ -488,7 +489,7 @@ class Run:
                 s = e.unit.score
                 print(f"  {module_id:6s} w{e.unit.worker} p{e.unit.path}"
                       f"{' check' if e.unit.check_of is not None else ''} norm {e.norm:.3g} "
-                      f"cos {e.cosine} gain {s.gain if s else None} {e.reason[:60]}",
+                      f"cos {e.cosine} gain {s.relative_gain if s else None} {e.reason[:60]}",
                       file=sys.stderr)  # fmt: skip
         if not chosen:
             return

@@ -247,11 +247,13 @@ def test_a_units_score_is_computed_by_its_first_module_step_and_reused_by_the_ot
     for lease in leases:  # the unit's whole Δ, relative to its base versions (0)
         assert lease.score is not None and lease.score["base"] == [["0.0", 0], ["shared", 0]]
         assert lease.score["train_after"] < lease.score["train_before"]
+        assert lease.score["train_gain"] > 0  # the gain a majority of its windows reach
     # The shared module's step reads the recorded score instead of scoring again: a recorded
     # score without a gain makes it refuse honest-b's Δ there, where scoring would accept it.
     lease_b = leases.get(worker=honest_b)
     assert lease_b.score is not None
-    failing = {**lease_b.score, "train_after": lease_b.score["train_before"] + 1.0}
+    failing = {**lease_b.score, "train_after": lease_b.score["train_before"] + 1.0,
+               "train_gain": -0.1}  # fmt: skip
     Lease.objects.filter(pk=lease_b.pk).update(score=failing)
     step_module(run.pk, "shared", 0)
 

@@ -16,6 +16,11 @@ A unit's replicas (the same round, path and first position) get the same draw, s
 scores stay comparable. The draws come back sorted: the rows are read in ranged reads in
 file order (`dipaco.data.rows.StoreRows.read_at`).
 
+What the drawn training windows must show is `majority_gain`: the relative loss gain that
+a strict majority of them reach, not their mean. A worker that trains on a few of its
+windows only (memorising them) has one or two of them in a draw of 8; their gains carried
+a mean past the bar, they cannot carry a majority.
+
 `first_windows` and `last_windows` are the rule before this one (the unit's first windows
 and the split's last ones), kept for bench/attacks.py to show what it let through.
 Pure numpy and the standard library: the server, the simulator and the bench share it.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -35,6 +41,7 @@ __all__ = [
     "heldout_seed",
     "heldout_windows",
     "last_windows",
+    "majority_gain",
     "unit_seed",
     "unit_windows_scored",
 ]
@@ -111,3 +118,22 @@ def first_windows(first: int, count: int) -> np.ndarray:
 def last_windows(total: int, count: int) -> np.ndarray:
     """The old held-out draw: the split's last `count` windows, the same every round."""
     return np.arange(max(0, total - count), total, dtype=np.int64)
+
+
+def majority_gain(before: Sequence[float], after: Sequence[float]) -> float:
+    """The relative loss gain that a strict majority of the windows reach: each window's
+    (before - after) / before, and of those the (floor(n / 2) + 1)-th largest (the lower
+    median; for 1 window its own, for 2 the smaller). Fewer than half of the windows
+    cannot carry it however much they gain: a Δ that memorised k of the drawn windows
+    shows their gain only when k > n / 2. 0.0 without windows.
+
+    `before`, `after`: each window's mean loss with the path's base and with the Δ applied.
+    """
+    if len(before) != len(after):
+        raise ValueError(f"{len(before)} losses before and {len(after)} after")
+    gains = sorted(
+        (b - a) / b if b > 0 else 0.0 for b, a in zip(before, after, strict=True)
+    )  # ascending
+    if not gains:
+        return 0.0
+    return float(gains[(len(gains) - 1) // 2])

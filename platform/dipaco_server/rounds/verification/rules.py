@@ -15,10 +15,12 @@ the Δ does, never only with the round's other Δs:
   accepted outer gradients; an honest Δ points roughly along it. A Δ whose cosine with it
   is below ``min_momentum_cosine`` is refused (a sign flip scores about -1).
 - **proof of useful work** (`score_delta`): the unit's Δ (every module it trained)
-  applied alone to its path's base weights must lower the loss on windows of the unit's
-  own training data by more than ``score_min_gain`` (a fraction of it, times the fraction of
-  a unit's H steps the Δ trained: a lease cut to the round's deadline trains a step or two)
-  and must not raise the loss on held-out windows by more than
+  applied alone to its path's base weights must lower the loss on most of the drawn
+  windows of the unit's own training data by more than ``score_min_gain`` (a fraction of
+  each window's loss, times the fraction of a unit's H steps the Δ trained: a lease cut to
+  the round's deadline trains a step or two): the gain a strict majority of the windows
+  reach (dipaco.data.scored.majority_gain), not their mean, which one or two memorised
+  windows carried; and it must not raise the mean loss on held-out windows by more than
   ``score_heldout_tolerance`` (relative). Two forward
   passes per contribution, on ``score_windows`` windows each, plus one pair per
   (path, base) shared by its units. A module's part of a Δ alone is no measure: measured
@@ -36,12 +38,13 @@ import math
 import statistics
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch import Tensor, nn
 
 from dipaco.config import OuterConfig, RunConfig
-from dipaco.evaluate import mean_loss
+from dipaco.data.scored import majority_gain
+from dipaco.evaluate import mean_loss, window_losses
 from dipaco.modular import assemble_path_state
 
 Tensors = Mapping[str, Tensor]
@@ -62,18 +65,48 @@ AGREED_NO_GAIN = "agreed_no_gain"
 
 
 @dataclass(frozen=True)
+class BaseLosses:
+    """A path's losses with its base modules: each scored training window's, and the mean
+    over the held-out windows (what `score_delta` reuses for the path's further units)."""
+
+    train: tuple[float, ...]
+    heldout: float
+
+    @property
+    def train_mean(self) -> float:
+        return statistics.fmean(self.train) if self.train else math.nan
+
+
+@dataclass(frozen=True)
 class Score:
-    """Losses of the Δ's path on a small batch, before and after the Δ is applied alone."""
+    """Losses of the Δ's path on a small batch, before and after the Δ is applied alone
+    (means over the windows), and `train_gain`: the relative gain a strict majority of the
+    training windows reach (dipaco.data.scored.majority_gain; None in a score recorded
+    before it was kept, then the relative gain of the means)."""
 
     train_before: float
     train_after: float
     heldout_before: float
     heldout_after: float
     seconds: float = 0.0
+    train_gain: float | None = None
+    # The base losses it was measured against, for the path's next unit (not recorded).
+    base: BaseLosses | None = field(default=None, compare=False, repr=False)
 
     @property
     def gain(self) -> float:
+        """The mean loss drop on the training windows (absolute)."""
         return self.train_before - self.train_after
+
+    @property
+    def relative_gain(self) -> float:
+        """What the checks and the credit read: the relative loss gain a strict majority of
+        the unit's scored training windows reach."""
+        if self.train_gain is not None:
+            return self.train_gain
+        if not self.train_before > 0:
+            return 0.0
+        return self.gain / self.train_before
 
     @classmethod
     def from_dict(cls, row: object) -> Score | None:
@@ -81,20 +114,27 @@ class Score:
         if not isinstance(row, dict):
             return None
         try:
-            values = [float(row[k]) for k in ("train_before", "train_after")]
-            values += [float(row[k]) for k in ("heldout_before", "heldout_after")]
+            a, b, c, d = (
+                float(row[k]) for k in ("train_before", "train_after", "heldout_before",
+                                        "heldout_after")
+            )  # fmt: skip
+            gain = row.get("train_gain")
+            train_gain = None if gain is None else float(gain)
         except (KeyError, TypeError, ValueError):
             return None
-        return cls(*values)
+        return cls(a, b, c, d, train_gain=train_gain)
 
     def as_dict(self) -> dict[str, float]:
-        return {
+        row = {
             "train_before": self.train_before,
             "train_after": self.train_after,
             "heldout_before": self.heldout_before,
             "heldout_after": self.heldout_after,
             "seconds": self.seconds,
         }
+        if self.train_gain is not None:
+            row["train_gain"] = self.train_gain
+        return row
 
 
 @dataclass(frozen=True)
@@ -180,12 +220,14 @@ def _refusal(c: Candidate, reference: float | None, cfg: OuterConfig, seen: set[
     if c.score is not None:
         s = c.score
         work = min(1.0, max(c.work, 0.0))
-        if not s.gain > cfg.score_min_gain * work * s.train_before:
+        if not s.relative_gain > cfg.score_min_gain * work:
             of_steps = "" if work >= 1.0 else f" x {work:.3g} of the unit's steps it trained"
             return (
-                f"{NO_GAIN}: applied alone it moves the loss on its unit's training windows "
-                f"from {s.train_before:.4f} to {s.train_after:.4f}; it must lower it by more "
-                f"than {cfg.score_min_gain:.1%}{of_steps} (outer.score_min_gain)"
+                f"{NO_GAIN}: applied alone it moves the loss on its unit's scored training "
+                f"windows from {s.train_before:.4f} to {s.train_after:.4f} (mean), and a "
+                f"majority of them by {s.relative_gain:.2%} or more; it must lower the loss "
+                f"of most of them by more than {cfg.score_min_gain:.1%}{of_steps} "
+                "(outer.score_min_gain)"
             )
         limit = s.heldout_before * (1 + cfg.score_heldout_tolerance)
         if not s.heldout_after <= limit:
@@ -267,7 +309,8 @@ def settle_replicas(
     bytes, and so does a colluder copying its partner, so identity is neither agreement
     nor disagreement. A disagreement rejects only the copy the evidence finds worse: the
     smaller proof-of-useful-work gain on the unit's own windows (both copies start from the
-    same base on the same windows, so their gains compare directly; ties go to the lower
+    same base on the same windows, so their gains compare directly: the gain a majority of
+    the windows reach, as the proof of useful work reads it; ties go to the lower
     held-out loss), else the lower cosine with the module's outer momentum. Rejecting both
     let one dishonest copy take an honest original down with it. `repeated`: why the pair
     disagrees however close it is (rounds.verification.persistence: one copy differs from
@@ -285,16 +328,17 @@ def settle_replicas(
         return ReplicaOutcome("agree")
     why = why or repeated
     if a.score is not None and b.score is not None:
-        key_a = (a.score.gain, -a.score.heldout_after)
-        key_b = (b.score.gain, -b.score.heldout_after)
+        key_a = (a.score.relative_gain, -a.score.heldout_after)
+        key_b = (b.score.relative_gain, -b.score.heldout_after)
         if key_a != key_b:
             loser = 0 if key_a < key_b else 1
             worse, better = (a.score, b.score) if loser == 0 else (b.score, a.score)
             return ReplicaOutcome(
                 "disagree",
                 loser,
-                f"{why}; applied alone it lowers its unit's training loss by "
-                f"{worse.gain:.4f}, the other copy by {better.gain:.4f}",
+                f"{why}; applied alone it lowers the loss of most of its unit's scored "
+                f"windows by {worse.relative_gain:.2%}, the other copy by "
+                f"{better.relative_gain:.2%}",
             )
     if a.cosine is not None and b.cosine is not None and a.cosine != b.cosine:
         loser = 0 if a.cosine < b.cosine else 1
@@ -335,7 +379,8 @@ def held_no_gain(
     if not all(r.startswith(f"{NO_GAIN}:") for r in reasons):
         return ""
     for s in scores:
-        if s is None or not s.train_after <= s.train_before * (1 + cfg.score_min_gain):
+        # Neither raised the loss of most of the windows by more than score_min_gain.
+        if s is None or not s.relative_gain >= -cfg.score_min_gain:
             return ""
     if not identical and not replicas_agree(original, check, cfg)[0]:
         return ""
@@ -373,9 +418,7 @@ def useful_fraction(
 
 
 def _gain_rate(score: Score, work: float) -> float:
-    if not score.train_before > 0:
-        return 0.0
-    return score.gain / score.train_before / max(work, 1e-6)
+    return score.relative_gain / max(work, 1e-6)
 
 
 # Before a module's first step it has no history and no momentum, and a sign flip of a
@@ -444,6 +487,10 @@ def _loss(model: nn.Module, windows: Tensor) -> float:
     return mean_loss(model, windows)  # no_grad, eval mode
 
 
+def _window_losses(model: nn.Module, windows: Tensor) -> tuple[float, ...]:
+    return tuple(float(x) for x in window_losses(model, windows))  # no_grad, eval mode
+
+
 def score_delta(
     config: RunConfig,
     p: int,
@@ -452,14 +499,16 @@ def score_delta(
     deltas: Mapping[str, Tensors],
     train: Tensor,
     heldout: Tensor,
-    before: tuple[float, float] | None = None,
+    before: BaseLosses | None = None,
 ) -> Score:
     """Path p's losses on `train` and `heldout` windows with its base `modules`, then with
     the unit's Δ applied alone: each module in `deltas` replaced by base - Δ, as an outer
     step of lr 1 with that unit as its only contribution would. `deltas` holds every
     module the unit trained (its Δ is one thing: a level module's part alone is no
     measure of the work). `before` reuses the base losses of an earlier unit of the same
-    path and base (`base_losses`), so each further unit costs two forward passes.
+    path, base and windows (`base_losses`, or that unit's `Score.base`), so each further
+    unit costs two forward passes. Each training window's loss is kept: `Score.train_gain`
+    is the gain a majority of them reach (dipaco.data.scored.majority_gain).
     """
     clock = time.perf_counter()
     if before is None:
@@ -469,8 +518,16 @@ def score_delta(
         base = modules[module_id]
         shifted[module_id] = {n: base[n] - delta[n].to(base[n].dtype) for n in base}
     model.load_state_dict(assemble_path_state(config, p, shifted))
-    after = (_loss(model, train), _loss(model, heldout))
-    return Score(before[0], after[0], before[1], after[1], time.perf_counter() - clock)
+    train_after, heldout_after = _window_losses(model, train), _loss(model, heldout)
+    return Score(
+        before.train_mean,
+        statistics.fmean(train_after) if train_after else math.nan,
+        before.heldout,
+        heldout_after,
+        time.perf_counter() - clock,
+        train_gain=majority_gain(before.train, train_after),
+        base=before,
+    )
 
 
 def base_losses(
@@ -480,7 +537,7 @@ def base_losses(
     modules: Mapping[str, Tensors],
     train: Tensor,
     heldout: Tensor,
-) -> tuple[float, float]:
-    """Path p's (train, held-out) losses with its base modules."""
+) -> BaseLosses:
+    """Path p's losses with its base modules: each training window's, the held-out mean."""
     model.load_state_dict(assemble_path_state(config, p, modules))
-    return _loss(model, train), _loss(model, heldout)
+    return BaseLosses(_window_losses(model, train), _loss(model, heldout))

@@ -95,7 +95,7 @@ class Scorer:
         # not again for each of its Δs (each attempt downloaded the path's modules anew).
         self.unloadable: dict[_PathKey, Exception] = {}
         # (path key, the unit's position, the windows its lease covered) -> its base losses
-        self.base: dict[tuple[_PathKey, int, int | None], tuple[float, float]] = {}
+        self.base: dict[tuple[_PathKey, int, int | None], rules.BaseLosses] = {}
         self.train: dict[int, Any] = {}
         self.dtype: Any = None
         self.seconds = 0.0
@@ -146,7 +146,8 @@ class Scorer:
             return None
         finally:
             self.seconds += time.process_time() - clock
-        self.base[(key, upload.position, covered)] = (score.train_before, score.heldout_before)
+        if score.base is not None:
+            self.base[(key, upload.position, covered)] = score.base
         self.scored += 1
         # A concurrent step of another module may have recorded it meanwhile: same inputs,
         # same score; the first write stays.
