@@ -25,6 +25,7 @@ it what it lacks and no more.
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable
 from datetime import timedelta
@@ -63,6 +64,46 @@ def partners_needed_now(worker_id: int) -> int:
     return max(1, min(needed, can_get_work().exclude(pk=worker_id).count()))
 
 
+# A newcomer that handed in work in this many rounds of its probation needs
+# probation.LATE_PARTNERS distinct partners (both roles, and a conclusive agreement where
+# one is asked for, still), not DIPACO_PROBATION_PARTNERS (`late`, workers.trust._save_standing): live, with six honest
+# workers, one agreed with 2 of its 3 partners and never met a third in 8 rounds (every unit
+# of it replicated, 61,918 tokens of its credit held at the end; issue 61). Four newcomers
+# meet all their partners in two rounds (tests/test_probation.py), so the rule changes
+# nothing where the grid allows. Two partners still mean two workers that trained the same
+# units to the same Δ within AGREE_COSINE (rules), and audits go on after probation
+# (audit_rate, audit_overdue) with doubt (workers.trust.doubt) behind them.
+PROBATION_ROUNDS = 2
+_LOST = "replica_disagrees:"  # rounds.verification.rules.REPLICA (torch: not on the URL path)
+
+
+def late(worker_id: int) -> bool:
+    """Whether the worker has been on probation for PROBATION_ROUNDS rounds of work."""
+    return rounds_on_probation(worker_id) >= PROBATION_ROUNDS
+
+
+def rounds_on_probation(worker_id: int) -> int:
+    """The rounds in which the worker, on probation, completed a unit since its last lost
+    comparison (its probation started over then, workers.trust.restart_probation), or since
+    it came; 0 for a worker not on probation."""
+    if not Worker.objects.filter(pk=worker_id, probation=True).exists():
+        return 0
+    lost = (
+        Contribution.objects.filter(
+            lease__worker_id=worker_id,
+            status=Contribution.Status.REJECTED,
+            reason__startswith=_LOST,
+        )
+        .order_by("-unit__round_id")
+        .values_list("unit__round_id", flat=True)
+        .first()
+    )
+    done = Lease.objects.filter(worker_id=worker_id, state=Lease.State.COMPLETED)
+    if lost is not None:
+        done = done.filter(unit__round_id__gt=lost)
+    return done.values("unit__round_id").distinct().count()
+
+
 def can_get_work() -> QuerySet[Worker]:
     """Workers heard from within a lease timeout, not revoked, trusted enough to get work."""
     since = timezone.now() - timedelta(seconds=current_policy().lease_timeout_s)
@@ -87,18 +128,27 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     newcomer, needed = worker.probation and not worker.operator_trusted, 0
     if newcomer:
         needed = partners_needed_now(worker.pk)
-        if trust.end_probation_if_due(worker.pk, needed, judge_for(needed)):
+        if trust.end_probation_if_due(worker.pk, needed, judge_for(needed), late(worker.pk)):
             worker.refresh_from_db()
             newcomer = False
     why = "probation" if worker.probation else "audit"
-    if newcomer and worker.trust >= 1.0:
+    if worker.doubted and not newcomer:
+        why = "doubt"  # every unit until it agrees conclusively (workers.trust.doubt)
+    elif newcomer and worker.trust >= 1.0:
         # partners and roles enough, but no agreement judged yet: another comparison
         unjudged = awaits_judgement(worker, needed)
         if not (probation.replicate_newcomer(evidence(worker), needed) or unjudged):
             return None
-    elif not trust.should_replicate(worker):
-        if newcomer or not newcomer_lacks_a_check(unit.round_id):
+    elif newcomer:
+        if not trust.should_replicate(worker):
             return None
+    elif (rate := audit_rate(worker, unit)) > 0 and (
+        _rng.random() < rate or audit_overdue(worker, unit, rate)
+    ):
+        pass  # an audit: drawn at its rate, or overdue
+    elif not newcomer_lacks_a_check(unit.round_id):
+        return None
+    else:
         why = "a newcomer's check role"
     copy, created = WorkUnit.objects.get_or_create(
         round_id=unit.round_id,
@@ -117,6 +167,71 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
             unit.pk, worker.pk, copy.pk, why,
         )  # fmt: skip
     return copy if created else None
+
+
+# How much faster an established worker is audited per share of a round's updates it
+# supplies (`audit_rate`): a worker supplying a quarter of them is audited at twice the base.
+SHARE_AUDIT = 4.0
+# An established worker's audits come at most this many times its mean interval apart
+# (`audit_overdue`).
+AUDIT_SPREAD = 2.0
+
+
+def audit_rate(worker: Worker, unit: WorkUnit) -> float:
+    """The share of an established worker's units replicated now: its trust's rate
+    (workers.trust.replication_rate: DIPACO_REPLICATION_RATE at trust 1, rising as trust
+    falls), grown with the share of the run's last closed round's originals it supplied
+    (x (1 + SHARE_AUDIT x share), at most 1). What an unaudited worker can do to a module
+    grows with the share of its updates it supplies: among 10,000 workers a sleeper moves
+    nothing, among 4 it is a quarter of every step (live: a sleeper biasing a quarter of a
+    2x2 run's units, audited at 0.05, was credited all it claimed, issue 61). 0 when audits
+    are off (the rate 0)."""
+    base = trust.replication_rate(worker)
+    if base <= 0 or base >= 1:
+        return base
+    return min(1.0, base * (1 + SHARE_AUDIT * round_share(worker.pk, unit.round_id)))
+
+
+def round_share(worker_id: int, round_id: int) -> float:
+    """The worker's share of the originals completed in the last closed round of the run
+    that round `round_id` belongs to (each module's updates come from its paths' units:
+    the round's share stands for the modules'); 0 before any round closed."""
+    run_id = Round.objects.filter(pk=round_id).values_list("run_id", flat=True).first()
+    last = (
+        Round.objects.filter(run_id=run_id, state=Round.State.CLOSED)
+        .order_by("-t")
+        .values_list("pk", flat=True)
+        .first()
+    )
+    if last is None:
+        return 0.0
+    done = Lease.objects.filter(
+        unit__round_id=last, unit__replica__lt=CHECK_OFFSET, state=Lease.State.COMPLETED
+    )
+    total = done.count()
+    return done.filter(worker_id=worker_id).count() / total if total else 0.0
+
+
+def audit_overdue(worker: Worker, unit: WorkUnit, rate: float) -> bool:
+    """Whether none of the worker's last ceil(AUDIT_SPREAD / rate) - 1 originals before
+    `unit` was replicated: audits are drawn at random (the worker cannot foresee which unit
+    is checked), and this bounds the gap between two, so a worker that turns hostile after
+    probation (a sleeper) is compared within that many units of turning, whatever the
+    draws. Probation replicates every unit, so the count starts when it ends."""
+    gap = math.ceil(AUDIT_SPREAD / rate) - 1
+    copy = WorkUnit.objects.filter(
+        round_id=OuterRef("unit__round_id"),
+        path_id=OuterRef("unit__path_id"),
+        replica=CHECK_OFFSET + OuterRef("unit__replica"),
+    )
+    last = list(
+        Lease.objects.filter(worker=worker, unit__replica__lt=CHECK_OFFSET)
+        .exclude(unit=unit)
+        .annotate(checked=Exists(copy))
+        .order_by("-pk")
+        .values_list("checked", flat=True)[:gap]
+    )
+    return len(last) >= gap and not any(last)
 
 
 def newcomer_lacks_a_check(round_id: int) -> bool:
