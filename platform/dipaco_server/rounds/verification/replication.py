@@ -339,14 +339,18 @@ def replicated(unit: WorkUnit) -> bool:
 
 def not_own_check(worker: Worker) -> Q:
     """Excludes the check copies of units `worker` holds or held (same round, path and
-    windows): two workers, never one twice."""
+    windows), and the originals of check copies it holds or held (`copy_for_check_role`
+    queues a copy before its original is granted): two workers, never one twice."""
     own = Lease.objects.filter(
         worker=worker,
         unit__round_id=OuterRef("round_id"),
         unit__path_id=OuterRef("path_id"),
         unit__data_position=OuterRef("data_position"),
     )
-    return ~(Q(replica__gte=CHECK_OFFSET) & Q(Exists(own)))
+    own_copy = own.filter(unit__replica__gte=CHECK_OFFSET)
+    return ~(Q(replica__gte=CHECK_OFFSET) & Q(Exists(own))) & ~(
+        Q(replica__lt=CHECK_OFFSET) & Q(Exists(own_copy))
+    )
 
 
 # Queued check copies looked at per grant: a round queues at most one per original.
@@ -361,6 +365,9 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     rounds = {g["round_id"] for g in groups if g["queued"] > 0}
     if not rounds:
         return None
+    made = copy_for_check_role(worker, rounds)
+    if made is not None:
+        return made
     queued = (
         WorkUnit.objects.filter(
             state=WorkUnit.State.QUEUED, round_id__in=rounds, replica__gte=CHECK_OFFSET
@@ -394,6 +401,61 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     last = int(partners[-1][0]) if partners and len(partners[-1]) == 2 else None
     chosen = probation.pick_check(pool, last, _rng)
     units = WorkUnit.objects.filter(pk=chosen, state=WorkUnit.State.QUEUED)
+    if connection.features.has_select_for_update_skip_locked:
+        units = units.select_for_update(skip_locked=True)
+    return units.first()
+
+
+def copy_for_check_role(worker: Worker, rounds: set[int]) -> WorkUnit | None:
+    """For a newcomer `late` on probation (PROBATION_ROUNDS rounds of work) that still
+    lacks the check copy's role and finds no check copy it may take queued: a check copy
+    of a queued original of those rounds, made now and locked for it, else None. The
+    original is not granted yet, so both copies train cold (`replicated`), and it never
+    goes to this worker (`not_own_check`). Live, with six honest workers, one that had
+    agreed twice as the original asked first each round, took an original, and the copies
+    queued for it later went to others; it stayed on probation for the whole run, its
+    credit held (issue 61)."""
+    if not worker.probation or worker.operator_trusted or not late(worker.pk):
+        return None
+    if not evidence(worker).lacks(partners_needed_now(worker.pk))[2]:
+        return None
+    queued = WorkUnit.objects.filter(state=WorkUnit.State.QUEUED, round_id__in=rounds)
+    if queued.filter(replica__gte=CHECK_OFFSET).filter(not_own_check(worker)).exists():
+        return None  # one it may take is queued (check_pool hands it over)
+    original = (
+        queued.filter(replica__lt=CHECK_OFFSET, round__state=Round.State.OPEN)
+        .filter(not_own_check(worker))
+        .exclude(
+            Exists(
+                WorkUnit.objects.filter(
+                    round_id=OuterRef("round_id"),
+                    path_id=OuterRef("path_id"),
+                    replica=CHECK_OFFSET + OuterRef("replica"),
+                )
+            )
+        )
+        .order_by("round_id", "pk")
+        .first()
+    )
+    if original is None:
+        return None
+    copy, created = WorkUnit.objects.get_or_create(
+        round_id=original.round_id,
+        path_id=original.path_id,
+        replica=CHECK_OFFSET + original.replica,
+        defaults={
+            "data_position": original.data_position,
+            "data_windows": original.data_windows,
+            "base_versions": original.base_versions,
+        },
+    )
+    if not created:
+        return None
+    logger.info(
+        "unit %s replicated as unit %s for worker %s's check role (late on probation)",
+        original.pk, copy.pk, worker.pk,
+    )  # fmt: skip
+    units = WorkUnit.objects.filter(pk=copy.pk, state=WorkUnit.State.QUEUED)
     if connection.features.has_select_for_update_skip_locked:
         units = units.select_for_update(skip_locked=True)
     return units.first()
