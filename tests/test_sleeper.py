@@ -9,6 +9,7 @@ refused. And six honest newcomers all leave probation within a bounded number of
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -195,3 +196,18 @@ def cpu_wave_round(run: Run, workers: list[Worker], sources: Any, t: int) -> Non
             )
         wave += 1
     step_round(run, t, ALL_MODULES)
+
+
+@pytest.mark.django_db
+def test_the_leaderboard_lists_held_credit_marked_held(client: Any) -> None:
+    """A worker whose credit is all held (on probation, or doubted) is on the leaderboard,
+    after those with credit granted, its tokens marked held; one with none is not."""
+    token = create_enrollment_token(max_uses=None)[1]
+    a, b, _ = (register_worker(token, n, {})[0] for n in ("granted", "held-only", "nothing"))
+    Worker.objects.filter(pk=a.pk).update(tokens_processed=500, held_tokens=0, probation=False)
+    Worker.objects.filter(pk=b.pk).update(tokens_processed=0, held_tokens=300)
+    html = client.get("/workers/").content.decode()
+    board = html[html.index('id="workers-leaderboard"') : html.index('id="workers-table"')]
+    assert re.findall(r'<span class="name">([\w-]+)', board) == ["granted", "held-only"]
+    assert 'data-held="300"' in board and "300 held" in board
+    assert board.count("data-held=") == 1
