@@ -647,6 +647,16 @@ def summary(
                 )
             },
         }
+    runs = list(done.values()) or [{}]
+    # over every run done, clean and attacked: the most rounds an honest worker was seen on
+    # probation, and the honest workers' credit still held at the end over their credit
+    # held or granted (their accepted tokens x useful fraction)
+    out["max_honest_probation_rounds"] = max(r.get("max_honest_probation_rounds", 0) for r in runs)
+    out["honest_credit_held_share"] = round(
+        sum(r.get("honest_held_tokens", 0) for r in runs)
+        / max(1, sum(r.get("honest_earned_tokens", 0) for r in runs)),
+        4,
+    )
     clean = list(clean_of.values())
     if not clean:
         return out
@@ -672,16 +682,6 @@ def summary(
         },
     }
     out.update(controls(done, seeds, args))
-    runs = list(done.values())
-    # over every run done, clean and attacked: the most rounds an honest worker was seen on
-    # probation, and the honest workers' credit still held at the end over their credit
-    # held or granted (their accepted tokens x useful fraction)
-    out["max_honest_probation_rounds"] = max(r.get("max_honest_probation_rounds", 0) for r in runs)
-    out["honest_credit_held_share"] = round(
-        sum(r.get("honest_held_tokens", 0) for r in runs)
-        / max(1, sum(r.get("honest_earned_tokens", 0) for r in runs)),
-        4,
-    )
     out["replication_share"] = round(statistics.mean(c["replication_share"] for c in clean), 4)
     steady = [c["steady_replication_share"] for c in clean]
     out["steady_replication_share"] = (
