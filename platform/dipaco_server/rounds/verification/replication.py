@@ -20,6 +20,14 @@ those, a newcomer's that waits only for a conclusive agreement (`awaits_judgemen
 drawn at random, avoiding the worker the asker was last paired with. A newcomer's
 probation evidence (`evidence`) counts the pairings of open rounds too, so a round gives
 it what it lacks and no more.
+
+After probation (issue 61: trust earned once must keep being earned): an established
+worker is audited at a rate grown with its share of the round's units (`audit_rate`), never
+more than ceil(AUDIT_SPREAD / rate) units apart (`audit_overdue`), so a sleeper is compared
+within a bounded number of units of turning; a doubtful comparison (rules.AGREE_COSINE)
+has every later unit of both workers replicated until one agrees (workers.trust.doubt).
+A newcomer on probation for PROBATION_ROUNDS rounds of work needs fewer partners (`late`)
+and is given a copy for the check role it lacks (`copy_for_check_role`).
 """
 
 from __future__ import annotations
@@ -120,7 +128,8 @@ def active_newcomers() -> QuerySet[Worker]:
 def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     """Queue a check copy of `unit`, just granted to `worker`, if its standing says so: on
     probation while its evidence lacks partners or the original's role (or it lost trust),
-    else at its audit rate (workers.probation). A newcomer whose agreements suffice now
+    every unit while it is doubted (workers.trust.doubt), else at its audit rate
+    (`audit_rate`) or when an audit is overdue (`audit_overdue`). A newcomer whose agreements suffice now
     (fewer workers to be partners than when it came: `partners_needed_now`) leaves
     probation here."""
     if is_check(unit):
