@@ -17,7 +17,11 @@ and 1 for `colluders`): a `sitecustomize` module on its PYTHONPATH wraps the age
   the same unit from the same state: what copying each other's would upload);
 - `lazy_x0.1`: 0.1 x Δ, claiming the whole unit's tokens; `zeros`: a zero Δ;
 - `bias_0.5`: Δ plus a fixed unit direction per module (the same every unit) at 0.5 x
-  the Δ's norm.
+  the Δ's norm;
+- `sleeper_bias_0.5`, `sleeper_flip`: honest for its first SLEEPER_HONEST (4) hand-ins,
+  then `bias_0.5` or `sign_flip` (trust earned once must keep being earned, issue 61):
+  `credited_after_turn_share` is what it was credited beyond its first hand-ins' claims
+  ÷ what its later ones claimed.
 
 Reported per attack, each per seed: `ratio` (final routed validation loss ÷ the clean
 run's of that seed, the mean of its two with `--repeat-clean`; mean and spread), `credited_tokens` and `claimed_tokens` of the
@@ -30,6 +34,10 @@ left out of the step and not counted against their workers, so not in `honest_re
 wall time (open to the next round's open).
 With `--json` the file is rewritten after each run, so a bench stopped early leaves what it
 measured (`missing`: the runs asked for and not done; each attack's `seeds`).
+Over every run: `max_honest_probation_rounds` (the most rounds an honest worker was seen on
+probation, polled once a second: the rounds of its work while held) and
+`honest_credit_held_share` (honest workers' credit still held at the end, on probation or
+doubted, ÷ their credit held or granted: their accepted tokens x useful fraction).
 From the clean runs: `replication_share`, tokens trained on check copies over all tokens
 trained, and `steady_replication_share`, the same over the rounds that opened after every
 worker had left probation (null when some never did); `clean.first_round_seconds`.
@@ -83,7 +91,12 @@ from dipaco_demo.control import (
 from dipaco_demo.workers import WorkerProcess
 from dipaco_server.rounds.verification import rules
 
-ATTACKS = ["bias_0.5", "sign_flip", "colluders", "lazy_x0.1", "zeros"]
+ATTACKS = [
+    "bias_0.5", "sign_flip", "colluders", "lazy_x0.1", "zeros",
+    "sleeper_bias_0.5", "sleeper_flip",
+]  # fmt: skip
+# A sleeper hands in this many units honestly, then attacks (issue 61).
+SLEEPER_HONEST = 4
 CHECK_OFFSET = 1_000_000  # rounds' check copies' replica indices start here
 # Trust and replication settings: unset, so the server runs at its defaults.
 TRUST_SETTINGS = (
@@ -115,17 +128,23 @@ if ATTACK:
         return {k: t + scale * v[k].to(t.dtype) for k, t in delta.items()}
 
     def _attacked(module_id, delta):
-        if ATTACK in ("sign_flip", "colluders"):
+        if ATTACK in ("sign_flip", "colluders", "sleeper_flip"):
             return {k: -t for k, t in delta.items()}
         if ATTACK == "lazy_x0.1":
             return {k: 0.1 * t for k, t in delta.items()}
         if ATTACK == "zeros":
             return {k: torch.zeros_like(t) for k, t in delta.items()}
-        if ATTACK == "bias_0.5":
+        if ATTACK in ("bias_0.5", "sleeper_bias_0.5"):
             return _bias(module_id, delta)
         raise SystemExit(f"unknown DIPACO_LIVE_ATTACK {ATTACK!r}")
 
+    HONEST_FIRST = int(os.environ.get("DIPACO_LIVE_HONEST_FIRST", "0"))
+    _handed_in = [0]
+
     def encode_deltas(deltas, config, directory, state=None):
+        _handed_in[0] += 1
+        if _handed_in[0] <= HONEST_FIRST:  # a sleeper: honest for its first hand-ins
+            return _encode(deltas, config, directory, state)
         changed = {m: _attacked(m, d) for m, d in deltas.items()}
         return _encode(changed, config, directory, state)
 
@@ -182,13 +201,23 @@ def one_run(
             if i in bad:
                 path = f"{patch}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(patch)
                 env.update(PYTHONPATH=path, DIPACO_LIVE_ATTACK=str(attack),
-                           DIPACO_LIVE_SEED=str(config.seed))  # fmt: skip
+                           DIPACO_LIVE_SEED=str(config.seed),
+                           DIPACO_LIVE_HONEST_FIRST=str(honest_first(attack)))  # fmt: skip
             worker = WorkerProcess(f"live-{i}", root / f"worker-{i}", root / "logs" / f"w{i}.log")
             worker.start(url, enrollment, env)
             workers.append(worker)
-        probation_over, stopped = watch(admin, run_id, workers, deadline)
-        result = figures(data_dir, run_id, config, bad, probation_over, root, args)
-        return {**result, "stopped_as_distrusted": stopped}
+        on_probation: dict[str, set[int]] = {}
+        probation_over, stopped = watch(admin, run_id, workers, deadline, on_probation)
+        result = figures(data_dir, run_id, config, bad, probation_over, root, args, attack)
+        honest = {f"live-{i}" for i in range(count) if i not in bad}
+        rounds = [len(on_probation.get(name, ())) for name in sorted(honest)]
+        return {
+            **result,
+            "stopped_as_distrusted": stopped,
+            # rounds each honest worker was seen on probation (polled once a second)
+            "honest_probation_rounds": rounds,
+            "max_honest_probation_rounds": max(rounds, default=0),
+        }
     finally:
         for worker in workers:
             worker.signal_stop()
@@ -199,12 +228,23 @@ def one_run(
         server.stop()
 
 
+def honest_first(attack: str | None) -> int:
+    """The hand-ins an attacker makes honestly before it attacks: SLEEPER_HONEST for a
+    sleeper, else 0."""
+    return SLEEPER_HONEST if attack and attack.startswith("sleeper_") else 0
+
+
 def watch(
-    admin: AdminClient, run_id: int, workers: list[WorkerProcess], deadline: float
+    admin: AdminClient,
+    run_id: int,
+    workers: list[WorkerProcess],
+    deadline: float,
+    on_probation: dict[str, set[int]] | None = None,
 ) -> tuple[int | None, list[str]]:
     """Wait for the run to finish: (the first round that opened with no worker on
     probation, the workers the server stopped as distrusted, exit code 8). An attacker
-    the server stops is the checks working; any other exit is the bench's failure."""
+    the server stops is the checks working; any other exit is the bench's failure.
+    `on_probation` gathers, per worker name, the rounds in which it was seen on probation."""
     over: int | None = None
     stopped: set[str] = set()
     while True:
@@ -226,14 +266,21 @@ def watch(
                 raise RuntimeError(f"{worker.name} exited with {code}; see {worker.log_path}")
         if len(stopped) == len(workers):
             raise RuntimeError("every worker was stopped as distrusted")
-        if over is None:
-            try:
-                rows = admin.call("GET", "/workers", params={"limit": 100})["items"]
-            except DemoError as exc:  # a busy embedded server answers 503: ask again
-                print(f"asking again: {exc}", file=sys.stderr)
-                rows = [{"probation": True}]
-            if rows and not any(r["probation"] for r in rows if r["name"] not in stopped):
-                over = int(status.get("current_round") or 0) + 1  # opened from then on
+        try:
+            rows = admin.call("GET", "/workers", params={"limit": 100})["items"]
+        except DemoError as exc:  # a busy embedded server answers 503: ask again
+            print(f"asking again: {exc}", file=sys.stderr)
+            rows = []
+        current = int(status.get("current_round") or 0)
+        for row in rows:
+            if row["probation"] and on_probation is not None:
+                on_probation.setdefault(row["name"], set()).add(current)
+        if (
+            over is None
+            and rows
+            and not any(r["probation"] for r in rows if r["name"] not in stopped)
+        ):
+            over = current + 1  # opened from then on
         if time.monotonic() > deadline:
             raise TimeoutError(f"run {run_id} did not finish in time; logs in its data dir")
         time.sleep(POLL_S)
@@ -257,6 +304,7 @@ def figures(
     probation_over: int | None,
     root: Path,
     args: argparse.Namespace,
+    attack: str | None = None,
 ) -> dict[str, Any]:
     blobs = data_dir / "blobs"
     data = prepared_from_blobs(blobs, run_id, root / "prepared")
@@ -287,6 +335,13 @@ def figures(
             "ON u.id = l.unit_id JOIN rounds_round r ON r.id = u.round_id GROUP BY l.id"
         ).fetchall()
         credited = dict(db.execute("SELECT id, tokens_processed FROM workers_worker").fetchall())
+        held_of = dict(db.execute("SELECT id, held_tokens FROM workers_worker").fetchall())
+        # each attacker lease's claim in the order it was granted: a sleeper's first ones
+        # were honest
+        ordered = db.execute(
+            "SELECT l.worker_id, MIN(c.tokens) FROM rounds_lease l JOIN rounds_contribution c "
+            "ON c.lease_id = l.id GROUP BY l.id ORDER BY l.id"
+        ).fetchall()
         opened = dict(db.execute(
             "SELECT t, opened_at FROM rounds_round WHERE run_id = ?", (run_id,)
         ).fetchall())  # fmt: skip
@@ -303,9 +358,21 @@ def figures(
     check = [t for _, replica, _, t in leases if replica >= CHECK_OFFSET]
     steady = [(replica, t) for _, replica, rnd, t in leases
               if probation_over is not None and rnd >= probation_over]  # fmt: skip
+    honest_ids = set(names) - attacker_ids
+    honest_held_tokens = sum(held_of.get(w, 0) for w in honest_ids)
+    honest_earned = sum(credited.get(w, 0) for w in honest_ids) + honest_held_tokens
+    turned = _after_turn(ordered, attacker_ids, honest_first(attack))
     return {
         "loss": loss,
         "credited_tokens": sum(credited.get(w, 0) for w in attacker_ids),
+        # a sleeper's claims after its first SLEEPER_HONEST hand-ins, and at most what it
+        # was credited beyond the claims of those (its honest units' credit is at most
+        # what they claimed)
+        **turned,
+        # honest workers' credit still held at the end (probation, doubt), and their
+        # credit held or granted (accepted tokens x useful fraction)
+        "honest_held_tokens": honest_held_tokens,
+        "honest_earned_tokens": honest_earned,
         "claimed_tokens": sum(t for w, _, _, t in leases if w in attacker_ids),
         "accepted": counts.get((True, "accepted"), 0),
         "rejected": counts.get((True, "rejected"), 0),
@@ -326,6 +393,26 @@ def figures(
         "probation_over_round": probation_over,
         "first_round_seconds": _seconds_between(opened.get(0), opened.get(1)),
     }
+
+
+def _after_turn(ordered: list[Any], attacker_ids: set[int], honest: int) -> dict[str, int]:
+    """{} for an attacker that attacks from its first hand-in; else the tokens its first
+    `honest` leases claimed (`claimed_before_turn`) and those its later ones claimed
+    (`claimed_after_turn`); `summary` takes what it was credited beyond the first as its
+    credit after it turned (an upper bound: its honest units earn at most their claims)."""
+    if not honest or not attacker_ids:
+        return {}
+    seen: dict[int, int] = {}
+    before = after = 0
+    for worker_id, tokens in ordered:
+        if worker_id not in attacker_ids:
+            continue
+        seen[worker_id] = seen.get(worker_id, 0) + 1
+        if seen[worker_id] <= honest:
+            before += tokens
+        else:
+            after += tokens
+    return {"claimed_before_turn": before, "claimed_after_turn": after}
 
 
 def _seconds_between(start: Any, end: Any) -> float | None:
@@ -425,6 +512,20 @@ def main(argv: list[str] | None = None) -> int:
     out = write(args.json, summary(done, args), started, argv)
     print(json.dumps(out, indent=2))
     return 0
+
+
+def _after_turn_share(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """A sleeper's credit after it turned ÷ what it claimed after it turned, over the seeds
+    (the goal: at most 0.25); {} for other attacks."""
+    if not rows or "claimed_after_turn" not in rows[0]:
+        return {}
+    credited = [max(0, r["credited_tokens"] - r["claimed_before_turn"]) for r in rows]
+    claimed = [r["claimed_after_turn"] for r in rows]
+    return {
+        "credited_after_turn": credited,
+        "claimed_after_turn": claimed,
+        "credited_after_turn_share": round(sum(credited) / max(1, sum(claimed)), 4),
+    }
 
 
 def honest_counts(args: argparse.Namespace) -> list[int]:
@@ -527,6 +628,7 @@ def summary(
                 / max(1, sum(r["claimed_tokens"] for r in rows)),
                 4,
             ),
+            **_after_turn_share(rows),
             **{
                 k: [r[k] for r in rows]
                 for k in (
@@ -540,10 +642,21 @@ def summary(
                     "honest_refusals",
                     "stopped_as_distrusted",
                     "first_round_seconds",
+                    "max_honest_probation_rounds",
                     "seconds",
                 )
             },
         }
+    runs = list(done.values()) or [{}]
+    # over every run done, clean and attacked: the most rounds an honest worker was seen on
+    # probation, and the honest workers' credit still held at the end over their credit
+    # held or granted (their accepted tokens x useful fraction)
+    out["max_honest_probation_rounds"] = max(r.get("max_honest_probation_rounds", 0) for r in runs)
+    out["honest_credit_held_share"] = round(
+        sum(r.get("honest_held_tokens", 0) for r in runs)
+        / max(1, sum(r.get("honest_earned_tokens", 0) for r in runs)),
+        4,
+    )
     clean = list(clean_of.values())
     if not clean:
         return out
@@ -558,6 +671,10 @@ def summary(
                 "honest_refusals",
                 "first_round_seconds",
                 "probation_over_round",
+                "max_honest_probation_rounds",
+                "honest_probation_rounds",
+                "honest_held_tokens",
+                "honest_earned_tokens",
                 "seconds",
                 "replication_share",
                 "steady_replication_share",

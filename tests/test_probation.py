@@ -402,7 +402,7 @@ def warm_or_cold(
 
 @pytest.mark.django_db
 def test_honest_copies_differing_by_warm_and_cold_moments_are_never_refused(
-    tmp_path: Path, settings: Any
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Four honest newcomers over eight rounds, every pair and both roles: originals from
     warm moments (an agent that ignores the lease's `cold`, as agents did before it), check
@@ -410,6 +410,10 @@ def test_honest_copies_differing_by_warm_and_cold_moments_are_never_refused(
     the moments (with the opposite sign in the other role), which the persistence rule
     must not take for a bias however often it sees them."""
     settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    # one pair a round: three partners each take six rounds, past the rounds after which
+    # two suffice (replication.PROBATION_ROUNDS); kept at three so that the rule sees
+    # every comparison of the schedule
+    monkeypatch.setattr(replication, "PROBATION_ROUNDS", 99)
     rounds = ((0, 1), (1, 2), (2, 3), (3, 0), (0, 2), (1, 3), (2, 0), (3, 1))
     run = running_run(
         DILOCO, replicas=1, rounds=len(rounds), inner=INNER, data={"val_fraction": 0.2}

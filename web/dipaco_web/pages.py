@@ -137,6 +137,7 @@ def _standing(worker: Worker) -> dict[str, Any]:
         "audits": worker.audits,
         "rate": trust.replication_rate(worker),
         "held_tokens": worker.held_tokens,
+        "doubted": worker.doubted,
     }
 
 

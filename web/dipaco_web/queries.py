@@ -437,6 +437,9 @@ class WorkerRow:
     accepted: int
     rejected: int
     accepted_tokens: int = 0
+    # credit of accepted units held while the worker is on probation or doubted
+    # (workers.trust.grant_credit): shown beside the granted tokens, marked held
+    held_tokens: int = 0
     current: list[str] = field(default_factory=list)  # "run r · path p" it is training now
     stuck: bool = False  # heartbeats, holds a lease, completed nothing (rounds.reports.activity)
 
@@ -472,6 +475,7 @@ def worker_rows(*, now: datetime | None = None) -> list[WorkerRow]:
             # The credit the outer step gave (rounds.verification.credit): the same count
             # as the worker API's tokens_processed, not every unit with one accepted Δ.
             accepted_tokens=w.tokens_processed,
+            held_tokens=w.held_tokens,
             current=current.get(w.pk, []),
             stuck=w.pk in stuck,
         )
@@ -481,8 +485,14 @@ def worker_rows(*, now: datetime | None = None) -> list[WorkerRow]:
 
 
 def leaderboard(rows: list[WorkerRow], limit: int = 10) -> list[WorkerRow]:
-    """The workers whose accepted Δs trained the most tokens."""
-    ranked = sorted((r for r in rows if r.accepted_tokens), key=lambda r: -r.accepted_tokens)
+    """The workers whose accepted Δs trained the most tokens: ranked by the credit granted,
+    then by the credit held (a newcomer on probation, or a doubted worker, holds the credit
+    of its accepted units until it is trusted: it is listed, its held tokens marked held,
+    not left out as it was with nothing granted)."""
+    ranked = sorted(
+        (r for r in rows if r.accepted_tokens or r.held_tokens),
+        key=lambda r: (-r.accepted_tokens, -r.held_tokens),
+    )
     return ranked[:limit]
 
 

@@ -91,9 +91,14 @@ class WorkerOut(Schema):
     probation_partners_needed: int
     operator_trusted: bool = Field(description="Registered with a token marked trusted.")
     audits: int = Field(description="Units of its also issued as a check copy.")
+    doubted: bool = Field(
+        description="Established, but a copy of its was close to another worker's without "
+        "confirming it: every unit it takes is replicated and its credit held until a copy "
+        "of its agrees (never a refusal by itself)."
+    )
     held_units: int = Field(
-        description="Accepted units credited once it leaves probation (forfeited if one of "
-        "its copies loses a comparison first)."
+        description="Accepted units credited once it leaves probation or its doubt ends "
+        "(forfeited if one of its copies loses a comparison first)."
     )
     held_tokens: int = Field(description="Their tokens, held the same way.")
     replication_rate: float = Field(description="The share of its units replicated now.")

@@ -81,6 +81,11 @@ class Worker(models.Model):
     # when it leaves probation, forfeited when one of its copies loses a comparison.
     held_units = models.PositiveIntegerField(default=0)
     held_tokens = models.PositiveBigIntegerField(default=0)
+    # An established worker one of whose copies was close to another worker's without
+    # confirming it (rounds.verification.rules.AGREE_COSINE: a bias of 0.5 x the Δ's norm or
+    # more): every unit it takes is replicated and its credit held, as on probation, until
+    # a copy of its agrees conclusively (workers.trust.doubt). Never a refusal by itself.
+    doubted = models.BooleanField(default=False)
 
     def __str__(self) -> str:
         return f"worker {self.pk} ({self.name})"

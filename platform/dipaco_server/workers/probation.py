@@ -53,6 +53,9 @@ from dataclasses import dataclass
 # probation: with two, one colluding partner plus one honest would do; three needs a
 # majority of honest ones among any four workers (the bench's two-colluders setting).
 PARTNERS = 3
+# ...or this many once it has been on probation for a few rounds of work
+# (rounds.verification.replication.PROBATION_ROUNDS): partners can be scarce.
+LATE_PARTNERS = 2
 KEEP_PARTNERS = 16  # agreements kept per worker (Worker.partners), newest last
 
 

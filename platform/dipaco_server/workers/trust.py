@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable
 
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
-from django.db.models import F, Value
+from django.db.models import F, Q, Value
 from django.db.models.functions import Least
 
 from dipaco_server.workers import probation
@@ -125,33 +125,53 @@ def record_agreement(
     as_check: bool,
     needed: int | None = None,
     judged: Callable[[int], bool] | None = None,
+    late: bool = False,
 ) -> None:
     """A replica pair of `worker_id` agreed with `partner_id`'s copy: keep it as evidence,
     and end the worker's probation once the evidence suffices (workers.probation; `needed`
-    partners, default `partners_needed`; `judged`: whether the repetition rule has judged
-    one of the worker's agreements, rounds.verification.replication.judged_agreement)."""
+    partners, default `partners_needed`, or probation.LATE_PARTNERS when `late`: on
+    probation for rounds.verification.replication.PROBATION_ROUNDS rounds of work;
+    `judged`: whether the repetition rule has judged one of the worker's agreements,
+    rounds.verification.replication.judged_agreement). A conclusive agreement also ends
+    a doubt (`doubt`), granting the credit held since."""
     row = Worker.objects.select_for_update().filter(pk=worker_id).first()
     if row is None:
         return
     row.partners = probation.agreed(row.partners, partner_id, as_check)
-    _save_standing(row, ["partners"], partners_needed() if needed is None else needed, judged)
+    needed = partners_needed() if needed is None else needed
+    _save_standing(row, ["partners"], needed, judged, agreed=True, late=late)
 
 
 def end_probation_if_due(
-    worker_id: int, needed: int, judged: Callable[[int], bool] | None = None
+    worker_id: int, needed: int, judged: Callable[[int], bool] | None = None, late: bool = False
 ) -> bool:
     """End the worker's probation if its recorded agreements suffice for `needed` partners
-    (fewer workers to be partners than when it came); whether it ended."""
+    (fewer workers to be partners than when it came), or for probation.LATE_PARTNERS when
+    `late` (`record_agreement`); whether it ended."""
     row = Worker.objects.select_for_update().filter(pk=worker_id, probation=True).first()
     if row is None:
         return False
-    _save_standing(row, [], needed, judged)
+    _save_standing(row, [], needed, judged, late=late)
     return not row.probation
 
 
 def _save_standing(
-    row: Worker, fields: list[str], needed: int, judged: Callable[[int], bool] | None = None
+    row: Worker,
+    fields: list[str],
+    needed: int,
+    judged: Callable[[int], bool] | None = None,
+    agreed: bool = False,
+    late: bool = False,
 ) -> None:
+    if agreed and row.doubted and not row.probation:
+        # a conclusive agreement (record_agreement) ends a doubt: its credit is granted
+        row.doubted = False
+        row.units_completed += row.held_units
+        row.tokens_processed += row.held_tokens
+        row.held_units = row.held_tokens = 0
+        fields += ["doubted", "units_completed", "tokens_processed", "held_units", "held_tokens"]
+    if late:
+        needed = min(needed, probation.LATE_PARTNERS)
     leaves = row.probation and probation.leaves_probation(row.partners, needed)
     if leaves and (judged is None or judged(row.pk)):
         row.probation = False
@@ -163,9 +183,10 @@ def _save_standing(
 
 
 def grant_credit(worker_id: int, tokens: int) -> None:
-    """Credit one accepted unit of `tokens` tokens: held while the worker is on probation
-    (granted when it leaves, forfeited if one of its copies loses a comparison first)."""
-    on_probation = Worker.objects.filter(pk=worker_id, probation=True)
+    """Credit one accepted unit of `tokens` tokens: held while the worker is on probation or
+    doubted (granted when it leaves probation or agrees conclusively, forfeited if one of
+    its copies loses a comparison first)."""
+    on_probation = Worker.objects.filter(pk=worker_id).filter(Q(probation=True) | Q(doubted=True))
     if on_probation.update(held_units=F("held_units") + 1, held_tokens=F("held_tokens") + tokens):
         return
     Worker.objects.filter(pk=worker_id).update(
@@ -183,7 +204,28 @@ def restart_probation(worker_ids: Iterable[int]) -> None:
     if not ids or partners_needed() == 0:
         return
     Worker.objects.filter(pk__in=ids, operator_trusted=False).update(
-        probation=True, partners=[], held_units=0, held_tokens=0
+        probation=True, partners=[], held_units=0, held_tokens=0, doubted=False
+    )
+
+
+def doubt(worker_id: int) -> None:
+    """One of the worker's copies was close to another worker's without confirming it
+    (rounds.verification.rules.AGREE_COSINE): nothing tells which of the two added the
+    difference, so neither is refused, and both are checked again. An established worker
+    is *doubted*: every unit it takes is replicated (rounds.verification.replication) and
+    its credit held from now on, until a copy of its agrees conclusively with another
+    worker's (`record_agreement`: the credit is granted) or loses a comparison
+    (`restart_probation`: forfeited, on probation again). A worker on probation is
+    replicated and holds its credit already; the operator's machines are not doubted.
+
+    Why doubt and not a refusal: an honest worker paired with a biased one sees the same
+    difference, mirrored; its next comparison, with a third worker, clears it, while the
+    biased worker's copies keep differing, in the same direction, until the repetition
+    rule (rounds.verification.persistence) refuses one. So an honest worker is never
+    refused on a doubt alone, and a sleeper's credit from its first audit after it turned
+    is held until it is forfeited."""
+    Worker.objects.filter(pk=worker_id, probation=False, operator_trusted=False).update(
+        doubted=True
     )
 
 

@@ -353,7 +353,8 @@ def compare_replicas(
     (else its direction) finds worse is refused. A pair is compared when both passed
     every other check, whatever tokens each claims: a claimed count cannot opt out of
     the comparison. (worker, "replicas_agreed" | "replicas_disagreed") per worker whose
-    counter moves; identical Δs move neither (one Δ twice confirms nothing)."""
+    counter moves; identical Δs move neither (one Δ twice confirms nothing); (worker,
+    "doubted") for both workers of a doubtful pair (rules.AGREE_COSINE)."""
     by_id = {v.upload.contribution_id: v for v in verdicts}
     moves: list[tuple[int, str]] = []
     for check in verdicts:
@@ -396,6 +397,12 @@ def compare_replicas(
                 check.upload.worker_id,
                 original.upload.worker_id,
             )
+        if outcome.kind == "doubtful":
+            # Neither refused nor confirmed (rules.AGREE_COSINE): both workers' next units
+            # are replicated, their credit held, until one agrees conclusively; the
+            # difference is kept (below) for the repetition rule, which tells which of the
+            # two keeps adding it.
+            moves += [(v.upload.worker_id, "doubted") for v in pair]
         if not close:  # a difference from a far-off copy is that copy's error, not evidence
             original.sketch = check.sketch = original.partner = check.partner = None
         if outcome.kind == "disagree" and outcome.loser is not None:

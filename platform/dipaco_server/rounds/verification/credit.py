@@ -75,6 +75,7 @@ def credit(unit_ids: set[int], whole_unit: int) -> None:
                 contributions[0][6] >= CHECK_OFFSET,
                 needed,
                 replication.judge_for(needed),
+                replication.late(worker_id),
             )
         own = scores.get(round_id, {})
         peers = [scored for lease, scored in own.items() if lease != lease_id]
@@ -129,7 +130,10 @@ def settle(
     # that both bought nothing (rules.AGREED_NO_GAIN): not its worker's fault.
     held = [v for v in rejected if v.reason.startswith(HELD)]
     trust.penalise(v.upload.worker_id for v in rejected if not weak_partial(v) and v not in held)
-    for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed"
+    for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed", "doubted"
+        if counter == "doubted":
+            trust.doubt(worker_id)
+            continue
         Worker.objects.filter(pk=worker_id).update(**{counter: F(counter) + 1})
     trust.reward(v.upload.worker_id for v in accepted)
     # A copy that lost a comparison with another worker's: its worker starts probation

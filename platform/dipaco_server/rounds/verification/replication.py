@@ -20,11 +20,20 @@ those, a newcomer's that waits only for a conclusive agreement (`awaits_judgemen
 drawn at random, avoiding the worker the asker was last paired with. A newcomer's
 probation evidence (`evidence`) counts the pairings of open rounds too, so a round gives
 it what it lacks and no more.
+
+After probation (issue 61: trust earned once must keep being earned): an established
+worker is audited at a rate grown with its share of the round's units (`audit_rate`), never
+more than ceil(AUDIT_SPREAD / rate) units apart (`audit_overdue`), so a sleeper is compared
+within a bounded number of units of turning; a doubtful comparison (rules.AGREE_COSINE)
+has every later unit of both workers replicated until one agrees (workers.trust.doubt).
+A newcomer on probation for PROBATION_ROUNDS rounds of work needs fewer partners (`late`)
+and is given a copy for the check role it lacks (`copy_for_check_role`).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Callable
 from datetime import timedelta
@@ -63,6 +72,46 @@ def partners_needed_now(worker_id: int) -> int:
     return max(1, min(needed, can_get_work().exclude(pk=worker_id).count()))
 
 
+# A newcomer that handed in work in this many rounds of its probation needs
+# probation.LATE_PARTNERS distinct partners (both roles, and a conclusive agreement where
+# one is asked for, still), not DIPACO_PROBATION_PARTNERS (`late`, workers.trust._save_standing): live, with six honest
+# workers, one agreed with 2 of its 3 partners and never met a third in 8 rounds (every unit
+# of it replicated, 61,918 tokens of its credit held at the end; issue 61). Four newcomers
+# meet all their partners in two rounds (tests/test_probation.py), so the rule changes
+# nothing where the grid allows. Two partners still mean two workers that trained the same
+# units to the same Δ within AGREE_COSINE (rules), and audits go on after probation
+# (audit_rate, audit_overdue) with doubt (workers.trust.doubt) behind them.
+PROBATION_ROUNDS = 2
+_LOST = "replica_disagrees:"  # rounds.verification.rules.REPLICA (torch: not on the URL path)
+
+
+def late(worker_id: int) -> bool:
+    """Whether the worker has been on probation for PROBATION_ROUNDS rounds of work."""
+    return rounds_on_probation(worker_id) >= PROBATION_ROUNDS
+
+
+def rounds_on_probation(worker_id: int) -> int:
+    """The rounds in which the worker, on probation, completed a unit since its last lost
+    comparison (its probation started over then, workers.trust.restart_probation), or since
+    it came; 0 for a worker not on probation."""
+    if not Worker.objects.filter(pk=worker_id, probation=True).exists():
+        return 0
+    lost = (
+        Contribution.objects.filter(
+            lease__worker_id=worker_id,
+            status=Contribution.Status.REJECTED,
+            reason__startswith=_LOST,
+        )
+        .order_by("-unit__round_id")
+        .values_list("unit__round_id", flat=True)
+        .first()
+    )
+    done = Lease.objects.filter(worker_id=worker_id, state=Lease.State.COMPLETED)
+    if lost is not None:
+        done = done.filter(unit__round_id__gt=lost)
+    return done.values("unit__round_id").distinct().count()
+
+
 def can_get_work() -> QuerySet[Worker]:
     """Workers heard from within a lease timeout, not revoked, trusted enough to get work."""
     since = timezone.now() - timedelta(seconds=current_policy().lease_timeout_s)
@@ -79,7 +128,8 @@ def active_newcomers() -> QuerySet[Worker]:
 def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     """Queue a check copy of `unit`, just granted to `worker`, if its standing says so: on
     probation while its evidence lacks partners or the original's role (or it lost trust),
-    else at its audit rate (workers.probation). A newcomer whose agreements suffice now
+    every unit while it is doubted (workers.trust.doubt), else at its audit rate
+    (`audit_rate`) or when an audit is overdue (`audit_overdue`). A newcomer whose agreements suffice now
     (fewer workers to be partners than when it came: `partners_needed_now`) leaves
     probation here."""
     if is_check(unit):
@@ -87,18 +137,27 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     newcomer, needed = worker.probation and not worker.operator_trusted, 0
     if newcomer:
         needed = partners_needed_now(worker.pk)
-        if trust.end_probation_if_due(worker.pk, needed, judge_for(needed)):
+        if trust.end_probation_if_due(worker.pk, needed, judge_for(needed), late(worker.pk)):
             worker.refresh_from_db()
             newcomer = False
     why = "probation" if worker.probation else "audit"
-    if newcomer and worker.trust >= 1.0:
+    if worker.doubted and not newcomer:
+        why = "doubt"  # every unit until it agrees conclusively (workers.trust.doubt)
+    elif newcomer and worker.trust >= 1.0:
         # partners and roles enough, but no agreement judged yet: another comparison
         unjudged = awaits_judgement(worker, needed)
         if not (probation.replicate_newcomer(evidence(worker), needed) or unjudged):
             return None
-    elif not trust.should_replicate(worker):
-        if newcomer or not newcomer_lacks_a_check(unit.round_id):
+    elif newcomer:
+        if not trust.should_replicate(worker):
             return None
+    elif (rate := audit_rate(worker, unit)) > 0 and (
+        _rng.random() < rate or audit_overdue(worker, unit, rate)
+    ):
+        pass  # an audit: drawn at its rate, or overdue
+    elif not newcomer_lacks_a_check(unit.round_id):
+        return None
+    else:
         why = "a newcomer's check role"
     copy, created = WorkUnit.objects.get_or_create(
         round_id=unit.round_id,
@@ -117,6 +176,71 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
             unit.pk, worker.pk, copy.pk, why,
         )  # fmt: skip
     return copy if created else None
+
+
+# How much faster an established worker is audited per share of a round's updates it
+# supplies (`audit_rate`): a worker supplying a quarter of them is audited at twice the base.
+SHARE_AUDIT = 4.0
+# An established worker's audits come at most this many times its mean interval apart
+# (`audit_overdue`).
+AUDIT_SPREAD = 2.0
+
+
+def audit_rate(worker: Worker, unit: WorkUnit) -> float:
+    """The share of an established worker's units replicated now: its trust's rate
+    (workers.trust.replication_rate: DIPACO_REPLICATION_RATE at trust 1, rising as trust
+    falls), grown with the share of the run's last closed round's originals it supplied
+    (x (1 + SHARE_AUDIT x share), at most 1). What an unaudited worker can do to a module
+    grows with the share of its updates it supplies: among 10,000 workers a sleeper moves
+    nothing, among 4 it is a quarter of every step (live: a sleeper biasing a quarter of a
+    2x2 run's units, audited at 0.05, was credited all it claimed, issue 61). 0 when audits
+    are off (the rate 0)."""
+    base = trust.replication_rate(worker)
+    if base <= 0 or base >= 1:
+        return base
+    return min(1.0, base * (1 + SHARE_AUDIT * round_share(worker.pk, unit.round_id)))
+
+
+def round_share(worker_id: int, round_id: int) -> float:
+    """The worker's share of the originals completed in the last closed round of the run
+    that round `round_id` belongs to (each module's updates come from its paths' units:
+    the round's share stands for the modules'); 0 before any round closed."""
+    run_id = Round.objects.filter(pk=round_id).values_list("run_id", flat=True).first()
+    last = (
+        Round.objects.filter(run_id=run_id, state=Round.State.CLOSED)
+        .order_by("-t")
+        .values_list("pk", flat=True)
+        .first()
+    )
+    if last is None:
+        return 0.0
+    done = Lease.objects.filter(
+        unit__round_id=last, unit__replica__lt=CHECK_OFFSET, state=Lease.State.COMPLETED
+    )
+    total = done.count()
+    return done.filter(worker_id=worker_id).count() / total if total else 0.0
+
+
+def audit_overdue(worker: Worker, unit: WorkUnit, rate: float) -> bool:
+    """Whether none of the worker's last ceil(AUDIT_SPREAD / rate) - 1 originals before
+    `unit` was replicated: audits are drawn at random (the worker cannot foresee which unit
+    is checked), and this bounds the gap between two, so a worker that turns hostile after
+    probation (a sleeper) is compared within that many units of turning, whatever the
+    draws. Probation replicates every unit, so the count starts when it ends."""
+    gap = math.ceil(AUDIT_SPREAD / rate) - 1
+    copy = WorkUnit.objects.filter(
+        round_id=OuterRef("unit__round_id"),
+        path_id=OuterRef("unit__path_id"),
+        replica=CHECK_OFFSET + OuterRef("unit__replica"),
+    )
+    last = list(
+        Lease.objects.filter(worker=worker, unit__replica__lt=CHECK_OFFSET)
+        .exclude(unit=unit)
+        .annotate(checked=Exists(copy))
+        .order_by("-pk")
+        .values_list("checked", flat=True)[:gap]
+    )
+    return len(last) >= gap and not any(last)
 
 
 def newcomer_lacks_a_check(round_id: int) -> bool:
@@ -224,14 +348,18 @@ def replicated(unit: WorkUnit) -> bool:
 
 def not_own_check(worker: Worker) -> Q:
     """Excludes the check copies of units `worker` holds or held (same round, path and
-    windows): two workers, never one twice."""
+    windows), and the originals of check copies it holds or held (`copy_for_check_role`
+    queues a copy before its original is granted): two workers, never one twice."""
     own = Lease.objects.filter(
         worker=worker,
         unit__round_id=OuterRef("round_id"),
         unit__path_id=OuterRef("path_id"),
         unit__data_position=OuterRef("data_position"),
     )
-    return ~(Q(replica__gte=CHECK_OFFSET) & Q(Exists(own)))
+    own_copy = own.filter(unit__replica__gte=CHECK_OFFSET)
+    return ~(Q(replica__gte=CHECK_OFFSET) & Q(Exists(own))) & ~(
+        Q(replica__lt=CHECK_OFFSET) & Q(Exists(own_copy))
+    )
 
 
 # Queued check copies looked at per grant: a round queues at most one per original.
@@ -246,6 +374,9 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     rounds = {g["round_id"] for g in groups if g["queued"] > 0}
     if not rounds:
         return None
+    made = copy_for_check_role(worker, rounds)
+    if made is not None:
+        return made
     queued = (
         WorkUnit.objects.filter(
             state=WorkUnit.State.QUEUED, round_id__in=rounds, replica__gte=CHECK_OFFSET
@@ -279,6 +410,61 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     last = int(partners[-1][0]) if partners and len(partners[-1]) == 2 else None
     chosen = probation.pick_check(pool, last, _rng)
     units = WorkUnit.objects.filter(pk=chosen, state=WorkUnit.State.QUEUED)
+    if connection.features.has_select_for_update_skip_locked:
+        units = units.select_for_update(skip_locked=True)
+    return units.first()
+
+
+def copy_for_check_role(worker: Worker, rounds: set[int]) -> WorkUnit | None:
+    """For a newcomer `late` on probation (PROBATION_ROUNDS rounds of work) that still
+    lacks the check copy's role and finds no check copy it may take queued: a check copy
+    of a queued original of those rounds, made now and locked for it, else None. The
+    original is not granted yet, so both copies train cold (`replicated`), and it never
+    goes to this worker (`not_own_check`). Live, with six honest workers, one that had
+    agreed twice as the original asked first each round, took an original, and the copies
+    queued for it later went to others; it stayed on probation for the whole run, its
+    credit held (issue 61)."""
+    if not worker.probation or worker.operator_trusted or not late(worker.pk):
+        return None
+    if not evidence(worker).lacks(partners_needed_now(worker.pk))[2]:
+        return None
+    queued = WorkUnit.objects.filter(state=WorkUnit.State.QUEUED, round_id__in=rounds)
+    if queued.filter(replica__gte=CHECK_OFFSET).filter(not_own_check(worker)).exists():
+        return None  # one it may take is queued (check_pool hands it over)
+    original = (
+        queued.filter(replica__lt=CHECK_OFFSET, round__state=Round.State.OPEN)
+        .filter(not_own_check(worker))
+        .exclude(
+            Exists(
+                WorkUnit.objects.filter(
+                    round_id=OuterRef("round_id"),
+                    path_id=OuterRef("path_id"),
+                    replica=CHECK_OFFSET + OuterRef("replica"),
+                )
+            )
+        )
+        .order_by("round_id", "pk")
+        .first()
+    )
+    if original is None:
+        return None
+    copy, created = WorkUnit.objects.get_or_create(
+        round_id=original.round_id,
+        path_id=original.path_id,
+        replica=CHECK_OFFSET + original.replica,
+        defaults={
+            "data_position": original.data_position,
+            "data_windows": original.data_windows,
+            "base_versions": original.base_versions,
+        },
+    )
+    if not created:
+        return None
+    logger.info(
+        "unit %s replicated as unit %s for worker %s's check role (late on probation)",
+        original.pk, copy.pk, worker.pk,
+    )  # fmt: skip
+    units = WorkUnit.objects.filter(pk=copy.pk, state=WorkUnit.State.QUEUED)
     if connection.features.has_select_for_update_skip_locked:
         units = units.select_for_update(skip_locked=True)
     return units.first()

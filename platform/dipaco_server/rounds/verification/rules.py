@@ -268,6 +268,30 @@ def replicas_agree(a: Tensors, b: Tensors, cfg: OuterConfig) -> tuple[bool, str]
     return True, ""
 
 
+# Two copies of one unit *agree* only this close (cosine). Both train cold from the same
+# base on the same windows, so they differ only by what differs between two machines: on
+# two CPUs nothing (the same bytes); the tests model two machines as a fresh deviation of
+# 0.3 x the Δ's norm on each copy, cosine 1/1.09 = 0.917 (tests/test_probation.py,
+# tests/test_replica_bias.py). A fixed direction added at 0.5 x the Δ's norm keeps a
+# cosine of 1/√1.25 = 0.894 with an exact honest copy (0.858 with the machines' deviation
+# on the honest one) and passed `replicas_agree`'s tolerance (0.2) as agreement: live, a
+# sleeper's audits all agreed and it was credited everything it claimed (issue 61).
+# Between the tolerance and this bar a pair is *doubtful* (`settle_replicas`): neither
+# copy is refused (nothing tells which one carries the difference), neither confirms the
+# other, and both workers' next units are replicated with their credit held until a
+# conclusive agreement (workers.trust.doubt). A bias of 0.5 x the Δ's norm never counts as
+# agreement; one below about 0.45 x may, and is left to the repetition rule
+# (rounds.verification.persistence), which judges every close pair's difference.
+AGREE_COSINE = 0.9
+
+
+def conclusive(a: Tensors, b: Tensors) -> tuple[bool, float]:
+    """Whether two copies that `replicas_agree` are close enough to confirm each other
+    (cosine at least AGREE_COSINE), and their cosine."""
+    cos = cosine(a, b) or 0.0
+    return cos >= AGREE_COSINE, cos
+
+
 # Two uploads this close are one Δ twice: training the same unit twice on a CPU is
 # bit-identical (the CPU path is bit-reproducible), and a colluder copies its partner's.
 IDENTICAL_COSINE = 1 - 1e-6
@@ -288,8 +312,10 @@ class ReplicaOutcome:
     """How a replica pair is settled. `kind`: "agree" (each confirms the other),
     "identical" (one Δ twice: neither confirms the other, the other checks alone judge
     both), "disagree" (`loser`, 0 the original or 1 the check copy, is refused; never
-    both) or "unsettled" (they disagree and nothing tells which is right: neither refused,
-    neither confirmed)."""
+    both), "unsettled" (they disagree and nothing tells which is right: neither refused,
+    neither confirmed) or "doubtful" (within the tolerance, but not close enough to confirm
+    each other, AGREE_COSINE: neither refused, neither confirmed, both workers audited
+    until a conclusive agreement)."""
 
     kind: str
     loser: int | None = None
@@ -325,7 +351,15 @@ def settle_replicas(
         return ReplicaOutcome("identical", why="the same Δ within float rounding")
     agree, why = replicas_agree(original, check, cfg)
     if agree and not repeated:
-        return ReplicaOutcome("agree")
+        close, cos = conclusive(original, check)
+        if close:
+            return ReplicaOutcome("agree")
+        return ReplicaOutcome(
+            "doubtful",
+            why=f"cosine {cos:.3f} is within the tolerance but below {AGREE_COSINE:g}, the "
+            "closeness of two honest copies (a fixed direction of half the Δ's norm added to "
+            "one of them is this far)",
+        )
     why = why or repeated
     if a.score is not None and b.score is not None:
         key_a = (a.score.relative_gain, -a.score.heldout_after)
