@@ -1,5 +1,6 @@
 """Attacks the way a user meets them: real `dipaco-worker` processes, some with a patched
-encoder, against an embedded `dipaco server` at the run's defaults.
+encoder, against an embedded `dipaco server` at the run's defaults. Over 600 lines: the
+runs, the figures read from each run's database and their summary stay in one script.
 
     .venv/bin/python bench/attacks_live.py --seeds 0 1 2 --json docs/figures/attacks_live.json
     .venv/bin/python bench/attacks_live.py --seeds 0 --rounds 2 --attack colluders   # a smoke
@@ -19,7 +20,7 @@ and 1 for `colluders`): a `sitecustomize` module on its PYTHONPATH wraps the age
 - `bias_0.5`: Δ plus a fixed unit direction per module (the same every unit) at 0.5 x
   the Δ's norm;
 - `sleeper_bias_0.5`, `sleeper_flip`: honest for its first SLEEPER_HONEST (4) hand-ins,
-  then `bias_0.5` or `sign_flip` (trust earned once must keep being earned, issue 61):
+  then `bias_0.5` or `sign_flip` (trust earned once must keep being earned):
   `credited_after_turn_share` is what it was credited beyond its first hand-ins' claims
   ÷ what its later ones claimed.
 
@@ -95,7 +96,7 @@ ATTACKS = [
     "bias_0.5", "sign_flip", "colluders", "lazy_x0.1", "zeros",
     "sleeper_bias_0.5", "sleeper_flip",
 ]  # fmt: skip
-# A sleeper hands in this many units honestly, then attacks (issue 61).
+# A sleeper hands in this many units honestly, then attacks.
 SLEEPER_HONEST = 4
 CHECK_OFFSET = 1_000_000  # rounds' check copies' replica indices start here
 # Trust and replication settings: unset, so the server runs at its defaults.
@@ -296,21 +297,8 @@ def refusal_lines(rows: list[Any], attacker_ids: set[int]) -> list[str]:
     ]
 
 
-def figures(
-    data_dir: Path,
-    run_id: int,
-    config: RunConfig,
-    bad: set[int],
-    probation_over: int | None,
-    root: Path,
-    args: argparse.Namespace,
-    attack: str | None = None,
-) -> dict[str, Any]:
-    blobs = data_dir / "blobs"
-    data = prepared_from_blobs(blobs, run_id, root / "prepared")
-    windows = data.val_windows(config.model.seq_len, args.eval_windows)
-    final = platform_modules(blobs, run_id, config, config.rounds)
-    loss = routed_mean(evaluate_paths(config, final, windows))
+def _run_rows(data_dir: Path, run_id: int, bad: set[int]) -> dict[str, Any]:
+    """What `figures` reads from a finished run's database."""
     with sqlite3.connect(data_dir / "db.sqlite3") as db:
         names = dict(db.execute("SELECT id, name FROM workers_worker").fetchall())
         attacker_ids = {w for w, n in names.items() if int(n.split("-")[-1]) in bad}
@@ -345,6 +333,35 @@ def figures(
         opened = dict(db.execute(
             "SELECT t, opened_at FROM rounds_round WHERE run_id = ?", (run_id,)
         ).fetchall())  # fmt: skip
+    return {"names": names, "attacker_ids": attacker_ids, "per_worker": per_worker, "why": why,
+            "honest_why": honest_why, "leases": leases, "credited": credited,
+            "held_of": held_of, "ordered": ordered, "opened": opened}  # fmt: skip
+
+
+def figures(
+    data_dir: Path,
+    run_id: int,
+    config: RunConfig,
+    bad: set[int],
+    probation_over: int | None,
+    root: Path,
+    args: argparse.Namespace,
+    attack: str | None = None,
+) -> dict[str, Any]:
+    blobs = data_dir / "blobs"
+    data = prepared_from_blobs(blobs, run_id, root / "prepared")
+    windows = data.val_windows(config.model.seq_len, args.eval_windows)
+    final = platform_modules(blobs, run_id, config, config.rounds)
+    loss = routed_mean(evaluate_paths(config, final, windows))
+    rows = _run_rows(data_dir, run_id, bad)
+    names, attacker_ids, per_worker = rows["names"], rows["attacker_ids"], rows["per_worker"]
+    why, honest_why, leases = rows["why"], rows["honest_why"], rows["leases"]
+    credited, held_of, ordered, opened = (
+        rows["credited"],
+        rows["held_of"],
+        rows["ordered"],
+        rows["opened"],
+    )
     reasons: dict[str, int] = {}  # "<attacker|honest> <code>" -> rejected Δs
     for worker_id, reason in why:
         key = f"{'attacker' if worker_id in attacker_ids else 'honest'} {reason.split(':')[0]}"
@@ -599,6 +616,20 @@ def controls(
     return out
 
 
+# Each run's figures listed per seed in the summary: an attack's, and the clean runs'.
+ATTACK_KEYS = (
+    "credited_tokens", "claimed_tokens", "honest_rejected", "honest_held", "accepted",
+    "rejected", "reasons", "honest_refusals", "stopped_as_distrusted", "first_round_seconds",
+    "max_honest_probation_rounds", "seconds",
+)  # fmt: skip
+CLEAN_KEYS = (
+    "honest_rejected", "honest_held", "reasons", "honest_refusals", "first_round_seconds",
+    "probation_over_round", "max_honest_probation_rounds", "honest_probation_rounds",
+    "honest_held_tokens", "honest_earned_tokens", "seconds", "replication_share",
+    "steady_replication_share",
+)  # fmt: skip
+
+
 def summary(
     done: dict[tuple[int, str], dict[str, Any]], args: argparse.Namespace
 ) -> dict[str, Any]:
@@ -629,23 +660,7 @@ def summary(
                 4,
             ),
             **_after_turn_share(rows),
-            **{
-                k: [r[k] for r in rows]
-                for k in (
-                    "credited_tokens",
-                    "claimed_tokens",
-                    "honest_rejected",
-                    "honest_held",
-                    "accepted",
-                    "rejected",
-                    "reasons",
-                    "honest_refusals",
-                    "stopped_as_distrusted",
-                    "first_round_seconds",
-                    "max_honest_probation_rounds",
-                    "seconds",
-                )
-            },
+            **{k: [r[k] for r in rows] for k in ATTACK_KEYS},
         }
     runs = list(done.values()) or [{}]
     # over every run done, clean and attacked: the most rounds an honest worker was seen on
@@ -662,24 +677,7 @@ def summary(
         return out
     out["clean"] = {
         "loss": spread([c["loss"] for c in clean]),
-        **{
-            k: [c[k] for c in clean]
-            for k in (
-                "honest_rejected",
-                "honest_held",
-                "reasons",
-                "honest_refusals",
-                "first_round_seconds",
-                "probation_over_round",
-                "max_honest_probation_rounds",
-                "honest_probation_rounds",
-                "honest_held_tokens",
-                "honest_earned_tokens",
-                "seconds",
-                "replication_share",
-                "steady_replication_share",
-            )
-        },
+        **{k: [c[k] for c in clean] for k in CLEAN_KEYS},
     }
     out.update(controls(done, seeds, args))
     out["replication_share"] = round(statistics.mean(c["replication_share"] for c in clean), 4)

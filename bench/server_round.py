@@ -1,6 +1,7 @@
 """One round's server work at a preset, from synthetic Δs and no workers, on an S3 test
 server behind a slow link, and what it projects to for a 16x16 grid trained by 64
-volunteers on a 16-core CPU-only server.
+volunteers on a 16-core CPU-only server. Over 600 lines: the measurement and the
+projection it feeds stay in one script, so that one command regenerates the figure.
 
     .venv/bin/python bench/server_round.py --preset tiny --units 4 --json out.json
     .venv/bin/python bench/server_round.py --preset 150m --units 4 --eval-windows 1 \\
@@ -461,6 +462,15 @@ def _round(
     }  # fmt: skip
 
 
+# What the model leaves out: the server's network interface shared by concurrent tasks
+# (each gets the link's per-request bandwidth: `steps_fetch_mb_per_s` is the total rate
+# the steps' span assumes); a core counted busy while its task waits on the link;
+# Celery, database and lock overheads; the first round's extra checks (peer cosines,
+# settlement: steady state is modelled); replicas, partial units, a failed score task's
+# inline rescoring or checking; evaluation's loading of each path's modules; GPUs on the
+# server; the workers' own downloads and their speed spread beyond the lockstep case;
+# the cores the shared sum's extra threads take from other tasks; memory and disk (the
+# kept copies of a round's Δs, 3 x 256 encoded, ~81 GB at 150M, wait on local disk).
 def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     """The round of a 16x16 grid from the measured per-Δ, per-unit and per-window costs.
 
@@ -481,16 +491,6 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     worker asks for its next lease (the manifest) after its unit trained: the manifest's
     wall counts once a wave, its CPU in the occupancy; evaluation runs while the next round
     trains (occupancy only). `at_nominal_link`: each transfer at the link's own pace.
-
-    What the model leaves out: the server's network interface shared by concurrent tasks
-    (each gets the link's per-request bandwidth: `steps_fetch_mb_per_s` is the total rate
-    the steps' span assumes); a core counted busy while its task waits on the link;
-    Celery, database and lock overheads; the first round's extra checks (peer cosines,
-    settlement: steady state is modelled); replicas, partial units, a failed score task's
-    inline rescoring or checking; evaluation's loading of each path's modules; GPUs on the
-    server; the workers' own downloads and their speed spread beyond the lockstep case;
-    the cores the shared sum's extra threads take from other tasks; memory and disk (the
-    kept copies of a round's Δs, 3 x 256 encoded, ~81 GB at 150M, wait on local disk).
     """
     layout = LayoutConfig.grid(config.model.num_layers, levels=LEVELS, modules=MODULES)
     units, level_modules, levels = layout.num_paths, sum(layout.modules_per_level), LEVELS

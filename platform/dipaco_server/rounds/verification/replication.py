@@ -21,7 +21,7 @@ drawn at random, avoiding the worker the asker was last paired with. A newcomer'
 probation evidence (`evidence`) counts the pairings of open rounds too, so a round gives
 it what it lacks and no more.
 
-After probation (issue 61: trust earned once must keep being earned): an established
+After probation (trust earned once must keep being earned): an established
 worker is audited at a rate grown with its share of the round's units (`audit_rate`), never
 more than ceil(AUDIT_SPREAD / rate) units apart (`audit_overdue`), so a sleeper is compared
 within a bounded number of units of turning; a doubtful comparison (rules.AGREE_COSINE)
@@ -76,7 +76,7 @@ def partners_needed_now(worker_id: int) -> int:
 # probation.LATE_PARTNERS distinct partners (both roles, and a conclusive agreement where
 # one is asked for, still), not DIPACO_PROBATION_PARTNERS (`late`, workers.trust._save_standing): live, with six honest
 # workers, one agreed with 2 of its 3 partners and never met a third in 8 rounds (every unit
-# of it replicated, 61,918 tokens of its credit held at the end; issue 61). Four newcomers
+# of it replicated, 61,918 tokens of its credit held at the end). Four newcomers
 # meet all their partners in two rounds (tests/test_probation.py), so the rule changes
 # nothing where the grid allows. Two partners still mean two workers that trained the same
 # units to the same Δ within AGREE_COSINE (rules), and audits go on after probation
@@ -193,7 +193,7 @@ def audit_rate(worker: Worker, unit: WorkUnit) -> float:
     (x (1 + SHARE_AUDIT x share), at most 1). What an unaudited worker can do to a module
     grows with the share of its updates it supplies: among 10,000 workers a sleeper moves
     nothing, among 4 it is a quarter of every step (live: a sleeper biasing a quarter of a
-    2x2 run's units, audited at 0.05, was credited all it claimed, issue 61). 0 when audits
+    2x2 run's units, audited at 0.05, was credited all it claimed). 0 when audits
     are off (the rate 0)."""
     base = trust.replication_rate(worker)
     if base <= 0 or base >= 1:
@@ -423,7 +423,7 @@ def copy_for_check_role(worker: Worker, rounds: set[int]) -> WorkUnit | None:
     goes to this worker (`not_own_check`). Live, with six honest workers, one that had
     agreed twice as the original asked first each round, took an original, and the copies
     queued for it later went to others; it stayed on probation for the whole run, its
-    credit held (issue 61)."""
+    credit held."""
     if not worker.probation or worker.operator_trusted or not late(worker.pk):
         return None
     if not evidence(worker).lacks(partners_needed_now(worker.pk))[2]:

@@ -275,7 +275,7 @@ def replicas_agree(a: Tensors, b: Tensors, cfg: OuterConfig) -> tuple[bool, str]
 # tests/test_replica_bias.py). A fixed direction added at 0.5 x the Δ's norm keeps a
 # cosine of 1/√1.25 = 0.894 with an exact honest copy (0.858 with the machines' deviation
 # on the honest one) and passed `replicas_agree`'s tolerance (0.2) as agreement: live, a
-# sleeper's audits all agreed and it was credited everything it claimed (issue 61).
+# sleeper's audits all agreed and it was credited everything it claimed.
 # Between the tolerance and this bar a pair is *doubtful* (`settle_replicas`): neither
 # copy is refused (nothing tells which one carries the difference), neither confirms the
 # other, and both workers' next units are replicated with their credit held until a
