@@ -62,35 +62,48 @@ def pss_bytes(pid: int) -> int:
 
 
 def memory_parts(config: Any, device: str = "cpu") -> dict[str, int]:
-    """What the worker's memory holds at its peak at one path of `config`, by design (bytes,
-    from the path's parameter count N and the unit's shapes; accounting, not a measurement),
-    while one unit trains and the previous one is encoded: the resident model's fp32
-    parameters, gradients and AdamW moments, θ_old (the module weights the unit started
-    from, for Δ), the previous unit's Δ in fp32 until it is encoded (worker_agent.handin),
-    a micro-batch's logits and their gradient, and the unit's data (at most two row
-    chunks: dipaco.data.rows.UnitRows). On a GPU the checkpoint's pinned host buffers
-    (weights and moments) and the moments' copy a unit's end hands the next unit are host
-    memory too; on the CPU neither exists (dipaco.inner.checkpoint: the live tensors are
-    written, the moments read back from the file). The encoded upload is written to disk
-    a module at a time. Activations, module files being read and the runtime are not in
-    it: the measured peak less these parts is what they and transient copies hold."""
+    """What the worker's memory holds at one path of `config`, by design (bytes, from the
+    path's parameter count N and the unit's shapes; accounting, not a measurement): the
+    resident model's fp32 parameters and AdamW moments, θ_old (the module weights the unit
+    started from, for Δ), and either what a unit trains with (its gradients, a
+    micro-batch's logits and their gradient, its data: at most two row chunks,
+    dipaco.data.rows.UnitRows) or what its hand-in holds (Δ in fp32 until it is encoded,
+    and the codec's error-feedback residual). On the CPU the two never meet: a unit's end
+    lets the gradients go before Δ is made (dipaco.inner.loop), and the next unit's modules
+    are read once the last Δ is encoded (worker_agent.agent), so the peak by design is
+    the larger of `training_bytes` and `hand_in_bytes`, given beside the parts. On a GPU
+    the hand-in overlaps training in host memory, with the checkpoint's pinned host
+    buffers (weights and moments) and the moments' copy a unit's end hands the next unit;
+    on the CPU neither exists (dipaco.inner.checkpoint writes the live tensors, and the
+    moments are read back from the file). The encoded upload is written to disk a module
+    at a time. Activations, module files being read and the runtime are not in it: the
+    measured peak less the larger phase is what they and transient copies hold."""
     from dipaco.data.rows import CHUNK_BYTES
 
     n = config.num_params()
     T, B = config.model.seq_len, config.inner.micro_batch_size
     parts = {
         "parameters": 4 * n,
-        "gradients": 4 * n,
         "adamw_moments": 8 * n,
         "base_snapshot": 4 * n,
-        "previous_delta": 4 * n,
+        "gradients": 4 * n,
         "logits": B * T * config.model.vocab_size * 4 * 2,  # a micro-batch's and their grad
         "data": min(
             2 * CHUNK_BYTES, 2 * config.inner.steps * config.inner.batch_size * (T + 1) * 2
         ),
+        "delta": 4 * n,
+        "residual": 4 * n,
     }
+    resident = parts["parameters"] + parts["adamw_moments"] + parts["base_snapshot"]
+    training = resident + parts["gradients"] + parts["logits"] + parts["data"]
+    hand_in = parts["delta"] + parts["residual"]
     if device != "cpu":
         parts.update(checkpoint_buffers=12 * n, adamw_moments_copy=8 * n)
+        training += hand_in + parts["checkpoint_buffers"] + parts["adamw_moments_copy"]
+        hand_in = training
+    else:
+        hand_in += resident
+    parts.update(training_bytes=training, hand_in_bytes=hand_in)
     return parts
 
 

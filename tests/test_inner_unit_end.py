@@ -64,6 +64,8 @@ def test_the_delta_from_the_last_snapshot_is_the_delta_read_off_the_model(
     assert saved_step(tmp_path / "c") == 4
     assert_same_unit(result, waited)
     assert set(result.timings) >= {"load_s", "final_snapshot_s", "delta_and_moments_s"}
+    # The gradients went before Δ was made: the two are never held at once.
+    assert all(p.grad is None for p in trainer.model.parameters())
 
 
 def test_a_crash_during_the_final_background_write_leaves_a_checkpoint_that_resumes_bit_identically(

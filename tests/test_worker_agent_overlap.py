@@ -99,7 +99,8 @@ def test_heartbeats_extend_the_lease_in_hand_in_as_well_as_the_one_training(
 
 class HeldUpload(httpx.HTTPTransport):
     """A slow volunteer line: the first hand-in's upload-URL request waits until `release`
-    is set (at most GATE_S); every completion sent is written to `order`."""
+    is set (at most GATE_S); every manifest, upload-URL and completion request is written
+    to `order`."""
 
     def __init__(self, order: list[tuple[str, int]], release: threading.Event) -> None:
         super().__init__()
@@ -107,6 +108,8 @@ class HeldUpload(httpx.HTTPTransport):
 
     def handle_request(self, request: httpx.Request) -> httpx.Response:
         path = request.url.path
+        if path.endswith(("/upload-urls", "/manifest")):
+            self.order.append((path.split("/")[-1], int(path.split("/")[-2])))
         if path.endswith("/upload-urls") and not self.held:
             self.held = True
             self.release.wait(GATE_S)
@@ -164,6 +167,9 @@ def test_a_slow_upload_does_not_delay_the_next_units_first_step(
     assert len(leases) == 2, out.getvalue()
     first, second = leases
     assert order.index(("step", second)) < order.index(("complete", first)), (order, out.getvalue())
+    # On the CPU the next unit's modules are read once the last Δ is encoded (its upload
+    # URLs are asked for then): the two units' weights and Δ are never held at once.
+    assert order.index(("upload-urls", first)) < order.index(("manifest", second)), order
     # Meanwhile the state file named the lease in hand-in: a restart would hand its Δ in.
     saved = reporter.saved_then
     assert (saved["lease"]["lease_id"], saved["phase"]) == (first, "uploading"), saved

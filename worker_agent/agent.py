@@ -270,6 +270,7 @@ class Agent:
         self.heartbeats.track(grant.lease_id, grant.secret)
         try:
             with self._lease_ends(grant), disk_errors(self.options.data_dir):
+                self._wait_for_encoded()
                 manifest, modules = self._fetch(grant, config)
                 self._wait_for_same_path(grant)
                 trained = self._train(grant, config, modules, manifest.data, record, work)
@@ -345,6 +346,15 @@ class Agent:
             return self.cache.fetch(ref.url, ref.sha256, ref.size,
                                     what=f"training rows of path {grant.path}")  # fmt: skip
 
+    def _wait_for_encoded(self) -> None:
+        """On the CPU, where training and the hand-in share the host's memory, the last
+        unit's Δ is encoded and its fp32 copy let go before this unit's modules are read:
+        else the two units' weights and Δ (4 bytes a parameter each) would be held at once.
+        Its upload goes on meanwhile. On a GPU the unit trains in device memory and the
+        encoding overlaps it."""
+        if self.handing_in is not None and self.device.device.type == "cpu":
+            self.handing_in.wait_encoded()
+
     def _wait_for_same_path(self, grant: LeaseGrant) -> None:
         """A unit of the path being handed in trains once that completion is accepted: its
         warm state is the path's only then (module doc)."""
@@ -418,7 +428,7 @@ class Agent:
         self.heartbeats.keep_alive(grant.lease_id, grant.secret)
         job = HandInThread(
             grant.lease_id, grant.run_id, grant.path, trained.work,
-            lambda: self._hand_in_unit(trained, until),
+            lambda: self._hand_in_unit(trained, until, on_encoded=job.encoded.set),
             before_next_lease=grant.seconds_limit is not None,
         )  # fmt: skip
         self.handing_in = job
@@ -428,7 +438,9 @@ class Agent:
         keep = {ref.sha256 for ref in [*manifest.modules, *rebased]}  # the unit's rows go
         self.cache.prune(keep, self.options.cache_max_bytes)
 
-    def _hand_in_unit(self, trained: TrainedUnit, until: float) -> None:
+    def _hand_in_unit(
+        self, trained: TrainedUnit, until: float, *, on_encoded: Callable[[], None]
+    ) -> None:
         """Encode, upload and complete a trained unit's Δ (on its hand-in thread), then keep
         its path's new inner state. A lease gone or a stop is handled here, as `_work`
         handles them; anything else is raised (again by `_wait_for_hand_in`)."""
@@ -436,18 +448,18 @@ class Agent:
         try:
             with self._lease_ends(grant):
                 try:
-                    self._send(trained, until)
+                    self._send(trained, until, on_encoded)
                 finally:  # the last checkpoint, written meanwhile, is whole before any discard
                     trained.result.checkpoint_written()
         finally:
             self.heartbeats.forget(grant.lease_id)
 
-    def _send(self, trained: TrainedUnit, until: float) -> None:
+    def _send(self, trained: TrainedUnit, until: float, on_encoded: Callable[[], None]) -> None:
         grant = trained.grant
         metrics, state = send_unit(
             trained, until=until, client=self.client, transfers=self.upload_transfers,
             reporter=self.reporter, stop=self.stop, pause_s=self.options.hand_in_pause_s,
-            data_dir=self.options.data_dir,
+            data_dir=self.options.data_dir, on_encoded=on_encoded,
         )  # fmt: skip
         # Only now: the server holds these Δs, so their moments and residual are the path's.
         self.inner_states.save(grant.run_id, grant.path, state)

@@ -88,6 +88,9 @@ class HandInThread:
         self.before_next_lease = before_next_lease
         self._work = work
         self._error: BaseException | None = None
+        # Set once the fp32 Δ is encoded and let go (or the hand-in ended): the next unit
+        # trains after it, so the two never hold their memory at once (`send_unit`).
+        self.encoded = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name=f"dipaco-hand-in-{lease_id}", daemon=True
         )
@@ -100,6 +103,12 @@ class HandInThread:
             self._work()
         except Exception as error:  # kept for `wait`, on the agent's thread
             self._error = error
+        finally:
+            self.encoded.set()
+
+    def wait_encoded(self) -> None:
+        """Until the Δ is encoded and its fp32 copy let go (the upload may go on)."""
+        self.encoded.wait()
 
     def done(self) -> bool:
         return not self._thread.is_alive()
@@ -135,9 +144,11 @@ def send_unit(
     stop: threading.Event,
     pause_s: float,
     data_dir: Path,
+    on_encoded: Callable[[], None] | None = None,
 ) -> tuple[dict[str, float], InnerState]:
     """Encode the unit's Δ, upload it and complete its lease (`hand_in`'s patience); returns
-    the completion's metrics and the path's next inner state (to keep once accepted)."""
+    the completion's metrics and the path's next inner state (to keep once accepted).
+    `on_encoded()` is called once the fp32 Δ is encoded and let go."""
     grant, result, work, rebaser = unit.grant, unit.result, unit.work, unit.rebaser
     with disk_errors(data_dir):
         encoded, state = encode_deltas(
@@ -146,6 +157,8 @@ def send_unit(
     # The encoded files are what goes up: the fp32 Δ (4 bytes a parameter) is let go now,
     # not after the upload, while the next unit trains.
     result.delta, result.module_deltas = {}, {}
+    if on_encoded is not None:
+        on_encoded()
     steps = len(result.losses)
     tail = result.losses[-max(1, steps // 10) :]
     metrics = {
