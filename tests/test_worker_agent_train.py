@@ -204,6 +204,22 @@ def test_the_residual_feeds_back_the_last_encodings_rounding_error(tmp_path: Pat
     assert "0.0/w" in state.residual and state.residual["0.0/w"] is not after.residual["0.0/w"]
 
 
+def test_encoding_that_releases_each_modules_delta_sends_the_same_bytes(tmp_path: Path) -> None:
+    """The hand-in lets each module's fp32 Δ go once it is encoded (`release`): the same
+    files and residual as encoding from a mapping it keeps, and the mapping ends empty."""
+    config = RunConfig.tiny(model=SMALL_MODEL, comm={"codec": "int8"})
+    generator = torch.Generator().manual_seed(1)
+    deltas = {m: {"w": torch.randn(32, 32, generator=generator) * 1e-3} for m in ("0.0", "1.0")}
+    kept, kept_state = encode_deltas(deltas, config, tmp_path / "kept")
+    given = {m: dict(d) for m, d in deltas.items()}
+    released, released_state = encode_deltas(given, config, tmp_path / "given", release=True)
+    assert given == {}
+    assert [(e.module_id, e.sha256) for e in released] == [(e.module_id, e.sha256) for e in kept]
+    assert released_state.residual.keys() == kept_state.residual.keys()
+    for key, residual in kept_state.residual.items():
+        assert torch.equal(released_state.residual[key], residual), key
+
+
 def test_moments_of_another_model_are_not_reused(tmp_path: Path, config: RunConfig) -> None:
     states = InnerStates(tmp_path / "inner")
     saved = InnerState({"x/step": torch.tensor(5.0)}, {}, state_fingerprint(config))

@@ -150,13 +150,14 @@ def send_unit(
     the completion's metrics and the path's next inner state (to keep once accepted).
     `on_encoded()` is called once the fp32 Δ is encoded and let go."""
     grant, result, work, rebaser = unit.grant, unit.result, unit.work, unit.rebaser
+    # The encoded files are what goes up: the fp32 Δ (4 bytes a parameter) is let go as
+    # each module is encoded, not after the upload, while the next unit trains.
+    deltas, result.delta, result.module_deltas = result.module_deltas, {}, {}
     with disk_errors(data_dir):
         encoded, state = encode_deltas(
-            result.module_deltas, unit.config, work / "deltas", result.state
+            deltas, unit.config, work / "deltas", result.state, release=True
         )
-    # The encoded files are what goes up: the fp32 Δ (4 bytes a parameter) is let go now,
-    # not after the upload, while the next unit trains.
-    result.delta, result.module_deltas = {}, {}
+    del deltas
     if on_encoded is not None:
         on_encoded()
     steps = len(result.losses)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Mapping
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -79,6 +79,8 @@ def encode_deltas(
     config: RunConfig,
     directory: Path,
     state: InnerState | None = None,
+    *,
+    release: bool = False,
 ) -> tuple[list[EncodedDelta], InnerState]:
     """Each module's Δ encoded with the run's codec into ``<directory>/delta-<module>...``,
     with error feedback (`codecs.encode_module_deltas`) from the residual kept in `state`.
@@ -86,6 +88,9 @@ def encode_deltas(
     Returns the encoded files and a copy of `state` whose residual is the error of these
     encodings: the path's state to keep once the server has accepted them (not before: a
     Δ it never received must not leave its rounding error behind as if it had).
+    `release`: `deltas` (a mutable mapping, then) gives each module's Δ up once it is
+    encoded, so the fp32 Δ still held shrinks as the residual grows (at 150M the two
+    would otherwise meet whole: 8 bytes a parameter).
     """
     directory.mkdir(parents=True, exist_ok=True)
     after = InnerState(fingerprint=state_fingerprint(config))
@@ -93,10 +98,15 @@ def encode_deltas(
         # The moments' mapping itself (not a copy): the resident trainer knows it by identity.
         after = InnerState(state.adam, dict(state.residual), state.fingerprint)
     encoded = []
-    for module_id, data in codecs.encode_module_deltas(deltas, config.comm, after):
-        path = directory / f"delta-{module_id}.safetensors"
-        tmp = path.with_name(f"{path.name}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(path)
-        encoded.append(EncodedDelta(module_id, path, sha256_of(path), len(data)))
+    for module_id in list(deltas):
+        one = {module_id: deltas[module_id]}
+        if release:
+            assert isinstance(deltas, MutableMapping)
+            del deltas[module_id]
+        for _, data in codecs.encode_module_deltas(one, config.comm, after):
+            path = directory / f"delta-{module_id}.safetensors"
+            tmp = path.with_name(f"{path.name}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(path)
+            encoded.append(EncodedDelta(module_id, path, sha256_of(path), len(data)))
     return encoded, after
