@@ -35,6 +35,7 @@ from dipaco.inner import (
 from dipaco.inner.fit import path_memory
 from dipaco.inner.trainer import Fault
 from dipaco.modular import init_modules
+from dipaco.tensorfile import FileTensors
 from worker_agent.errors import OutOfMemory
 from worker_agent.payload import encode_deltas
 from worker_agent.state import InnerStates, LeaseRecord
@@ -171,6 +172,10 @@ def test_inner_state_kept_in_the_agents_cache_gives_the_delta_that_keeping_it_in
     states.save(1, 0, in_memory)
     from_cache = states.load(1, 0, config)
     assert from_cache is not None
+    # Both stay on disk until used: the moments until the optimizer takes them, the
+    # residual until its module's next Δ is encoded (a module at a time).
+    assert isinstance(from_cache.adam, FileTensors)
+    assert isinstance(from_cache.residual, FileTensors)
 
     def second_unit(state: InnerState, name: str) -> tuple[dict[str, torch.Tensor], list[bytes]]:
         work = unit(config, window_file(tmp_path, config, seed=1), round_index=1)

@@ -94,19 +94,40 @@ def encode_deltas(
     """
     directory.mkdir(parents=True, exist_ok=True)
     after = InnerState(fingerprint=state_fingerprint(config))
+    before = InnerState()
     if state is not None:
         # The moments' mapping itself (not a copy): the resident trainer knows it by identity.
-        after = InnerState(state.adam, dict(state.residual), state.fingerprint)
+        after = InnerState(state.adam, {}, state.fingerprint)
+        before = state
+    feedback = _Feedback(before, after)
     encoded = []
     for module_id in list(deltas):
         one = {module_id: deltas[module_id]}
         if release:
             assert isinstance(deltas, MutableMapping)
             del deltas[module_id]
-        for _, data in codecs.encode_module_deltas(one, config.comm, after):
+        for _, data in codecs.encode_module_deltas(one, config.comm, feedback):
             path = directory / f"delta-{module_id}.safetensors"
             tmp = path.with_name(f"{path.name}.tmp")
             tmp.write_bytes(data)
             tmp.replace(path)
             encoded.append(EncodedDelta(module_id, path, sha256_of(path), len(data)))
+    # Modules without a Δ this time keep their residual (read only now, and only theirs).
+    sent = {e.module_id for e in encoded}
+    kept = {k: before.residual[k] for k in before.residual if k.split("/")[0] not in sent}
+    after.residual = {**kept, **after.residual}
     return encoded, after
+
+
+class _Feedback:
+    """Error feedback from `before`'s residual (read a module at a time: a lazy one stays
+    on disk) into `after`'s (the new residuals only), leaving `before` as it was."""
+
+    def __init__(self, before: InnerState, after: InnerState) -> None:
+        self.before, self.after = before, after
+
+    def module_residual(self, module_id: str) -> dict[str, Tensor]:
+        return self.before.module_residual(module_id)
+
+    def set_module_residual(self, module_id: str, tensors: Mapping[str, Tensor]) -> None:
+        self.after.set_module_residual(module_id, tensors)

@@ -132,4 +132,7 @@ class InnerStates:
                 # goes: read from the saved copy instead (the same mapping, so the trainer
                 # still knows it for the moments it holds)
                 state.adam.reopen(target, {key: f"adam/{key}" for key in state.adam})
+            # The residual is read from the saved copy too, a module at a time when the
+            # path's next Δ is encoded: not held while the next units train.
+            state.residual = FileTensors(target, {k: f"residual/{k}" for k in state.residual})
             self._last = (run_id, path, state)

@@ -171,19 +171,24 @@ def encode_with_feedback(
     """
     zstd.check_compression(compression)
     residual = residual or {}
-    corrected = {}
+    corrected, owned = {}, set()
     for name, tensor in tensors.items():
         value = tensor.detach().to("cpu", torch.float32)
         previous = residual.get(name)
         if previous is not None and tuple(previous.shape) == tuple(value.shape):
             value = value + previous.to(torch.float32)
+            owned.add(name)  # a tensor of its own: the new residual may be made in place
         corrected[name] = value
     data = encode(corrected, codec, block_size=block_size)
     wire = zstd.compress(data) if compression == "zstd" else data
     if REGISTRY[codec].exact:
         return wire, {}
     sent = decode(data)
-    return wire, {name: corrected[name] - sent[name] for name in corrected}
+    errors = {}
+    for name, value in corrected.items():
+        decoded = sent.pop(name)
+        errors[name] = value.sub_(decoded) if name in owned else value - decoded
+    return wire, errors
 
 
 def encode_to_file(

@@ -127,7 +127,7 @@ class InnerState:
     """
 
     adam: Mapping[str, Tensor] = field(default_factory=dict)  # lazy: FileTensors
-    residual: dict[str, Tensor] = field(default_factory=dict)
+    residual: Mapping[str, Tensor] = field(default_factory=dict)  # lazy once loaded
     fingerprint: str = ""
 
     def state_dict(self) -> Mapping[str, Tensor]:
@@ -141,8 +141,8 @@ class InnerState:
 
     def module_residual(self, module_id: str) -> dict[str, Tensor]:
         """The error-feedback residual of one module's Δ, by tensor name (empty: none yet)."""
-        prefix = f"{module_id}/"
-        return {k[len(prefix) :]: v for k, v in self.residual.items() if k.startswith(prefix)}
+        prefix, residual = f"{module_id}/", self.residual
+        return {k[len(prefix) :]: residual[k] for k in residual if k.startswith(prefix)}
 
     def set_module_residual(self, module_id: str, tensors: Mapping[str, Tensor]) -> None:
         """Replace one module's residual (encode_with_feedback's second result)."""
@@ -174,9 +174,11 @@ class InnerState:
                 if fingerprint is not None and meta.get("fingerprint") != fingerprint:
                     return None
                 keys = list(handle.keys())
-                residual = {k[9:]: handle.get_tensor(k) for k in keys if k.startswith("residual/")}
-            # The moments stay on disk until the optimizer takes them, one at a time.
+            # The moments stay on disk until the optimizer takes them, one at a time, and
+            # the residual until its module's next Δ is encoded (4 bytes a parameter each
+            # that a unit would otherwise hold while it trains).
             adam = FileTensors(path, {k[5:]: k for k in keys if k.startswith("adam/")})
+            residual = FileTensors(path, {k[9:]: k for k in keys if k.startswith("residual/")})
         except (OSError, ValueError, SafetensorError):
             return None  # a torn or foreign file: start with fresh moments, never crash
         return cls(adam=adam, residual=residual, fingerprint=str(meta.get("fingerprint", "")))

@@ -172,9 +172,9 @@ class PathTrainer:
         )  # fmt: skip
         split_started = time.perf_counter()
         residual = state.residual if state is not None and warm is not None else {}
-        result.state = InnerState(
-            adam=result.adam, residual=dict(residual), fingerprint=fingerprint
-        )
+        # The residual as it is (a lazy one stays on disk): a hand-in replaces it, never
+        # changes it in place (worker_agent.payload.encode_deltas).
+        result.state = InnerState(adam=result.adam, residual=residual, fingerprint=fingerprint)
         self._resident = result.adam
         if result.delta:  # also a stopped unit's partial Δ, which the agent may salvage
             result.module_deltas = split_path_state(config, p, result.delta)
