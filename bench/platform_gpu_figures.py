@@ -9,6 +9,7 @@ import os
 import statistics
 import subprocess
 import threading
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -132,16 +133,18 @@ def gpu_memory() -> tuple[int | None, dict[int, int]]:
 
 class MemorySampler(threading.Thread):
     """Peaks of the server tree's summed RSS, the worker's RSS and GPU memory (device,
-    server processes, worker), every SAMPLE_S seconds until stopped."""
+    server processes, worker), every SAMPLE_S seconds until stopped, and when the worker's
+    summed PSS peaked (`worker_pss_peak_at`, unix seconds)."""
 
     def __init__(self, server_pid: int, gpu: bool) -> None:
         super().__init__(name="memory-sampler", daemon=True)
         self.server_pid, self.gpu = server_pid, gpu
         self.worker_pid: int | None = None
-        self.peaks: dict[str, int | None] = {
+        self.peaks: dict[str, float | None] = {
             "server_rss_bytes": 0, "server_processes": 0, "worker_rss_bytes": 0,
             "server_pss_bytes": 0, "worker_pss_bytes": 0, "worker_processes": 0,
             "gpu_bytes": None, "gpu_server_bytes": None, "gpu_worker_bytes": None,
+            "worker_pss_peak_at": None,
         }  # fmt: skip
         self.done = threading.Event()
 
@@ -157,7 +160,11 @@ class MemorySampler(threading.Thread):
             self._peak("server_pss_bytes", sum(pss_bytes(p) for p in server))
             worker = process_tree(self.worker_pid) if self.worker_pid else []
             self._peak("worker_rss_bytes", sum(rss_bytes(p) for p in worker))
-            self._peak("worker_pss_bytes", sum(pss_bytes(p) for p in worker))
+            worker_pss = sum(pss_bytes(p) for p in worker)
+            if worker_pss > (self.peaks["worker_pss_bytes"] or 0):
+                # When (unix time): the worker's events (worker.jsonl) say what it was doing.
+                self.peaks["worker_pss_peak_at"] = round(time.time(), 1)
+            self._peak("worker_pss_bytes", worker_pss)
             self._peak("worker_processes", len(worker))
             if self.gpu:
                 used, by_pid = gpu_memory()
@@ -165,7 +172,7 @@ class MemorySampler(threading.Thread):
                 self._peak("gpu_server_bytes", sum(by_pid.get(p, 0) for p in server))
                 self._peak("gpu_worker_bytes", sum(by_pid.get(p, 0) for p in worker))
 
-    def stop(self) -> dict[str, int | None]:
+    def stop(self) -> dict[str, float | None]:
         self.done.set()
         self.join(timeout=30)
         return dict(self.peaks)

@@ -21,7 +21,7 @@ from dipaco.inner import InnerResult, InnerState
 from dipaco.retry import HAND_IN_PAUSE_S
 from worker_agent.client import Client, Contribution, LeaseGrant, UploadTarget
 from worker_agent.errors import ServerUnreachable
-from worker_agent.payload import encode_deltas
+from worker_agent.payload import EncodedDelta, encode_deltas
 from worker_agent.progress import Reporter
 from worker_agent.rebase import Rebaser, rebased_versions
 from worker_agent.retry import is_transient
@@ -134,6 +134,17 @@ class TrainedUnit:
     micro_batch: int = 0  # the micro-batch it trained with (reported)
 
 
+def _encode(unit: TrainedUnit, data_dir: Path) -> tuple[list[EncodedDelta], InnerState]:
+    """The unit's Δ encoded under its work folder. The encoded files are what goes up: the
+    fp32 Δ (4 bytes a parameter) is let go as each module is encoded, not after the
+    upload, while the next unit trains."""
+    result = unit.result
+    deltas, result.delta, result.module_deltas = result.module_deltas, {}, {}
+    with disk_errors(data_dir):
+        return encode_deltas(deltas, unit.config, unit.work / "deltas", result.state,
+                             release=True)  # fmt: skip
+
+
 def send_unit(
     unit: TrainedUnit,
     *,
@@ -150,14 +161,7 @@ def send_unit(
     the completion's metrics and the path's next inner state (to keep once accepted).
     `on_encoded()` is called once the fp32 Δ is encoded and let go."""
     grant, result, work, rebaser = unit.grant, unit.result, unit.work, unit.rebaser
-    # The encoded files are what goes up: the fp32 Δ (4 bytes a parameter) is let go as
-    # each module is encoded, not after the upload, while the next unit trains.
-    deltas, result.delta, result.module_deltas = result.module_deltas, {}, {}
-    with disk_errors(data_dir):
-        encoded, state = encode_deltas(
-            deltas, unit.config, work / "deltas", result.state, release=True
-        )
-    del deltas
+    encoded, state = _encode(unit, data_dir)
     if on_encoded is not None:
         on_encoded()
     steps = len(result.losses)
