@@ -5,9 +5,9 @@
 
 For each codec, `contributions` pseudo-gradients of a `params`-value module are encoded
 and stored in a local blob store (a temporary directory), with version `base` and its
-momentum. Then `rounds.outer.step.compute_step` runs exactly as the Celery task does: fetch
-each upload (sha256 while it streams), verify it, norm outliers, then accumulate the
-accepted ones into one fp32 sum, and the Nesterov step streaming version `base` and its
+momentum. Then `rounds.verification.judge.judge_uploads` and `rounds.outer.step.step_judged`
+run exactly as the Celery task runs them: fetch each upload (sha256 while it streams),
+verify it, norm outliers, then accumulate the accepted ones into one fp32 sum, and the Nesterov step streaming version `base` and its
 momentum in and version t + 1 and its momentum out. Reported:
 
 - **step s**: the whole step, best of ``--repeats``; **read s**: reading the same bytes
@@ -111,7 +111,9 @@ def measure(codec: str, args: argparse.Namespace, root: Path) -> dict[str, float
     from dipaco.codecs import encode
     from dipaco.config import OuterConfig
     from dipaco.modules_file import write_module
-    from dipaco_server.rounds.outer.step import BaseVersion, Upload, compute_step
+    from dipaco_server.rounds.outer.step import BaseVersion, step_judged
+    from dipaco_server.rounds.verification.judge import judge_uploads
+    from dipaco_server.rounds.verification.uploads import Upload
     from dipaco_server.storage.local import LocalBlobStore
 
     store = LocalBlobStore(root / "blobs", public_url="http://127.0.0.1", secret="bench")
@@ -146,7 +148,8 @@ def measure(codec: str, args: argparse.Namespace, root: Path) -> dict[str, float
         exact = reset_peak()
         before = rss_kib("VmRSS:") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         start = time.perf_counter()
-        result = compute_step(store, uploads, version, spec, cfg, work, round_index=0)
+        judgement = judge_uploads(store, uploads, spec, cfg, work)
+        result = step_judged(store, judgement, version, spec, cfg, work, round_index=0)
         step_s = time.perf_counter() - start
         after = rss_kib("VmHWM:") if exact else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         assert result.weights is not None and all(v.accepted for v in result.verdicts)

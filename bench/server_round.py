@@ -26,10 +26,10 @@ waits on the link in wall seconds (`_seconds` keys):
 - **check tasks**, as `check_unit` at a completion (rounds.verification.arrival): each Δ
   fetched alone (`fetch_seconds`), then its format, norm, decode and cosine with the outer
   momentum (`arrival_cpu`), the verified copy kept;
-- **module steps**, as `outer_step` at the close: `compute_step` in steady state (a norm
-  history and a momentum) reusing those checks, its parts' CPU apart (`checks_cpu`: what
-  the step still checks, the kept copies linked; `aggregate_cpu`, on one thread: the
-  split by tensor is projected; `outer_cpu`), base and momentum in
+- **module steps**, as `outer_step` at the close: `judge_uploads` and `step_judged` in
+  steady state (a norm history and a momentum) reusing those checks, its parts' CPU apart
+  (`checks_cpu`: what the step still checks, the kept copies linked; `aggregate_cpu`, on
+  one thread: the split by tensor is projected; `outer_cpu`), base and momentum in
   (`base_fetch_seconds`), weights and momentum out (`publishing_seconds`);
 - **evaluation**: `mean_loss` on --eval-windows windows a path, scaled to `eval.flops`.
 
@@ -293,12 +293,12 @@ def _steps(
     from dipaco.modular import module_spec
     from dipaco.modules_file import read_module
     from dipaco_server.rounds.outer import aggregate, step
-    from dipaco_server.rounds.verification import rules
+    from dipaco_server.rounds.verification import judge, rules
     from dipaco_server.rounds.verification.uploads import fetch
 
-    parts = {"check_contributions": "checks_cpu", "aggregate_uploads": "aggregate_cpu",
-             "apply_step": "outer_cpu"}  # fmt: skip
-    originals = {name: getattr(step, name) for name in parts}
+    parts = {(judge, "check_contributions"): "checks_cpu", (step, "apply_step"): "outer_cpu",
+             (step, "aggregate_uploads"): "aggregate_cpu"}  # fmt: skip
+    originals = {part: getattr(*part) for part in parts}
     split = aggregate.SPLIT_MAX
     # One thread: CPU in thread seconds; the split by tensor is projected (`projection`).
     aggregate.SPLIT_MAX = 1
@@ -308,8 +308,8 @@ def _steps(
             spec = module_spec(config, module_id)
             work, kept = Path(tempfile.mkdtemp(dir=root)), Path(tempfile.mkdtemp(dir=root))
             got: dict[str, float] = defaultdict(float)
-            for name, key in parts.items():
-                setattr(step, name, cpu_timed(originals[name], got, key))
+            for (where, name), key in parts.items():
+                setattr(where, name, cpu_timed(originals[where, name], got, key))
             start = time.perf_counter()
             for key in (bases[module_id].key, bases[module_id].momentum_key):
                 store.download_to(key, work / "fetched")
@@ -332,12 +332,12 @@ def _steps(
                 records[up.contribution_id] = {"sha256": up.sha256, "norm": norm,
                                                "cosine": cosine, "momentum_version": 0}  # fmt: skip
             start = time.perf_counter()
-            result = step.compute_step(
-                store, ups, bases[module_id], spec, config.outer, work, round_index=1,
-                history=(statistics.median(norms),) * 3, momentum=momentum, comm=config.comm,
-                arrival=records, momentum_version=0,
-                kept=lambda u, kept=kept: kept / f"contribution-{u.contribution_id}.safetensors",
-            )  # fmt: skip
+            judged = judge.judge_uploads(
+                store, ups, spec, config.outer, work, history=(statistics.median(norms),) * 3,
+                momentum=momentum, arrival=records, momentum_version=0,
+                kept=lambda u, kept=kept: kept / f"contribution-{u.contribution_id}.safetensors")  # fmt: skip
+            result = step.step_judged(store, judged, bases[module_id], spec, config.outer, work,
+                                      round_index=1, comm=config.comm)  # fmt: skip
             got["step_seconds"] = time.perf_counter() - start
             assert result.weights is not None, [v.reason for v in result.verdicts]
             del momentum
@@ -355,8 +355,8 @@ def _steps(
             shutil.rmtree(kept)
     finally:
         aggregate.SPLIT_MAX = split
-        for name, fn in originals.items():
-            setattr(step, name, fn)
+        for (where, name), fn in originals.items():
+            setattr(where, name, fn)
     return per_module
 
 

@@ -94,7 +94,7 @@ def test_a_completion_sends_check_unit_and_its_record_is_stored(
 
 
 def _inputs(run: Any, module_id: str, t: int) -> dict[str, Any]:
-    """What step_module hands compute_step for `module_id` in round t (no database writes)."""
+    """What step_module hands judge_uploads and step_judged for `module_id` in round t (no database writes)."""
     round_ = Round.objects.get(run=run, t=t)
     phase, config = round_config(run.run_config, t)
     module = Module.objects.get(run=run, phase=phase, module_id=module_id)
@@ -120,13 +120,16 @@ def _compute(run: Any, got: dict[str, Any], arrival: bool) -> Any:
         store = get_blob_store()
         spec, base = got["spec"], got["base"]
         momentum = outer_momentum(store, base.momentum_key, spec, work)
-        result = step.compute_step(
-            store, got["uploads"], base, spec, got["config"].outer, work,
-            round_index=got["round_index"], history=got["history"], momentum=momentum,
-            comm=got["config"].comm,
+        cfg = got["config"].outer
+        judgement = judge.judge_uploads(
+            store, got["uploads"], spec, cfg, work, history=got["history"], momentum=momentum,
             arrival=arrival_records(got["rows"]) if arrival else None,
             kept=lambda u: checked_file(run.pk, u.contribution_id, u.sha256),
             momentum_version=base.version if momentum is not None else None,
+        )  # fmt: skip
+        result = step.step_judged(
+            store, judgement, base, spec, cfg, work, round_index=got["round_index"],
+            comm=got["config"].comm,
         )  # fmt: skip
         assert momentum is not None, "round 1 steps against an outer momentum"
         return result

@@ -241,13 +241,15 @@ def test_apply_update_refuses_an_update_for_another_module() -> None:
 def test_the_outer_step_publishes_its_base_plus_exactly_the_decoded_update_as_the_library(
     tmp_path: Path,
 ) -> None:
-    """Two steps through rounds.outer.step.compute_step with int8 published updates: each
+    """Two steps through judge_uploads and rounds.outer.step.step_judged with int8 published updates: each
     version is bit for bit what dipaco.updates.publish_update gives from the same step (its
     residual carried to the second), the update's bytes are the library's, and a worker's
     apply_update of them to the base rebuilds the version."""
     from dipaco import codecs
     from dipaco.outer import aggregate, outer_lr, outer_step
-    from dipaco_server.rounds.outer.step import BaseVersion, Upload, compute_step
+    from dipaco_server.rounds.outer.step import BaseVersion, step_judged
+    from dipaco_server.rounds.verification.judge import judge_uploads
+    from dipaco_server.rounds.verification.uploads import Upload
     from dipaco_server.runs import keys
     from dipaco_server.storage import get_blob_store
     from tests.test_outer_tasks import DILOCO, random_delta, running_run, stored_version
@@ -266,7 +268,8 @@ def test_the_outer_step_publishes_its_base_plus_exactly_the_decoded_update_as_th
                         hashlib.sha256(data).hexdigest(), 100)  # fmt: skip
         work = tmp_path / f"step-{t}"
         work.mkdir()
-        result = compute_step(store, [upload], base, spec, cfg, work, round_index=t, comm=comm)
+        judgement = judge_uploads(store, [upload], spec, cfg, work)
+        result = step_judged(store, judgement, base, spec, cfg, work, round_index=t, comm=comm)
         assert result.weights is not None and result.update is not None
 
         grad = aggregate([(codecs.decode(data, spec), 100)], cfg, paths_through=1, spec=spec)

@@ -44,12 +44,13 @@ from dipaco_server.rounds.outer.step import (
     BaseVersion,
     Fault,
     InjectedFault,
-    Upload,
-    compute_step,
+    step_judged,
     step_module,
 )
 from dipaco_server.rounds.protocol.complete import ContributionReport, complete, upload_key
 from dipaco_server.rounds.protocol.grant import grant_lease
+from dipaco_server.rounds.verification.judge import judge_uploads
+from dipaco_server.rounds.verification.uploads import Upload
 from dipaco_server.runs import keys
 from dipaco_server.runs.models import Module, ModuleVersion, Run
 from dipaco_server.runs.services import create_run, transition
@@ -517,7 +518,8 @@ def test_the_robust_rules_match_the_library_while_streaming(db: None, tmp_path: 
         cfg = run.run_config.outer.model_copy(update={"robust": rule, "trim_fraction": 0.2})
         work = tmp_path / rule
         work.mkdir()
-        result = compute_step(store, uploads, base, spec, cfg, work, round_index=0)
+        judgement = judge_uploads(store, uploads, spec, cfg, work)
+        result = step_judged(store, judgement, base, spec, cfg, work, round_index=0)
         assert result.weights is not None
         expected, _ = outer_step(
             stored_version(run, "0.0", 0), aggregate(deltas, cfg, paths_through=2), None, cfg
@@ -636,7 +638,9 @@ import json, os, sys, tempfile, pathlib
 import django
 django.setup()
 import torch
-from dipaco_server.rounds.outer.step import BaseVersion, Upload, compute_step
+from dipaco_server.rounds.outer.step import BaseVersion, step_judged
+from dipaco_server.rounds.verification.judge import judge_uploads
+from dipaco_server.rounds.verification.uploads import Upload
 from dipaco_server.storage.local import LocalBlobStore
 
 def rss_kib(field):
@@ -652,7 +656,8 @@ def run(case):
     uploads = [Upload(i, 0, *u) for i, u in enumerate(case["uploads"])]
     base = BaseVersion(0, case["base"], case["base_sha"], "")
     work = pathlib.Path(tempfile.mkdtemp(dir=args["root"]))
-    result = compute_step(store, uploads, base, spec, cfg, work, round_index=0)
+    result = step_judged(store, judge_uploads(store, uploads, spec, cfg, work), base, spec, cfg,
+                         work, round_index=0)
     assert result.weights is not None and all(v.accepted for v in result.verdicts)
 run(args["warmup"])  # the same code path once, so the measured one loads no new code
 open("/proc/self/clear_refs", "w").write("5")  # reset the peak to the current RSS

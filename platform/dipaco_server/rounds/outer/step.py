@@ -50,7 +50,6 @@ import signal
 import statistics
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -59,7 +58,6 @@ import torch
 from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
-from torch import Tensor
 
 from dipaco.config import CommConfig, OuterConfig
 from dipaco.data.windows import unit_tokens
@@ -74,9 +72,9 @@ from dipaco_server.rounds.outer.aggregate import BaseVersion, aggregate_uploads,
 from dipaco_server.rounds.outer.publish import EncodedUpdate, encode_update
 from dipaco_server.rounds.verification.arrival import forget
 from dipaco_server.rounds.verification.first_round import UNSETTLED, WAITING
-from dipaco_server.rounds.verification.judge import Judgement, judge, judge_uploads, settle
+from dipaco_server.rounds.verification.judge import Judgement, judge, settle
 from dipaco_server.rounds.verification.settlement import carried
-from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict
+from dipaco_server.rounds.verification.uploads import Verdict
 from dipaco_server.runs import keys
 from dipaco_server.runs.errors import RoundClosed
 from dipaco_server.runs.models import Module, ModuleVersion
@@ -151,50 +149,6 @@ class StepResult:
         return statistics.median(norms) if norms else None
 
 
-def compute_step(
-    store: BlobStore,
-    uploads: Sequence[Upload],
-    base: BaseVersion | None,
-    spec: Spec,
-    cfg: OuterConfig,
-    work: Path,
-    *,
-    round_index: int,
-    trained_start: bool = False,
-    history: Sequence[float] = (),
-    momentum: Mapping[str, Tensor] | None = None,
-    scorer: ScoreFn | None = None,
-    comm: CommConfig | None = None,
-    first_round: Mapping[int, str] | None = None,
-    can_wait: bool = False,
-    arrival: Mapping[int, Mapping[str, Any]] | None = None,
-    kept: Callable[[Upload], Path] | None = None,
-    momentum_version: int | None = None,
-) -> StepResult:
-    """Verify, aggregate and step in `work`; the outputs stay there for the caller.
-
-    `round_index` is the 0-based round of the run's config whose step this is: it sets
-    the outer learning rate (dipaco.outer.outer_lr, cfg.warmup_rounds) and momentum
-    (dipaco.outer.round_momentum; `trained_start`: the phase began from a trained base,
-    whose first step takes none). `history`: the
-    module's accepted median norms of earlier rounds; `momentum`: its outer momentum at
-    the base version; `scorer`: proof of useful work (rounds.verification.rules). With `comm` whose
-    ``download_codec`` is not fp32, the step is published as an encoded update and the
-    weights are the base plus exactly its decoded values (rounds.outer.publish.encode_update).
-    `can_wait`: a next round of the phase exists, so an undecided first round
-    (first_round.UNSETTLED) makes the step wait (`StepResult.waited`) instead of stepping
-    without the held Δs. `arrival`, `kept`, `momentum_version`: the checks done when each
-    completion arrived, reused (rounds.verification.checks.check_contributions).
-    """
-    judgement = judge_uploads(
-        store, uploads, spec, cfg, work, history=history, momentum=momentum, scorer=scorer,
-        first_round=first_round, can_wait=can_wait, arrival=arrival, kept=kept,
-        momentum_version=momentum_version,
-    )  # fmt: skip
-    return step_judged(store, judgement, base, spec, cfg, work, round_index=round_index,
-                       trained_start=trained_start, comm=comm)  # fmt: skip
-
-
 def step_judged(
     store: BlobStore,
     judgement: Judgement,
@@ -208,7 +162,8 @@ def step_judged(
     comm: CommConfig | None = None,
 ) -> StepResult:
     """Aggregate what `judgement` accepted, take the Nesterov step and encode what is
-    published (compute_step's second half; the outputs stay in `work`)."""
+    published; the outputs stay in `work` (judge_uploads is the first half: a test or bench
+    that hands uploads calls both, as the Celery task does through `judge`)."""
     clock = time.perf_counter()
     result = StepResult(judgement.verdicts, replicas=judgement.replicas)
     result.timings["verify"] = judgement.seconds

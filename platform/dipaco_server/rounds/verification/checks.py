@@ -295,6 +295,7 @@ def screen_verdicts(
                 score=v.score,
                 replayed=v.upload.replayed,
                 work=v.upload.work,
+                lr_share=v.upload.lr_share,
             )
         )
     refused = rules.screen(candidates, history, cfg)

@@ -28,7 +28,7 @@ from dipaco.config import OuterConfig, RunConfig
 from dipaco.data.windows import unit_tokens
 from dipaco.modules_file import Spec
 from dipaco_server.rounds import stages
-from dipaco_server.rounds.granted import lease_tokens
+from dipaco_server.rounds.granted import lease_lr_share, lease_tokens
 from dipaco_server.rounds.models import Contribution, Round
 from dipaco_server.rounds.verification.arrival import arrival_records, checked_file
 from dipaco_server.rounds.verification.checks import aggregated, check_contributions
@@ -44,6 +44,7 @@ from dipaco_server.rounds.verification.first_round import UNSETTLED
 from dipaco_server.rounds.verification.scorer import Scorer, delta_bases
 from dipaco_server.rounds.verification.settlement import first_round_verdicts
 from dipaco_server.rounds.verification.uploads import ScoreFn, Upload, Verdict
+from dipaco_server.runs.phases import local_round
 
 if TYPE_CHECKING:
     from dipaco_server.runs.models import Module
@@ -159,6 +160,7 @@ def uploads_of(
     less.
     """
     whole_unit = unit_tokens(config)
+    round_index = local_round(module.run.run_config, t) if rows else 0
     bases = delta_bases(rows)
     replays = replayed(run_id, t, rows)
     checks = check_copies(rows)
@@ -183,6 +185,7 @@ def uploads_of(
                 partial=c.tokens < allowed,
                 work=min(1.0, min(c.tokens, allowed) / whole_unit),
                 sized=min(1.0, allowed / whole_unit),
+                lr_share=lease_lr_share(c.lease, config, round_index),
                 delta_base=bases[c.lease_id],
                 replica_past=pasts.get(c.lease.worker_id, ()),
             )

@@ -18,7 +18,9 @@ the Δ does, never only with the round's other Δs:
   applied alone to its path's base weights must lower the loss on most of the drawn
   windows of the unit's own training data by more than ``score_min_gain`` (a fraction of
   each window's loss, times the fraction of a unit's H steps the Δ trained: a lease cut to
-  the round's deadline trains a step or two): the gain a strict majority of the windows
+  the round's deadline trains a step or two; and times the mean learning rate of its steps
+  over the peak, rounds.granted.lr_share: a phase's last round trains late in the cosine
+  decay and buys a third of the first's gain): the gain a strict majority of the windows
   reach (dipaco.data.scored.majority_gain), not their mean, which one or two memorised
   windows carried; and it must not raise the mean loss on held-out windows by more than
   ``score_heldout_tolerance`` (relative). Two forward
@@ -150,6 +152,9 @@ class Candidate:
     # The fraction of a whole unit's H steps the Δ trained (a lease sized to the round's
     # deadline, a salvaged partial): the gain it must show scales with it.
     work: float = 1.0
+    # The mean learning rate of its steps over the peak (rounds.granted.lr_share): the gain
+    # it must show scales with it too, as the gain an honest unit buys does.
+    lr_share: float = 1.0
 
 
 def norm_reference(history: Sequence[float]) -> float | None:
@@ -219,9 +224,10 @@ def _refusal(c: Candidate, reference: float | None, cfg: OuterConfig, seen: set[
         )
     if c.score is not None:
         s = c.score
-        work = min(1.0, max(c.work, 0.0))
-        if not s.relative_gain > cfg.score_min_gain * work:
+        work, lr = min(1.0, max(c.work, 0.0)), min(1.0, max(c.lr_share, 0.0))
+        if not s.relative_gain > cfg.score_min_gain * work * lr:
             of_steps = "" if work >= 1.0 else f" x {work:.3g} of the unit's steps it trained"
+            of_steps += "" if lr >= 1.0 else f" x {lr:.3g}, its steps' mean lr over the peak"
             return (
                 f"{NO_GAIN}: applied alone it moves the loss on its unit's scored training "
                 f"windows from {s.train_before:.4f} to {s.train_after:.4f} (mean), and a "

@@ -46,6 +46,9 @@ class Upload:
     # The fraction of a whole unit the server itself sized its lease to (rounds.protocol.leases
     # .size_unit): what it knows without the worker's claim.
     sized: float = 1.0
+    # The mean learning rate its lease's steps train at, as a fraction of the peak
+    # (rounds.granted.lr_share): late in a phase's cosine decay an honest unit gains less.
+    lr_share: float = 1.0
     # (module id, version) of every module of its path: the versions its unit's Δ is
     # relative to (the unit's base, or with outer.overlap eager those it rebased onto,
     # rounds.protocol.rebase); proof of useful work scores it there. (): the unit's base versions.
