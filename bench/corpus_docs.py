@@ -3,7 +3,7 @@
     .venv/bin/python bench/corpus_docs.py --out /tmp/docs.jsonl --max-chars 30000000
     .venv/bin/python bench/corpus_docs.py --out /tmp/mixed.jsonl --code stdlib  # code + prose
     .venv/bin/python bench/quality.py --preset modular \\
-        --corpus stdlib=stdlib --corpus docs=/tmp/docs.jsonl --json /tmp/quality.json
+        --corpus stdlib=stdlib --corpus docs=/tmp/docs.jsonl --json /tmp/quality_modular.json
 
 Nothing is downloaded: the text is three kinds of local files, each optional (--sources):
 
