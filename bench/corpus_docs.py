@@ -1,6 +1,6 @@
 """Assemble a prose corpus (manuals, package documentation, READMEs) from this machine's files.
 
-    .venv/bin/python bench/corpus_docs.py --out /tmp/docs.jsonl --max-chars 30000000
+    .venv/bin/python bench/corpus_docs.py --out /tmp/docs.jsonl
     .venv/bin/python bench/corpus_docs.py --out /tmp/mixed.jsonl --code stdlib  # code + prose
     .venv/bin/python bench/quality.py --preset modular \\
         --corpus stdlib=stdlib --corpus docs=/tmp/docs.jsonl --json /tmp/quality_modular.json
@@ -264,8 +264,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--out", type=Path, required=True, help="the .jsonl or .jsonl.gz file")
     parser.add_argument(
-        "--max-chars", type=int, default=30_000_000,
-        help="stop once this many characters are kept (default %(default)s)",
+        "--max-chars", type=int, default=12_000_000,
+        help="stop once this many characters are kept; the default is about the size of the "
+        "standard library corpus (12.3M characters in 1,967 documents) (%(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--min-chars", type=int, default=200,

@@ -45,27 +45,29 @@ keyed in --json as:
                                 same config, seed and data: final routed validation *loss*.
 
 Everything runs through `dipaco.simulate` (the code behind `dipaco simulate`) with the
-preset's paths (--preset: tiny's 2.84M, 1.26x a path in all; modular's 2.67M, 25 of them
-holding 4.5x a path, with its own default sizes in BENCH_DEFAULTS) and starts from one dense base model (--base-steps
-at --batch, the paper's phase 1; the same base for DiLoCo, DiPaCo and every baseline of a
-seed) whose tokens are not counted; every model is scored on one seeded validation sample
-(--eval-windows, dipaco.evaluate.sample_plan), the platform's. How much the paths specialise
-(oracle / routed, the router's agreement with the oracle, per-domain losses) is measured on
-both DiPaCo variants after training (bench/specialise.py; the JSON's "specialisation").
-DiPaCo validates every --eval-every rounds and after the last. Each method and each
-baseline is one
-job; jobs run in --jobs processes of --threads torch threads each (on 2 cores, two
-one-thread processes finish ~1.7x sooner than one two-thread process); the platform run
-comes last, alone. The script prints ratios and the goals beside them, not verdicts.
-Figures and the command: docs/benchmarks.md. --preset capacity, with bench/quality_gpu.sh,
-runs the same comparisons with RunConfig.capacity() on one GPU; the JSON then also says
-each job's tokens per path parameter, DiPaCo's capacity over a path's and which inner loop
-each job ran. --corpus NAME=PATH, repeated, runs everything once per corpus (each with its own
-base, under --work-dir/NAME), and the JSON is {"corpora": {NAME: that corpus's figures, keyed
-as a one-corpus run's}, "complete", "command", "machine", ...}. The JSON is rewritten as each job ends ("complete": false until the last), and
---time-budget sizes the jobs from the base's measured tokens/s ("sizing" says how). (Over
-500 lines: one self-contained script a GPU machine runs from a clean
-checkout, with its jobs, figures and report in one place.)
+preset's paths (--preset: tiny's 2.84M, 1.26x a path in all; modular's 2.67M, 25 paths
+holding 4.5x a path, with run sizes of its own: BENCH_DEFAULTS) and starts from one dense
+base model (--base-steps at --batch, the paper's phase 1; the same base for DiLoCo, DiPaCo
+and every baseline of a seed) whose tokens are not counted; every model is scored on one
+seeded validation sample (--eval-windows, dipaco.evaluate.sample_plan), the platform's. How
+much the paths specialise (oracle / routed, the router's agreement with the oracle,
+per-domain losses) is measured on both DiPaCo variants after training (bench/specialise.py;
+the JSON's "specialisation"). DiPaCo validates every --eval-every rounds and after the
+last. Each method and each baseline is one job; jobs run in --jobs processes of --threads
+torch threads each (on 2 cores, two one-thread processes finish ~1.7x sooner than one
+two-thread process); the platform run comes last, alone. The script prints ratios and the
+goals beside them, not verdicts. Figures and the command: docs/benchmarks.md. --preset
+capacity, with bench/quality_gpu.sh, runs the same comparisons with RunConfig.capacity() on
+one GPU; the JSON then also says each job's tokens per path parameter, DiPaCo's capacity
+over a path's and which inner loop each job ran.
+
+--corpus NAME=PATH, repeated, runs everything once per corpus in turn (each with its own
+tokenizer, router and base, under --work-dir/NAME), and the JSON is {"corpora": {NAME: that
+corpus's figures, keyed as a one-corpus run's}, "complete", "command", "machine", ...}. The
+JSON is rewritten as each job ends ("complete": false until the last), and --time-budget
+sizes the jobs from the base's measured tokens/s ("sizing" says how). (Over 500 lines: one
+self-contained script a GPU machine runs from a clean checkout, with its jobs, figures and
+report in one place.)
 """
 
 from __future__ import annotations
@@ -115,7 +117,7 @@ GOALS: dict[str, tuple[float | None, float]] = {
     "int4_vs_fp32": (None, 1.01),
     "platform_vs_simulate": (0.98, 1.02),
 }
-# RunConfig.capacity() exists to show DiPaCo's claim: at least as good as the dense
+# RunConfig.capacity() and .modular() exist to show DiPaCo's claim: at least as good as the dense
 # path-size model on the same tokens, where tiny's shared embedding cannot; against DiLoCo,
 # the paper's own 0.894.
 CAPACITY_GOALS = {
@@ -149,12 +151,14 @@ PRESETS = {"tiny": RunConfig.tiny, "capacity": RunConfig.capacity, "modular": Ru
 # steps (4 rounds of H = 12) are 1.2M DiPaCo tokens, 3x tiny's 0.41M, at ~1.5x tiny's cost a
 # token (docs/benchmarks.md projects it from a measured tokens/s).
 TINY_SIZES = {"rounds": 8, "inner_steps": 25, "batch": 4, "diloco_rounds": 8,
-              "diloco_inner_steps": 16, "diloco_batch": 16, "codec_seeds": 3}  # fmt: skip
+              "diloco_inner_steps": 16, "diloco_batch": 16, "codec_seeds": 3,
+              "warmup_steps": 20}  # fmt: skip
 BENCH_DEFAULTS: dict[str, dict[str, int]] = {
     "tiny": TINY_SIZES,
     "capacity": TINY_SIZES,  # bench/quality_gpu.sh gives its own
     "modular": {"rounds": 4, "inner_steps": 12, "batch": 4, "diloco_rounds": 4,
-                "diloco_inner_steps": 16, "diloco_batch": 16, "codec_seeds": 1},
+                "diloco_inner_steps": 16, "diloco_batch": 16, "codec_seeds": 1,
+                "warmup_steps": 6},
 }  # fmt: skip
 CORPUS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
 
@@ -839,7 +843,7 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
         "(the preset's: 16)",
     )  # fmt: skip
     parser.add_argument("--inner-lr", type=float, default=3e-3, help="peak AdamW lr (%(default)s)")
-    parser.add_argument("--warmup-steps", type=int, default=20, help="inner warm-up (%(default)s)")
+    parser.add_argument("--warmup-steps", type=int, help="inner warm-up (the preset's: 20, 6)")
     parser.add_argument("--outer-lr", type=float, default=None, help="outer lr (RunConfig's)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="outer μ (RunConfig's)")
     parser.add_argument(
