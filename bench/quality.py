@@ -148,8 +148,8 @@ PRESETS = {"tiny": RunConfig.tiny, "capacity": RunConfig.capacity, "modular": Ru
 # Each preset's run sizes, where its flags are not given. tiny's: 8 rounds of H = 25 over 4
 # paths (69 min on 2 cores with 3 codec seeds, docs/figures/quality_tiny.json). modular's
 # fit its 25 paths into an hour a corpus on 2 cores: one codec seed, and each path's 48
-# steps (4 rounds of H = 12) are 1.2M DiPaCo tokens, 3x tiny's 0.41M, at ~1.5x tiny's cost a
-# token (docs/benchmarks.md projects it from a measured tokens/s).
+# steps (4 rounds of H = 12) make 0.61M DiPaCo tokens, 1.5x tiny's 0.41M, at tiny's cost a
+# token or less (docs/benchmarks.md projects the hour from measured tokens/s).
 TINY_SIZES = {"rounds": 8, "inner_steps": 25, "batch": 4, "diloco_rounds": 8,
               "diloco_inner_steps": 16, "diloco_batch": 16, "codec_seeds": 3,
               "warmup_steps": 20}  # fmt: skip

@@ -97,8 +97,9 @@ def modular(**sections: Any) -> dict[str, Any]:
     them 2.1M (74% of its path). On 2 levels x 5 modules (25 paths) the modules and the
     shared parts make 11.9M in all, 4.5x a path (tiny: 1.26x). Five modules a level, not
     four: with a shared embedding the total is under K x a path for K modules a level, so
-    4x needs K >= 5. A path's step costs about 1.5x tiny's (its matrices, 2.6M weights,
-    against tiny's 1.8M with the 8,192-row head). Fields it does not name are tiny's.
+    4x needs K >= 5. A path trains at ~1.2x tiny's tokens/s on one CPU thread (tiny's
+    8,192-row head and its logits cost more than 4 more blocks): docs/benchmarks.md. Fields
+    it does not name are tiny's.
     """
     base: dict[str, Any] = {
         "name": "modular",
