@@ -52,14 +52,14 @@ and every baseline of a seed) whose tokens are not counted; every model is score
 seeded validation sample (--eval-windows, dipaco.evaluate.sample_plan), the platform's. How
 much the paths specialise (oracle / routed, the router's agreement with the oracle,
 per-domain losses) is measured on both DiPaCo variants after training (bench/specialise.py;
-the JSON's "specialisation"). DiPaCo validates every --eval-every rounds and after the
-last. Each method and each baseline is one job; jobs run in --jobs processes of --threads
-torch threads each (on 2 cores, two one-thread processes finish ~1.7x sooner than one
-two-thread process); the platform run comes last, alone. The script prints ratios and the
-goals beside them, not verdicts. Figures and the command: docs/benchmarks.md. --preset
-capacity, with bench/quality_gpu.sh, runs the same comparisons with RunConfig.capacity() on
-one GPU; the JSON then also says each job's tokens per path parameter, DiPaCo's capacity
-over a path's and which inner loop each job ran.
+the JSON's "specialisation"). DiPaCo validates every --eval-every rounds and after the last.
+Each method and each baseline is one job; jobs run in --jobs processes of --threads torch
+threads each (on 2 cores, two one-thread processes finish ~1.7x sooner than one two-thread
+process); the platform run comes last, alone (not with --preset modular). The script prints
+ratios and the goals beside them, not verdicts. Figures and the command: docs/benchmarks.md.
+--preset capacity, with bench/quality_gpu.sh, runs the same comparisons with
+RunConfig.capacity() on one GPU; the JSON then also says each job's tokens per path
+parameter, DiPaCo's capacity over a path's and which inner loop each job ran.
 
 --corpus NAME=PATH, repeated, runs everything once per corpus in turn (each with its own
 tokenizer, router and base, under --work-dir/NAME), and the JSON is {"corpora": {NAME: that
@@ -147,9 +147,9 @@ LABELS = {
 PRESETS = {"tiny": RunConfig.tiny, "capacity": RunConfig.capacity, "modular": RunConfig.modular}
 # Each preset's run sizes, where its flags are not given. tiny's: 8 rounds of H = 25 over 4
 # paths (69 min on 2 cores with 3 codec seeds, docs/figures/quality_tiny.json). modular's
-# fit its 25 paths into an hour a corpus on 2 cores: one codec seed, and each path's 48
-# steps (4 rounds of H = 12) make 0.61M DiPaCo tokens, 1.5x tiny's 0.41M, at tiny's cost a
-# token or less (docs/benchmarks.md projects the hour from measured tokens/s).
+# fit its 25 paths into an hour a corpus on 2 quiet cores: one codec seed, and each path's
+# 48 steps (4 rounds of H = 12) make 0.61M DiPaCo tokens, 1.5x tiny's 0.41M, at tiny's cost
+# a token or less (docs/benchmarks.md projects 43 min from measured tokens/s; loaded, more).
 TINY_SIZES = {"rounds": 8, "inner_steps": 25, "batch": 4, "diloco_rounds": 8,
               "diloco_inner_steps": 16, "diloco_batch": 16, "codec_seeds": 3,
               "warmup_steps": 20}  # fmt: skip
@@ -1069,8 +1069,9 @@ def run_corpus(
     starts = {name: r["base_steps"] for name, r in results.items()}
     if len(set(starts.values())) != 1:  # every comparison must share its starting point
         raise RuntimeError(f"jobs started from different base models: {starts}")
-    # last and alone: it runs a server, Celery and two workers; --only skips it
-    if not args.no_platform and not args.only:
+    # last and alone: it runs a server, Celery and two workers; --only skips it, and so does
+    # modular, whose 25 paths it would not run: it trains bench/platform_run.py's tiny config.
+    if not args.no_platform and not args.only and args.preset != "modular":
         results["p/platform"] = run_platform(args, console)
     levels = cfgs["b-fp32"].layout.levels
     grid = f"{len(levels)} levels of {'/'.join(str(level.modules) for level in levels)} modules"
