@@ -1,8 +1,11 @@
 """Quality of DiPaCo, DiLoCo and pseudo-gradient codecs against the papers' baselines.
 
-    .venv/bin/python bench/quality.py --json docs/figures/quality.json   # the full run
-    .venv/bin/python bench/quality.py --quick                            # a smoke run
-    .venv/bin/python bench/quality.py --corpus ~/texts                   # a directory, a .jsonl
+    .venv/bin/python bench/quality.py --json docs/figures/quality_tiny.json  # the full run
+    .venv/bin/python bench/quality.py --quick                               # a smoke run
+    .venv/bin/python bench/quality.py --corpus ~/texts                      # a directory, a .jsonl
+    .venv/bin/python bench/corpus_docs.py --out /tmp/docs.jsonl             # prose, local files
+    .venv/bin/python bench/quality.py --preset modular --corpus stdlib=stdlib \
+        --corpus docs=/tmp/docs.jsonl --json /tmp/quality_modular.json     # two corpora
 
 Every figure is a validation-perplexity ratio, ours / reference (below 1: ours is better),
 keyed in --json as:
@@ -41,25 +44,30 @@ keyed in --json as:
                                 processes; bench/platform_run.py) vs `dipaco simulate` on the
                                 same config, seed and data: final routed validation *loss*.
 
-Everything runs through `dipaco.simulate` (the code behind `dipaco simulate`) with
-RunConfig.tiny()'s 2.84M-parameter paths and starts from one dense base model (--base-steps
-at --batch, the paper's phase 1; the same base for DiLoCo, DiPaCo and every baseline of a
-seed) whose tokens are not counted; every model is scored on one seeded validation sample
-(--eval-windows, dipaco.evaluate.sample_plan), the platform's. How much the paths specialise
-(oracle / routed, the router's agreement with the oracle, per-domain losses) is measured on
-both DiPaCo variants after training (bench/specialise.py; the JSON's "specialisation").
-DiPaCo validates every --eval-every rounds and after the last. Each method and each
-baseline is one
-job; jobs run in --jobs processes of --threads torch threads each (on 2 cores, two
-one-thread processes finish ~1.7x sooner than one two-thread process); the platform run
-comes last, alone. The script prints ratios and the goals beside them, not verdicts.
-Figures and the command: docs/benchmarks.md. --preset capacity, with bench/quality_gpu.sh,
-runs the same comparisons with RunConfig.capacity() on one GPU; the JSON then also says
-each job's tokens per path parameter, DiPaCo's capacity over a path's and which inner loop
-each job ran. The JSON is rewritten as each job ends ("complete": false until the last), and
---time-budget sizes the jobs from the base's measured tokens/s ("sizing" says how). (Over
-500 lines: one self-contained script a GPU machine runs from a clean
-checkout, with its jobs, figures and report in one place.)
+Everything runs through `dipaco.simulate` (the code behind `dipaco simulate`) with the
+preset's paths (--preset: tiny's 2.84M, 1.26x a path in all; modular's 2.67M, 25 paths
+holding 4.5x a path, with run sizes of its own: BENCH_DEFAULTS) and starts from one dense
+base model (--base-steps at --batch, the paper's phase 1; the same base for DiLoCo, DiPaCo
+and every baseline of a seed) whose tokens are not counted; every model is scored on one
+seeded validation sample (--eval-windows, dipaco.evaluate.sample_plan), the platform's. How
+much the paths specialise (oracle / routed, the router's agreement with the oracle,
+per-domain losses) is measured on both DiPaCo variants after training (bench/specialise.py;
+the JSON's "specialisation"). DiPaCo validates every --eval-every rounds and after the last.
+Each method and each baseline is one job; jobs run in --jobs processes of --threads torch
+threads each (on 2 cores, two one-thread processes finish ~1.7x sooner than one two-thread
+process); the platform run comes last, alone (not with --preset modular). The script prints
+ratios and the goals beside them, not verdicts. Figures and the command: docs/benchmarks.md.
+--preset capacity, with bench/quality_gpu.sh, runs the same comparisons with
+RunConfig.capacity() on one GPU; the JSON then also says each job's tokens per path
+parameter, DiPaCo's capacity over a path's and which inner loop each job ran.
+
+--corpus NAME=PATH, repeated, runs everything once per corpus in turn (each with its own
+tokenizer, router and base, under --work-dir/NAME), and the JSON is {"corpora": {NAME: that
+corpus's figures, keyed as a one-corpus run's}, "complete", "command", "machine", ...}. The
+JSON is rewritten as each job ends ("complete": false until the last), and --time-budget
+sizes the jobs from the base's measured tokens/s ("sizing" says how). (Over 500 lines: one
+self-contained script a GPU machine runs from a clean checkout, with its jobs, figures and
+report in one place.)
 """
 
 from __future__ import annotations
@@ -70,8 +78,10 @@ import logging
 import math
 import os
 import platform
+import re
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from multiprocessing import get_context
@@ -107,7 +117,7 @@ GOALS: dict[str, tuple[float | None, float]] = {
     "int4_vs_fp32": (None, 1.01),
     "platform_vs_simulate": (0.98, 1.02),
 }
-# RunConfig.capacity() exists to show DiPaCo's claim: at least as good as the dense
+# RunConfig.capacity() and .modular() exist to show DiPaCo's claim: at least as good as the dense
 # path-size model on the same tokens, where tiny's shared embedding cannot; against DiLoCo,
 # the paper's own 0.894.
 CAPACITY_GOALS = {
@@ -134,7 +144,41 @@ LABELS = {
 }
 
 
-PRESETS = {"tiny": RunConfig.tiny, "capacity": RunConfig.capacity}
+PRESETS = {"tiny": RunConfig.tiny, "capacity": RunConfig.capacity, "modular": RunConfig.modular}
+# Each preset's run sizes, where its flags are not given. tiny's: 8 rounds of H = 25 over 4
+# paths (69 min on 2 cores with 3 codec seeds, docs/figures/quality_tiny.json). modular's
+# fit its 25 paths into an hour a corpus on 2 quiet cores: one codec seed, and each path's
+# 48 steps (4 rounds of H = 12) make 0.61M DiPaCo tokens, 1.5x tiny's 0.41M, at tiny's cost
+# a token or less (docs/benchmarks.md projects 43 min from measured tokens/s; loaded, more).
+TINY_SIZES = {"rounds": 8, "inner_steps": 25, "batch": 4, "diloco_rounds": 8,
+              "diloco_inner_steps": 16, "diloco_batch": 16, "codec_seeds": 3,
+              "warmup_steps": 20}  # fmt: skip
+BENCH_DEFAULTS: dict[str, dict[str, int]] = {
+    "tiny": TINY_SIZES,
+    "capacity": TINY_SIZES,  # bench/quality_gpu.sh gives its own
+    "modular": {"rounds": 4, "inner_steps": 12, "batch": 4, "diloco_rounds": 4,
+                "diloco_inner_steps": 16, "diloco_batch": 16, "codec_seeds": 1,
+                "warmup_steps": 6},
+}  # fmt: skip
+CORPUS_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_-]{0,63}$")
+
+
+def corpus_list(values: list[str] | None) -> list[tuple[str | None, str]]:
+    """--corpus values as (name or None, path): "NAME=PATH" names one, a bare PATH does not."""
+    out: list[tuple[str | None, str]] = []
+    for value in values or ["stdlib"]:
+        name, sep, path = value.partition("=")
+        out.append((name, path) if sep and CORPUS_NAME.match(name) and path else (None, value))
+    return out
+
+
+def corpus_names(corpora: list[tuple[str | None, str]]) -> list[tuple[str, str]]:
+    """Every corpus named: an unnamed one by its file or folder (stdlib, docs.jsonl -> docs)."""
+    named = []
+    for name, path in corpora:
+        stem = Path(path).name.split(".", 1)[0] or "corpus"
+        named.append((name or re.sub(r"[^A-Za-z0-9_-]", "-", stem), path))
+    return named
 
 
 def _grid(text: str) -> tuple[int, int]:
@@ -748,6 +792,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     _add_training_arguments(parser)
     _add_job_arguments(parser)
     args = parser.parse_args(argv)
+    for key, value in BENCH_DEFAULTS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.corpora = corpus_list(args.corpus)
+    args.corpus = args.corpora[0][1]  # each corpus's run sets its own
+    names = [name for name, _ in corpus_names(args.corpora)]
+    if len(set(names)) < len(names):
+        parser.error(f"--corpus: two corpora named alike ({names}); name each, NAME=PATH")
     if args.quick:
         args.rounds, args.inner_steps, args.diloco_rounds, args.diloco_inner_steps = 2, 10, 2, 5
         args.max_docs, args.eval_windows, args.warmup_steps = 300, 64, 5
@@ -767,28 +819,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     """What DiPaCo, DiLoCo and the baselines train on, and for how long."""
     parser.add_argument(
-        "--corpus", default="stdlib",
-        help='"stdlib" (this Python\'s standard library), a directory of text files, or a '
-        ".jsonl file with a text field (default %(default)s)",
+        "--corpus", action="append", metavar="[NAME=]PATH",
+        help='"stdlib" (this Python\'s standard library, the default), a directory of text '
+        "files, or a .jsonl file with a text field (bench/corpus_jsonl.py, bench/corpus_docs.py)"
+        '. Repeat it, or name it (docs=/tmp/docs.jsonl), for one run per corpus in turn: '
+        '--json then holds {"corpora": {NAME: figures}}',
     )  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=8, help="DiPaCo's T (default %(default)s)")
-    parser.add_argument("--inner-steps", type=int, default=25, help="DiPaCo's H (%(default)s)")
-    parser.add_argument(
-        "--batch", type=int, default=4,
-        help="DiPaCo's sequences per inner step and path; the dense baselines take the same, "
-        "data-parallel P x (default %(default)s)",
-    )  # fmt: skip
-    parser.add_argument("--diloco-rounds", type=int, default=8, help="DiLoCo's T (%(default)s)")
-    parser.add_argument(
-        "--diloco-inner-steps", type=int, default=16, help="DiLoCo's H (%(default)s)"
+    sizes = ", ".join(
+        f"{name} {s['rounds']} x {s['inner_steps']}" for name, s in BENCH_DEFAULTS.items()
     )
+    parser.add_argument("--rounds", type=int, help=f"DiPaCo's T (the preset's: {sizes})")
+    parser.add_argument("--inner-steps", type=int, help="DiPaCo's H (the preset's, as above)")
     parser.add_argument(
-        "--diloco-batch", type=int, default=16,
+        "--batch", type=int,
+        help="DiPaCo's sequences per inner step and path; the dense baselines take the same, "
+        "data-parallel P x (the preset's: 4)",
+    )  # fmt: skip
+    parser.add_argument("--diloco-rounds", type=int, help="DiLoCo's T (the preset's: 8, 4)")
+    parser.add_argument("--diloco-inner-steps", type=int, help="DiLoCo's H (the preset's: 16)")
+    parser.add_argument(
+        "--diloco-batch", type=int,
         help="DiLoCo's sequences per inner step and replica; data-parallel takes 4x "
-        "(default %(default)s)",
+        "(the preset's: 16)",
     )  # fmt: skip
     parser.add_argument("--inner-lr", type=float, default=3e-3, help="peak AdamW lr (%(default)s)")
-    parser.add_argument("--warmup-steps", type=int, default=20, help="inner warm-up (%(default)s)")
+    parser.add_argument("--warmup-steps", type=int, help="inner warm-up (the preset's: 20, 6)")
     parser.add_argument("--outer-lr", type=float, default=None, help="outer lr (RunConfig's)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="outer μ (RunConfig's)")
     parser.add_argument(
@@ -820,8 +875,9 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--preset", choices=sorted(PRESETS), default="tiny",
         help="the run preset every job starts from: tiny (RunConfig.tiny, 2.84M-parameter "
-        "paths, 2x2) or capacity (RunConfig.capacity, 8.5M-parameter module-dominant paths, "
-        "2 levels x 4 modules) (default %(default)s)",
+        "paths, 2x2), modular (RunConfig.modular, 2.67M-parameter paths, 88%% of them "
+        "modules, 2 levels x 5 for the CPU) or capacity (RunConfig.capacity, 8.5M-parameter "
+        "paths, 2 levels x 4, for one GPU) (default %(default)s)",
     )  # fmt: skip
     parser.add_argument(
         "--grid", type=_grid, default=None, metavar="LxK",
@@ -838,9 +894,9 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
         "figures whose two jobs both ran are reported; no platform run",
     )  # fmt: skip
     parser.add_argument(
-        "--codec-seeds", type=int, default=3,
+        "--codec-seeds", type=int,
         help="seeds of the fp32/int8/int4 comparison; its figures are the mean ratio "
-        "(default %(default)s)",
+        "(the preset's: tiny 3, modular 1)",
     )  # fmt: skip
     parser.add_argument(
         "--block-size",
@@ -881,7 +937,7 @@ def _add_job_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
 
 
-def write_json(
+def figures(
     args: argparse.Namespace,
     results: dict[str, dict[str, Any]],
     goals: dict[str, tuple[float | None, float]],
@@ -889,16 +945,17 @@ def write_json(
     cfgs: dict[str, RunConfig],
     start: tuple[float, tuple[float, float, float]],
     done: bool,
-) -> None:
-    """Every figure so far as args.json, written whole (a temporary file, then a rename)."""
+) -> dict[str, Any]:
+    """Every figure of one corpus's run so far, as the JSON holds them."""
     started, load_before = start
     summary = summarize(results, goals)
     shown = {*goals, *REPORTED}
-    data = {
+    return {
         # The issue's keys first, each the ratio its summary row explains.
         **{key: row["ratio"] for key, row in summary.items() if key in shown},
         "goals": {key: goal_text(key, goals) for key in goals},
         "complete": done,
+        "corpus": args.corpus,
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "sizing": sizing,
@@ -912,9 +969,37 @@ def write_json(
         "load_average_after": os.getloadavg(),
         "machine": machine(args.device),
     }  # fmt: skip
-    tmp = args.json.with_name(f".{args.json.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, args.json)
+
+
+class Report:
+    """--json, rewritten whole (a temporary file, then a rename) whenever a job ends, so a
+    run cut short keeps its figures: one corpus's figures, or with several corpora
+    {"corpora": {name: figures}, ...} filled in as each corpus's run goes."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.started, self.load_before = time.perf_counter(), os.getloadavg()
+        self.several = len(args.corpora) > 1 or args.corpora[0][0] is not None
+        self.corpora: dict[str, dict[str, Any]] = {}
+
+    def write(self, name: str, data: dict[str, Any], done: bool) -> None:
+        if self.args.json is None:
+            return
+        if self.several:
+            self.corpora[name] = data
+            data = {
+                "corpora": self.corpora,
+                "complete": done and len(self.corpora) == len(self.args.corpora),
+                "command": " ".join([Path(sys.executable).name, *sys.argv]),
+                "preset": self.args.preset,
+                "wall_seconds": time.perf_counter() - self.started,
+                "load_average_before": self.load_before,
+                "load_average_after": os.getloadavg(),
+                "machine": machine(self.args.device),
+            }  # fmt: skip
+        tmp = self.args.json.with_name(f".{self.args.json.name}.tmp")
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, self.args.json)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -922,9 +1007,26 @@ def main(argv: list[str] | None = None) -> int:
     # The base model trains here: more threads than cores-per-job spin against the jobs.
     torch.set_num_threads(args.threads)
     console = Console(width=None if sys.stdout.isatty() else 140)
+    report = Report(args)
+    for name, path in corpus_names(args.corpora):
+        one = argparse.Namespace(**vars(args))
+        one.corpus = path
+        if report.several:  # each corpus prepares and caches its own data and base
+            one.work_dir = args.work_dir / name
+            console.rule(f"corpus {name}: {path}")
+        run_corpus(one, console, lambda data, done, name=name: report.write(name, data, done))
+    if args.json is not None:
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def run_corpus(
+    args: argparse.Namespace, console: Console, write: Callable[[dict[str, Any], bool], None]
+) -> None:
+    """Every job on args.corpus, then the platform run; `write` takes the figures so far."""
     started, load_before = time.perf_counter(), os.getloadavg()
     cfgs = configs(args)
-    goals = CAPACITY_GOALS if args.preset == "capacity" else GOALS
+    goals = CAPACITY_GOALS if args.preset in ("capacity", "modular") else GOALS
     # Prepare (or reuse) both data layouts here, so the jobs never race to build them.
     budget = DataBudget(max_docs=args.max_docs or None)
     # One base for all: it is keyed by the stream of all documents, which every layout
@@ -942,13 +1044,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.time_budget:
         rate = throughput.tokens_per_s()
         cfgs, sizing = fit_budget(args, cfgs, rate, time.perf_counter() - started)
+        measured = "not measured (cached, or 50 steps or fewer)"
         console.log(
             f"time budget {args.time_budget:.0f} s: base at "
-            + (
-                "not measured (cached, or 50 steps or fewer)"
-                if rate is None
-                else f"{rate:,.0f} tokens/s"
-            )
+            + (measured if rate is None else f"{rate:,.0f} tokens/s")
             + f", {sizing['planned_job_tokens'] / 1e6:.1f}M job tokens planned, H scaled by "
             f"{sizing['scale']:.3f}"
         )
@@ -956,9 +1055,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, dict[str, Any]] = {}
 
     def report(done: bool) -> None:
-        """The JSON so far: rewritten after every job, so a run cut short keeps its figures."""
-        if args.json is not None:
-            write_json(args, results, goals, sizing, cfgs, (started, load_before), done)
+        write(figures(args, results, goals, sizing, cfgs, (started, load_before), done), done)
 
     # spawn, not fork: a forked child of a process that ran torch's thread pool can hang.
     with ProcessPoolExecutor(args.jobs, mp_context=get_context("spawn")) as pool:
@@ -972,22 +1069,19 @@ def main(argv: list[str] | None = None) -> int:
     starts = {name: r["base_steps"] for name, r in results.items()}
     if len(set(starts.values())) != 1:  # every comparison must share its starting point
         raise RuntimeError(f"jobs started from different base models: {starts}")
-    # last and alone: it runs a server, Celery and two workers; --only skips it
-    if not args.no_platform and not args.only:
+    # last and alone: it runs a server, Celery and two workers; --only skips it, and so does
+    # modular, whose 25 paths it would not run: it trains bench/platform_run.py's tiny config.
+    if not args.no_platform and not args.only and args.preset != "modular":
         results["p/platform"] = run_platform(args, console)
-    summary = summarize(results, goals)
     levels = cfgs["b-fp32"].layout.levels
     grid = f"{len(levels)} levels of {'/'.join(str(level.modules) for level in levels)} modules"
-    print_tables(summary, results, console, grid)
+    print_tables(summarize(results, goals), results, console, grid)
     wall = time.perf_counter() - started
     console.print(
-        f"wall time {wall / 60:.1f} min with {args.jobs} x {args.threads} threads; "
-        f"load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}"
+        f"{args.corpus}: wall time {wall / 60:.1f} min with {args.jobs} x {args.threads} "
+        f"threads; load average before {load_before[0]:.1f}, after {os.getloadavg()[0]:.1f}"
     )
-    if args.json is not None:
-        report(True)
-        console.print(f"wrote {args.json}")
-    return 0
+    report(True)
 
 
 if __name__ == "__main__":

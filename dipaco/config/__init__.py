@@ -13,7 +13,7 @@ where a setting goes:
 - ``corpus``: DataConfig, RouterConfig and EvalConfig;
 - ``limits``: UnitsConfig (a work unit's size) and LimitsConfig;
 - ``memory``: parameter counts and the training-memory estimate;
-- ``presets``: named runs (`RunConfig.tiny`, `RunConfig.capacity`);
+- ``presets``: named runs (`RunConfig.tiny`, `RunConfig.capacity`, `RunConfig.modular`);
 - ``run``: RunConfig, which joins the sections and checks the rules that span them.
 """
 
