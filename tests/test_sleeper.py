@@ -22,7 +22,7 @@ from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.rounds.verification import replication, rules
 from dipaco_server.rounds.verification.replication import CHECK_OFFSET
 from dipaco_server.runs.models import Run
-from dipaco_server.workers import probation
+from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
 from tests.test_outer_tasks import DILOCO, GRID, running_run
@@ -214,3 +214,38 @@ def test_the_leaderboard_lists_held_credit_marked_held(client: Any) -> None:
     assert re.findall(r'<span class="name">([\w-]+)', board) == ["granted", "held-only"]
     assert 'data-held="300"' in board and "300 held" in board
     assert board.count("data-held=") == 1
+
+
+@pytest.mark.django_db
+def test_a_doubted_workers_copy_goes_to_an_undoubted_third_whose_agreement_ends_the_doubt(
+    tmp_path: Path, settings: Any
+) -> None:
+    """A doubtful pair (a sleeper and its honest partner) is not left to check each other:
+    an established worker that is not doubted takes a doubted worker's queued check copy
+    before its own originals, the doubted partner does not; an agreement with the other
+    doubted worker ends no doubt, one with the undoubted third does, and grants the credit
+    held since."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    settings.DIPACO_REPLICATION_RATE = 0.0  # no audits: only doubt replicates
+    run = running_run(GRID, replicas=1, rounds=2, inner=INNER, data={"val_fraction": 0.2})
+    with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    honest, sleeper, third = (register_worker(token, n, {})[0] for n in ("h", "s", "r"))
+    Worker.objects.all().update(probation=False)
+    Worker.objects.filter(pk__in=[honest.pk, sleeper.pk]).update(doubted=True)
+    first = grant_lease(Worker.objects.get(pk=honest.pk))
+    assert first is not None and first.unit.replica < CHECK_OFFSET
+    assert replication.replicated(first.unit)  # doubted: its unit has a check copy queued
+    partner = grant_lease(Worker.objects.get(pk=sleeper.pk))
+    assert partner is not None and partner.unit.replica < CHECK_OFFSET  # not the copy
+    assert replication.replicated(partner.unit)
+    taken = grant_lease(Worker.objects.get(pk=third.pk))
+    assert taken is not None and taken.unit.replica >= CHECK_OFFSET
+    assert taken.unit.path_id == first.unit.path_id
+    Worker.objects.filter(pk=honest.pk).update(held_units=1, held_tokens=100)
+    trust.record_agreement(honest.pk, sleeper.pk, as_check=False)
+    assert Worker.objects.get(pk=honest.pk).doubted  # a doubted partner vouches for nothing
+    trust.record_agreement(honest.pk, third.pk, as_check=False)
+    row = Worker.objects.get(pk=honest.pk)
+    assert not row.doubted and row.held_tokens == 0 and row.tokens_processed == 100
+    assert Worker.objects.get(pk=sleeper.pk).doubted

@@ -132,14 +132,19 @@ def record_agreement(
     partners, default `partners_needed`, or probation.LATE_PARTNERS when `late`: on
     probation for rounds.verification.replication.PROBATION_ROUNDS rounds of work;
     `judged`: whether the repetition rule has judged one of the worker's agreements,
-    rounds.verification.replication.judged_agreement). A conclusive agreement also ends
-    a doubt (`doubt`), granting the credit held since."""
+    rounds.verification.replication.judged_agreement). An agreement with an established
+    partner that is not doubted itself also ends a doubt (`doubt`), granting the credit
+    held since."""
     row = Worker.objects.select_for_update().filter(pk=worker_id).first()
     if row is None:
         return
     row.partners = probation.agreed(row.partners, partner_id, as_check)
     needed = partners_needed() if needed is None else needed
-    _save_standing(row, ["partners"], needed, judged, agreed=True, late=late)
+    # Only an established partner that is not doubted itself vouches for a doubted worker:
+    # two workers doubted together (a biased one and its honest partner, or two colluders)
+    # prove nothing to each other.
+    vouches = Worker.objects.filter(pk=partner_id, probation=False, doubted=False).exists()
+    _save_standing(row, ["partners"], needed, judged, agreed=vouches, late=late)
 
 
 def end_probation_if_due(
@@ -249,3 +254,23 @@ def reward(worker_ids: Iterable[int]) -> None:
         Worker.objects.filter(pk=worker_id).update(
             trust=Least(F("trust") + Value(step * n), Value(1.0))
         )
+
+
+def referee(worker: Worker) -> bool:
+    """Whether `worker` may settle a doubt (`doubt`): established, not doubted."""
+    return not worker.probation and not worker.doubted
+
+
+def doubted_checks(offered: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The queued check copies ((unit, its original's worker)) of doubted workers' units, which
+    a `referee` takes before its own originals
+    (rounds.verification.replication.preferred_check). Left to the queue's order, a doubted pair's
+    copies went to whichever worker had no original left, often the other worker of the
+    pair: the sleeper and its honest partner trained each other's copies, every comparison
+    doubtful again, and the honest one stayed doubted (every unit replicated, its credit
+    held) to the end of the run (bench/attacks_live.py, six workers). A third worker's copy
+    ends an honest worker's doubt in one comparison (`record_agreement`) and
+    gives the repetition rule a difference of the biased one against another partner."""
+    owners = {w for _, w in offered}
+    doubted = set(Worker.objects.filter(pk__in=owners, doubted=True).values_list("pk", flat=True))
+    return [c for c in offered if c[1] in doubted]

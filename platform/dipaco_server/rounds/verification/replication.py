@@ -25,7 +25,7 @@ After probation (trust earned once must keep being earned): an established
 worker is audited at a rate grown with its share of the round's units (`audit_rate`), never
 more than ceil(AUDIT_SPREAD / rate) units apart (`audit_overdue`), so a sleeper is compared
 within a bounded number of units of turning; a doubtful comparison (rules.AGREE_COSINE)
-has every later unit of both workers replicated until one agrees (workers.trust.doubt).
+replicates both workers' units until one agrees with an undoubted third (workers.trust).
 A newcomer on probation for PROBATION_ROUNDS rounds of work needs fewer partners (`late`)
 and is given a copy for the check role it lacks (`copy_for_check_role`).
 """
@@ -404,6 +404,8 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
         return {w.pk for w in on_probation if awaits_judgement(w)}
 
     pool = probation.check_pool(offered, newcomers, standing, known, needed, waiting, unjudged)
+    if not pool and trust.referee(worker):
+        pool = trust.doubted_checks(offered)
     if not pool:
         return None
     partners = worker.partners if isinstance(worker.partners, list) else []
