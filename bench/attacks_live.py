@@ -142,12 +142,12 @@ if ATTACK:
     HONEST_FIRST = int(os.environ.get("DIPACO_LIVE_HONEST_FIRST", "0"))
     _handed_in = [0]
 
-    def encode_deltas(deltas, config, directory, state=None):
+    def encode_deltas(deltas, *args, **kwargs):
         _handed_in[0] += 1
         if _handed_in[0] <= HONEST_FIRST:  # a sleeper: honest for its first hand-ins
-            return _encode(deltas, config, directory, state)
+            return _encode(deltas, *args, **kwargs)
         changed = {m: _attacked(m, d) for m, d in deltas.items()}
-        return _encode(changed, config, directory, state)
+        return _encode(changed, *args, **kwargs)
 
     _handin.encode_deltas = encode_deltas
 """
