@@ -47,7 +47,7 @@ trained with the attack on were credited (a sleeper's honest units left out).
 last held-out windows every round; `--draw new` (the default) as it does now
 (dipaco.data.scored): drawn from all of the unit's windows and, afresh each round, from the
 whole validation split, with a secret no worker holds. `--score-windows` sets
-outer.score_windows (the 150M preset's budget buys 1).
+outer.score_windows (the 150M preset's budget buys 6; --at-150m-budget reruns every run at it).
 
 Over 500 lines: the server's step is mirrored here check by check (`Run`), in the server's
 order, so that one file shows what each attack meets.
@@ -780,6 +780,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--score-windows", type=int, help="outer.score_windows (default: the config's)"
     )
+    parser.add_argument(
+        "--at-150m-budget",
+        action="store_true",
+        help="also every run again with the scoring windows the 150M preset's "
+        "outer.score_flops buys (the JSON's at_150m_budget)",
+    )
     parser.add_argument("--work-dir", type=Path, default=Path.home() / ".cache/dipaco/simulate")
     return parser.parse_args(argv)
 
@@ -788,6 +794,27 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(1)
     started = time.perf_counter()
+    out = measure(args)
+    if args.at_150m_budget:
+        # the same runs with the windows the 150M preset's outer.score_flops buys
+        windows = score_windows(RunConfig.paper_150m())
+        again = argparse.Namespace(**{**vars(args), "score_windows": windows})
+        print(f"at the 150M scoring budget: {windows} windows", flush=True)
+        out["at_150m_budget"] = {
+            "score_windows": windows,
+            "score_flops": RunConfig.paper_150m().outer.score_flops,
+            **measure(again),
+        }
+    out["command"] = "bench/attacks.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    out["seconds"] = round(time.perf_counter() - started, 1)
+    print(json.dumps(out, indent=2))
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """Every run of `args` (the clean ones first), summarised per attack."""
     names = args.attack or ATTACKS
     # The clean runs first (they prepare each seed's data in its own folder), then the rest:
     # every run is independent, so --jobs processes share them out.
@@ -804,6 +831,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{result['credited_tokens']:7d} of {result['claimed_tokens']:7d} "
                       f"honest rejected {result['honest_rejected']} {result['reasons']}",
                       flush=True)  # fmt: skip
+    return summarise(args, names, done)
+
+
+def summarise(
+    args: argparse.Namespace, names: list[str], done: dict[tuple[int, str], dict[str, Any]]
+) -> dict[str, Any]:
     clean = {seed: done[(seed, "clean")] for seed in args.seeds}
     unverified = {
         seed: clean[seed]["loss"] / done[(seed, "unverified")]["loss"]
@@ -832,6 +865,7 @@ def main(argv: list[str] | None = None) -> int:
             "reasons": dict(reasons),
         }
     out["draw"] = args.draw
+    out["score_windows"] = score_windows(config(args, args.seeds[0]))
     if unverified:
         out["clean_vs_unverified"] = spread(list(unverified.values()))
     out["clean"] = {
@@ -849,12 +883,7 @@ def main(argv: list[str] | None = None) -> int:
         "train_seconds_per_unit": round(per_unit, 4),
         "fraction": round(per_contribution / per_unit, 4),
     }
-    out["command"] = "bench/attacks.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    out["seconds"] = round(time.perf_counter() - started, 1)
-    print(json.dumps(out, indent=2))
-    if args.json:
-        args.json.write_text(json.dumps(out, indent=2) + "\n")
-    return 0
+    return out
 
 
 if __name__ == "__main__":

@@ -22,7 +22,12 @@ and 1 for `colluders`): a `sitecustomize` module on its PYTHONPATH wraps the age
 - `sleeper_bias_0.5`, `sleeper_flip`: honest for its first SLEEPER_HONEST (4) hand-ins,
   then `bias_0.5` or `sign_flip` (trust earned once must keep being earned):
   `credited_after_turn_share` is what it was credited beyond its first hand-ins' claims
-  ÷ what its later ones claimed.
+  ÷ what its later ones claimed;
+- `scored_windows`: every step on the unit's first `score_windows` windows, the ones the old
+  rule scored (the agent's unit source patched; the Δ handed in as trained, claiming the
+  unit), and `sleeper_scored`, the same after SLEEPER_HONEST honest units. The lazy
+  variants, a tenth of the steps rescaled to an honest norm, are in bench/attacks.py only:
+  the agent trains every step of its unit.
 
 Reported per attack, each per seed: `ratio` (final routed validation loss ÷ the clean
 run's of that seed, the mean of its two with `--repeat-clean`; mean and spread), `credited_tokens` and `claimed_tokens` of the
@@ -81,6 +86,7 @@ from platform_run import (
 
 from dipaco.config import RunConfig
 from dipaco.evaluate import routed_mean
+from dipaco.flops import score_windows
 from dipaco.simulate.train import evaluate_paths
 from dipaco_demo.control import (
     AdminClient,
@@ -94,8 +100,11 @@ from dipaco_server.rounds.verification import rules
 
 ATTACKS = [
     "bias_0.5", "sign_flip", "colluders", "lazy_x0.1", "zeros",
-    "sleeper_bias_0.5", "sleeper_flip",
+    "sleeper_bias_0.5", "sleeper_flip", "scored_windows", "sleeper_scored",
 ]  # fmt: skip
+# Trained every step on the windows the old rule scored (the unit's first score_windows):
+# the agent's unit source is patched, its Δ handed in as trained.
+SCORED = ("scored_windows", "sleeper_scored")
 # A sleeper hands in this many units honestly, then attacks.
 SLEEPER_HONEST = 4
 CHECK_OFFSET = 1_000_000  # rounds' check copies' replica indices start here
@@ -141,8 +150,44 @@ if ATTACK:
 
     HONEST_FIRST = int(os.environ.get("DIPACO_LIVE_HONEST_FIRST", "0"))
     _handed_in = [0]
+    SCORED = ATTACK in ("scored_windows", "sleeper_scored")
+
+    if SCORED:
+        import worker_agent.unit as _unit
+
+        _unit_source = _unit.unit_source
+        _units = [0]
+
+        class _ScoredOnly:
+            # the unit's first K windows (what the old rule scored), over and over
+            def __init__(self, source, k):
+                self.source, self.k, self.rows = source, k, None
+
+            def batch(self, position, batch_size, seq_len):
+                inner = getattr(self.source, "source", self.source)  # SlowSource wraps it
+                if self.rows is None:
+                    self.rows = inner.batch(inner.first, self.k, seq_len)
+                picks = (position - inner.first + torch.arange(batch_size)) % self.k
+                return self.rows[picks]
+
+            def close(self):
+                self.source.close()
+
+        def unit_source(*args, **kwargs):
+            source = _unit_source(*args, **kwargs)
+            _units[0] += 1
+            if _units[0] <= HONEST_FIRST:  # a sleeper: honest for its first units
+                return source
+            return _ScoredOnly(source, int(os.environ["DIPACO_LIVE_SCORE_WINDOWS"]))
+
+        _unit.unit_source = unit_source
+        import worker_agent.agent as _agent  # it imported the name: patched there too
+
+        _agent.unit_source = unit_source
 
     def encode_deltas(deltas, *args, **kwargs):
+        if SCORED:  # trained on the scored windows, handed in as trained
+            return _encode(deltas, *args, **kwargs)
         _handed_in[0] += 1
         if _handed_in[0] <= HONEST_FIRST:  # a sleeper: honest for its first hand-ins
             return _encode(deltas, *args, **kwargs)
@@ -203,7 +248,8 @@ def one_run(
                 path = f"{patch}:{env['PYTHONPATH']}" if env.get("PYTHONPATH") else str(patch)
                 env.update(PYTHONPATH=path, DIPACO_LIVE_ATTACK=str(attack),
                            DIPACO_LIVE_SEED=str(config.seed),
-                           DIPACO_LIVE_HONEST_FIRST=str(honest_first(attack)))  # fmt: skip
+                           DIPACO_LIVE_HONEST_FIRST=str(honest_first(attack)),
+                           DIPACO_LIVE_SCORE_WINDOWS=str(score_windows(config)))  # fmt: skip
             worker = WorkerProcess(f"live-{i}", root / f"worker-{i}", root / "logs" / f"w{i}.log")
             worker.start(url, enrollment, env)
             workers.append(worker)

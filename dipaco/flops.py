@@ -83,8 +83,8 @@ def mfu(tokens_per_s: float, model: ModelConfig, device_name: str) -> float | No
 # (the evaluation sample's SAMPLE_WINDOWS, `outer.score_windows`). The defaults leave
 # every model up to the capacity preset's at that count, so the tiny preset scores and
 # evaluates exactly the windows it did (the checks against hostile workers rely on them);
-# at the 150M preset they buy 1 scoring window of 1,024 tokens (the tokens of tiny's 8)
-# and 291 evaluation windows (docs/design.md §7: what that does to the standard errors).
+# at the 150M preset they buy 6 scoring windows of 1,024 tokens (fewer refused honest units
+# in the attack bench at that count, docs/reliability.md) and 291 evaluation windows (docs/design.md §7: what that does to the standard errors).
 
 SCORE_PASSES = 4  # the path's base losses and the Δ's, on training and held-out windows
 

@@ -69,8 +69,11 @@ def test_the_default_budgets_keep_the_small_presets_window_counts(preset: object
 def test_at_150m_the_budgets_buy_fewer_windows_of_more_tokens() -> None:
     config = RunConfig.paper_150m()
     assert window_flops(config.model) == pytest.approx(3.434e11, rel=1e-3)
-    assert score_windows(config) == 1  # 1,024 tokens, as tiny's 8 windows of 128
+    # 6 windows of 1,024 tokens: fewer refused honest units in the attack bench
+    assert score_windows(config) == 6
     assert sample_size(config) == 291
+    fewer = RunConfig.paper_150m(outer={"score_flops": 1.5e12})
+    assert score_windows(fewer) == 1
     more = RunConfig.paper_150m(outer={"score_flops": 4 * 3 * 3.44e11}, eval={"flops": 1e15})
     assert (score_windows(more), sample_size(more)) == (3, 1024)
 

@@ -191,9 +191,11 @@ class OuterConfig(Section):
         "(score_flops decides how many at the run's model size).",
     )
     score_flops: float = Field(
-        # 1 window of the 150M path (4 passes of 1,024 tokens: 1.37e12); the tiny and
-        # capacity presets' whole score_windows cost under a tenth of it.
-        default=1.5e12,
+        # 6 windows of the 150M path (4 passes of 1,024 tokens each: 8.24e12): at fewer the
+        # checks refused honest units and accepted lazy scored-window units in the tiny
+        # bench at that count (docs/reliability.md, "At the 150M scoring budget"); the tiny
+        # and capacity presets' whole score_windows cost under a tenth of it.
+        default=8.3e12,
         ge=1e6,
         le=1e21,
         description="Forward FLOPs one unit's proof of useful work may cost (the path's "
