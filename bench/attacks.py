@@ -774,8 +774,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--sleeper-rounds",
         type=int,
-        default=2,
-        help="hand-ins a sleeper_ attack makes honestly (%(default)s)",
+        help="rounds a sleeper_ attack hands in honestly (default: half of --rounds, so that "
+        "it turns within the run)",
     )
     parser.add_argument(
         "--score-windows", type=int, help="outer.score_windows (default: the config's)"
@@ -792,6 +792,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.sleeper_rounds is None:
+        args.sleeper_rounds = args.rounds // 2
     torch.set_num_threads(1)
     started = time.perf_counter()
     out = measure(args)
@@ -865,6 +867,7 @@ def summarise(
             "reasons": dict(reasons),
         }
     out["draw"] = args.draw
+    out["sleeper_rounds"] = args.sleeper_rounds
     out["score_windows"] = score_windows(config(args, args.seeds[0]))
     if unverified:
         out["clean_vs_unverified"] = spread(list(unverified.values()))

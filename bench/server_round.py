@@ -65,6 +65,7 @@ from s3_link import SlowLink
 from dipaco.config import LayoutConfig, RunConfig
 
 LEVELS, MODULES, VOLUNTEERS, CORES = 2, 16, 64, 16  # DiPaCo's 16x16: 2 levels x 16 modules
+SERVERS = (16, 24, 32, 48, 64)  # the cores `fraction_lockstep_by_cores` projects
 RUN, PHASE, DTYPE = 1, 2, "<u2"
 GOALS = {"fraction_lockstep": 0.10, "longest_step_seconds": 60.0}
 
@@ -438,15 +439,15 @@ def numels(config: RunConfig, module_id: str) -> list[int]:
 
 def _round(
     level: float, shared: list[float], unit_task: float, level_modules: int, units: int,
-    training: float, unit_s: float, extra_cpu: float,
+    training: float, unit_s: float, extra_cpu: float, cores: int = CORES,
 ) -> dict[str, Any]:  # fmt: skip
     """Fractions and CPU of a round whose units' tasks (`unit_task` s each, at completion),
-    then steps (`level_modules` x `level` s, the shared one's tasks) run on CORES cores."""
-    span = lpt([level] * level_modules + shared, CORES)
+    then steps (`level_modules` x `level` s, the shared one's tasks) run on `cores` cores."""
+    span = lpt([level] * level_modules + shared, cores)
     arrivals = [training * (i + 1) / units for i in range(units)]
-    tail = fifo(arrivals, unit_task, CORES) - training
+    tail = fifo(arrivals, unit_task, cores) - training
     waves = [training - unit_s * ((units - 1 - i) // VOLUNTEERS) for i in range(units)]
-    lockstep = fifo(waves, unit_task, CORES) - training + span
+    lockstep = fifo(waves, unit_task, cores) - training + span
     critical = tail + span
     cpu = level * level_modules + sum(shared) + unit_task * units + extra_cpu
     return {
@@ -458,7 +459,7 @@ def _round(
         "scoring_tail_lockstep_seconds": round(lockstep - span, 1),
         "steps_span_seconds": round(span, 1), "server_seconds": round(critical, 1),
         "round_seconds": round(training + critical, 1), "cpu_seconds": round(cpu, 1),
-        "occupancy": round(cpu / (CORES * (training + critical)), 4),
+        "occupancy": round(cpu / (cores * (training + critical)), 4),
     }  # fmt: skip
 
 
@@ -517,7 +518,9 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     sizes = [sum(math.prod(spec[n][0]) for n in group) for group in groups]
     speedup = sum(sizes) / max(sizes)
 
-    def scenario(kinds: dict[str, dict[str, float]], task: float, checked: bool) -> dict[str, Any]:
+    def scenario(
+        kinds: dict[str, dict[str, float]], task: float, checked: bool, cores: int = CORES
+    ) -> dict[str, Any]:
         def step(k: dict[str, float], n: int, speed: float = 1.0) -> float:
             per = k["aggregate"] / speed + k["judge"]
             return n * (per + (0.0 if checked else k["fetch"] + k["check"])) + k["fixed"]
@@ -527,10 +530,12 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
             task += levels * (lv_["fetch"] + lv_["check"]) + sh_["fetch"] + sh_["check"]
         shared = [step(sh_, units, speedup if checked else 1.0)]
         return _round(step(lv_, through), shared, task, level_modules, units, training,
-                      unit_s, evaluation + manifests)  # fmt: skip
+                      unit_s, evaluation + manifests, cores)  # fmt: skip
 
     measured = {"level": lv, "shared": sh}
     built = scenario(measured, score_task, True)
+    # the server's cores the lockstep fraction asks for: scoring grows with outer.score_flops
+    by_cores = {c: scenario(measured, score_task, True, c)["fraction_lockstep"] for c in SERVERS}
     fetched = units * (levels * lv["delta_bytes"] + sh["delta_bytes"])
     return {
         "grid": f"{MODULES}x{MODULES}: {levels} levels x {MODULES} modules", "levels": levels,
@@ -547,6 +552,7 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         "shared_fetch_seconds": round(units * sh["fetch"], 1),
         "shared_fetch_nominal_seconds": round(units * sh["fetch_nominal"], 1),
         "shared_fetch_bytes": int(units * sh["delta_bytes"]), "arrival_fetch_bytes": int(fetched),
+        "fraction_lockstep_by_cores": by_cores,
         "at_nominal_link": {**scenario(nominal, score_nominal, True), "what": NOMINAL},
         "before_inline_checks": {**scenario(measured, score_task, False), "what": BEFORE},
     }  # fmt: skip
