@@ -10,11 +10,11 @@ filesystem broker, local blobs; bench/platform_run.py's machinery): `RunConfig.t
 paths, one replica each, tf-idf router, random start, `--rounds` rounds of `--inner-steps`
 steps, `--workers` workers enrolled with one ordinary enrollment token (so every one starts
 on probation, workers.probation), every trust and replication setting at its default (the
-bench strips DIPACO_* trust settings from its environment). Worker 0 attacks (workers 0
-and 1 for `colluders`): a `sitecustomize` module on its PYTHONPATH wraps the agent's
+bench strips DIPACO_* trust settings from its environment). Worker 0 attacks (the first half
+of the workers, at least 2, for `colluders`): a `sitecustomize` module on its PYTHONPATH wraps the agent's
 `worker_agent.handin.encode_deltas`, so the shipped agent trains honestly and uploads:
 
-- `sign_flip`: -Δ; `colluders`: both attackers -Δ (identical bytes whenever they train
+- `sign_flip`: -Δ; `colluders`: every attacker -Δ (identical bytes whenever they train
   the same unit from the same state: what copying each other's would upload);
 - `lazy_x0.1`: 0.1 x Δ, claiming the whole unit's tokens; `zeros`: a zero Δ;
 - `bias_0.5`: Δ plus a fixed unit direction per module (the same every unit) at 0.5 x
@@ -198,10 +198,11 @@ if ATTACK:
 """
 
 
-def attackers(attack: str | None) -> set[int]:
+def attackers(attack: str | None, workers: int = 4) -> set[int]:
+    """The attacking workers' indices: half of them (at least 2) for `colluders`, else 0."""
     if attack is None:
         return set()
-    return {0, 1} if attack == "colluders" else {0}
+    return set(range(max(2, workers // 2))) if attack == "colluders" else {0}
 
 
 def one_run(
@@ -241,7 +242,7 @@ def one_run(
         deadline = time.monotonic() + args.timeout
         wait_for_state(admin, run_id, "ready", ("draft", "preparing"), deadline)
         admin.move(run_id, "start")
-        bad = attackers(attack)
+        bad = attackers(attack, count)
         for i in range(count):
             env = dict(environ)
             if i in bad:
@@ -595,7 +596,7 @@ def honest_counts(args: argparse.Namespace) -> list[int]:
     """The worker counts of the honest-only clean runs (`--honest-only`), ascending."""
     chosen = ["colluders"] if args.honest_only is None else args.honest_only
     asked = set(args.attack or ATTACKS)
-    return sorted({args.workers - len(attackers(a)) for a in chosen if a in asked})
+    return sorted({args.workers - len(attackers(a, args.workers)) for a in chosen if a in asked})
 
 
 def honest_labels(args: argparse.Namespace) -> list[str]:
@@ -627,7 +628,7 @@ def honest_only_ratio(
 ) -> dict[str, Any]:
     """The attack's loss ÷ the clean run's with only its honest workers (`--honest-only`),
     over the seeds where both are done; {} where none is."""
-    count = args.workers - len(attackers(name))
+    count = args.workers - len(attackers(name, args.workers))
     label = f"clean-{count}w"
     if count not in honest_counts(args):
         return {}
