@@ -510,13 +510,7 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     score_nominal = cpu + figures["score_load_cpu"] + (move["level"] * levels + move["shared"]) / 4
     score_nominal += levels * lv["fetch_nominal"] + sh["fetch_nominal"] + 2 * transfer(0, link)
 
-    from dipaco.modular import module_spec
-    from dipaco_server.rounds.outer.aggregate import split_parts, tensor_groups
-
-    spec = module_spec(config, "shared")
-    groups = tensor_groups(spec, split_parts(spec, units))  # as aggregate_uploads splits it
-    sizes = [sum(math.prod(spec[n][0]) for n in group) for group in groups]
-    speedup = sum(sizes) / max(sizes)
+    threads, speedup = shared_split(config, units)
 
     def scenario(
         kinds: dict[str, dict[str, float]], task: float, checked: bool, cores: int = CORES
@@ -543,7 +537,7 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         "units": units, "deltas_per_unit": levels + 1, "deltas_per_level_module": through,
         "deltas_per_shared_module": units, "volunteers": VOLUNTEERS, "cores": CORES,
         "unit_seconds": unit_s, "training_seconds": round(training, 1), **built,
-        "shared_sum_threads": len(groups), "shared_sum_speedup": round(speedup, 3),
+        "shared_sum_threads": threads, "shared_sum_speedup": round(speedup, 3),
         "score_task_seconds": round(score_task, 2), "scoring_seconds": round(score_task * units, 1),
         "check_task_seconds": round(levels * (lv["fetch"] + lv["check"]) + sh["fetch"] + sh["check"], 2),
         "evaluation_seconds": round(evaluation, 1), "manifest_cpu_seconds": round(manifests, 2),
@@ -556,6 +550,18 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         "at_nominal_link": {**scenario(nominal, score_nominal, True), "what": NOMINAL},
         "before_inline_checks": {**scenario(measured, score_task, False), "what": BEFORE},
     }  # fmt: skip
+
+
+def shared_split(config: RunConfig, units: int) -> tuple[int, float]:
+    """The shared module's sum split by tensor (rounds.outer.aggregate.tensor_groups, as
+    aggregate_uploads splits it): its threads, and its values over its largest group's."""
+    from dipaco.modular import module_spec
+    from dipaco_server.rounds.outer.aggregate import split_parts, tensor_groups
+
+    spec = module_spec(config, "shared")
+    groups = tensor_groups(spec, split_parts(spec, units))
+    sizes = [sum(math.prod(spec[n][0]) for n in group) for group in groups]
+    return len(groups), sum(sizes) / max(sizes)
 
 
 NOMINAL = (
