@@ -23,6 +23,9 @@ of the workers, at least 2, for `colluders`): a `sitecustomize` module on its PY
   then `bias_0.5` or `sign_flip` (trust earned once must keep being earned):
   `credited_after_turn_share` is what it was credited beyond its first hand-ins' claims
   ÷ what its later ones claimed;
+- `sleeper_rule_aware`: the sleeper who knows the rules: after SLEEPER_HONEST honest
+  hand-ins, `bias_0.5` on every unit whose lease says `cold: false` (not replicated: no
+  copy is compared with it), honest on the replicated ones;
 - `scored_windows`: every step on the unit's first `score_windows` windows, the ones the old
   rule scored (the agent's unit source patched; the Δ handed in as trained, claiming the
   unit), and `sleeper_scored`, the same after SLEEPER_HONEST honest units. The lazy
@@ -101,6 +104,7 @@ from dipaco_server.rounds.verification import rules
 ATTACKS = [
     "bias_0.5", "sign_flip", "colluders", "lazy_x0.1", "zeros",
     "sleeper_bias_0.5", "sleeper_flip", "scored_windows", "sleeper_scored",
+    "sleeper_rule_aware",
 ]  # fmt: skip
 # Trained every step on the windows the old rule scored (the unit's first score_windows):
 # the agent's unit source is patched, its Δ handed in as trained.
@@ -144,7 +148,7 @@ if ATTACK:
             return {k: 0.1 * t for k, t in delta.items()}
         if ATTACK == "zeros":
             return {k: torch.zeros_like(t) for k, t in delta.items()}
-        if ATTACK in ("bias_0.5", "sleeper_bias_0.5"):
+        if ATTACK in ("bias_0.5", "sleeper_bias_0.5", "sleeper_rule_aware"):
             return _bias(module_id, delta)
         raise SystemExit(f"unknown DIPACO_LIVE_ATTACK {ATTACK!r}")
 
@@ -185,11 +189,26 @@ if ATTACK:
 
         _agent.unit_source = unit_source
 
+    # The attacker who knows the rules: a lease's `cold` says its unit is replicated
+    # (both copies train from fresh moments), so it biases only the units that say
+    # otherwise, which no copy is compared with.
+    _cold = [False]
+    if ATTACK == "sleeper_rule_aware":
+        _encode_unit = _handin._encode
+
+        def _encode_with_lease(unit, data_dir):
+            _cold[0] = bool(unit.grant.cold)
+            return _encode_unit(unit, data_dir)
+
+        _handin._encode = _encode_with_lease
+
     def encode_deltas(deltas, *args, **kwargs):
         if SCORED:  # trained on the scored windows, handed in as trained
             return _encode(deltas, *args, **kwargs)
         _handed_in[0] += 1
         if _handed_in[0] <= HONEST_FIRST:  # a sleeper: honest for its first hand-ins
+            return _encode(deltas, *args, **kwargs)
+        if _cold[0]:  # the rule-aware sleeper: a replicated unit, trained honestly
             return _encode(deltas, *args, **kwargs)
         changed = {m: _attacked(m, d) for m, d in deltas.items()}
         return _encode(changed, *args, **kwargs)

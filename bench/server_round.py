@@ -234,7 +234,7 @@ def _score(
     from dipaco.model import build_model
     from dipaco.modular import module_spec, modules_of_path
     from dipaco.modules_file import read_module
-    from dipaco_server.rounds.verification.rules import score_delta
+    from dipaco_server.rounds.verification.rules import base_losses, score_delta
     from dipaco_server.rounds.verification.uploads import fetch
     from dipaco_server.runs import keys
     from dipaco_server.runs.rows import row_index
@@ -251,15 +251,18 @@ def _score(
         got["score_build_cpu"] += time.thread_time() - clock
         start, clock = time.perf_counter(), time.thread_time()
         modules, deltas = {}, {}
-        for m in modules_of_path(config, p):
+        for m in modules_of_path(config, p):  # the path's base, as score_base loads it
             store.download_to(bases[m].key, work / "base")
             modules[m] = read_module(work / "base", module_spec(config, m), bases[m].sha256)
+        val = store_shard(store, keys.data_key(RUN, p, "val", PHASE), DTYPE)
+        held = torch.from_numpy(val.read_windows([i * T for i in range(windows)], T + 1))
+        got["score_base_load_seconds"] += time.perf_counter() - start
+        got["score_base_load_cpu"] += time.thread_time() - clock
+        for m in modules_of_path(config, p):  # and the unit's Δs, as score_unit adds them
             up = next(x for x in uploads[m] if x.unit_id == u)
             file, _ = fetch(store, up, work)
             deltas[m] = codecs.decode(file, module_spec(config, m), verify_checksum=False)
             file.unlink()
-        val = store_shard(store, keys.data_key(RUN, p, "val", PHASE), DTYPE)
-        held = torch.from_numpy(val.read_windows([i * T for i in range(windows)], T + 1))
         got["score_load_seconds"] += time.perf_counter() - start
         got["score_load_cpu"] += time.thread_time() - clock
         start, clock = time.perf_counter(), time.thread_time()
@@ -268,14 +271,19 @@ def _score(
         got["score_rows_seconds"] += time.perf_counter() - start
         got["score_rows_cpu"] += time.thread_time() - clock
         got["score_rows_ranges"] += rows.ranges_read
-        clock = time.thread_time()
-        score_delta(config, p, model, modules, deltas, train, held)
-        got["scoring_cpu"] += time.thread_time() - clock
+        clock = time.thread_time()  # score_base's passes, at the grant
+        before = base_losses(config, p, model, modules, train, held)
+        got["scoring_base_cpu"] += time.thread_time() - clock
+        clock = time.thread_time()  # score_unit's, at the completion
+        score_delta(config, p, model, modules, deltas, train, held, before)
+        got["scoring_delta_cpu"] += time.thread_time() - clock
         del model, modules, deltas
     shutil.rmtree(work)
     scale = budget(config) / windows
     per_unit = {k: round(v / units, 4) for k, v in got.items()}
-    per_unit["scoring_cpu"] = round(per_unit["scoring_cpu"] * scale, 4)
+    for k in ("scoring_base_cpu", "scoring_delta_cpu"):
+        per_unit[k] = round(per_unit[k] * scale, 4)
+    per_unit["scoring_cpu"] = round(per_unit["scoring_base_cpu"] + per_unit["scoring_delta_cpu"], 4)
     return {**per_unit, "scoring_measured": {"units": units, "windows": windows, "scale": scale}}
 
 
@@ -388,14 +396,15 @@ def lpt(tasks: list[float], cores: int) -> float:
     return max(loads)
 
 
-def fifo(arrivals: list[float], task: float, cores: int) -> float:
-    """When the last of tasks of `task` seconds arriving at `arrivals` ends on `cores`."""
+def fifo(tasks: list[tuple[float, float]], cores: int) -> float:
+    """When the last of `tasks` ((arrival, seconds), served in arrival order; at equal
+    arrivals in list order) ends on `cores`."""
     free = [0.0] * cores
     end = 0.0
-    for at in sorted(arrivals):
+    for at, seconds in sorted(tasks, key=lambda task: task[0]):
         start = max(at, heapq.heappop(free))
-        heapq.heappush(free, start + task)
-        end = max(end, start + task)
+        heapq.heappush(free, start + seconds)
+        end = max(end, start + seconds)
     return end
 
 
@@ -440,16 +449,24 @@ def numels(config: RunConfig, module_id: str) -> list[int]:
 def _round(
     level: float, shared: list[float], unit_task: float, level_modules: int, units: int,
     training: float, unit_s: float, extra_cpu: float, cores: int = CORES,
+    grant_task: float = 0.0,
 ) -> dict[str, Any]:  # fmt: skip
-    """Fractions and CPU of a round whose units' tasks (`unit_task` s each, at completion),
-    then steps (`level_modules` x `level` s, the shared one's tasks) run on `cores` cores."""
+    """Fractions and CPU of a round whose units' tasks (`grant_task` s each at their grant,
+    a unit's time before its completion; `unit_task` s at completion), then steps
+    (`level_modules` x `level` s, the shared one's tasks) run on `cores` cores. At equal
+    times a completion's task queues before the grant it is followed by."""
     span = lpt([level] * level_modules + shared, cores)
-    arrivals = [training * (i + 1) / units for i in range(units)]
-    tail = fifo(arrivals, unit_task, cores) - training
+
+    def end(completions: list[float]) -> float:
+        done = [(at, unit_task) for at in completions]
+        granted = [(max(0.0, at - unit_s), grant_task) for at in completions] if grant_task else []
+        return fifo(done + granted, cores)
+
+    tail = end([training * (i + 1) / units for i in range(units)]) - training
     waves = [training - unit_s * ((units - 1 - i) // VOLUNTEERS) for i in range(units)]
-    lockstep = fifo(waves, unit_task, cores) - training + span
+    lockstep = end(waves) - training + span
     critical = tail + span
-    cpu = level * level_modules + sum(shared) + unit_task * units + extra_cpu
+    cpu = level * level_modules + sum(shared) + (unit_task + grant_task) * units + extra_cpu
     return {
         "fraction": round(critical / (training + critical), 4),
         "fraction_lockstep": round(lockstep / (training + lockstep), 4),
@@ -478,9 +495,12 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     The grid is `LayoutConfig.grid(num_layers, levels=2, modules=16)`: 32 level modules of
     num_layers / 2 blocks (the preset's 2x2 level modules' size: their costs carry over),
     each in 16 of the 256 paths, and the shared module (embeddings, final norm, head) in
-    all 256. One replica a path: 256 units, 64 volunteers, four waves. A unit's tasks
-    (score_unit and check_unit, counted as one task of their summed seconds: its score,
-    and each of its 3 Δs fetched through the link and checked) start at its completion
+    all 256. One replica a path: 256 units, 64 volunteers, four waves. A unit's
+    score_base runs from its grant (the path's base loaded, the base losses on its scored
+    windows: `score_base_task_seconds`); its completion's tasks (score_unit and
+    check_unit, counted as one task of their summed seconds: the base loaded again with
+    the unit's Δs, the passes with them applied, and each of its 3 Δs fetched through the
+    link and checked) start at its completion
     (completions spread evenly: `fraction`; each wave of 64 at once: `fraction_lockstep`,
     the goal's figure), so only the last ones extend the round; then the module steps
     (recorded scores and checks reused) run on the cores, longest first, each paying per
@@ -500,6 +520,12 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     lv, sh, link, through = costs(figures, "level"), costs(figures, "shared"), figures["link"], units // MODULES  # fmt: skip
     cpu = figures["score_build_cpu"] + figures["scoring_cpu"]
     score_task = cpu + figures["score_load_seconds"] + figures["score_rows_seconds"]
+    # Split as built (rounds.verification.unit_score): score_base at the grant, the path's
+    # base loaded and the base losses' passes; score_unit at the completion, the base
+    # loaded again with the unit's Δs and the passes with the Δ applied.
+    base_load, rows = figures["score_base_load_seconds"], figures["score_rows_seconds"]
+    base_task = figures["score_build_cpu"] + base_load + rows + figures["scoring_base_cpu"]
+    delta_task = score_task - figures["scoring_base_cpu"]
     evaluation = figures["evaluation_cpu"] / figures["eval_windows"] * figures["sample_windows"]
     manifests = figures["manifest_cpu"] * units  # through: the paths through a level module
     # The link alone: 4 module-sized objects a step (base and momentum in, weights and
@@ -507,14 +533,19 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     move = {k: 4 * transfer(4 * sum(numels(config, m)), link) for k, m in (("level", "0.0"), ("shared", "shared"))}  # fmt: skip
     nominal = {k: {**c, "fetch": c["fetch_nominal"], "fixed": c["outer"] + move[k]}
                for k, c in (("level", lv), ("shared", sh))}  # fmt: skip
-    score_nominal = cpu + figures["score_load_cpu"] + (move["level"] * levels + move["shared"]) / 4
-    score_nominal += levels * lv["fetch_nominal"] + sh["fetch_nominal"] + 2 * transfer(0, link)
+    base_nominal = figures["score_build_cpu"] + figures["score_base_load_cpu"]
+    base_nominal += (move["level"] * levels + move["shared"]) / 4 + 2 * transfer(0, link)
+    delta_nominal = base_nominal + figures["score_load_cpu"] - figures["score_base_load_cpu"]
+    delta_nominal += levels * lv["fetch_nominal"] + sh["fetch_nominal"]
+    base_nominal += figures["scoring_base_cpu"]
+    delta_nominal += figures["scoring_delta_cpu"]
 
     threads, speedup = shared_split(config, units)
 
     def scenario(
-        kinds: dict[str, dict[str, float]], task: float, checked: bool, cores: int = CORES
-    ) -> dict[str, Any]:
+        kinds: dict[str, dict[str, float]], task: float, checked: bool, cores: int = CORES,
+        grant: float = 0.0,
+    ) -> dict[str, Any]:  # fmt: skip
         def step(k: dict[str, float], n: int, speed: float = 1.0) -> float:
             per = k["aggregate"] / speed + k["judge"]
             return n * (per + (0.0 if checked else k["fetch"] + k["check"])) + k["fixed"]
@@ -524,12 +555,14 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
             task += levels * (lv_["fetch"] + lv_["check"]) + sh_["fetch"] + sh_["check"]
         shared = [step(sh_, units, speedup if checked else 1.0)]
         return _round(step(lv_, through), shared, task, level_modules, units, training,
-                      unit_s, evaluation + manifests, cores)  # fmt: skip
+                      unit_s, evaluation + manifests, cores, grant)  # fmt: skip
 
     measured = {"level": lv, "shared": sh}
-    built = scenario(measured, score_task, True)
+    built = scenario(measured, delta_task, True, grant=base_task)
     # the server's cores the lockstep fraction asks for: scoring grows with outer.score_flops
-    by_cores = {c: scenario(measured, score_task, True, c)["fraction_lockstep"] for c in SERVERS}
+    by_cores = {
+        c: scenario(measured, delta_task, True, c, base_task)["fraction_lockstep"] for c in SERVERS
+    }
     fetched = units * (levels * lv["delta_bytes"] + sh["delta_bytes"])
     return {
         "grid": f"{MODULES}x{MODULES}: {levels} levels x {MODULES} modules", "levels": levels,
@@ -538,7 +571,8 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         "deltas_per_shared_module": units, "volunteers": VOLUNTEERS, "cores": CORES,
         "unit_seconds": unit_s, "training_seconds": round(training, 1), **built,
         "shared_sum_threads": threads, "shared_sum_speedup": round(speedup, 3),
-        "score_task_seconds": round(score_task, 2), "scoring_seconds": round(score_task * units, 1),
+        "score_task_seconds": round(delta_task, 2), "score_base_task_seconds": round(base_task, 2),
+        "scoring_seconds": round((base_task + delta_task) * units, 1),
         "check_task_seconds": round(levels * (lv["fetch"] + lv["check"]) + sh["fetch"] + sh["check"], 2),
         "evaluation_seconds": round(evaluation, 1), "manifest_cpu_seconds": round(manifests, 2),
         "score_rows_seconds": round(figures["score_rows_seconds"] * units, 2),
@@ -547,8 +581,9 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         "shared_fetch_nominal_seconds": round(units * sh["fetch_nominal"], 1),
         "shared_fetch_bytes": int(units * sh["delta_bytes"]), "arrival_fetch_bytes": int(fetched),
         "fraction_lockstep_by_cores": by_cores,
-        "at_nominal_link": {**scenario(nominal, score_nominal, True), "what": NOMINAL},
-        "before_inline_checks": {**scenario(measured, score_task, False), "what": BEFORE},
+        "at_nominal_link": {**scenario(nominal, delta_nominal, True, grant=base_nominal), "what": NOMINAL},
+        "before_inline_checks": {**scenario(measured, delta_task, False, grant=base_task), "what": BEFORE},
+        "before_base_at_grant": {**scenario(measured, score_task, True), "what": BEFORE_BASE},
     }  # fmt: skip
 
 
@@ -567,6 +602,10 @@ def shared_split(config: RunConfig, units: int) -> tuple[int, float]:
 NOMINAL = (
     "the built design with every transfer at the link's own pace (latency + bytes / bandwidth, "
     "multipart as S3BlobStore sends it): without the test server's own serving time"
+)
+BEFORE_BASE = (
+    "the design before score_base: a unit's whole score (base losses and the passes with its "
+    "Δ applied) ran at its completion (the same measured costs)"
 )
 BEFORE = (
     "the design before check_unit: each module's step fetched, decoded and checked all its "

@@ -118,6 +118,7 @@ def submit(
     raw: dict[str, bytes] | None = None,
     tokens: int | None = None,
     manifest: bool = False,
+    granted_hook: Callable[[Lease], object] | None = None,
 ) -> tuple[Worker, dict[str, bytes]]:
     """A new worker leases a unit, trains it honestly, applies `attack` (or uploads `raw`
     bytes), uploads and completes; with `manifest`, it asks for its lease's manifest
@@ -125,6 +126,8 @@ def submit(
     worker, token = register_worker(create_enrollment_token(max_uses=None)[1], name, {})
     granted = grant_lease(worker)
     assert granted is not None
+    if granted_hook is not None:  # what the server does while the unit trains
+        granted_hook(granted.lease)
     if manifest:
         answer = Client().get(
             f"/api/v1/worker/lease/{granted.lease.pk}/manifest",

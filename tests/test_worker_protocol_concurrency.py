@@ -251,6 +251,10 @@ def test_three_workers_run_the_full_protocol_concurrently(
     expected = sorted(f"[{pk}]" for pk in leases.values_list("pk", flat=True))
     for task in per_unit:  # its Δs checked and its unit scored, at its completion
         assert sorted(args for name, args in sent if name == task) == expected, task
+    # and at its grant, its unit's base losses scored while it trains
+    per_unit.add("dipaco_server.rounds.tasks.score_base")
+    granted = sorted(args for name, args in sent if name == "dipaco_server.rounds.tasks.score_base")
+    assert granted == expected
     closes = {task for task in sent if task[0] not in per_unit}
     assert closes == {("dipaco_server.rounds.tasks.close_round", f"[{run.pk}, 0]")}
 

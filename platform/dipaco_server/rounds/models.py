@@ -142,6 +142,11 @@ class Lease(models.Model):
     # it was relative to, and the path's other module steps reuse it (rounds.verification.scorer)
     # instead of fetching the unit's other Δs and running the same forward passes again.
     score = models.JSONField(null=True, blank=True)
+    # The half of that score that does not depend on the Δ: the path's base losses on the
+    # unit's scored windows, computed while the unit trains (rounds.verification.unit_score
+    # .score_granted), with the versions and the windows it is of; the score at completion
+    # then runs only the passes with the Δ applied.
+    base_losses = models.JSONField(null=True, blank=True)
     # Not a column: the round's deadline as a heartbeat read it (rounds.protocol.leases.heartbeat).
     round_deadline: datetime | None = None
 

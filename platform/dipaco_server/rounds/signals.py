@@ -11,3 +11,7 @@ from django.dispatch import Signal
 # by rounds.protocol.api.complete_lease). The round's life closes the round if that made it
 # ready (rounds.lifecycle.receivers.close_if_ready).
 lease_completed = Signal()
+
+# lease=: a Lease was granted (sent on commit by rounds.protocol.grant). The round's life
+# scores its unit's base losses while it trains (rounds.lifecycle.receivers).
+lease_granted = Signal()

@@ -16,7 +16,7 @@ from dipaco_server.rounds.lifecycle.close import ADAPT_EVERY_S, round_ready_to_c
 from dipaco_server.rounds.lifecycle.open import open_round
 from dipaco_server.rounds.lifecycle.tasks import start_closing
 from dipaco_server.rounds.models import Lease, Round, WorkUnit
-from dipaco_server.rounds.signals import lease_completed
+from dipaco_server.rounds.signals import lease_completed, lease_granted
 from dipaco_server.runs.models import Run
 from dipaco_server.runs.phases import overlaps, round_config
 from dipaco_server.runs.signals import round_due, run_ended
@@ -77,6 +77,23 @@ def score_completed_unit(
         celery_app.send_task("dipaco_server.rounds.tasks.score_unit", args=[lease.pk])
     except (KombuError, OSError) as exc:
         logger.warning("lease %s: score_unit not sent (%s); its steps score it", lease.pk, exc)
+
+
+@receiver(lease_granted, dispatch_uid="dipaco_server.rounds.score_granted_unit")
+def score_granted_unit(sender: Any, *, lease: Lease, **_: Any) -> None:
+    """Send score_base for the granted lease (rounds.verification.unit_score.score_granted):
+    the half of its unit's proof of useful work that does not depend on the Δ (the base
+    losses on its scored windows) runs while the unit trains, so score_unit at its
+    completion runs only the passes with the Δ applied. A run that does not score, and a
+    task that cannot be sent, leave it to score_unit (it scores what has no base losses)."""
+    round_ = lease.unit.round
+    config = round_config(round_.run.run_config, round_.t)[1]
+    if not (config.outer.verify and config.outer.score):
+        return
+    try:
+        celery_app.send_task("dipaco_server.rounds.tasks.score_base", args=[lease.pk])
+    except (KombuError, OSError) as exc:
+        logger.warning("lease %s: score_base not sent (%s); its score does it all", lease.pk, exc)
 
 
 @receiver(lease_completed, dispatch_uid="dipaco_server.rounds.close_if_ready")

@@ -259,6 +259,18 @@ def score_unit(lease_id: int) -> str:
     return score_completed(lease_id)
 
 
+@shared_task(
+    name="dipaco_server.rounds.tasks.score_base", acks_late=True, reject_on_worker_lost=True
+)
+def score_base(lease_id: int) -> str:
+    """A granted unit's base losses on its scored windows, computed while it trains and
+    recorded for its score at completion (rounds.verification.unit_score.score_granted).
+    Not retried: a score that finds none computes them itself."""
+    from dipaco_server.rounds.verification.unit_score import score_granted  # torch, as above
+
+    return score_granted(lease_id)
+
+
 @shared_task(bind=True, name="dipaco_server.rounds.tasks.finish_round", **RETRY)
 def finish_round(self: Task, run_id: int, t: int) -> str:
     """After every module stepped: close the round, evaluate the paths, then go on.

@@ -35,6 +35,7 @@ from dipaco_server.rounds.protocol.pacing import (
     pace_deficit_s,
 )
 from dipaco_server.rounds.protocol.sizing import size_unit
+from dipaco_server.rounds.signals import lease_granted
 from dipaco_server.rounds.verification import replication
 from dipaco_server.runs.errors import (
     LeaseLimitReached,
@@ -185,6 +186,8 @@ def _create_lease(
         size_reason=size.reason[:240],
     )
     replication.maybe_replicate(unit, worker)  # sampled replication: untrusted work is checked
+    # The round's life scores the unit's base losses while it trains (rounds.lifecycle.receivers).
+    transaction.on_commit(lambda: lease_granted.send(Lease, lease=lease))
     return LeaseGrant(lease=lease, secret=secret)
 
 

@@ -60,6 +60,36 @@ def delta_bases(rows: Sequence[Contribution]) -> dict[int, tuple[tuple[str, int]
     return {lease: tuple(sorted(versions.items())) for lease, versions in bases.items()}
 
 
+def covered_windows(config: Any, lease_id: int) -> int | None:
+    """The unit's windows its lease covered from the start: its steps (sized to the
+    worker's speed, rounds.granted.lease_steps; 0: all H) x the batch. The server's own
+    record, not the worker's claim. None: the whole unit."""
+    steps = Lease.objects.filter(pk=lease_id).values_list("steps", flat=True).first()
+    if not steps or steps >= config.inner.steps:
+        return None
+    return int(steps * config.inner.batch_size)
+
+
+def granted_base(
+    lease_id: int, delta_base: tuple[tuple[str, int], ...], covered: int | None
+) -> rules.BaseLosses | None:
+    """The base losses computed while the lease's unit trained (`Lease.base_losses`,
+    unit_score.score_granted) when they are of the same versions and windows as its Δ's
+    score needs; None otherwise (then the score computes them)."""
+    if not lease_id:
+        return None
+    row = Lease.objects.filter(pk=lease_id).values_list("base_losses", flat=True).first()
+    if not isinstance(row, dict) or row.get("base") != [list(p) for p in delta_base]:
+        return None
+    if row.get("covered") != covered:
+        return None
+    try:
+        train = tuple(float(x) for x in row["train"])
+        return rules.BaseLosses(train, float(row["heldout"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
 class Scorer:
     """Proof of useful work for one module's step (rounds.verification.rules.score_delta): each Δ
     applied alone to its path's base weights, on `score_windows(config)` windows of its
@@ -130,15 +160,11 @@ class Scorer:
             covered = self._covered(upload)
             train = self._train_windows(upload.path, upload.position, covered)
             deltas = unit_deltas()
+            before = self.base.get((key, upload.position, covered)) or granted_base(
+                upload.lease_id, upload.delta_base, covered
+            )
             score = rules.score_delta(
-                self.config,
-                upload.path,
-                self.model,
-                modules,
-                deltas,
-                train,
-                heldout,
-                before=self.base.get((key, upload.position, covered)),
+                self.config, upload.path, self.model, modules, deltas, train, heldout, before
             )
         except (BlobNotFound, ValueError, KeyError, ModuleVersion.DoesNotExist) as exc:
             # Nothing to score it on: the other checks still hold.
@@ -155,6 +181,21 @@ class Scorer:
             score={"base": [list(pair) for pair in upload.delta_base], **score.as_dict()}
         )
         return score
+
+    def base_losses(
+        self, p: int, delta_base: tuple[tuple[str, int], ...], position: int, covered: int | None
+    ) -> rules.BaseLosses:
+        """Path p's base losses (at the versions `delta_base`) on the scored windows of
+        its unit at `position` whose lease covered `covered` windows: what the unit's score
+        reads before its Δ is applied, which the Δ does not change (unit_score.score_granted)."""
+        with stages.timed("scoring"), autocast(self.device):
+            clock = time.process_time()
+            try:
+                modules, heldout = self._path(p, delta_base)
+                train = self._train_windows(p, position, covered)
+                return rules.base_losses(self.config, p, self.model, modules, train, heldout)
+            finally:
+                self.seconds += time.process_time() - clock
 
     def _recorded(self, upload: Upload) -> rules.Score | None:
         """The unit's score as another module's step recorded it, when it is relative to the
@@ -244,13 +285,7 @@ class Scorer:
         )
 
     def _covered(self, upload: Upload) -> int | None:
-        """The unit's windows its lease covered from the start: its steps (sized to the
-        worker's speed, rounds.granted.lease_steps; 0: all H) x the batch. The
-        server's own record, not the worker's claim. None: the whole unit."""
-        steps = Lease.objects.filter(pk=upload.lease_id).values_list("steps", flat=True).first()
-        if not steps or steps >= self.config.inner.steps:
-            return None
-        return steps * self.config.inner.batch_size
+        return covered_windows(self.config, upload.lease_id)
 
     def heldout_picks(self, p: int, windows: int) -> np.ndarray:
         """This round's held-out windows of path p (indices of its validation split's
