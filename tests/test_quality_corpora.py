@@ -90,3 +90,38 @@ def test_a_run_on_two_corpora_writes_each_corpus_figures_under_its_name(tmp_path
         assert (tmp_path / "work" / name).is_dir()  # each corpus its own data and base
     code, prose = data["corpora"]["code"], data["corpora"]["prose"]
     assert code["jobs"]["b/dipaco-fp32"]["loss"] != prose["jobs"]["b/dipaco-fp32"]["loss"]
+
+
+def _merge_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "quality_merge", ROOT / "bench" / "quality_merge.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_runs_of_one_corpus_each_merge_into_one_figure_and_refuse_a_corpus_twice(
+    tmp_path: Path,
+) -> None:
+    merge = _merge_module()
+    named = {"corpora": {"stdlib": {"dipaco_vs_diloco_equal_tokens": 0.9}}, "complete": True,
+             "preset": "modular", "command": "python bench/quality.py --corpus stdlib=stdlib"}  # fmt: skip
+    unnamed = {"corpus": "/tmp/docs.jsonl", "dipaco_vs_diloco_equal_tokens": 1.02,
+               "complete": False, "args": {"preset": "modular"}, "command": "python q"}  # fmt: skip
+    a, b, out = tmp_path / "a.json", tmp_path / "b.json", tmp_path / "out.json"
+    a.write_text(json.dumps(named))
+    b.write_text(json.dumps(unnamed))
+    assert merge.main([str(a), str(b), "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert list(merged["corpora"]) == ["stdlib", "docs"]
+    assert merged["corpora"]["docs"]["dipaco_vs_diloco_equal_tokens"] == 1.02
+    assert merged["complete"] is False  # one input was cut short
+    assert merged["preset"] == "modular"
+    assert [r["command"] for r in merged["runs"]] == [named["command"], "python q"]
+    with pytest.raises(SystemExit, match="corpus 'stdlib' is in an earlier input"):
+        merge.main([str(a), str(a), "--json", str(out)])
+    b.write_text(json.dumps({**unnamed, "args": {"preset": "tiny"}}))
+    with pytest.raises(SystemExit, match="different presets"):
+        merge.main([str(a), str(b), "--json", str(out)])
