@@ -116,6 +116,7 @@ CHECK_OFFSET = 1_000_000  # rounds' check copies' replica indices start here
 TRUST_SETTINGS = (
     "DIPACO_REPLICATION_RATE", "DIPACO_TRUST_REPLICATE_ALL", "DIPACO_MIN_TRUST",
     "DIPACO_TRUST_PENALTY", "DIPACO_TRUST_REWARD", "DIPACO_PROBATION_PARTNERS",
+    "DIPACO_COLD_SHARE",
 )  # fmt: skip
 POLL_S = 1.0
 DISTRUSTED = 8  # dipaco-worker's exit code when the server gives it no more work
@@ -241,6 +242,8 @@ def one_run(
     environ = embedded_environ(data_dir, url)
     for name in TRUST_SETTINGS:
         environ.pop(name, None)
+    if args.cold_share is not None:  # the server's DIPACO_COLD_SHARE (workers.trust)
+        environ["DIPACO_COLD_SHARE"] = str(args.cold_share)
     environ["DIPACO_DATA_ROOTS"] = str(corpus.resolve().parent)
     patch = root / "patch"
     patch.mkdir(parents=True, exist_ok=True)
@@ -533,6 +536,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=1800.0, help="seconds per run")
     parser.add_argument("--work-dir", type=Path, default=None)
     parser.add_argument(
+        "--cold-share", type=float, default=None, metavar="SHARE",
+        help="the server's DIPACO_COLD_SHARE: the share of unreplicated units that train cold "
+        "too (1: every unit, so a lease's `cold` hides which are audited); default: unset",
+    )  # fmt: skip
+    parser.add_argument(
         "--keep", action="store_true", help="keep each run's server folder (database, logs)"
     )
     parser.add_argument(
@@ -704,7 +712,8 @@ def summary(
     seeds = [s for s in args.seeds if (s, "clean") in done]
     clean_of = {s: done[(s, "clean")] for s in seeds}
     out: dict[str, Any] = {"seeds": seeds, "rounds": args.rounds, "inner_steps": args.inner_steps,
-                           "workers": args.workers, "attacks": {}}  # fmt: skip
+                           "workers": args.workers, "cold_share": args.cold_share,
+                           "attacks": {}}  # fmt: skip
     repeat = ["clean-repeat"] if args.repeat_clean else []
     labels = ["clean", *(args.attack or ATTACKS), *repeat, *honest_labels(args)]
     asked = [(s, n) for s in args.seeds for n in labels]

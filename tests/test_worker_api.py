@@ -249,6 +249,32 @@ def test_a_replicated_units_two_copies_are_both_leased_cold(
     assert plain["cold"] is False and plain["replica"] < 1_000_000
 
 
+def test_cold_share_hides_which_units_are_compared(store: BlobStore, settings: Any) -> None:
+    """DIPACO_COLD_SHARE: a share of the unreplicated units train cold too, drawn by a keyed
+    hash of the lease (the same answer every time it is asked); at 1 every lease is cold,
+    so `cold` says nothing about audits."""
+    from dipaco_server.rounds.protocol.grant import grant_lease, trains_cold
+
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    settings.DIPACO_PROBATION_PARTNERS = 0  # every worker established: nothing replicated
+    run = running_run(store)
+    granted = grant_lease(new_worker()[0])
+    assert granted is not None
+    assert not WorkUnit.objects.filter(round__run=run, replica__gte=1_000_000).exists()
+    # the draw reads the lease's id and unit: 40 leases of that unit
+    leases = [Lease(pk=pk, unit=granted.lease.unit) for pk in range(1, 41)]
+    settings.DIPACO_COLD_SHARE = 0.0
+    assert not any(trains_cold(lease) for lease in leases)
+    settings.DIPACO_COLD_SHARE = 1.0
+    assert all(trains_cold(lease) for lease in leases)
+    settings.DIPACO_COLD_SHARE = 0.5
+    drawn = [trains_cold(lease) for lease in leases]
+    assert 8 <= sum(drawn) <= 32  # binomial(40, 0.5): outside with probability < 1e-4
+    assert drawn == [trains_cold(lease) for lease in leases]
+    settings.SECRET_KEY = settings.SECRET_KEY + "-other"
+    assert drawn != [trains_cold(lease) for lease in leases]  # keyed with the server's secret
+
+
 # --- the full cycle over real HTTP ---------------------------------------------------------------
 
 

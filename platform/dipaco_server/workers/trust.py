@@ -15,7 +15,12 @@ setting means now:
 - DIPACO_TRUST_PENALTY / DIPACO_TRUST_REWARD: as above; one refusal (0.7) raises a
   trusted worker's audit rate from 0.05 to 0.62 with the defaults;
 - DIPACO_PROBATION_PARTNERS: distinct partners a newcomer's copies must agree with
-  (default workers.probation.PARTNERS; 0: no probation, every new worker established).
+  (default workers.probation.PARTNERS; 0: no probation, every new worker established);
+- DIPACO_COLD_SHARE: the share of the units no copy is compared with that also train from
+  fresh AdamW moments (rounds.verification.replication.trains_cold). A replicated unit's
+  lease says `cold: true`, so at 0 (the default) `cold` tells a worker which of its units
+  are audited, and one that knows the rules attacks only the others; at 1 every lease is
+  cold and says nothing. Cold units cost quality (the path's warm moments are dropped).
 
 With the defaults, one unit of three rejected Δs (0.7³ = 0.34) moves a worker to full
 replication, a second one stops it; a single honest Δ refused now and then is recovered
@@ -50,6 +55,8 @@ DEFAULTS: dict[str, float] = {
     "DIPACO_TRUST_PENALTY": 0.7,
     # ...and raised by this per accepted contribution, up to 1.
     "DIPACO_TRUST_REWARD": 0.02,
+    # Share of the unreplicated units that train cold too, so `cold` hides the audits.
+    "DIPACO_COLD_SHARE": 0.0,
 }
 
 

@@ -64,7 +64,6 @@ from dipaco_server.rounds.protocol.schemas import (
 from dipaco_server.rounds.protocol.unit_data import unit_rows
 from dipaco_server.rounds.protocol.worker_metrics import worker_metrics
 from dipaco_server.rounds.signals import lease_completed
-from dipaco_server.rounds.verification import replication
 from dipaco_server.runs.errors import ModulesNotReady, RoundClosed, RunNotActive
 from dipaco_server.runs.models import ModuleVersion
 from dipaco_server.runs.phases import local_round, phase_config
@@ -181,7 +180,7 @@ def lease(
             "round": local_round(run_config, unit.round.t),
             "unit_id": unit.pk,
             "replica": unit.replica,
-            "cold": replication.replicated(unit),
+            "cold": granting.trains_cold(lease),
             "path": unit.path.index,
             "modules": list(unit.path.modules),
             "base_versions": dict(unit.base_versions),

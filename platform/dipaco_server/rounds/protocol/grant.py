@@ -13,11 +13,13 @@ rounds.protocol.pacing.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import F
 from django.utils import timezone
@@ -189,6 +191,21 @@ def _create_lease(
     # The round's life scores the unit's base losses while it trains (rounds.lifecycle.receivers).
     transaction.on_commit(lambda: lease_granted.send(Lease, lease=lease))
     return LeaseGrant(lease=lease, secret=secret)
+
+
+def trains_cold(lease: Lease) -> bool:
+    """Whether the lease's unit trains from fresh AdamW moments (its `cold`): every
+    replicated unit (replication.replicated: two copies compare only when both start
+    alike), and a share DIPACO_COLD_SHARE of the others, drawn by a hash of the lease keyed
+    with the server's secret, so a worker cannot tell a drawn one from an audited one; at 1
+    every lease is cold and `cold` says nothing about audits (workers.trust)."""
+    if replication.replicated(lease.unit):
+        return True
+    share = trust.setting("DIPACO_COLD_SHARE")
+    if share <= 0 or share >= 1:
+        return share >= 1
+    key = f"{settings.SECRET_KEY}:cold:{lease.pk}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") < share * 2**64
 
 
 def _comeback(worker: Worker) -> tuple[int, int] | None:

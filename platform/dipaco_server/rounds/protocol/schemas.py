@@ -61,9 +61,9 @@ class LeaseOut(Schema):
     replica: int
     cold: bool = Field(
         default=False,
-        description="Train from fresh AdamW moments, not the path's warm ones: another "
-        "worker trains the same unit too (a check copy, or this original's), and two "
-        "copies compare only when both start alike.",
+        description="Train from fresh AdamW moments, not the path's warm ones: every unit "
+        "another worker trains too (two copies compare only when both start alike) and, "
+        "with DIPACO_COLD_SHARE, others, so that it need not say which units are compared.",
     )
     path: int = Field(description="The path index.")
     modules: list[str] = Field(description="Module ids of the path, in assembly order.")
