@@ -540,14 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the server's DIPACO_COLD_SHARE: the share of unreplicated units that train cold "
         "too (1: every unit, so a lease's `cold` hides which are audited); default: unset",
     )  # fmt: skip
-    parser.add_argument(
-        "--keep", action="store_true", help="keep each run's server folder (database, logs)"
-    )
-    parser.add_argument(
-        "--no-clean",
-        action="store_true",
-        help="skip the clean runs: the attack runs' counts and refusals only, no ratios",
-    )
+    parser.add_argument("--keep", action="store_true", help="keep each run's server folder")
+    parser.add_argument("--no-clean", action="store_true",
+                        help="skip the clean runs: the attack runs' counts and refusals only")  # fmt: skip
     parser.add_argument(
         "--honest-only",
         action="append",

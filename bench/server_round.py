@@ -496,36 +496,24 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     num_layers / 2 blocks (the preset's 2x2 level modules' size: their costs carry over),
     each in 16 of the 256 paths, and the shared module (embeddings, final norm, head) in
     all 256. One replica a path: 256 units, 64 volunteers, four waves. A unit's
-    score_base runs from its grant (the path's base loaded, the base losses on its scored
-    windows: `score_base_task_seconds`); its completion's tasks (score_unit and
-    check_unit, counted as one task of their summed seconds: the base loaded again with
-    the unit's Δs, the passes with them applied, and each of its 3 Δs fetched through the
-    link and checked) start at its completion
-    (completions spread evenly: `fraction`; each wave of 64 at once: `fraction_lockstep`,
-    the goal's figure), so only the last ones extend the round; then the module steps
+    score_base runs from its grant (`score_tasks`); its completion's tasks (score_unit and
+    check_unit as one task: the rest of its score, each of its 3 Δs fetched and checked)
+    start at its completion (spread evenly: `fraction`; each wave of 64 at once:
+    `fraction_lockstep`, the goal's figure), so only the last ones extend the round; then the module steps
     (recorded scores and checks reused) run on the cores, longest first, each paying per
     Δ its aggregation and the step's remaining checks (CPU), then the base in, Nesterov
     and the new version out. The shared module's sum runs on `shared_sum_threads`
     threads (rounds.outer.aggregate.tensor_groups): its aggregation divided by
     `shared_sum_speedup` (the module's values over its largest group's), the rest not.
-    `before_inline_checks`: the same costs with every check at the close, as before. A
-    worker asks for its next lease (the manifest) after its unit trained: the manifest's
-    wall counts once a wave, its CPU in the occupancy; evaluation runs while the next round
-    trains (occupancy only). `at_nominal_link`: each transfer at the link's own pace.
+    `before_inline_checks`, `before_base_at_grant`: the same costs as before check_unit,
+    before score_base. The manifest's wall counts once a wave, its CPU in the occupancy;
+    evaluation runs while the next round trains (occupancy only).
     """
     layout = LayoutConfig.grid(config.model.num_layers, levels=LEVELS, modules=MODULES)
     units, level_modules, levels = layout.num_paths, sum(layout.modules_per_level), LEVELS
     unit_s, waves = config.units.target_seconds, math.ceil(units / VOLUNTEERS)
     training = waves * (unit_s + figures["manifest_seconds"])
     lv, sh, link, through = costs(figures, "level"), costs(figures, "shared"), figures["link"], units // MODULES  # fmt: skip
-    cpu = figures["score_build_cpu"] + figures["scoring_cpu"]
-    score_task = cpu + figures["score_load_seconds"] + figures["score_rows_seconds"]
-    # Split as built (rounds.verification.unit_score): score_base at the grant, the path's
-    # base loaded and the base losses' passes; score_unit at the completion, the base
-    # loaded again with the unit's Δs and the passes with the Δ applied.
-    base_load, rows = figures["score_base_load_seconds"], figures["score_rows_seconds"]
-    base_task = figures["score_build_cpu"] + base_load + rows + figures["scoring_base_cpu"]
-    delta_task = score_task - figures["scoring_base_cpu"]
     evaluation = figures["evaluation_cpu"] / figures["eval_windows"] * figures["sample_windows"]
     manifests = figures["manifest_cpu"] * units  # through: the paths through a level module
     # The link alone: 4 module-sized objects a step (base and momentum in, weights and
@@ -533,12 +521,10 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
     move = {k: 4 * transfer(4 * sum(numels(config, m)), link) for k, m in (("level", "0.0"), ("shared", "shared"))}  # fmt: skip
     nominal = {k: {**c, "fetch": c["fetch_nominal"], "fixed": c["outer"] + move[k]}
                for k, c in (("level", lv), ("shared", sh))}  # fmt: skip
-    base_nominal = figures["score_build_cpu"] + figures["score_base_load_cpu"]
-    base_nominal += (move["level"] * levels + move["shared"]) / 4 + 2 * transfer(0, link)
-    delta_nominal = base_nominal + figures["score_load_cpu"] - figures["score_base_load_cpu"]
-    delta_nominal += levels * lv["fetch_nominal"] + sh["fetch_nominal"]
-    base_nominal += figures["scoring_base_cpu"]
-    delta_nominal += figures["scoring_delta_cpu"]
+    score_task, base_task, delta_task, base_nominal, delta_nominal = score_tasks(
+        figures, (move["level"] * levels + move["shared"]) / 4,
+        levels * lv["fetch_nominal"] + sh["fetch_nominal"], transfer(0, link),
+    )  # fmt: skip
 
     threads, speedup = shared_split(config, units)
 
@@ -559,10 +545,7 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
 
     measured = {"level": lv, "shared": sh}
     built = scenario(measured, delta_task, True, grant=base_task)
-    # the server's cores the lockstep fraction asks for: scoring grows with outer.score_flops
-    by_cores = {
-        c: scenario(measured, delta_task, True, c, base_task)["fraction_lockstep"] for c in SERVERS
-    }
+    by_cores = {c: scenario(measured, delta_task, True, c, base_task)["fraction_lockstep"] for c in SERVERS}  # fmt: skip
     fetched = units * (levels * lv["delta_bytes"] + sh["delta_bytes"])
     return {
         "grid": f"{MODULES}x{MODULES}: {levels} levels x {MODULES} modules", "levels": levels,
@@ -585,6 +568,27 @@ def projection(figures: dict[str, Any], config: RunConfig) -> dict[str, Any]:
         "before_inline_checks": {**scenario(measured, delta_task, False, grant=base_task), "what": BEFORE},
         "before_base_at_grant": {**scenario(measured, score_task, True), "what": BEFORE_BASE},
     }  # fmt: skip
+
+
+def score_tasks(
+    figures: dict[str, Any], path_moved: float, deltas_moved: float, request: float
+) -> tuple[float, float, float, float, float]:
+    """A unit's scoring tasks in seconds: the whole score at its completion (as before
+    score_base), then split as built (rounds.verification.unit_score): score_base at the
+    grant (the path's base loaded, the base losses' passes), score_unit at the completion
+    (the base loaded again with the unit's Δs, the passes with the Δ applied); and the two
+    at the link's own pace (`path_moved`, `deltas_moved`: the path's modules' and the
+    unit's Δs' transfers; `request`: one empty request, two for its rows)."""
+    cpu = figures["score_build_cpu"] + figures["scoring_cpu"]
+    whole = cpu + figures["score_load_seconds"] + figures["score_rows_seconds"]
+    base_load, rows = figures["score_base_load_seconds"], figures["score_rows_seconds"]
+    base = figures["score_build_cpu"] + base_load + rows + figures["scoring_base_cpu"]
+    base_nominal = figures["score_build_cpu"] + figures["score_base_load_cpu"]
+    base_nominal += path_moved + 2 * request
+    delta_nominal = base_nominal + figures["score_load_cpu"] - figures["score_base_load_cpu"]
+    delta_nominal += deltas_moved + figures["scoring_delta_cpu"]
+    base_nominal += figures["scoring_base_cpu"]
+    return whole, base, whole - figures["scoring_base_cpu"], base_nominal, delta_nominal
 
 
 def shared_split(config: RunConfig, units: int) -> tuple[int, float]:
