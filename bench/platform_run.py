@@ -88,20 +88,23 @@ def default_config(
     seed: int = 0,
     model_size: str = "tiny",
     name: str = "platform-vs-simulate",
+    preset: str = "tiny",
 ) -> RunConfig:
-    """RunConfig.tiny(): 2x2 paths, one replica each, tf-idf router, random start, one phase."""
+    """RunConfig.tiny(): 2x2 paths (`model_size` as dipaco demo's), or with `preset`
+    "modular" RunConfig.modular(): 2 levels x 5 modules, 25 paths; one replica each, tf-idf
+    router, random start, one phase."""
+    common: dict[str, Any] = {
+        "name": name, "seed": seed, "rounds": rounds, "replicas_per_path": 1,
+        "inner": {"steps": inner_steps, "warmup_steps": max(1, inner_steps // 4)},
+        "data": {"val_fraction": plan.VAL_FRACTION}, "router": {"featurizer": "tfidf"},
+    }  # fmt: skip
+    if preset == "modular":
+        return RunConfig.modular(**common)
+    if preset != "tiny":
+        raise ValueError(f"preset {preset!r}: choose tiny or modular")
     model = {**RunConfig.tiny().model.model_dump(mode="json"), **plan.MODEL_SIZES[model_size]}
-    return RunConfig.tiny(
-        name=name,
-        seed=seed,
-        rounds=rounds,
-        replicas_per_path=1,
-        model=model,
-        layout=LayoutConfig.grid(model["num_layers"], 2, 2).model_dump(),
-        inner={"steps": inner_steps, "warmup_steps": max(1, inner_steps // 4)},
-        data={"val_fraction": plan.VAL_FRACTION},
-        router={"featurizer": "tfidf"},
-    )
+    layout = LayoutConfig.grid(model["num_layers"], 2, 2).model_dump()
+    return RunConfig.tiny(**common, model=model, layout=layout)
 
 
 # --- the platform run ---------------------------------------------------------------------
@@ -475,6 +478,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="the run's seed (%(default)s)")
     parser.add_argument("--model-size", choices=sorted(plan.MODEL_SIZES), default="tiny",
                         help="path size, as dipaco demo's (%(default)s)")  # fmt: skip
+    parser.add_argument("--preset", choices=("tiny", "modular"), default="tiny",
+                        help="tiny: 2x2 paths of --model-size; modular: RunConfig.modular()'s "
+                        "2 levels x 5 modules (25 paths), --model-size ignored (%(default)s)")  # fmt: skip
     parser.add_argument(
         "--corpus", default="stdlib",
         help='"stdlib" (a JSON Lines sample of it, as the demo writes), a directory or a '
@@ -503,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started, load_before = time.perf_counter(), os.getloadavg()
     config = default_config(rounds=args.rounds, inner_steps=args.inner_steps, seed=args.seed,
-                            model_size=args.model_size)  # fmt: skip
+                            model_size=args.model_size, preset=args.preset)  # fmt: skip
     comm = config.comm.model_copy(
         update={"download_codec": args.download_codec, "codec": args.codec or config.comm.codec}
     )

@@ -69,3 +69,17 @@ def test_a_platform_run_ends_with_the_simulators_loss(tmp_path: Path) -> None:
     assert len(result["units"]) == 8, "every unit of both rounds completed once"
     tolerance = COLD_UNIT_TOLERANCE if result["cold_units"] else EXACT
     assert result["platform_vs_simulate"] == pytest.approx(1.0, abs=tolerance), result["units"]
+
+
+def test_the_modular_preset_is_run_as_the_quality_bench_sizes_it() -> None:
+    """bench/platform_run.py --preset modular: RunConfig.modular()'s 25 paths, one replica
+    each, one phase with a tf-idf router (what platform_vs_simulate compares); its run is
+    the figure in docs/benchmarks.md, too long for the suite."""
+    bench = bench_module()
+    config = bench.default_config(rounds=2, inner_steps=4, preset="modular")
+    assert config.num_paths == 25 and config.replicas_per_path == 1
+    assert config.phase1 is None and config.router.featurizer == "tfidf"
+    assert config.model.vocab_size == 1024 and config.inner.steps == 4
+    assert bench.default_config(rounds=2, inner_steps=4).num_paths == 4  # tiny stays 2x2
+    with pytest.raises(ValueError, match="choose tiny or modular"):
+        bench.default_config(preset="capacity")
