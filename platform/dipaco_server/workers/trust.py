@@ -17,7 +17,7 @@ setting means now:
 - DIPACO_PROBATION_PARTNERS: distinct partners a newcomer's copies must agree with
   (default workers.probation.PARTNERS; 0: no probation, every new worker established);
 - DIPACO_COLD_SHARE: the share of the units no copy is compared with that also train from
-  fresh AdamW moments (rounds.verification.replication.trains_cold). A replicated unit's
+  fresh AdamW moments (rounds.protocol.grant.trains_cold). A replicated unit's
   lease says `cold: true`, so at 0 (the default) `cold` tells a worker which of its units
   are audited, and one that knows the rules attacks only the others; at 1 every lease is
   cold and says nothing. Cold units cost quality (the path's warm moments are dropped).

@@ -26,6 +26,7 @@ import logging
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from dipaco.codecs import CodecError
 from dipaco_server.rounds import stages
@@ -40,14 +41,15 @@ from dipaco_server.storage import BlobNotFound, BlobStore, get_blob_store
 logger = logging.getLogger(__name__)
 
 
-def score_completed(lease_id: int, store: BlobStore | None = None) -> str:
-    """Score the unit of a completed lease and record it (`Lease.score`); what happened."""
+def _to_score(lease_id: int, state: str, field: str) -> tuple[Lease, Any] | str:
+    """(the lease, its round's config) when the lease is in `state`, has no `field` recorded
+    yet, its round is not closed and its run scores; else what stops it."""
     lease = (
         Lease.objects.select_related("unit__round__run", "unit__path").filter(pk=lease_id).first()
     )
-    if lease is None or lease.state != Lease.State.COMPLETED:
-        return "not completed"
-    if lease.score is not None:
+    if lease is None or lease.state != state:
+        return f"not {state}"
+    if getattr(lease, field) is not None:
         return "scored already"
     round_ = lease.unit.round
     if round_.state == Round.State.CLOSED:
@@ -55,6 +57,16 @@ def score_completed(lease_id: int, store: BlobStore | None = None) -> str:
     _, config = round_config(round_.run.run_config, round_.t)
     if not (config.outer.verify and config.outer.score):
         return "not scored in this run"
+    return lease, config
+
+
+def score_completed(lease_id: int, store: BlobStore | None = None) -> str:
+    """Score the unit of a completed lease and record it (`Lease.score`); what happened."""
+    found = _to_score(lease_id, Lease.State.COMPLETED, "score")
+    if isinstance(found, str):
+        return found
+    lease, config = found
+    round_ = lease.unit.round
     rows = list(
         Contribution.objects.filter(lease=lease, status=Contribution.Status.PENDING)
         .select_related("module", "unit")
@@ -85,19 +97,11 @@ def score_completed(lease_id: int, store: BlobStore | None = None) -> str:
 def score_granted(lease_id: int, store: BlobStore | None = None) -> str:
     """The base losses of a granted lease's unit on its scored windows, recorded on the lease
     (`Lease.base_losses`) for its score at completion; what happened."""
-    lease = (
-        Lease.objects.select_related("unit__round__run", "unit__path").filter(pk=lease_id).first()
-    )
-    if lease is None or lease.state != Lease.State.ACTIVE:
-        return "not active"
-    if lease.base_losses is not None:
-        return "scored already"
+    found = _to_score(lease_id, Lease.State.ACTIVE, "base_losses")
+    if isinstance(found, str):
+        return found
+    lease, config = found
     unit, round_ = lease.unit, lease.unit.round
-    if round_.state == Round.State.CLOSED:
-        return "round closed"
-    _, config = round_config(round_.run.run_config, round_.t)
-    if not (config.outer.verify and config.outer.score):
-        return "not scored in this run"
     base = tuple(sorted(dict(unit.base_versions).items()))
     module = Module.objects.filter(
         run=round_.run, phase=unit.path.phase, module_id=unit.path.modules[0]
