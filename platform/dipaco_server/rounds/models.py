@@ -60,6 +60,11 @@ class Round(models.Model):
         return not previous.exclude(state=Round.State.CLOSED).exists()
 
 
+# A check copy's replica index is this plus its original's (rounds.verification.replication):
+# replicas_per_path is far below it.
+CHECK_OFFSET = 1_000_000
+
+
 class WorkUnit(models.Model):
     """One replica of one path in one round: H inner steps on windows of the path's shard."""
 

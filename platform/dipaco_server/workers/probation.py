@@ -53,8 +53,10 @@ from dataclasses import dataclass
 # probation: with two, one colluding partner plus one honest would do; three needs a
 # majority of honest ones among any four workers (the bench's two-colluders setting).
 PARTNERS = 3
-# ...or this many once it has been on probation for a few rounds of work
-# (rounds.verification.replication.PROBATION_ROUNDS): partners can be scarce.
+# ...or this many, in either role, once it has been on probation for a few rounds of work
+# (rounds.verification.replication.PROBATION_ROUNDS) without losing trust: partners can be
+# scarce, and a comparison spent on an attacker that checks refuse brings nothing (the hard
+# end, workers.trust._save_standing).
 LATE_PARTNERS = 2
 KEEP_PARTNERS = 16  # agreements kept per worker (Worker.partners), newest last
 
@@ -96,12 +98,16 @@ def agreed(partners: Sequence[Sequence[int]], partner: int, as_check: bool) -> l
     return kept[-KEEP_PARTNERS:]
 
 
-def leaves_probation(partners: Sequence[Sequence[int]], needed: int = PARTNERS) -> bool:
+def leaves_probation(
+    partners: Sequence[Sequence[int]], needed: int = PARTNERS, both_roles: bool = True
+) -> bool:
     """Whether these agreements (Worker.partners) end a probation: `needed` distinct
-    partners, and at least one agreement as the original and one as the check copy."""
+    partners, and at least one agreement as the original and one as the check copy
+    (`both_roles`; probation's hard end, workers.trust._save_standing, asks either role)."""
     pairs = [(int(p[0]), bool(p[1])) for p in partners if len(p) == 2]
     roles = {as_check for _, as_check in pairs}
-    return len({worker for worker, _ in pairs}) >= needed and roles == {False, True}
+    enough_roles = roles == {False, True} if both_roles else bool(roles)
+    return len({worker for worker, _ in pairs}) >= needed and enough_roles
 
 
 def probation_progress(partners: Sequence[Sequence[int]]) -> tuple[int, bool, bool]:

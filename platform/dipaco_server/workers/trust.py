@@ -182,9 +182,18 @@ def _save_standing(
         row.tokens_processed += row.held_tokens
         row.held_units = row.held_tokens = 0
         fields += ["doubted", "units_completed", "tokens_processed", "held_units", "held_tokens"]
+    # Probation's hard end: PROBATION_ROUNDS rounds of work (`late`) at full trust (no Δ
+    # refused since it came or since its trust was earned back) need LATE_PARTNERS partners
+    # in either role. Live, an honest newcomer's original was checked by an attacker whose
+    # copy the checks refused: it had two partners as the check copy, a round without a
+    # copy followed (the pairing counted as if it would agree), and it stayed on probation
+    # for four rounds (bench/attacks_live.py, scored_windows, seed 1).
+    hard_end = late and row.trust >= 1.0
     if late:
         needed = min(needed, probation.LATE_PARTNERS)
-    leaves = row.probation and probation.leaves_probation(row.partners, needed)
+    leaves = row.probation and probation.leaves_probation(
+        row.partners, needed, both_roles=not hard_end
+    )
     if leaves and (judged is None or judged(row.pk)):
         row.probation = False
         row.units_completed += row.held_units  # the credit it held is granted now

@@ -124,11 +124,12 @@ def settle(
             )
     accepted = [v for v in verdicts if v.accepted]
     rejected = [v for v in verdicts if not v.accepted]
-    count(accepted, "contributions_accepted")
-    count(rejected, "contributions_rejected")
     # Held out by an undecided first round (first_round.UNSETTLED), or agreeing copies
-    # that both bought nothing (rules.AGREED_NO_GAIN): not its worker's fault.
+    # that both bought nothing (rules.AGREED_NO_GAIN): not its worker's fault, so neither
+    # counted as rejected nor penalised.
     held = [v for v in rejected if v.reason.startswith(HELD)]
+    count(accepted, "contributions_accepted")
+    count([v for v in rejected if v not in held], "contributions_rejected")
     trust.penalise(v.upload.worker_id for v in rejected if not weak_partial(v) and v not in held)
     for worker_id, counter in replicas:  # compare_replicas: "replicas_(dis)agreed", "doubted"
         if counter == "doubted":

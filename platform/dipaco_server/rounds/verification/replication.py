@@ -33,7 +33,6 @@ and is given a copy for the check role it lacks (`copy_for_check_role`).
 from __future__ import annotations
 
 import logging
-import math
 import random
 from collections.abc import Callable
 from datetime import timedelta
@@ -43,15 +42,17 @@ from django.db import connection
 from django.db.models import Exists, F, OuterRef, Q, QuerySet
 from django.utils import timezone
 
+from dipaco_server.rounds.models import CHECK_OFFSET as CHECK_OFFSET  # where it is read
 from dipaco_server.rounds.models import Contribution, Lease, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
+from dipaco_server.rounds.verification.audits import (  # re-exported: the schedule's parts
+    AUDIT_SPREAD as AUDIT_SPREAD,
+)
+from dipaco_server.rounds.verification.audits import audit_overdue, audit_rate
 from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 
 logger = logging.getLogger(__name__)
-
-# Check copies take replica indices from here: replicas_per_path is far below it.
-CHECK_OFFSET = 1_000_000
 
 
 def is_check(unit: WorkUnit) -> bool:
@@ -73,8 +74,9 @@ def partners_needed_now(worker_id: int) -> int:
 
 
 # A newcomer that handed in work in this many rounds of its probation needs
-# probation.LATE_PARTNERS distinct partners (both roles, and a conclusive agreement where
-# one is asked for, still), not DIPACO_PROBATION_PARTNERS (`late`, workers.trust._save_standing): live, with six honest
+# probation.LATE_PARTNERS distinct partners (a conclusive agreement where one is asked
+# for, still; either role at full trust, both below: the hard end), not
+# DIPACO_PROBATION_PARTNERS (`late`, workers.trust._save_standing): live, with six honest
 # workers, one agreed with 2 of its 3 partners and never met a third in 8 rounds (every unit
 # of it replicated, 61,918 tokens of its credit held at the end). Four newcomers
 # meet all their partners in two rounds (tests/test_probation.py), so the rule changes
@@ -137,7 +139,7 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
     newcomer, needed = worker.probation and not worker.operator_trusted, 0
     if newcomer:
         needed = partners_needed_now(worker.pk)
-        if trust.end_probation_if_due(worker.pk, needed, judge_for(needed), late(worker.pk)):
+        if _ends_probation(worker):
             worker.refresh_from_db()
             newcomer = False
     why = "probation" if worker.probation else "audit"
@@ -176,71 +178,6 @@ def maybe_replicate(unit: WorkUnit, worker: Worker) -> WorkUnit | None:
             unit.pk, worker.pk, copy.pk, why,
         )  # fmt: skip
     return copy if created else None
-
-
-# How much faster an established worker is audited per share of a round's updates it
-# supplies (`audit_rate`): a worker supplying a quarter of them is audited at twice the base.
-SHARE_AUDIT = 4.0
-# An established worker's audits come at most this many times its mean interval apart
-# (`audit_overdue`).
-AUDIT_SPREAD = 2.0
-
-
-def audit_rate(worker: Worker, unit: WorkUnit) -> float:
-    """The share of an established worker's units replicated now: its trust's rate
-    (workers.trust.replication_rate: DIPACO_REPLICATION_RATE at trust 1, rising as trust
-    falls), grown with the share of the run's last closed round's originals it supplied
-    (x (1 + SHARE_AUDIT x share), at most 1). What an unaudited worker can do to a module
-    grows with the share of its updates it supplies: among 10,000 workers a sleeper moves
-    nothing, among 4 it is a quarter of every step (live: a sleeper biasing a quarter of a
-    2x2 run's units, audited at 0.05, was credited all it claimed). 0 when audits
-    are off (the rate 0)."""
-    base = trust.replication_rate(worker)
-    if base <= 0 or base >= 1:
-        return base
-    return min(1.0, base * (1 + SHARE_AUDIT * round_share(worker.pk, unit.round_id)))
-
-
-def round_share(worker_id: int, round_id: int) -> float:
-    """The worker's share of the originals completed in the last closed round of the run
-    that round `round_id` belongs to (each module's updates come from its paths' units:
-    the round's share stands for the modules'); 0 before any round closed."""
-    run_id = Round.objects.filter(pk=round_id).values_list("run_id", flat=True).first()
-    last = (
-        Round.objects.filter(run_id=run_id, state=Round.State.CLOSED)
-        .order_by("-t")
-        .values_list("pk", flat=True)
-        .first()
-    )
-    if last is None:
-        return 0.0
-    done = Lease.objects.filter(
-        unit__round_id=last, unit__replica__lt=CHECK_OFFSET, state=Lease.State.COMPLETED
-    )
-    total = done.count()
-    return done.filter(worker_id=worker_id).count() / total if total else 0.0
-
-
-def audit_overdue(worker: Worker, unit: WorkUnit, rate: float) -> bool:
-    """Whether none of the worker's last ceil(AUDIT_SPREAD / rate) - 1 originals before
-    `unit` was replicated: audits are drawn at random (the worker cannot foresee which unit
-    is checked), and this bounds the gap between two, so a worker that turns hostile after
-    probation (a sleeper) is compared within that many units of turning, whatever the
-    draws. Probation replicates every unit, so the count starts when it ends."""
-    gap = math.ceil(AUDIT_SPREAD / rate) - 1
-    copy = WorkUnit.objects.filter(
-        round_id=OuterRef("unit__round_id"),
-        path_id=OuterRef("unit__path_id"),
-        replica=CHECK_OFFSET + OuterRef("unit__replica"),
-    )
-    last = list(
-        Lease.objects.filter(worker=worker, unit__replica__lt=CHECK_OFFSET)
-        .exclude(unit=unit)
-        .annotate(checked=Exists(copy))
-        .order_by("-pk")
-        .values_list("checked", flat=True)[:gap]
-    )
-    return len(last) >= gap and not any(last)
 
 
 def newcomer_lacks_a_check(round_id: int) -> bool:
@@ -374,6 +311,8 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     rounds = {g["round_id"] for g in groups if g["queued"] > 0}
     if not rounds:
         return None
+    if worker.probation and not worker.operator_trusted and _ends_probation(worker):
+        worker.refresh_from_db()  # its hard end (workers.trust): no copy made for a role
     made = copy_for_check_role(worker, rounds)
     if made is not None:
         return made
@@ -415,6 +354,13 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     if connection.features.has_select_for_update_skip_locked:
         units = units.select_for_update(skip_locked=True)
     return units.first()
+
+
+def _ends_probation(worker: Worker) -> bool:
+    """End `worker`'s probation now if its recorded agreements suffice (`maybe_replicate`
+    does the same for the unit it is granted); whether it ended."""
+    needed = partners_needed_now(worker.pk)
+    return trust.end_probation_if_due(worker.pk, needed, judge_for(needed), late(worker.pk))
 
 
 def copy_for_check_role(worker: Worker, rounds: set[int]) -> WorkUnit | None:

@@ -1,0 +1,84 @@
+"""Probation's hard end (workers.trust._save_standing): after
+rounds.verification.replication.PROBATION_ROUNDS rounds of work at full trust, a newcomer
+leaves probation with probation.LATE_PARTNERS partners in either role, so a comparison
+spent on an attacker whose copy the checks refused cannot keep an honest worker replicated
+round after round. On the real services (PostgreSQL, the lease service, real Δs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dipaco_server.rounds.protocol.grant import grant_lease
+from dipaco_server.rounds.verification import replication
+from dipaco_server.workers import probation, trust
+from dipaco_server.workers.models import Worker
+from dipaco_server.workers.services import create_enrollment_token, register_worker
+from tests.test_outer_tasks import GRID, running_run
+from tests.test_probation import wave_round
+from tests.test_untrusted import INNER, with_data
+
+
+def test_the_hard_end_asks_late_partners_in_either_role() -> None:
+    as_check = [[7, 1], [8, 1]]
+    assert not probation.leaves_probation(as_check, probation.LATE_PARTNERS)
+    assert probation.leaves_probation(as_check, probation.LATE_PARTNERS, both_roles=False)
+    assert not probation.leaves_probation([[7, 1]], probation.LATE_PARTNERS, both_roles=False)
+    assert not probation.leaves_probation([], 0, both_roles=False)  # no agreement at all
+
+
+@pytest.mark.django_db
+def test_only_a_late_newcomer_at_full_trust_leaves_with_partners_in_one_role(
+    settings: Any,
+) -> None:
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    token = create_enrollment_token(max_uses=None)[1]
+    worker = register_worker(token, "newcomer", {})[0]
+    Worker.objects.filter(pk=worker.pk).update(
+        partners=[[101, 1], [102, 1]], held_units=2, held_tokens=900
+    )
+    assert not trust.end_probation_if_due(worker.pk, probation.PARTNERS)  # not late yet
+    Worker.objects.filter(pk=worker.pk).update(trust=0.9)  # a Δ of it was refused
+    assert not trust.end_probation_if_due(worker.pk, probation.PARTNERS, late=True)
+    Worker.objects.filter(pk=worker.pk).update(trust=1.0)
+    assert trust.end_probation_if_due(worker.pk, probation.PARTNERS, late=True)
+    row = Worker.objects.get(pk=worker.pk)
+    assert not row.probation
+    assert (row.units_completed, row.tokens_processed, row.held_units) == (2, 900, 0)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("full_trust", [True, False])
+def test_a_newcomer_late_on_probation_leaves_at_its_next_grant_unreplicated(
+    tmp_path: Path, settings: Any, full_trust: bool
+) -> None:
+    """Four newcomers work two rounds; one is then put back as the live run left it: two
+    partners, both as the check copy (its original's checker was refused). At its round-2
+    grant it has worked PROBATION_ROUNDS rounds: at full trust it leaves probation there,
+    its held credit granted, its unit not replicated (audits off); at a lost trust it
+    stays, and its unit is replicated for the role it lacks."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
+    sources = with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    for t in range(2):
+        wave_round(run, workers, sources, t)
+    a, b, c = workers[:3]
+    Worker.objects.filter(pk=a.pk).update(
+        probation=True,
+        partners=[[b.pk, 1], [c.pk, 1]],
+        held_units=1,
+        held_tokens=500,
+        trust=1.0 if full_trust else 0.9,
+    )
+    assert replication.rounds_on_probation(a.pk) == replication.PROBATION_ROUNDS
+    granted = grant_lease(Worker.objects.get(pk=a.pk))
+    assert granted is not None and granted.unit.round.t == 2
+    row = Worker.objects.get(pk=a.pk)
+    assert row.probation is not full_trust
+    assert replication.replicated(granted.unit) is not full_trust
+    assert row.held_units == (0 if full_trust else 1)
