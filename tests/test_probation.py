@@ -281,7 +281,10 @@ def test_probation_asks_no_more_partners_than_there_are_workers_to_agree_with(
 def test_credit_held_on_probation_is_granted_when_it_ends_and_forfeited_when_a_copy_loses(
     settings: Any,
 ) -> None:
+    """Held on probation, then (audits on) pending each next agreeing audit or the run's
+    end (workers.trust.grant_credit); forfeited with a lost comparison."""
     settings.DIPACO_PROBATION_PARTNERS = 2
+    settings.DIPACO_REPLICATION_RATE = 0.05
     token = create_enrollment_token(max_uses=None)[1]
     worker = register_worker(token, "newcomer", {})[0]
 
@@ -300,9 +303,27 @@ def test_credit_held_on_probation_is_granted_when_it_ends_and_forfeited_when_a_c
     trust.record_agreement(worker.pk, 8, True)  # two partners, both roles: probation ends
     assert counts() == (False, 0, 0, 1, 50)
     trust.grant_credit(worker.pk, 30)
-    assert counts() == (False, 0, 0, 2, 80)  # established: credited at once
+    # established, audits on: held until a copy of its agrees with an established,
+    # undoubted worker's (a newcomer's agreement vouches for nothing)
+    assert counts() == (False, 1, 30, 1, 50)
+    newcomer = register_worker(token, "another newcomer", {})[0]
+    trust.record_agreement(worker.pk, newcomer.pk, True)
+    assert counts() == (False, 1, 30, 1, 50)
+    referee = register_worker(token, "established", {})[0]
+    Worker.objects.filter(pk=referee.pk).update(probation=False)
+    trust.record_agreement(worker.pk, referee.pk, False)
+    assert counts() == (False, 0, 0, 2, 80)
+    trust.grant_credit(worker.pk, 20)
+    assert trust.release_held([worker.pk]) == 1  # a run it worked on finished
+    assert counts() == (False, 0, 0, 3, 100)
+    settings.DIPACO_REPLICATION_RATE = 0.0  # no audit could ever grant it: at once
+    trust.grant_credit(worker.pk, 10)
+    assert counts() == (False, 0, 0, 4, 110)
+    settings.DIPACO_REPLICATION_RATE = 0.05
+    trust.grant_credit(worker.pk, 10)
     trust.restart_probation([worker.pk])  # an established worker's copy lost: probation again
-    assert counts() == (True, 0, 0, 2, 80)  # what was granted stays granted
+    assert counts() == (True, 0, 0, 4, 110)  # what was granted stays granted; held forfeited
+    assert trust.release_held([worker.pk]) == 0
     operator = register_worker(create_enrollment_token(trusted=True)[1], "operator-box", {})[0]
     trust.restart_probation([operator.pk])
     assert not Worker.objects.get(pk=operator.pk).probation  # the operator's word stands

@@ -97,8 +97,10 @@ class WorkerOut(Schema):
         "of its agrees (never a refusal by itself)."
     )
     held_units: int = Field(
-        description="Accepted units credited once it leaves probation or its doubt ends "
-        "(forfeited if one of its copies loses a comparison first)."
+        description="Accepted units not credited yet: on probation, doubted, or (audits on) "
+        "since its last audit that agreed; credited when it leaves probation, when a copy "
+        "of its agrees with an established worker's, or when the run finishes (forfeited if "
+        "one of its copies loses a comparison first)."
     )
     held_tokens: int = Field(description="Their tokens, held the same way.")
     replication_rate: float = Field(description="The share of its units replicated now.")

@@ -175,8 +175,9 @@ def _save_standing(
     agreed: bool = False,
     late: bool = False,
 ) -> None:
-    if agreed and row.doubted and not row.probation:
-        # a conclusive agreement (record_agreement) ends a doubt: its credit is granted
+    if agreed and not row.probation and (row.doubted or row.held_units or row.held_tokens):
+        # an agreement vouched for (record_agreement) ends a doubt, and grants the credit
+        # held since the worker's last one (`grant_credit`)
         row.doubted = False
         row.units_completed += row.held_units
         row.tokens_processed += row.held_tokens
@@ -203,16 +204,50 @@ def _save_standing(
     row.save(update_fields=fields)
 
 
+def pending_credit() -> bool:
+    """Whether an established worker's credit waits for its next audit that agrees
+    (`grant_credit`): with probation and audits on (DIPACO_PROBATION_PARTNERS and
+    DIPACO_REPLICATION_RATE above 0); else nothing could ever grant it."""
+    return partners_needed() > 0 and setting("DIPACO_REPLICATION_RATE") > 0
+
+
 def grant_credit(worker_id: int, tokens: int) -> None:
-    """Credit one accepted unit of `tokens` tokens: held while the worker is on probation or
-    doubted (granted when it leaves probation or agrees conclusively, forfeited if one of
-    its copies loses a comparison first)."""
-    on_probation = Worker.objects.filter(pk=worker_id).filter(Q(probation=True) | Q(doubted=True))
-    if on_probation.update(held_units=F("held_units") + 1, held_tokens=F("held_tokens") + tokens):
+    """Credit one accepted unit of `tokens` tokens. Held while the worker is on probation or
+    doubted, and, where audits are on (`pending_credit`), until its next copy that agrees
+    with an established, undoubted worker's (`record_agreement`): granted then, when it
+    leaves probation, or when a run it worked on finishes (`release_held`); forfeited if
+    one of its copies loses a comparison first. The operator's machines are credited at
+    once.
+
+    Why an established worker's credit waits too (BOINC grants credit on validation): a
+    worker that turns hostile after probation (a sleeper) was credited every unit it
+    handed in between turning and its first audit, 28% of what it claimed after turning
+    over three seeds of bench/attacks_live.py. Held until an audit agrees, the units
+    since its last agreeing audit are forfeited with the comparison it loses."""
+    held = Q(probation=True) | Q(doubted=True)
+    if pending_credit():
+        held |= Q(operator_trusted=False)
+    pending = Worker.objects.filter(pk=worker_id).filter(held)
+    if pending.update(held_units=F("held_units") + 1, held_tokens=F("held_tokens") + tokens):
         return
     Worker.objects.filter(pk=worker_id).update(
         units_completed=F("units_completed") + 1,
         tokens_processed=F("tokens_processed") + tokens,
+    )
+
+
+def release_held(worker_ids: Iterable[int]) -> int:
+    """A run these workers worked on finished: no later audit of it can check their units,
+    so the credit held pending one (`grant_credit`) is granted to each that is established
+    and not doubted (a worker's held credit is one count, whatever the run). How many
+    workers it granted credit to."""
+    return Worker.objects.filter(
+        pk__in=set(worker_ids), probation=False, doubted=False, held_units__gt=0
+    ).update(
+        units_completed=F("units_completed") + F("held_units"),
+        tokens_processed=F("tokens_processed") + F("held_tokens"),
+        held_units=0,
+        held_tokens=0,
     )
 
 

@@ -50,13 +50,14 @@ from dipaco_server.rounds.lifecycle.close import (
     round_ready_to_close,
 )
 from dipaco_server.rounds.lifecycle.open import open_round
-from dipaco_server.rounds.models import OuterStep, Round, WorkUnit
+from dipaco_server.rounds.models import Lease, OuterStep, Round, WorkUnit
 from dipaco_server.rounds.policy import current_policy
 from dipaco_server.rounds.protocol.leases import expire_leases
 from dipaco_server.runs.models import Module, Run
 from dipaco_server.runs.models import Path as RunPath
 from dipaco_server.runs.phases import DENSE, overlaps, round_phase
 from dipaco_server.runs.services import TERMINAL, transition
+from dipaco_server.workers import trust
 
 logger = logging.getLogger(__name__)
 PREPARING_PHASE2 = "preparing phase 2"
@@ -392,6 +393,10 @@ def advance_run(run: Run, t: int) -> str:
             return "stalled"
         return "opened"
     run.paths.filter(state=RunPath.State.ACTIVE).update(state=RunPath.State.FINISHED)
+    # credit held pending an audit that no later round of this run can bring (workers.trust),
+    # granted before the run reads as finished
+    worked = Lease.objects.filter(unit__round__run=run).values_list("worker_id", flat=True)
+    trust.release_held(worked.distinct())
     try:
         transition(run, Run.State.FINISHED)
     except ServiceError as exc:  # finished (or cancelled) concurrently
