@@ -11,6 +11,8 @@ from typing import Any
 
 import pytest
 
+from dipaco_server.rounds.models import Contribution
+from dipaco_server.rounds.protocol import pacing
 from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.rounds.verification import replication
 from dipaco_server.workers import probation, trust
@@ -82,3 +84,37 @@ def test_a_newcomer_late_on_probation_leaves_at_its_next_grant_unreplicated(
     assert row.probation is not full_trust
     assert replication.replicated(granted.unit) is not full_trust
     assert row.held_units == (0 if full_trust else 1)
+
+
+@pytest.mark.django_db
+def test_a_newcomer_that_agreed_with_no_one_takes_no_check_copy(
+    tmp_path: Path, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newcomer whose copies were compared with two workers and agreed with neither (as
+    live, an attacker refused by the checks) is given an original, not another newcomer's
+    check copy: that comparison would bring the other newcomer nothing."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
+    sources = with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    wave_round(run, workers, sources, 0)
+    x, y, z = workers[:3]
+    assert Worker.objects.filter(pk__in=[w.pk for w in workers], probation=True).count() == 4
+    first, second = Contribution.objects.filter(lease__worker=x).order_by("pk")[:2]
+    Contribution.objects.filter(pk=first.pk).update(replica_partner=y, agreed_with=None)
+    Contribution.objects.filter(pk=second.pk).update(replica_partner=z, agreed_with=None)
+    Worker.objects.filter(pk=x.pk).update(partners=[])
+    x = Worker.objects.get(pk=x.pk)
+    assert replication.never_agreed(x)
+    assert not replication.never_agreed(Worker.objects.get(pk=y.pk))  # it agreed in round 0
+    original = grant_lease(Worker.objects.get(pk=workers[3].pk))
+    assert original is not None and replication.replicated(original.unit)  # a copy queued
+    groups = pacing._open_groups()
+    with monkeypatch.context() as patched:
+        patched.setattr(replication, "never_agreed", lambda worker: False)
+        assert replication.preferred_check(x, groups) is not None  # without the rule
+    assert replication.preferred_check(x, groups) is None
+    granted = grant_lease(x)
+    assert granted is not None and not replication.is_check(granted.unit)

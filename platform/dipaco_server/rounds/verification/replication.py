@@ -313,6 +313,8 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
         return None
     if worker.probation and not worker.operator_trusted and _ends_probation(worker):
         worker.refresh_from_db()  # its hard end (workers.trust): no copy made for a role
+    if worker.probation and never_agreed(worker):
+        return None  # an original instead, replicated: its copy of another's proves nothing
     made = copy_for_check_role(worker, rounds)
     if made is not None:
         return made
@@ -354,6 +356,22 @@ def preferred_check(worker: Worker, groups: list[dict[str, Any]]) -> WorkUnit | 
     if connection.features.has_select_for_update_skip_locked:
         units = units.select_for_update(skip_locked=True)
     return units.first()
+
+
+def never_agreed(worker: Worker) -> bool:
+    """Whether `worker`, on probation with no agreement recorded, has had copies compared
+    with two distinct workers or more and agreed with none: it takes no check copy
+    (`preferred_check`), since a comparison with it likely brings its partner nothing.
+    Live, an attacker whose two round-0 comparisons had not agreed checked an honest
+    newcomer's original in round 2; its copy was refused, the newcomer gained no partner,
+    and it stayed on probation for four rounds (bench/attacks_live.py, scored_windows,
+    seed 0). It still trains originals, each replicated while it is on probation."""
+    if worker.operator_trusted or _agreed(worker):
+        return False
+    compared = Contribution.objects.filter(
+        lease__worker=worker, replica_partner__isnull=False, agreed_with__isnull=True
+    ).values_list("replica_partner_id", flat=True)[:CHECK_CANDIDATES]
+    return len(set(compared)) >= 2
 
 
 def _ends_probation(worker: Worker) -> bool:
