@@ -25,6 +25,11 @@ setting means now:
 With the defaults, one unit of three rejected Δs (0.7³ = 0.34) moves a worker to full
 replication, a second one stops it; a single honest Δ refused now and then is recovered
 by the next few accepted ones.
+
+Credit (`grant_credit`) is granted on validation, as BOINC grants it: held on probation,
+while doubted, and, with audits on, from one agreeing audit of an established worker to
+the next (or to the end of the run), so a copy that loses a comparison forfeits every unit
+since the worker's last vouched agreement.
 """
 
 from __future__ import annotations
