@@ -659,11 +659,13 @@ class Volunteer:
                                   answers=(503,))  # fmt: skip
             if response is None or response.status_code in (204, 503):
                 # As the agent does: back off 1 s, x1.5, up to 30 s, or the server's
-                # Retry-After when that is longer (a slot after the next round's opening).
+                # Retry-After (on a 204; the longer of the two on a 503).
                 hint = float(response.headers.get("Retry-After", 0)) if response is not None else 0
-                self.stats.idle += response is not None and response.status_code == 204
+                idle = response is not None and response.status_code == 204
+                self.stats.idle += idle
+                pause = idle_pause_s(idle_wait, hint, shed=not idle)
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), idle_pause_s(idle_wait, hint))
+                    await asyncio.wait_for(self.stop.wait(), pause)
                 idle_wait = min(IDLE_WAIT_S[1], idle_wait * 1.5)
                 continue
             idle_wait = IDLE_WAIT_S[0]

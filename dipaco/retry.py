@@ -47,12 +47,19 @@ T = TypeVar("T")
 LONGEST_IDLE_WAIT_S = 1800.0
 
 
-def idle_pause_s(backoff_s: float, retry_after_s: float | None) -> float:
-    """How long an idle worker (nothing queued, or a shed lease request) waits before it
-    asks again: its own backoff, or the server's Retry-After when that is longer."""
+def idle_pause_s(backoff_s: float, retry_after_s: float | None, shed: bool = True) -> float:
+    """How long an idle worker waits before it asks again: its own backoff without a
+    Retry-After; with one, the server's when nothing was queued (`shed` False: a 204, whose
+    Retry-After already spreads the idle crowd and knows when the next round opens), or the
+    longer of the two when its request was shed (503 overloaded).
+
+    Why the server's wins on a 204, shorter too: the worker's own backoff reached 30 s while
+    rounds took 20 s, and two workers of six found no work in any later round
+    (bench/attacks_live.py, 8 rounds: a sleeper that never got the units to turn on)."""
     if retry_after_s is None or not retry_after_s > 0:
         return backoff_s
-    return max(backoff_s, min(retry_after_s, LONGEST_IDLE_WAIT_S))
+    server = min(retry_after_s, LONGEST_IDLE_WAIT_S)
+    return max(backoff_s, server) if shed else server
 
 
 # A trained Δ (work in hand) is handed in again every HAND_IN_PAUSE_S after the client's own

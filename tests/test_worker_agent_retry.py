@@ -128,14 +128,18 @@ def test_versions_are_compatible_on_the_same_major_and_while_zero_the_same_minor
 
 
 def test_an_idle_worker_waits_the_servers_retry_after_up_to_a_guard_only() -> None:
-    """The server paces an idle crowd (rounds.protocol.pacing.retry_after_s): its Retry-After wins when
-    longer than the worker's own backoff, however long, up to a guard against a broken one."""
+    """The server paces an idle crowd (rounds.protocol.pacing.retry_after_s): on a 204 its
+    Retry-After wins, shorter or longer than the worker's own backoff, up to a guard
+    against a broken one; on a shed request (503) the longer of the two."""
     assert idle_pause_s(1.0, None) == 1.0
     assert idle_pause_s(1.5, 0.0) == 1.5
     assert idle_pause_s(1.5, math.nan) == 1.5
-    assert idle_pause_s(30.0, 12.0) == 30.0  # the worker's own backoff, when longer
+    assert idle_pause_s(30.0, 12.0) == 30.0  # shed: the worker's own backoff, when longer
+    assert idle_pause_s(30.0, 12.0, shed=False) == 12.0  # the next round opens sooner
     assert idle_pause_s(30.0, 200.0) == 200.0  # 10,000 waiters over 200 s: not squeezed
-    assert idle_pause_s(30.0, 1e9) == LONGEST_IDLE_WAIT_S
+    assert idle_pause_s(30.0, 200.0, shed=False) == 200.0
+    assert idle_pause_s(30.0, 1e9, shed=False) == LONGEST_IDLE_WAIT_S
+    assert idle_pause_s(30.0, None, shed=False) == 30.0  # no Retry-After: its own backoff
 
 
 def test_a_hand_in_is_tried_again_until_it_goes_through_but_never_after_a_final_answer() -> None:

@@ -219,8 +219,9 @@ class Agent:
                 grant = None
             if grant is not None:
                 return grant
-            # The server's Retry-After, when longer, wins: it paces the idle crowd.
-            pause = idle_pause_s(wait, self.client.idle_retry_after_s)
+            # The server's Retry-After wins when nothing was queued (it paces the idle crowd
+            # and knows when the next round opens); when shed, the longer of the two.
+            pause = idle_pause_s(wait, self.client.idle_retry_after_s, self.client.overloaded)
             why = "the server is overloaded" if self.client.overloaded else "no work queued"
             self.reporter.event("idle", f"{why}; asking again in {pause:.1f} s")
             self.stop.wait(pause)
