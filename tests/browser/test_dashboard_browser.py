@@ -257,7 +257,9 @@ def test_a_stuck_worker_and_a_stalled_round_are_flagged_on_their_pages(
 
     run, alpha, beta = served.run, served.workers["alpha"], served.workers["beta"]
     # The previous test's run page went on polling its run's live view after that run was
-    # flushed (404s in the browser's log): this test counts its own pages' errors only.
+    # flushed (404s in the browser's log): this test counts its own pages' errors only. A
+    # blank page first stops that polling, else a poll in flight logs its 404 later.
+    browser.get("about:blank")
     browser.get_log("browser")
     open_page(browser, live_server, f"/runs/{run.pk}/")
     assert browser.find_elements("css selector", "[data-round-stalled]") == []
