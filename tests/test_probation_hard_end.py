@@ -61,14 +61,7 @@ def test_a_newcomer_late_on_probation_leaves_at_its_next_grant_unreplicated(
     grant it has worked PROBATION_ROUNDS rounds: at full trust it leaves probation there,
     its held credit granted, its unit not replicated (audits off); at a lost trust it
     stays, and its unit is replicated for the role it lacks."""
-    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
-    settings.DIPACO_REPLICATION_RATE = 0.0
-    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
-    sources = with_data(run, tmp_path)
-    token = create_enrollment_token(max_uses=None)[1]
-    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
-    for t in range(2):
-        wave_round(run, workers, sources, t)
+    workers = newcomers_after(tmp_path, settings, rounds=2)
     a, b, c = workers[:3]
     Worker.objects.filter(pk=a.pk).update(
         probation=True,
@@ -93,13 +86,7 @@ def test_a_newcomer_that_agreed_with_no_one_takes_no_check_copy(
     """A newcomer whose copies were compared with two workers and agreed with neither (as
     live, an attacker refused by the checks) is given an original, not another newcomer's
     check copy: that comparison would bring the other newcomer nothing."""
-    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
-    settings.DIPACO_REPLICATION_RATE = 0.0
-    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
-    sources = with_data(run, tmp_path)
-    token = create_enrollment_token(max_uses=None)[1]
-    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
-    wave_round(run, workers, sources, 0)
+    workers = newcomers_after(tmp_path, settings, rounds=1)
     x, y, z = workers[:3]
     assert Worker.objects.filter(pk__in=[w.pk for w in workers], probation=True).count() == 4
     first, second = Contribution.objects.filter(lease__worker=x).order_by("pk")[:2]
@@ -118,3 +105,17 @@ def test_a_newcomer_that_agreed_with_no_one_takes_no_check_copy(
     assert replication.preferred_check(x, groups) is None
     granted = grant_lease(x)
     assert granted is not None and not replication.is_check(granted.unit)
+
+
+def newcomers_after(tmp_path: Path, settings: Any, rounds: int) -> list[Worker]:
+    """Four honest newcomers on the 2x2 grid (three partners needed, audits off) after
+    `rounds` rounds of work (tests.test_probation.wave_round)."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
+    sources = with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    for t in range(rounds):
+        wave_round(run, workers, sources, t)
+    return workers
