@@ -353,7 +353,12 @@ def total_size_layers(config: RunConfig) -> int:
 def outer_settings(args: argparse.Namespace) -> tuple[dict[str, float], dict[str, float]]:
     """The outer settings the flags give: DiPaCo's, and DiLoCo's (its own flags over them)."""
     outer = {
-        k: v for k, v in (("lr", args.outer_lr), ("momentum", args.outer_momentum)) if v is not None
+        **args.outer,
+        **{
+            k: v
+            for k, v in (("lr", args.outer_lr), ("momentum", args.outer_momentum))
+            if v is not None
+        },
     }
     diloco_outer = {
         **outer,
@@ -387,6 +392,8 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
     levels = args.grid or (len(preset().layout.levels), preset().layout.levels[0].modules)
     grid = LayoutConfig.grid(layers, *levels)
     block = {} if args.block_size is None else {"block_size": args.block_size}  # int8/int4
+    # The paper's router: the base model's features of each document's first tokens.
+    router = {"featurizer": "base-lm" if args.base_steps else "tfidf", **args.router}
     diloco = preset(
         name="quality-diloco", rounds=args.diloco_rounds, replicas_per_path=4,
         layout=LayoutConfig.diloco(layers), comm={"codec": "fp32"},
@@ -402,8 +409,7 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
             layout=grid,
             comm={"codec": codec, **block},
             inner={**inner, "steps": args.inner_steps, "micro_batch_size": args.batch},
-            # The paper's router: the base model's features of each document's first tokens.
-            router={"featurizer": "base-lm" if args.base_steps else "tfidf"},
+            router=router,
             **common,
         )
         for codec in ("fp32", "int8", "int4")
@@ -421,7 +427,7 @@ def configs(args: argparse.Namespace) -> dict[str, RunConfig]:
                                  path_specific=("embeddings", "final_norm", "lm_head")),
         comm={"codec": "fp32"},
         inner={**inner, "steps": args.inner_steps, "micro_batch_size": args.batch},
-        router={"featurizer": "base-lm" if args.base_steps else "tfidf"}, **common,
+        router=router, **common,
     )  # fmt: skip
     # A dense model of DiPaCo's total size: the path's width, more blocks.
     deep = total_size_layers(fp32)
@@ -709,6 +715,13 @@ def print_tables(
             f"{figures['chance_agreement']:.0%}), domain purity {purity}, "
             f"re-routed {figures['windows_rerouted']:.0%} of windows"
         )
+        if figures.get("discriminative_vs_kmeans") is not None:
+            console.print(
+                f"{name} discriminative router (window-level, cross-fitted): "
+                f"perplexity {figures['discriminative_vs_kmeans']:.3f} x k-means', "
+                f"agrees with the oracle on {figures['discriminative_agreement']:.0%} "
+                f"(k-means {figures['kmeans_agreement']:.0%})"
+            )
 
 
 def specialisation_summary(results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
@@ -722,6 +735,10 @@ def specialisation_summary(results: dict[str, dict[str, Any]]) -> dict[str, dict
                 "reroute_vs_route_once", "windows_rerouted", "reroute_every")  # fmt: skip
         out[name] = {key: figures[key] for key in keep}
         out[name]["domain_purity"] = figures["by_domain"].get("purity")  # None: not measured
+        fitted = figures.get("discriminative", {})
+        for key in ("discriminative_vs_kmeans", "discriminative_agreement",
+                    "kmeans_agreement", "oracle_vs_discriminative"):  # fmt: skip
+            out[name][key] = fitted.get(key)
     return out
 
 
@@ -846,6 +863,16 @@ def _add_training_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup-steps", type=int, help="inner warm-up (the preset's: 20, 6)")
     parser.add_argument("--outer-lr", type=float, default=None, help="outer lr (RunConfig's)")
     parser.add_argument("--outer-momentum", type=float, default=None, help="outer μ (RunConfig's)")
+    parser.add_argument(
+        "--router", type=json.loads, default={}, metavar="JSON",
+        help='router fields over the DiPaCo jobs\' (RouterConfig), e.g. \'{"method": '
+        '"product-kmeans", "prefix_tokens": 64}\'',
+    )  # fmt: skip
+    parser.add_argument(
+        "--outer", type=json.loads, default={}, metavar="JSON",
+        help='outer fields over every job\'s (OuterConfig), e.g. \'{"sqrt_paths_rescale": '
+        "true}' (DiPaCo's sqrt(paths) on a module's mean; one path's jobs are unchanged by it)",
+    )  # fmt: skip
     parser.add_argument(
         "--diloco-outer-lr", type=float, default=None, help="DiLoCo's outer lr (--outer-lr's)"
     )

@@ -12,6 +12,12 @@ Every validation window of the run's sample is scored on every path, token by to
                 the bound on any router at once-per-window routing (bench/router_gap.py);
   oracle_chunks the same per chunk of k tokens: the bound on any re-routing router;
   agreement     how often the router's path is the oracle's (chance: 1 / paths).
+  discriminative  the paper's discriminative router, fitted after training: a ridge
+                regression from the router's features of a window's first tokens to each
+                path's loss on the window (the penalty by leave-one-out), routing to the
+                least predicted; fitted on half of each path's windows and scored on the
+                other half, then the reverse, beside the k-means router reading the same
+                tokens (window-level routing, both: a window's document is not kept).
 Per domain (the standard library's top-level packages, or the corpus's top-level folders):
 each validation document's first window, routed as sharding routed it, on every path: the
 routed and oracle loss per domain, and how much of each domain goes to its most frequent
@@ -96,7 +102,9 @@ def window_figures(
     oracle_chunks = float(chunked.mean(3).min(0).values.mean()) if chunked is not None else None
     switched = (chunk_paths != chunk_paths[:, :1]).any(1)
     oracle = float(per_window.min(0).values.mean())
+    halves = torch.cat([(torch.arange(w.shape[0]) * 2 >= w.shape[0]) for w in windows.per_path])
     return {
+        "discriminative": discriminative_figures(data, every_window, per_window, halves),
         "paths": paths,
         "windows": n,
         "reroute_every": every,
@@ -110,6 +118,70 @@ def window_figures(
         "router_agreement": float((per_window.argmin(0) == routed_to).double().mean()),
         "chance_agreement": 1 / paths,
         "single_path_loss": float(per_window.mean(1).min()),
+    }
+
+
+RIDGE_PENALTIES = tuple(10.0**k for k in range(-4, 3))
+
+
+def ridge_fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """(D+1, P) ridge weights from features x (n, D) and a bias column to targets y (n, P),
+    and the penalty (x the Gram matrix's mean diagonal) of least leave-one-out error; solved
+    in the dual (n x n) when there are more features than windows (a TF-IDF router's)."""
+    x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)  # (n, D+1)
+    n, dim = x.shape
+    dual = dim > n
+    gram = x @ x.T if dual else x.T @ x  # (n, n) or (D+1, D+1)
+    scale = float(gram.diagonal().sum()) / dim
+    best: tuple[float, torch.Tensor, float] | None = None
+    for penalty in RIDGE_PENALTIES:
+        inverse = torch.linalg.inv(gram + penalty * scale * torch.eye(gram.shape[0], dtype=x.dtype))
+        if dual:
+            weights = x.T @ (inverse @ y)  # (D+1, P)
+            hat = (gram * inverse).sum(1)  # (n,) diag(K (K + lambda I)^-1), both symmetric
+        else:
+            weights = inverse @ x.T @ y  # (D+1, P)
+            hat = (x @ inverse * x).sum(1)  # (n,) leverage
+        loo = ((y - x @ weights) / (1 - hat).clamp_min(1e-6)[:, None]).pow(2).mean()
+        if best is None or float(loo) < best[0]:
+            best = (float(loo), weights, penalty)
+    assert best is not None
+    return best[1], best[2]
+
+
+def discriminative_figures(
+    data: PreparedData, windows: torch.Tensor, per_window: torch.Tensor, halves: torch.Tensor
+) -> dict[str, Any]:
+    """The paper's discriminative router against k-means, both routing each window by its
+    first ``router.prefix_tokens`` tokens, cross-fitted on two halves of the windows
+    (`halves`, (n,) bool: a path's second half of windows, mostly other documents)."""
+    assert data.router is not None
+    prefix = data.router.spec.prefix_tokens
+    heads = windows[:, :prefix].tolist()
+    x = data.router.featurizer.features(heads).double()  # (n, D)
+    kmeans = torch.tensor(data.router.route_tails(heads))  # (n,)
+    target = per_window.T - per_window.T.mean(1, keepdim=True)  # (n, P): relative loss
+    picked = torch.empty_like(kmeans)
+    penalties = []
+    for fold in (False, True):
+        train, test = halves != fold, halves == fold
+        weights, penalty = ridge_fit(x[train], target[train])
+        penalties.append(penalty)
+        ones = torch.ones(int(test.sum()), 1, dtype=x.dtype)
+        picked[test] = (torch.cat([x[test], ones], 1) @ weights).argmin(1)
+    oracle_path = per_window.argmin(0)  # (n,)
+    loss_of = lambda paths: float(per_window.gather(0, paths[None]).mean())  # noqa: E731
+    routed, fitted, oracle = loss_of(kmeans), loss_of(picked), loss_of(oracle_path)
+    return {
+        "kmeans_loss": routed,
+        "discriminative_loss": fitted,
+        "discriminative_vs_kmeans": math.exp(fitted - routed),
+        "oracle_vs_kmeans": math.exp(oracle - routed),
+        "oracle_vs_discriminative": math.exp(oracle - fitted),
+        "kmeans_agreement": float((kmeans == oracle_path).double().mean()),
+        "discriminative_agreement": float((picked == oracle_path).double().mean()),
+        "paths_used": int(picked.unique().numel()),
+        "ridge_penalties": penalties,
     }
 
 
