@@ -73,6 +73,8 @@ report in one place.)
 from __future__ import annotations
 
 import argparse
+import functools
+import hashlib
 import json
 import logging
 import math
@@ -170,6 +172,21 @@ def corpus_list(values: list[str] | None) -> list[tuple[str | None, str]]:
         name, sep, path = value.partition("=")
         out.append((name, path) if sep and CORPUS_NAME.match(name) and path else (None, value))
     return out
+
+
+@functools.cache
+def corpus_sha256(path: str) -> str | None:
+    """The sha256 of a corpus file, so two runs can tell whether they read the same text
+    (bench/corpus_docs.py's output follows the machine's packages); None for a directory
+    or "stdlib"."""
+    file = Path(path)
+    if not file.is_file():
+        return None
+    digest = hashlib.sha256()
+    with file.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def corpus_names(corpora: list[tuple[str | None, str]]) -> list[tuple[str, str]]:
@@ -983,6 +1000,7 @@ def figures(
         "goals": {key: goal_text(key, goals) for key in goals},
         "complete": done,
         "corpus": args.corpus,
+        "corpus_sha256": corpus_sha256(args.corpus),
         "command": " ".join([Path(sys.executable).name, *sys.argv]),
         "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "sizing": sizing,

@@ -95,3 +95,16 @@ def test_the_quality_bench_passes_router_and_outer_fields_to_dipaco() -> None:
     plain = quality.configs(quality.parse_args(["--preset", "modular"]))
     assert plain["b-fp32"].router.method == "kmeans"
     assert not plain["b-fp32"].outer.sqrt_paths_rescale
+
+
+def test_the_quality_bench_records_which_corpus_file_it_read(tmp_path: Path) -> None:
+    quality = bench_module("quality")
+    corpus = tmp_path / "docs.jsonl"
+    corpus.write_text('{"text": "a manual page"}\n')
+    first = quality.corpus_sha256(str(corpus))
+    assert first is not None and len(first) == 64
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "another manual page"}\n')
+    assert quality.corpus_sha256(str(other)) != first
+    assert quality.corpus_sha256("stdlib") is None
+    assert quality.corpus_sha256(str(tmp_path)) is None  # a folder of text files
