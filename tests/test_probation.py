@@ -333,6 +333,20 @@ def test_credit_held_on_probation_is_granted_when_it_ends_and_forfeited_when_a_c
     assert not Worker.objects.get(pk=other.pk).probation
 
 
+def four_newcomers(
+    tmp_path: Path, settings: Any
+) -> tuple[Run, dict[int, ShardSource], list[Worker]]:
+    """A 3-round run on the 2x2 grid with its data, and four newcomers that each need
+    `probation.PARTNERS` partners, with audits off."""
+    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
+    settings.DIPACO_REPLICATION_RATE = 0.0
+    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
+    sources = with_data(run, tmp_path)
+    token = create_enrollment_token(max_uses=None)[1]
+    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    return run, sources, workers
+
+
 def wave_round(run: Run, workers: list[Worker], sources: dict[int, ShardSource], t: int) -> int:
     """Round t as concurrent workers meet it: in waves, each worker asks once (in an order
     that turns each wave), then every granted unit is trained and handed in; until a wave
@@ -362,12 +376,7 @@ def test_four_newcomers_leave_probation_in_two_rounds_with_six_copies(
     with a partner it has not had, in the role it lacks, and replicates only what brings
     one; every worker leaves probation after two rounds, and later originals are only
     audited (at rate 0 here)."""
-    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
-    settings.DIPACO_REPLICATION_RATE = 0.0
-    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
-    sources = with_data(run, tmp_path)
-    token = create_enrollment_token(max_uses=None)[1]
-    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    run, sources, workers = four_newcomers(tmp_path, settings)
     copies, on_probation = [], []
     for t in range(3):
         copies.append(wave_round(run, workers, sources, t))

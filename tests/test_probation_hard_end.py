@@ -18,9 +18,7 @@ from dipaco_server.rounds.verification import replication
 from dipaco_server.workers import probation, trust
 from dipaco_server.workers.models import Worker
 from dipaco_server.workers.services import create_enrollment_token, register_worker
-from tests.test_outer_tasks import GRID, running_run
-from tests.test_probation import wave_round
-from tests.test_untrusted import INNER, with_data
+from tests.test_probation import four_newcomers, wave_round
 
 
 def test_the_hard_end_asks_late_partners_in_either_role() -> None:
@@ -110,12 +108,7 @@ def test_a_newcomer_that_agreed_with_no_one_takes_no_check_copy(
 def newcomers_after(tmp_path: Path, settings: Any, rounds: int) -> list[Worker]:
     """Four honest newcomers on the 2x2 grid (three partners needed, audits off) after
     `rounds` rounds of work (tests.test_probation.wave_round)."""
-    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
-    settings.DIPACO_REPLICATION_RATE = 0.0
-    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
-    sources = with_data(run, tmp_path)
-    token = create_enrollment_token(max_uses=None)[1]
-    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    run, sources, workers = four_newcomers(tmp_path, settings)
     for t in range(rounds):
         wave_round(run, workers, sources, t)
     return workers

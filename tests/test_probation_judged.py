@@ -13,10 +13,7 @@ from dipaco_server.rounds.protocol.grant import grant_lease
 from dipaco_server.rounds.verification import replication
 from dipaco_server.workers import probation
 from dipaco_server.workers.models import Worker
-from dipaco_server.workers.services import create_enrollment_token, register_worker
-from tests.test_outer_tasks import GRID, running_run
-from tests.test_probation import wave_round
-from tests.test_untrusted import INNER, with_data
+from tests.test_probation import four_newcomers, wave_round
 
 
 @pytest.mark.django_db
@@ -28,12 +25,7 @@ def test_agreements_the_repetition_rule_could_not_judge_do_not_end_probation(
     bring it three partners in both roles, but the rule had no differences against two
     other workers to judge them by, so it stays on probation, its credit held and its next
     unit replicated, while the other three, judged, leave."""
-    settings.DIPACO_PROBATION_PARTNERS = probation.PARTNERS
-    settings.DIPACO_REPLICATION_RATE = 0.0
-    run = running_run(GRID, replicas=1, rounds=3, inner=INNER, data={"val_fraction": 0.2})
-    sources = with_data(run, tmp_path)
-    token = create_enrollment_token(max_uses=None)[1]
-    workers = [register_worker(token, f"n{i}", {})[0] for i in range(4)]
+    run, sources, workers = four_newcomers(tmp_path, settings)
     wave_round(run, workers, sources, 0)
     a = workers[0]
     compared = Contribution.objects.filter(
