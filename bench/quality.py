@@ -182,11 +182,8 @@ def corpus_sha256(path: str) -> str | None:
     file = Path(path)
     if not file.is_file():
         return None
-    digest = hashlib.sha256()
     with file.open("rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def corpus_names(corpora: list[tuple[str | None, str]]) -> list[tuple[str, str]]:

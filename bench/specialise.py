@@ -124,11 +124,17 @@ def window_figures(
 RIDGE_PENALTIES = tuple(10.0**k for k in range(-4, 3))
 
 
+def with_bias(x: torch.Tensor) -> torch.Tensor:
+    """(n, D+1): features x (n, D) and a column of ones, as `ridge_fit`'s weights read them."""
+    return torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)
+
+
 def ridge_fit(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, float]:
     """(D+1, P) ridge weights from features x (n, D) and a bias column to targets y (n, P),
     and the penalty (x the Gram matrix's mean diagonal) of least leave-one-out error; solved
-    in the dual (n x n) when there are more features than windows (a TF-IDF router's)."""
-    x = torch.cat([x, torch.ones(x.shape[0], 1, dtype=x.dtype)], 1)  # (n, D+1)
+    in the dual (n x n) when there are more features than windows (a TF-IDF router's).
+    Predict with ``with_bias(x) @ weights``."""
+    x = with_bias(x)  # (n, D+1)
     n, dim = x.shape
     dual = dim > n
     gram = x @ x.T if dual else x.T @ x  # (n, n) or (D+1, D+1)
@@ -167,8 +173,7 @@ def discriminative_figures(
         train, test = halves != fold, halves == fold
         weights, penalty = ridge_fit(x[train], target[train])
         penalties.append(penalty)
-        ones = torch.ones(int(test.sum()), 1, dtype=x.dtype)
-        picked[test] = (torch.cat([x[test], ones], 1) @ weights).argmin(1)
+        picked[test] = (with_bias(x[test]) @ weights).argmin(1)
     oracle_path = per_window.argmin(0)  # (n,)
     loss_of = lambda paths: float(per_window.gather(0, paths[None]).mean())  # noqa: E731
     routed, fitted, oracle = loss_of(kmeans), loss_of(picked), loss_of(oracle_path)

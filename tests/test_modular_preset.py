@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 from dipaco.config import RunConfig
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_modules import bench_module
 
 
 def quality_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("quality", ROOT / "bench" / "quality.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("quality", module)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("quality")
 
 
 def test_the_modular_grid_holds_at_least_four_paths_worth_of_parameters() -> None:

@@ -3,33 +3,23 @@
 from __future__ import annotations
 
 import ast
-import importlib.util
 import json
-import sys
 import sysconfig
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_modules import bench_module
+
 SMALL = {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "num_kv_heads": 1,
          "intermediate_size": 64, "vocab_size": 384, "seq_len": 32}  # fmt: skip
 
 
 def quality_module() -> ModuleType:
-    """bench/quality.py, imported once as `quality` from bench/ on sys.path, so that the
-    jobs' spawned processes find run_job by the same name."""
-    if str(ROOT / "bench") not in sys.path:
-        sys.path.insert(0, str(ROOT / "bench"))
-    if "quality" in sys.modules:
-        return sys.modules["quality"]
-    spec = importlib.util.spec_from_file_location("quality", ROOT / "bench" / "quality.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quality"] = module
-    spec.loader.exec_module(module)
-    return module
+    """bench/quality.py as `quality` (tests.bench_modules): the jobs' spawned processes
+    find run_job by the same name."""
+    return bench_module("quality")
 
 
 def prose_corpus(path: Path) -> Path:
@@ -93,13 +83,7 @@ def test_a_run_on_two_corpora_writes_each_corpus_figures_under_its_name(tmp_path
 
 
 def _merge_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "quality_merge", ROOT / "bench" / "quality_merge.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("quality_merge")
 
 
 def test_runs_of_one_corpus_each_merge_into_one_figure_and_refuse_a_corpus_twice(

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
 from dipaco.config import RunConfig
-
-ROOT = Path(__file__).resolve().parent.parent
+from tests.bench_modules import bench_module
 
 
 def test_the_capacity_preset_puts_most_of_a_path_in_its_modules_and_several_paths_in_all() -> None:
@@ -35,12 +31,7 @@ def test_the_capacity_preset_takes_changes_as_tiny_does() -> None:
 
 
 def quality_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("quality", ROOT / "bench" / "quality.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("quality", module)
-    spec.loader.exec_module(module)
-    return module
+    return bench_module("quality")
 
 
 def test_the_time_budget_scales_h_so_the_planned_tokens_fit() -> None:

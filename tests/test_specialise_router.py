@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,20 +11,7 @@ import torch
 from dipaco.data.corpus import load_corpus
 from dipaco.routing.router import Router
 from dipaco.tokenizer import train_tokenizer
-
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def bench_module(name: str) -> ModuleType:
-    if name in sys.modules:
-        return sys.modules[name]
-    sys.path.insert(0, str(ROOT / "bench"))
-    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.bench_modules import bench_module
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +32,7 @@ def test_ridge_recovers_a_planted_linear_map() -> None:
     w = torch.randn(8, 5, generator=gen, dtype=torch.float64)
     y = x @ w + 0.1 * torch.randn(400, 5, generator=gen, dtype=torch.float64)
     weights, penalty = specialise.ridge_fit(x[:200], y[:200])
-    ones = torch.ones(200, 1, dtype=x.dtype)
-    predicted = torch.cat([x[200:], ones], 1) @ weights
+    predicted = specialise.with_bias(x[200:]) @ weights
     assert (predicted.argmin(1) == y[200:].argmin(1)).double().mean() > 0.9
     assert penalty in specialise.RIDGE_PENALTIES
 
